@@ -1,0 +1,97 @@
+"""Activations -> elementwise expressions over @0 (runtime/expr.py grammar).
+
+Every activation becomes an `elementwise` node, so fuse_elementwise and fuse_activation
+treat them uniformly; torch's exact formulas are kept (GELU uses erf, hardswish is
+x * relu6(x + 3) / 6).
+"""
+
+import math
+
+import numpy as np
+
+from pmx.compiler.canon import data_input, elementwise, fail, param, rule, weight
+
+SELU_ALPHA = 1.6732632423543772
+SELU_SCALE = 1.0507009873554805
+
+
+def _f(v):
+    return repr(float(v))
+
+
+def gelu_expr(approximate="none"):
+    if approximate == "tanh":
+        c = math.sqrt(2.0 / math.pi)
+        return f"mul(mul(@0,0.5),add(tanh(mul({_f(c)},add(@0,mul(0.044715,mul(@0,mul(@0,@0)))))),1))"
+    return f"mul(mul(@0,0.5),add(erf(mul(@0,{_f(1 / math.sqrt(2))})),1))"
+
+
+def softplus_expr(beta=1.0, threshold=20.0):
+    return (f"where(gt(mul(@0,{_f(beta)}),{_f(threshold)}),@0,"
+            f"div(log1p(exp(mul(@0,{_f(beta)}))),{_f(beta)}))")
+
+
+def _unary(expr_fn):
+    def fn(node, ctx):
+        return [elementwise(node, expr_fn(node), [data_input(node)])]
+    return fn
+
+
+def _clamp_expr(lo, hi):
+    e = "@0"
+    if lo is not None:
+        e = f"maximum({e},{_f(lo)})"
+    if hi is not None:
+        e = f"minimum({e},{_f(hi)})"
+    return e
+
+
+_SIMPLE = {
+    ("F.relu", "nn.ReLU", "torch.relu", "Tensor.relu"): lambda n: "maximum(@0,0)",
+    ("F.relu6", "nn.ReLU6"): lambda n: "minimum(maximum(@0,0),6)",
+    ("F.hardtanh", "nn.Hardtanh"): lambda n: _clamp_expr(param(n, "min_val", -1.0), param(n, "max_val", 1.0)),
+    ("F.leaky_relu", "nn.LeakyReLU"): lambda n: f"where(gt(@0,0),@0,mul(@0,{_f(param(n, 'negative_slope', 0.01))}))",
+    ("F.sigmoid", "nn.Sigmoid", "torch.sigmoid", "Tensor.sigmoid"): lambda n: "sigmoid(@0)",
+    ("F.silu", "nn.SiLU"): lambda n: "mul(@0,sigmoid(@0))",
+    ("F.hardswish", "nn.Hardswish"): lambda n: "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))",
+    ("F.hardsigmoid", "nn.Hardsigmoid"): lambda n: "div(minimum(maximum(add(@0,3),0),6),6)",
+    ("F.tanh", "nn.Tanh", "torch.tanh", "Tensor.tanh"): lambda n: "tanh(@0)",
+    ("F.gelu", "nn.GELU"): lambda n: gelu_expr(param(n, "approximate", "none")),
+    ("F.elu", "nn.ELU"): lambda n: f"where(gt(@0,0),@0,mul({_f(param(n, 'alpha', 1.0))},expm1(@0)))",
+    ("F.celu", "nn.CELU"): lambda n: f"where(gt(@0,0),@0,mul({_f(param(n, 'alpha', 1.0))},expm1(div(@0,{_f(param(n, 'alpha', 1.0))}))))",
+    ("F.selu", "nn.SELU", "torch.selu"): lambda n: f"mul({_f(SELU_SCALE)},where(gt(@0,0),@0,mul({_f(SELU_ALPHA)},expm1(@0))))",
+    ("F.softplus", "nn.Softplus"): lambda n: softplus_expr(param(n, "beta", 1.0), param(n, "threshold", 20.0)),
+    ("F.mish", "nn.Mish"): lambda n: "mul(@0,tanh(" + softplus_expr().replace("@0", "@0") + "))",
+    ("F.softsign", "nn.Softsign"): lambda n: "div(@0,add(abs(@0),1))",
+    ("F.logsigmoid", "nn.LogSigmoid"): lambda n: "neg(" + softplus_expr().replace("@0", "neg(@0)") + ")",
+    ("F.tanhshrink", "nn.Tanhshrink"): lambda n: "sub(@0,tanh(@0))",
+    ("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip"): lambda n: _clamp_expr(param(n, "min", None), param(n, "max", None)),
+}
+
+# torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
+_MATH = {"abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
+         "neg": "neg", "floor": "floor", "ceil": "ceil", "round": "round", "sign": "sign",
+         "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin", "acos": "acos",
+         "atan": "atan", "sinh": "sinh", "cosh": "cosh", "reciprocal": "reciprocal",
+         "square": "square", "log10": "log10", "log1p": "log1p", "expm1": "expm1",
+         "trunc": "trunc", "erf": "erf"}
+
+for _types, _fn in _SIMPLE.items():
+    rule(*_types)(_unary(_fn))
+
+for _name, _f_name in _MATH.items():
+    rule(f"torch.{_name}", f"Tensor.{_name}")(_unary(lambda n, f=_f_name: f"{f}(@0)"))
+
+
+@rule("nn.PReLU", "F.prelu")
+def prelu(node, ctx):
+    x = data_input(node)
+    w = weight(node, "weight")
+    if not w.is_constant:
+        fail(node, "PReLU weight must be a constant")
+    c = w.data.size
+    if c != 1 and (x.shape is None or len(x.shape) < 2 or x.shape[1] != c):
+        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {x.shape[1] if x.shape and len(x.shape) > 1 else '?'} channels")
+    shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
+    slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
+    return [elementwise(node, "where(gt(@0,0),@0,mul(@0,@1))", [x, slopes])]

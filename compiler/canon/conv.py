@@ -1,0 +1,51 @@
+"""Convolutions: nn.ConvNd / F.convNd -> conv."""
+
+from pmx.compiler.canon import data_input, fail, ints, make, param, rule, weight
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def conv_pads(node, nd, kernel, dilation):
+    """Padding parameter (int, tuple, 'same', 'valid') -> begins + ends."""
+    p = param(node, "padding", 0)
+    if p == "valid":
+        return (0,) * (2 * nd)
+    if p == "same":
+        if any(s != 1 for s in ints(node, "stride", nd, 1)):
+            fail(node, "padding='same' needs stride 1 (as in torch)")
+        total = [dilation[i] * (kernel[i] - 1) for i in range(nd)]
+        begins = tuple(t // 2 for t in total)
+        return begins + tuple(t - b for t, b in zip(total, begins))
+    if isinstance(p, str):
+        fail(node, f"padding={p!r}: expected an int, a tuple, 'same' or 'valid'")
+    pads = ints(node, "padding", nd, 0)
+    if any(v < 0 for v in pads):
+        fail(node, f"negative padding {pads}")
+    return pads + pads
+
+
+@rule("nn.Conv1d", "nn.Conv2d", "nn.Conv3d", "F.conv1d", "F.conv2d", "F.conv3d")
+def conv(node, ctx):
+    x = data_input(node)
+    w = weight(node, "weight")
+    b = weight(node, "bias", required=False)
+    if w.shape is None:
+        fail(node, "weight has no shape")
+    nd = len(w.shape) - 2
+    if nd != int(node.op[-2]) or x.shape is None or len(x.shape) != nd + 2:
+        fail(node, f"expected a {node.op[-2]}-d convolution input of rank {int(node.op[-2]) + 2}, got input shape {x.shape} and weight shape {w.shape}")
+    kernel = tuple(w.shape[2:])
+    dilation = ints(node, "dilation", nd, 1)
+    stride = ints(node, "stride", nd, 1)
+    groups = param(node, "groups", 1)
+    mode = param(node, "padding_mode", "zeros")
+    if mode not in PADDING_MODES:
+        fail(node, f"padding_mode={mode!r}: expected one of {', '.join(PADDING_MODES)}")
+    if not isinstance(groups, int) or groups < 1 or x.shape[1] % groups or w.shape[0] % groups:
+        fail(node, f"groups={groups!r} must divide in_channels={x.shape[1]} and out_channels={w.shape[0]}")
+    if w.shape[1] * groups != x.shape[1]:
+        fail(node, f"weight {w.shape} expects {w.shape[1] * groups} input channels, input has {x.shape[1]}")
+    pads = conv_pads(node, nd, kernel, dilation)
+    inputs = [x, w] + ([b] if b is not None else [])
+    attrs = dict(stride=stride, pads=pads, dilation=dilation, groups=groups, padding_mode=mode)
+    return [make(node, "conv", inputs, attrs)]

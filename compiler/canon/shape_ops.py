@@ -1,0 +1,175 @@
+"""Shape ops: reshape spellings, cat, chunk/split, slice/select, permute/transpose,
+channel shuffle, and identities (Dropout, Identity, contiguous) which are removed.
+
+Reshape-like ops keep the concrete output shape pnnx recorded (`shape`) and, for later
+re-planning at other input shapes, the shape argument as written (`pnnx_shape`).
+"""
+
+from pmx.compiler.canon import (
+    Forward,
+    data_input,
+    fail,
+    in_shape,
+    make,
+    out_shape,
+    param,
+    rule,
+)
+
+
+@rule("nn.Dropout", "nn.Dropout1d", "nn.Dropout2d", "nn.Dropout3d", "nn.AlphaDropout", "F.dropout",
+      "F.dropout1d", "F.dropout2d", "F.dropout3d", "F.alpha_dropout", "nn.Identity",
+      "Tensor.contiguous", "Tensor.detach", "Tensor.clone", "torch.clone", "torch.detach")
+def identity(node, ctx):
+    return Forward(data_input(node))
+
+
+@rule("Tensor.reshape", "Tensor.view", "torch.reshape", "torch.flatten", "Tensor.flatten", "nn.Flatten",
+      "torch.squeeze", "Tensor.squeeze", "torch.unsqueeze", "Tensor.unsqueeze", "nn.Unflatten",
+      "torch.unflatten", "Tensor.unflatten", "torch.ravel", "Tensor.ravel")
+def reshape(node, ctx):
+    x = data_input(node)
+    shape = out_shape(node)
+    n_in = 1
+    for d in in_shape(node, x):
+        n_in *= d
+    n_out = 1
+    for d in shape:
+        n_out *= d
+    if n_in != n_out:
+        fail(node, f"cannot reshape {x.shape} ({n_in} elements) to {shape} ({n_out} elements)")
+    attrs = dict(shape=tuple(shape))
+    if "shape" in node.attrs:
+        attrs["pnnx_shape"] = node.attrs["shape"]
+    return [make(node, "reshape", [x], attrs)]
+
+
+@rule("torch.cat", "torch.concat", "torch.concatenate")
+def cat(node, ctx):
+    inputs = [v for v in node.inputs]
+    dim = param(node, "dim", 0)
+    ranks = {len(in_shape(node, v)) for v in inputs}
+    if len(ranks) != 1:
+        fail(node, f"inputs have different ranks: {[v.shape for v in inputs]}")
+    return [make(node, "concat", inputs, dict(axis=dim))]
+
+
+@rule("torch.chunk", "Tensor.chunk", "torch.split", "Tensor.split", "torch.tensor_split",
+      "Tensor.tensor_split")
+def split(node, ctx):
+    x = data_input(node)
+    dim = param(node, "dim", 0)
+    rank = len(in_shape(node, x))
+    if not -rank <= dim < rank:
+        fail(node, f"dim={dim} out of range for input of rank {rank}")
+    sizes = tuple(out_shape(node, i)[dim] for i in range(len(node.outputs)))
+    if sum(sizes) != x.shape[dim]:
+        fail(node, f"output sizes {sizes} along dim {dim} do not add up to the input's {x.shape[dim]}")
+    return [make(node, "split", [x], dict(axis=dim, sizes=sizes))]
+
+
+@rule("torch.unbind", "Tensor.unbind")
+def unbind(node, ctx):
+    x = data_input(node)
+    dim = param(node, "dim", 0) % len(in_shape(node, x))
+    nodes, parts = [], []
+    for i, out in enumerate(node.outputs):
+        parts.append(ctx.temp(node, tuple(1 if j == dim else d for j, d in enumerate(x.shape)), x.dtype))
+    nodes.append(make(node, "split", [x], dict(axis=dim, sizes=(1,) * len(parts)), outputs=parts, name=node.name + ".split"))
+    for part, out in zip(parts, node.outputs):
+        nodes.append(make(node, "reshape", [part], dict(shape=out_shape(node, node.outputs.index(out))), outputs=[out], name=out.name + ".squeeze"))
+    return nodes
+
+
+def _slice_params(node):
+    if "dims" in node.attrs:
+        dims = param(node, "dims")
+        n = len(dims)
+        starts = param(node, "starts", (0,) * n)
+        ends = param(node, "ends", (2**31 - 1,) * n)
+        steps = param(node, "steps", (1,) * n)
+        selects = param(node, "selects", (2**31 - 1,) * n)
+    else:
+        dims = (param(node, "dim"),)
+        starts = (param(node, "start", 0),)
+        ends = (param(node, "end", 2**31 - 1),)
+        steps = (param(node, "step", 1),)
+        selects = (param(node, "select", 2**31 - 1),)
+    for name, vals in (("starts", starts), ("ends", ends), ("steps", steps), ("selects", selects)):
+        if not isinstance(vals, tuple) or len(vals) != len(dims) or not all(isinstance(v, int) for v in vals):
+            fail(node, f"{name}={vals!r} must be {len(dims)} constant ints (dynamic slice bounds are not supported)")
+    if any(s <= 0 for s in steps):
+        fail(node, f"steps {steps} must be positive")
+    return dims, starts, ends, steps, selects
+
+
+@rule("Tensor.slice")
+def slice_(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    dims, starts, ends, steps, selects = _slice_params(node)
+    axes, st, en, sp, squeeze = [], [], [], [], []
+    for d, s, e, p, sel in zip(dims, starts, ends, steps, selects):
+        d %= rank
+        if sel != 2**31 - 1:
+            axes.append(d), st.append(sel), en.append(sel + 1 if sel != -1 else 2**31 - 1), sp.append(1)
+            squeeze.append(d)
+        else:
+            axes.append(d), st.append(s), en.append(e), sp.append(p)
+    attrs = dict(axes=tuple(axes), starts=tuple(st), ends=tuple(en), steps=tuple(sp), squeeze=tuple(squeeze))
+    return [make(node, "slice", [x], attrs)]
+
+
+@rule("Tensor.select", "torch.select")
+def select(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    dim = param(node, "dim") % rank
+    index = param(node, "index")
+    if not isinstance(index, int):
+        fail(node, f"index={index!r} must be a constant int")
+    n = x.shape[dim]
+    if not -n <= index < n:
+        fail(node, f"index {index} out of range for dim {dim} of size {n}")
+    index %= n
+    attrs = dict(axes=(dim,), starts=(index,), ends=(index + 1,), steps=(1,), squeeze=(dim,))
+    return [make(node, "slice", [x], attrs)]
+
+
+@rule("torch.permute", "Tensor.permute")
+def permute(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    dims = param(node, "dims")
+    perm = tuple(d % rank for d in dims)
+    if sorted(perm) != list(range(rank)):
+        fail(node, f"dims={dims} is not a permutation of {rank} axes")
+    return [make(node, "transpose", [x], dict(perm=perm))]
+
+
+@rule("torch.transpose", "Tensor.transpose")
+def transpose(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    a, b = param(node, "dim0") % rank, param(node, "dim1") % rank
+    perm = list(range(rank))
+    perm[a], perm[b] = perm[b], perm[a]
+    return [make(node, "transpose", [x], dict(perm=tuple(perm)))]
+
+
+@rule("nn.ChannelShuffle", "F.channel_shuffle", "torch.channel_shuffle", "F.pixel_shuffle_channel")
+def channel_shuffle(node, ctx):
+    x = data_input(node)
+    shape = in_shape(node, x)
+    g = param(node, "groups")
+    if not isinstance(g, int) or g < 1 or shape[1] % g:
+        fail(node, f"groups={g!r} must divide the {shape[1]} channels")
+    n, c, rest = shape[0], shape[1], tuple(shape[2:])
+    split = ctx.temp(node, (n, g, c // g) + rest, x.dtype)
+    swapped = ctx.temp(node, (n, c // g, g) + rest, x.dtype)
+    perm = (0, 2, 1) + tuple(range(3, 3 + len(rest)))
+    return [
+        make(node, "reshape", [x], dict(shape=split.shape), outputs=[split], name=node.name + ".split"),
+        make(node, "transpose", [split], dict(perm=perm), outputs=[swapped], name=node.name + ".swap"),
+        make(node, "reshape", [swapped], dict(shape=out_shape(node))),
+    ]

@@ -1,0 +1,78 @@
+"""compile_model(): .param + .bin -> .pmx, the function behind `pmx compile`."""
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from pmx.compiler import pnnx
+from pmx.compiler.passes import OPTIONAL, PIPELINE, run_pipeline
+from pmx.compiler.write import write
+from pmx.runtime.errors import PmxCompileError
+
+
+@dataclass
+class CompileResult:
+    output: str
+    ops_in: int
+    ops_out: int
+    constants: int
+    constant_bytes: int
+    file_bytes: int
+    arena_bytes: int
+    lower_bound_bytes: int
+    naive_bytes: int
+    seconds: float
+    pass_stats: list = field(default_factory=list)
+
+
+def default_output(param_path):
+    base = param_path
+    for suffix in (".pnnx.param", ".param"):
+        if base.endswith(suffix):
+            base = base[: -len(suffix)]
+            break
+    return base + ".pmx"
+
+
+def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False):
+    by_name = {v.name: v for v in graph.values()}
+    kept = []
+    for name in keep:
+        if name not in by_name:
+            sample = ", ".join(sorted(by_name)[:12])
+            raise PmxCompileError(f"--keep {name}: no tensor of that name in {graph.source} (some names: {sample})")
+        kept.append(by_name[name])
+    graph.kept = kept
+    disabled = set(disabled) | (OPTIONAL if no_opt else set())
+    unknown = set(disabled) - {name for name, _ in PIPELINE}
+    if unknown:
+        raise PmxCompileError(f"unknown pass name(s) {sorted(unknown)}; passes: {[n for n, _ in PIPELINE]}")
+    if verify:
+        graph.verify(after="pnnx frontend")
+    run_pipeline(graph, verify=verify, disabled=disabled)
+    inputs = {v.uid for v in graph.inputs}
+    for i, v in enumerate(graph.outputs):
+        if v.uid not in inputs and not v.is_constant and v not in kept:
+            v.name = f"out{i}"
+    return graph
+
+
+def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
+                  no_opt=False, _fail_after_bytes=None):
+    t0 = time.perf_counter()
+    if bin_path is None:
+        bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
+    output = output or default_output(param_path)
+    for src in (param_path, bin_path):
+        if os.path.exists(output) and os.path.exists(src) and os.path.samefile(output, src):
+            raise PmxCompileError(f"refusing to overwrite the input file {src} with the compiled model; choose another -o")
+    graph = pnnx.load(param_path, bin_path)
+    ops_in = len(graph.nodes)
+    compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt)
+    size = write(graph, output, _fail_after_bytes=_fail_after_bytes)
+    consts = [v for v in graph.values() if v.is_constant]
+    return CompileResult(
+        output=output, ops_in=ops_in, ops_out=len(graph.nodes), constants=len(consts),
+        constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
+        lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
+        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats))

@@ -1,0 +1,171 @@
+"""The compiler's graph: Values and Nodes with explicit use-def links.
+
+Weights are constant Values (`data` set), not attributes, so folding, dead-code
+elimination and planning treat every tensor alike. Attributes are plain Python scalars,
+strings and tuples. `Node.input_names` carries PNNX's `$name` / `@name` labels until
+canonicalization consumes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from pmx.runtime.errors import PmxCompileError
+
+_ids = itertools.count()
+
+
+class Value:
+    __slots__ = ("name", "shape", "dtype", "producer", "consumers", "data", "uid")
+
+    def __init__(self, name, shape=None, dtype="float32", data=None):
+        self.name = name
+        self.shape = tuple(shape) if shape is not None else None
+        self.dtype = dtype
+        self.producer = None
+        self.consumers = []
+        self.data = data
+        self.uid = next(_ids)
+
+    @property
+    def is_constant(self):
+        return self.data is not None
+
+    @property
+    def nbytes(self):
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def __repr__(self):
+        kind = "const " if self.is_constant else ""
+        return f"<{kind}Value {self.name} {self.shape} {self.dtype}>"
+
+
+class Node:
+    __slots__ = ("op", "name", "inputs", "outputs", "attrs", "input_names", "line",
+                 "expr", "variant", "uid")
+
+    def __init__(self, op, name, inputs=(), outputs=(), attrs=None, input_names=None,
+                 line=0, expr="", variant=""):
+        self.op = op
+        self.name = name
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.attrs = dict(attrs or {})
+        self.input_names = list(input_names) if input_names else [None] * len(self.inputs)
+        self.line = line
+        self.expr = expr
+        self.variant = variant
+        self.uid = next(_ids)
+
+    def named_input(self, key):
+        for name, value in zip(self.input_names, self.inputs):
+            if name == key:
+                return value
+        return None
+
+    def where(self):
+        """Location for error messages."""
+        at = f" (line {self.line})" if self.line else ""
+        return f"{self.op} '{self.name}'{at}"
+
+    def __repr__(self):
+        return f"<Node {self.op} {self.name}>"
+
+
+class Graph:
+    def __init__(self, source=""):
+        self.nodes: list[Node] = []
+        self.inputs: list[Value] = []
+        self.outputs: list[Value] = []
+        self.source = source
+        self.pass_stats: list[tuple[str, int, int]] = []
+
+    # --- construction -------------------------------------------------------------
+
+    def add_node(self, node: Node, index=None):
+        for v in node.inputs:
+            if v is not None:
+                v.consumers.append(node)
+        for v in node.outputs:
+            v.producer = node
+        if index is None:
+            self.nodes.append(node)
+        else:
+            self.nodes.insert(index, node)
+        return node
+
+    def remove_node(self, node: Node):
+        for v in node.inputs:
+            if v is not None and node in v.consumers:
+                v.consumers.remove(node)
+        for v in node.outputs:
+            if v.producer is node:
+                v.producer = None
+        self.nodes.remove(node)
+
+    def set_input(self, node: Node, index: int, value):
+        old = node.inputs[index]
+        if old is not None and node in old.consumers:
+            old.consumers.remove(node)
+        node.inputs[index] = value
+        if value is not None:
+            value.consumers.append(node)
+
+    def replace_uses(self, old: Value, new: Value):
+        """Point every consumer (and graph output) of `old` at `new`."""
+        for node in list(old.consumers):
+            for i, v in enumerate(node.inputs):
+                if v is old:
+                    self.set_input(node, i, new)
+        self.outputs = [new if v is old else v for v in self.outputs]
+
+    def values(self):
+        """Every Value reachable from nodes, inputs and outputs, each once, in order."""
+        seen = {}
+        for v in self.inputs:
+            seen.setdefault(v.uid, v)
+        for n in self.nodes:
+            for v in n.inputs + n.outputs:
+                if v is not None:
+                    seen.setdefault(v.uid, v)
+        for v in self.outputs:
+            seen.setdefault(v.uid, v)
+        return list(seen.values())
+
+    # --- checking -----------------------------------------------------------------
+
+    def verify(self, after=""):
+        """Check use-def links, single producers, topological order and shapes. Raises
+        PmxCompileError naming the pass that broke the graph."""
+        where = f" after pass {after}" if after else ""
+        position = {}
+        for i, n in enumerate(self.nodes):
+            for v in n.outputs:
+                if v.producer is not n:
+                    raise PmxCompileError(f"graph check failed{where}: {v.name} output of {n.where()} has producer {v.producer}")
+                if v.uid in position:
+                    raise PmxCompileError(f"graph check failed{where}: {v.name} produced twice")
+                position[v.uid] = i
+        for i, n in enumerate(self.nodes):
+            for v in n.inputs:
+                if v is None:
+                    continue
+                if n not in v.consumers:
+                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name} but is not among its consumers")
+                if v.is_constant or v in self.inputs:
+                    continue
+                if v.uid not in position:
+                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name}, which nothing produces")
+                if position[v.uid] >= i:
+                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name} before it is produced")
+            for v in n.inputs + n.outputs:
+                if v is not None and v.shape is None:
+                    raise PmxCompileError(f"graph check failed{where}: {v.name} of {n.where()} has no shape")
+        for v in self.outputs:
+            if not (v.is_constant or v in self.inputs or v.uid in position):
+                raise PmxCompileError(f"graph check failed{where}: output {v.name} is not produced")
+            for c in v.consumers:
+                if c not in self.nodes:
+                    raise PmxCompileError(f"graph check failed{where}: {v.name} lists a removed consumer {c}")

@@ -1,0 +1,36 @@
+"""Evaluate nodes whose inputs are all constants, with the runtime's own kernels, and
+replace their outputs by constants (pnnx leaves shape arithmetic, pnnx.Attribute chains
+and expression subtrees like this)."""
+
+import numpy as np
+
+from pmx.runtime.kernels import get
+
+# Folding must not blow up the file: an expand of a small constant to a huge tensor is
+# cheaper to compute at run time than to store.
+MAX_FOLDED_BYTES = 16 << 20
+
+
+def fold_constants(graph) -> bool:
+    changed = False
+    for node in list(graph.nodes):
+        ins = [v for v in node.inputs if v is not None]
+        if not ins or not all(v.is_constant for v in ins):
+            continue
+        out_bytes = sum(v.nbytes for v in node.outputs)
+        if out_bytes > max(MAX_FOLDED_BYTES, sum(v.nbytes for v in ins)):
+            continue
+        outputs = [np.empty(v.shape, v.dtype) for v in node.outputs]
+        inputs = [v.data if v is not None else None for v in node.inputs]
+        run = get(node.op).make(node, inputs, outputs)
+        if run is not None:
+            with np.errstate(all="ignore"):
+                run()
+        else:  # a view op: its output is its input's bytes
+            outputs = [np.ascontiguousarray(inputs[0]).reshape(v.shape) for v in node.outputs]
+        graph.remove_node(node)
+        for v, data in zip(node.outputs, outputs):
+            v.data = data
+            v.producer = None
+        changed = True
+    return changed

@@ -1,0 +1,44 @@
+"""Check every node's output shapes and dtypes against its kernel's shape rule.
+
+pnnx records the traced shape of every operand; a disagreement means pmx would compute
+something else than torch did, so it fails the compile naming the node and line. Values
+pnnx left without a shape get the inferred one.
+"""
+
+import numpy as np
+
+from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.kernels import get
+
+
+def infer_shapes(graph) -> bool:
+    changed = False
+    for node in graph.nodes:
+        rule = get(node.op).infer
+        if rule is None:
+            continue
+        shapes = [v.shape if v is not None else None for v in node.inputs]
+        if any(s is None or any(d is None for d in s) for s, v in zip(shapes, node.inputs) if v is not None):
+            raise PmxCompileError(f"{node.where()}: an input has no static shape: {[v.shape for v in node.inputs if v is not None]}")
+        dtypes = [np.dtype(v.dtype) if v is not None else None for v in node.inputs]
+        try:
+            results = rule(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
+        except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
+            raise PmxCompileError(f"{node.where()}: cannot compute output shape from inputs {shapes}: {e}") from None
+        for out, (shape, dtype) in zip(node.outputs, results):
+            shape = tuple(int(d) for d in shape)
+            if any(d < 0 for d in shape):
+                raise PmxCompileError(f"{node.where()}: output shape {shape} is negative (inputs {shapes})")
+            if out.shape is not None and tuple(out.shape) != shape:
+                raise PmxCompileError(
+                    f"{node.where()}: output {out.name} would have shape {shape} but pnnx recorded {out.shape}")
+            if out.shape is None:
+                out.shape = shape
+                changed = True
+            dtype = str(np.dtype(dtype))
+            if out.dtype != dtype:
+                if np.dtype(out.dtype).kind == np.dtype(dtype).kind or out.dtype is None:
+                    out.dtype = dtype  # e.g. pnnx says f32 where the op keeps f16
+                else:
+                    out.dtype = out.dtype  # keep pnnx's: the kernel casts on write
+    return changed

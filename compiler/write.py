@@ -1,0 +1,243 @@
+"""Serialize a planned Graph into a .pmx file, atomically.
+
+Layout: 64-byte preamble (runtime/fileformat.py), the FlatBuffer header (schema/pmx.fbs),
+padding to 64 bytes, then the data section with every constant 64-byte aligned.
+The file is written to a temporary file in the target directory, flushed, fsynced and
+renamed over the target, so a failed compile never leaves a half-written file and the
+previous file stays untouched.
+"""
+
+import os
+import tempfile
+import zlib
+
+import flatbuffers
+import numpy as np
+
+from pmx.runtime import fileformat as ff
+from pmx.runtime.dtypes import NAME_TO_ENUM
+from pmx.runtime.errors import PmxCompileError
+from pmx.schema import pmx_generated as fb
+
+PRODUCER = "pmx 0.1.0"
+
+
+def _attr(builder, name, value):
+    name_off = builder.CreateString(name)
+    kind, ints, floats, strings = 0, None, None, None  # 0 = AttrKind None
+    if value is None:
+        pass
+    elif isinstance(value, bool):
+        kind, ints = fb.AttrKind.Bool, [int(value)]
+    elif isinstance(value, (int, np.integer)):
+        kind, ints = fb.AttrKind.Int, [int(value)]
+    elif isinstance(value, (float, np.floating)):
+        kind, floats = fb.AttrKind.Float, [float(value)]
+    elif isinstance(value, str):
+        kind, strings = fb.AttrKind.String, [value]
+    elif isinstance(value, (tuple, list)):
+        if all(isinstance(v, str) for v in value) and value:
+            kind, strings = fb.AttrKind.Strings, list(value)
+        elif all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value):
+            kind, ints = fb.AttrKind.Ints, [int(v) for v in value]
+        elif all(isinstance(v, (int, float, np.integer, np.floating)) for v in value):
+            kind, floats = fb.AttrKind.Floats, [float(v) for v in value]
+        else:
+            raise PmxCompileError(f"attribute {name}={value!r} cannot be stored (mixed or nested list)")
+    else:
+        raise PmxCompileError(f"attribute {name}={value!r} of type {type(value).__name__} cannot be stored")
+    str_offs = [builder.CreateString(s) for s in strings] if strings is not None else None
+    ints_off = builder.CreateNumpyVector(np.array(ints, np.int64)) if ints is not None else None
+    floats_off = builder.CreateNumpyVector(np.array(floats, np.float64)) if floats is not None else None
+    strings_off = _string_vector(builder, fb.AttrStartStringsVector, str_offs) if str_offs is not None else None
+    fb.AttrStart(builder)
+    fb.AttrAddName(builder, name_off)
+    fb.AttrAddKind(builder, kind)
+    if ints_off is not None:
+        fb.AttrAddInts(builder, ints_off)
+    if floats_off is not None:
+        fb.AttrAddFloats(builder, floats_off)
+    if strings_off is not None:
+        fb.AttrAddStrings(builder, strings_off)
+    return fb.AttrEnd(builder)
+
+
+def _string_vector(builder, start_fn, offsets):
+    start_fn(builder, len(offsets))
+    for off in reversed(offsets):
+        builder.PrependUOffsetTRelative(off)
+    return builder.EndVector()
+
+
+def _table_vector(builder, start_fn, offsets):
+    return _string_vector(builder, start_fn, offsets)
+
+
+def _int_vector(builder, values, dtype=np.int32):
+    return builder.CreateNumpyVector(np.asarray(values, dtype=dtype))
+
+
+def _unique_names(values):
+    seen = {}
+    names = []
+    for v in values:
+        name = v.name
+        if name in seen:
+            seen[name] += 1
+            name = f"{name}#{seen[v.name]}"
+        seen.setdefault(name, 0)
+        names.append(name)
+    return names
+
+
+def build(graph):
+    """Return (header bytes, list of (relative offset, constant array), data size)."""
+    values = graph.values()
+    index = {v.uid: i for i, v in enumerate(values)}
+    names = _unique_names(values)
+    input_ids = {v.uid for v in graph.inputs}
+    output_ids = {v.uid for v in graph.outputs}
+
+    blobs = []
+    cursor = 0
+    const_place = {}
+    for v in values:
+        if v.is_constant:
+            arr = np.ascontiguousarray(v.data)
+            const_place[v.uid] = (cursor, arr.nbytes)
+            blobs.append((cursor, arr))
+            cursor = ff.align(cursor + arr.nbytes)
+    data_size = cursor
+
+    b = flatbuffers.Builder(1024)
+    tensor_offs = []
+    for v, name in zip(values, names):
+        name_off = b.CreateString(name)
+        shape_off = _int_vector(b, v.shape, np.int64)
+        alias = graph.aliases.get(v.uid) if not v.is_constant else None
+        strides_off = _int_vector(b, alias[2], np.int64) if alias is not None and alias[2] is not None else None
+        fb.TensorStart(b)
+        fb.TensorAddName(b, name_off)
+        kind = (fb.TensorKind.Constant if v.is_constant else fb.TensorKind.Input if v.uid in input_ids
+                else fb.TensorKind.Output if v.uid in output_ids else fb.TensorKind.Intermediate)
+        fb.TensorAddKind(b, kind)
+        if v.dtype not in NAME_TO_ENUM:
+            raise PmxCompileError(f"tensor {v.name} has dtype {v.dtype}, which .pmx cannot store")
+        fb.TensorAddDtype(b, NAME_TO_ENUM[v.dtype])
+        fb.TensorAddShape(b, shape_off)
+        if v.is_constant:
+            off, size = const_place[v.uid]
+            fb.TensorAddDataOffset(b, off)
+            fb.TensorAddDataSize(b, size)
+        elif alias is not None:
+            fb.TensorAddAliasOf(b, index[alias[0].uid])
+            fb.TensorAddAliasOffset(b, alias[1])
+            if strides_off is not None:
+                fb.TensorAddAliasStrides(b, strides_off)
+        else:
+            fb.TensorAddArenaOffset(b, graph.offsets[v.uid])
+        tensor_offs.append(fb.TensorEnd(b))
+
+    node_offs = []
+    for node in graph.nodes:
+        op_off = b.CreateString(node.op)
+        name_off = b.CreateString(node.name)
+        attr_offs = [_attr(b, k, node.attrs[k]) for k in sorted(node.attrs)]
+        attrs_off = _table_vector(b, fb.NodeStartAttrsVector, attr_offs)
+        ins_off = _int_vector(b, [index[v.uid] if v is not None else -1 for v in node.inputs])
+        outs_off = _int_vector(b, [index[v.uid] for v in node.outputs])
+        expr_off = b.CreateString(node.expr) if node.expr else None
+        variant_off = b.CreateString(node.variant) if node.variant else None
+        fb.NodeStart(b)
+        fb.NodeAddOp(b, op_off)
+        fb.NodeAddName(b, name_off)
+        fb.NodeAddInputs(b, ins_off)
+        fb.NodeAddOutputs(b, outs_off)
+        fb.NodeAddAttrs(b, attrs_off)
+        if expr_off is not None:
+            fb.NodeAddExpr(b, expr_off)
+        if variant_off is not None:
+            fb.NodeAddVariant(b, variant_off)
+        node_offs.append(fb.NodeEnd(b))
+
+    stat_offs = []
+    for name, before, after in graph.pass_stats:
+        n_off = b.CreateString(name)
+        fb.PassStatStart(b)
+        fb.PassStatAddName(b, n_off)
+        fb.PassStatAddNodesBefore(b, before)
+        fb.PassStatAddNodesAfter(b, after)
+        stat_offs.append(fb.PassStatEnd(b))
+
+    producer_off = b.CreateString(PRODUCER)
+    source_off = b.CreateString(os.path.basename(graph.source))
+    tensors_off = _table_vector(b, fb.ModelStartTensorsVector, tensor_offs)
+    nodes_off = _table_vector(b, fb.ModelStartNodesVector, node_offs)
+    stats_off = _table_vector(b, fb.ModelStartPassStatsVector, stat_offs)
+    inputs_off = _int_vector(b, [index[v.uid] for v in graph.inputs])
+    outputs_off = _int_vector(b, [index[v.uid] for v in graph.outputs])
+    kept_off = _int_vector(b, [index[v.uid] for v in getattr(graph, "kept", [])])
+    fb.ModelStart(b)
+    fb.ModelAddProducer(b, producer_off)
+    fb.ModelAddTensors(b, tensors_off)
+    fb.ModelAddNodes(b, nodes_off)
+    fb.ModelAddInputs(b, inputs_off)
+    fb.ModelAddOutputs(b, outputs_off)
+    fb.ModelAddKept(b, kept_off)
+    fb.ModelAddArenaSize(b, graph.arena_size)
+    fb.ModelAddPassStats(b, stats_off)
+    fb.ModelAddSource(b, source_off)
+    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+    return bytes(b.Output()), blobs, data_size
+
+
+def write(graph, path, _fail_after_bytes=None):
+    """Write atomically. `_fail_after_bytes` is a test hook simulating a crash mid-write."""
+    header, blobs, data_size = build(graph)
+    data_offset = ff.align(ff.PREAMBLE_SIZE + len(header))
+    crc = 0
+    for off, arr in _with_padding(blobs, data_size):
+        crc = zlib.crc32(arr, crc)
+    preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF)
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            written = 0
+
+            def put(chunk):
+                nonlocal written
+                if _fail_after_bytes is not None and written + len(chunk) > _fail_after_bytes:
+                    raise OSError("simulated failure while writing")
+                f.write(chunk)
+                written += len(chunk)
+
+            put(preamble)
+            put(header)
+            put(b"\0" * (data_offset - ff.PREAMBLE_SIZE - len(header)))
+            for _, chunk in _with_padding(blobs, data_size):
+                put(memoryview(chunk).cast("B") if isinstance(chunk, np.ndarray) else chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return data_offset + data_size
+
+
+def _with_padding(blobs, data_size):
+    """Constant bytes interleaved with the zero padding between them."""
+    cursor = 0
+    for off, arr in blobs:
+        if off > cursor:
+            yield cursor, b"\0" * (off - cursor)
+        raw = arr.reshape(-1).view(np.uint8) if arr.size else np.zeros(0, np.uint8)
+        yield off, raw
+        cursor = off + arr.nbytes
+    if data_size > cursor:
+        yield cursor, b"\0" * (data_size - cursor)

@@ -1,0 +1,31 @@
+"""pmx runtime: load a .pmx file and run it with numpy and numexpr.
+
+    from pmx.runtime import InferenceSession
+    sess = InferenceSession("model.pmx")
+    outputs = sess.run(None, {"in0": x})
+
+Imports only numpy, numexpr and flatbuffers (never torch or the compiler).
+"""
+
+from pmx.runtime.errors import (
+    PmxCompileError,
+    PmxError,
+    PmxFormatError,
+    PmxInputError,
+    PmxResourceError,
+    PmxUnsupportedOpError,
+)
+from pmx.runtime.session import InferenceSession, NodeArg
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InferenceSession",
+    "NodeArg",
+    "PmxError",
+    "PmxFormatError",
+    "PmxCompileError",
+    "PmxUnsupportedOpError",
+    "PmxInputError",
+    "PmxResourceError",
+]

@@ -1,0 +1,440 @@
+"""Elementwise expressions: one grammar, two backends (numexpr and numpy ufuncs).
+
+Grammar (the prefix form pnnx writes in `pnnx.Expression expr=`, which pmx also stores):
+
+    expr    := call | input | literal
+    call    := NAME "(" expr ("," expr)* ")"
+    input   := "@" DIGITS                      -- the node's i-th input
+    literal := number | "inf" | "-inf" | "nan" | "True" | "False"
+
+Only the functions in FUNCTIONS are accepted; strings are parsed by this module and never
+passed to eval. The same text is compiled either to one numexpr program or to a sequence
+of numpy ufunc calls writing into preallocated buffers; which one runs is decided by the
+compiler and stored per node (variant "numexpr" or "numpy").
+
+Trees are nested tuples: ("@", i) for inputs, ("#", value) for literals, and
+(name, arg, ...) for calls, so equal subtrees compare equal (used for CSE).
+"""
+
+import math
+import re
+
+import numpy as np
+
+from pmx.runtime.errors import PmxFormatError
+
+# name -> arity
+FUNCTIONS = {
+    # pnnx binary spellings
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "pow": 2, "max": 2, "min": 2,
+    "maximum": 2, "minimum": 2, "atan2": 2, "fmod": 2, "remainder": 2,
+    "floor_divide": 2, "and": 2, "or": 2, "xor": 2,
+    # comparisons (produce bool)
+    "gt": 2, "ge": 2, "lt": 2, "le": 2, "eq": 2, "ne": 2,
+    # unary
+    "neg": 1, "abs": 1, "sqrt": 1, "rsqrt": 1, "exp": 1, "log": 1, "log10": 1,
+    "log1p": 1, "expm1": 1, "sign": 1, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
+    "sin": 1, "cos": 1, "tan": 1, "asin": 1, "acos": 1, "atan": 1, "sinh": 1,
+    "cosh": 1, "tanh": 1, "asinh": 1, "acosh": 1, "atanh": 1, "reciprocal": 1,
+    "square": 1, "sigmoid": 1, "erf": 1, "not": 1,
+    # ternary
+    "where": 3,
+}
+
+MAX_EXPR_LENGTH = 1 << 16
+MAX_DEPTH = 200
+
+_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)|(-inf)|(\()|(\))|(,))")
+
+
+def parse(text: str, num_inputs: int | None = None):
+    """Parse an expression string into a tree. Raises PmxFormatError on anything else."""
+    if not isinstance(text, str) or not text or len(text) > MAX_EXPR_LENGTH:
+        raise PmxFormatError(f"expression must be a non-empty string under {MAX_EXPR_LENGTH} chars")
+    tokens = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            raise PmxFormatError(f"expression {text[:80]!r}: unexpected character at {pos}: {text[pos:pos+10]!r}")
+        tokens.append(m)
+        pos = m.end()
+    tree, i = _parse_at(tokens, 0, text, 0)
+    if i != len(tokens):
+        raise PmxFormatError(f"expression {text[:80]!r}: trailing text after a complete expression")
+    if num_inputs is not None:
+        for idx in sorted(inputs_used(tree)):
+            if idx >= num_inputs:
+                raise PmxFormatError(f"expression {text[:80]!r} uses @{idx} but the node has {num_inputs} inputs")
+    return tree
+
+
+def _parse_at(tokens, i, text, depth):
+    if depth > MAX_DEPTH:
+        raise PmxFormatError(f"expression {text[:80]!r} nests deeper than {MAX_DEPTH}")
+    if i >= len(tokens):
+        raise PmxFormatError(f"expression {text[:80]!r} ends early")
+    inp, name, num, neginf = tokens[i].group(1), tokens[i].group(2), tokens[i].group(3), tokens[i].group(4)
+    if inp:
+        return ("@", int(inp[1:])), i + 1
+    if num:
+        value = float(num) if any(c in num for c in ".eE") else int(num)
+        return ("#", value), i + 1
+    if neginf:
+        return ("#", -math.inf), i + 1
+    if name in ("inf", "nan"):
+        return ("#", float(name)), i + 1
+    if name in ("True", "False"):
+        return ("#", name == "True"), i + 1
+    if name is None:
+        raise PmxFormatError(f"expression {text[:80]!r}: expected a value at token {i}")
+    if name not in FUNCTIONS:
+        raise PmxFormatError(f"expression {text[:80]!r}: unknown function {name!r}")
+    if i + 1 >= len(tokens) or tokens[i + 1].group(5) is None:
+        raise PmxFormatError(f"expression {text[:80]!r}: {name} must be followed by '('")
+    i += 2
+    args = []
+    while True:
+        arg, i = _parse_at(tokens, i, text, depth + 1)
+        args.append(arg)
+        if i < len(tokens) and tokens[i].group(7):
+            i += 1
+            continue
+        if i < len(tokens) and tokens[i].group(6):
+            i += 1
+            break
+        raise PmxFormatError(f"expression {text[:80]!r}: expected ',' or ')' after argument of {name}")
+    if len(args) != FUNCTIONS[name]:
+        raise PmxFormatError(f"expression {text[:80]!r}: {name} takes {FUNCTIONS[name]} arguments, got {len(args)}")
+    return (name, *args), i
+
+
+def to_text(tree) -> str:
+    """Inverse of parse()."""
+    kind = tree[0]
+    if kind == "@":
+        return f"@{tree[1]}"
+    if kind == "#":
+        v = tree[1]
+        if isinstance(v, bool):
+            return "True" if v else "False"
+        if isinstance(v, float):
+            if math.isnan(v):
+                return "nan"
+            if math.isinf(v):
+                return "inf" if v > 0 else "-inf"
+            return repr(float(np.float32(v))) if float(np.float32(v)) == v else repr(v)
+        return str(v)
+    return kind + "(" + ",".join(to_text(a) for a in tree[1:]) + ")"
+
+
+def inputs_used(tree) -> set:
+    if tree[0] == "@":
+        return {tree[1]}
+    if tree[0] == "#":
+        return set()
+    out = set()
+    for a in tree[1:]:
+        out |= inputs_used(a)
+    return out
+
+
+def substitute(tree, mapping):
+    """Replace ("@", i) leaves by mapping[i] (trees). Used when fusing expressions."""
+    if tree[0] == "@":
+        return mapping[tree[1]]
+    if tree[0] == "#":
+        return tree
+    return (tree[0], *(substitute(a, mapping) for a in tree[1:]))
+
+
+def size(tree) -> int:
+    if tree[0] in ("@", "#"):
+        return 1
+    return 1 + sum(size(a) for a in tree[1:])
+
+
+# --- desugaring: composite functions in terms of primitives both backends share ---------
+
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _c(v):
+    return ("#", v)
+
+
+def desugar(tree):
+    """Rewrite spellings to the primitive set (erf via Abramowitz-Stegun 7.1.26, max abs
+    error 1.5e-7; pnnx's binary max/min are elementwise maximum/minimum)."""
+    if tree[0] in ("@", "#"):
+        return tree
+    name, args = tree[0], [desugar(a) for a in tree[1:]]
+    if name == "max":
+        name = "maximum"
+    elif name == "min":
+        name = "minimum"
+    elif name == "erf":
+        x = args[0]
+        t = ("reciprocal", ("add", _c(1), ("mul", _c(_ERF_P), ("abs", x))))
+        poly = _c(_ERF_A[4])
+        for a in reversed(_ERF_A[:4]):
+            poly = ("add", ("mul", poly, t), _c(a))
+        poly = ("mul", poly, t)
+        y = ("sub", _c(1), ("mul", poly, ("exp", ("neg", ("mul", x, x)))))
+        return ("where", ("lt", x, _c(0)), ("neg", y), y)
+    return (name, *args)
+
+
+# --- numexpr backend -------------------------------------------------------------------
+
+_NE_BINOP = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**",
+             "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "eq": "==", "ne": "!=",
+             "and": "&", "or": "|", "xor": "^"}
+_NE_UNARY = {"abs": "abs", "sqrt": "sqrt", "exp": "exp", "log": "log", "log10": "log10",
+             "log1p": "log1p", "expm1": "expm1", "floor": "floor", "ceil": "ceil",
+             "sin": "sin", "cos": "cos", "tan": "tan", "asin": "arcsin", "acos": "arccos",
+             "atan": "arctan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh",
+             "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh"}
+# numexpr computes these in float64 or lacks them; such expressions run on numpy.
+_NE_UNSUPPORTED = {"sign", "round", "trunc", "remainder", "floor_divide", "fmod", "not"}
+
+
+def numexpr_supported(tree) -> bool:
+    return _ne_ok(desugar(tree))
+
+
+def _ne_ok(tree) -> bool:
+    if tree[0] in ("@", "#"):
+        return True
+    if tree[0] in _NE_UNSUPPORTED:
+        return False
+    return all(_ne_ok(a) for a in tree[1:])
+
+
+def to_numexpr(tree):
+    """Return (numexpr source, constants) where constants maps names to float32 0-d arrays.
+
+    Float literals become float32 variables because numexpr promotes float32 arrays to
+    float64 when combined with a Python float constant; maximum/minimum become where()
+    because numexpr computes them in double."""
+    constants = {}
+
+    def const(v):
+        if isinstance(v, bool):
+            return "True" if v else "False"
+        if isinstance(v, int) and abs(v) < 2**31:
+            return str(v)
+        name = f"k{len(constants)}"
+        constants[name] = np.array(v, dtype=np.float32)
+        return name
+
+    def emit(t):
+        kind = t[0]
+        if kind == "@":
+            return f"i{t[1]}"
+        if kind == "#":
+            return const(t[1])
+        a = [emit(x) for x in t[1:]]
+        if kind in _NE_BINOP:
+            return f"({a[0]} {_NE_BINOP[kind]} {a[1]})"
+        if kind in _NE_UNARY:
+            return f"{_NE_UNARY[kind]}({a[0]})"
+        if kind == "neg":
+            return f"(-{a[0]})"
+        if kind == "reciprocal":
+            return f"(1 / {a[0]})"
+        if kind == "rsqrt":
+            return f"(1 / sqrt({a[0]}))"
+        if kind == "square":
+            return f"({a[0]} * {a[0]})"
+        if kind == "sigmoid":
+            return f"(1 / (1 + exp(-{a[0]})))"
+        if kind == "maximum":
+            return f"where({a[0]} > {a[1]}, {a[0]}, {a[1]})"
+        if kind == "minimum":
+            return f"where({a[0]} < {a[1]}, {a[0]}, {a[1]})"
+        if kind == "where":
+            return f"where({a[0]}, {a[1]}, {a[2]})"
+        if kind == "atan2":
+            return f"arctan2({a[0]}, {a[1]})"
+        raise PmxFormatError(f"function {kind!r} has no numexpr form")
+
+    return emit(desugar(tree)), constants
+
+
+# --- numpy backend ---------------------------------------------------------------------
+
+
+def _sigmoid(x, out):
+    np.negative(x, out=out)
+    np.exp(out, out=out)
+    np.add(out, 1, out=out)
+    np.reciprocal(out, out=out)
+
+
+def _rsqrt(x, out):
+    np.sqrt(x, out=out)
+    np.reciprocal(out, out=out)
+
+
+def _floor_divide(a, b, out):
+    np.true_divide(a, b, out=out)
+    np.floor(out, out=out)
+
+
+def _where(c, a, b, out):
+    np.copyto(out, b, casting="unsafe")
+    np.copyto(out, a, where=c, casting="unsafe")
+
+
+NUMPY_FUNCS = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
+    "pow": np.power, "maximum": np.maximum, "minimum": np.minimum, "atan2": np.arctan2,
+    "fmod": np.fmod, "remainder": np.remainder, "floor_divide": _floor_divide,
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "gt": np.greater, "ge": np.greater_equal, "lt": np.less, "le": np.less_equal,
+    "eq": np.equal, "ne": np.not_equal, "not": np.logical_not,
+    "neg": np.negative, "abs": np.absolute, "sqrt": np.sqrt, "rsqrt": _rsqrt, "exp": np.exp,
+    "log": np.log, "log10": np.log10, "log1p": np.log1p, "expm1": np.expm1,
+    "sign": np.sign, "floor": np.floor, "ceil": np.ceil, "round": np.rint, "trunc": np.trunc,
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos,
+    "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh, "tanh": np.tanh,
+    "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh,
+    "reciprocal": np.reciprocal, "square": np.square, "sigmoid": _sigmoid, "where": _where,
+}
+
+
+def _literal(v, float_dtype):
+    # Python scalars are "weak" under NEP 50, so float32 arrays stay float32.
+    if isinstance(v, float):
+        return float(np.dtype(float_dtype).type(v)) if float_dtype else v
+    return v
+
+
+def result_dtype(tree, input_dtypes):
+    """dtype the expression produces for the given input dtypes (numpy promotion with
+    weak literals, true division and integer pow as torch does)."""
+    samples = [np.ones((1,), dtype=d) for d in input_dtypes]
+
+    def ev(t):
+        if t[0] == "@":
+            return samples[t[1]]
+        if t[0] == "#":
+            return t[1]
+        args = [ev(a) for a in t[1:]]
+        fn = NUMPY_FUNCS[t[0]]
+        arrays = [a if isinstance(a, np.ndarray) else np.asarray(a) for a in args]
+        if t[0] == "where":
+            return np.where(arrays[0], args[1], args[2])
+        if t[0] in ("div", "reciprocal", "sqrt", "rsqrt", "exp", "log", "sigmoid") and all(
+            np.asarray(a).dtype.kind in "biu" for a in args
+        ):
+            return np.ones((1,), np.float32)
+        with np.errstate(all="ignore"):
+            if fn in (_sigmoid, _rsqrt, _floor_divide):
+                base = np.result_type(*args) if t[0] == "floor_divide" else np.result_type(args[0], 1.0)
+                return np.ones((1,), base)
+            return fn(*args)
+
+    out = ev(desugar(tree))
+    return np.asarray(out).dtype
+
+
+def compile_numpy(tree, inputs, out):
+    """Return a zero-argument callable evaluating `tree` over `inputs` into `out` with numpy
+    ufuncs. Temporaries are allocated once here, never on the hot path; equal subtrees
+    are computed once."""
+    tree = desugar(tree)
+    float_dtype = out.dtype if out.dtype.kind in "fc" else None
+    steps = []
+    memo = {}
+    dtypes = [x.dtype for x in inputs]
+
+    def emit(t, target=None):
+        if t[0] == "@":
+            return inputs[t[1]]
+        if t[0] == "#":
+            return _literal(t[1], float_dtype)
+        if t in memo and target is None:
+            return memo[t]
+        args = [emit(a) for a in t[1:]]
+        if target is None:
+            shape = np.broadcast_shapes(*[np.shape(a) for a in args])
+            dtype = result_dtype(_relabel(t), _leaf_dtypes(t, dtypes))
+            if float_dtype is not None and dtype.kind == "f" and dtype.itemsize > float_dtype.itemsize:
+                dtype = float_dtype
+            target = np.empty(shape, dtype)
+            memo[t] = target
+        fn = NUMPY_FUNCS[t[0]]
+        if isinstance(fn, np.ufunc):
+            steps.append(_ufunc_step(fn, args, target))
+        else:
+            steps.append(_custom_step(fn, args, target))
+        return target
+
+    result = emit(tree, target=None if _needs_temp(tree, inputs, out) else out)
+    if result is not out:
+        steps.append(lambda: np.copyto(out, result, casting="unsafe"))
+
+    if len(steps) == 1:
+        return steps[0]
+
+    def run():
+        for s in steps:
+            s()
+
+    return run
+
+
+def _needs_temp(tree, inputs, out):
+    """Write the final step straight into `out` unless the tree is a bare leaf or a
+    custom function that would read an input `out` overlaps."""
+    if tree[0] in ("@", "#"):
+        return True
+    fn = NUMPY_FUNCS.get(tree[0])
+    if not isinstance(fn, np.ufunc):
+        return any(np.shares_memory(out, x) for x in inputs if isinstance(x, np.ndarray))
+    return False
+
+
+def _ufunc_step(fn, args, target):
+    a = tuple(args)
+    if len(a) == 1:
+        x = a[0]
+        return lambda: fn(x, out=target, casting="unsafe")
+    x, y = a
+    return lambda: fn(x, y, out=target, casting="unsafe")
+
+
+def _custom_step(fn, args, target):
+    a = tuple(args)
+    return lambda: fn(*a, out=target)
+
+
+def _relabel(t):
+    """Renumber the inputs of subtree t as 0..k-1 (for result_dtype on a subtree)."""
+    order = sorted(inputs_used(t))
+    return substitute(t, {i: ("@", j) for j, i in enumerate(order)}) if order else t
+
+
+def _leaf_dtypes(t, dtypes):
+    return [dtypes[i] for i in sorted(inputs_used(t))]
+
+
+def compile_numexpr(tree, inputs, out):
+    """Return a zero-argument callable running one precompiled numexpr program into out."""
+    from numexpr.necompiler import NumExpr, getType
+
+    source, constants = to_numexpr(tree)
+    names = [f"i{i}" for i in range(len(inputs))]
+    args = list(inputs) + list(constants.values())
+    names += list(constants)
+    used = [(n, a) for n, a in zip(names, args) if re.search(rf"\b{n}\b", source)]
+    signature = [(n, getType(np.asarray(a))) for n, a in used]
+    if not signature:  # literal-only expression: nothing for numexpr to iterate over
+        return compile_numpy(tree, inputs, out)
+    program = NumExpr(source, signature)
+    arrays = tuple(np.asarray(a) for _, a in used)
+    kwargs = dict(out=out, order="K", casting="unsafe", ex_uses_vml=False)
+    return lambda: program(*arrays, **kwargs)

@@ -1,0 +1,56 @@
+"""The fixed 64-byte preamble of a .pmx file, shared by the writer and the loader.
+
+    offset size field
+    0      8    magic b"PMXMODEL"
+    8      4    format version (u32)
+    12     4    flags (u32, 0)
+    16     8    header offset (u64, always 64): the FlatBuffer
+    24     8    header size (u64)
+    32     8    data offset (u64, 64-byte aligned): the constants
+    40     8    data size (u64)
+    48     4    CRC32 of the header bytes
+    52     4    CRC32 of the data bytes
+    56     4    CRC32 of preamble bytes [0, 56)
+    60     4    reserved (0)
+
+CRC32 detects accidental damage (truncated downloads, flipped bits); it is not a
+defence against a deliberately forged file, which the structural verifier handles.
+"""
+
+import struct
+import zlib
+
+MAGIC = b"PMXMODEL"
+FILE_IDENTIFIER = b"PMX1"
+FORMAT_VERSION = 1
+PREAMBLE_SIZE = 64
+ALIGNMENT = 64
+_LAYOUT = struct.Struct("<8sIIQQQQIII4x")
+assert _LAYOUT.size == PREAMBLE_SIZE
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def crc32(data) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack_preamble(header_size, data_offset, data_size, header_crc, data_crc) -> bytes:
+    head = _LAYOUT.pack(
+        MAGIC, FORMAT_VERSION, 0, PREAMBLE_SIZE, header_size, data_offset, data_size,
+        header_crc, data_crc, 0,
+    )
+    return head[:56] + struct.pack("<I", crc32(head[:56])) + head[60:]
+
+
+def unpack_preamble(raw: bytes) -> dict:
+    (magic, version, flags, header_offset, header_size, data_offset, data_size,
+     header_crc, data_crc, preamble_crc) = _LAYOUT.unpack(raw[:PREAMBLE_SIZE])
+    return dict(
+        magic=magic, version=version, flags=flags, header_offset=header_offset,
+        header_size=header_size, data_offset=data_offset, data_size=data_size,
+        header_crc=header_crc, data_crc=data_crc, preamble_crc=preamble_crc,
+        preamble_crc_actual=crc32(raw[:56]),
+    )

@@ -1,0 +1,96 @@
+"""Helpers shared by kernel families."""
+
+import numpy as np
+
+from pmx.runtime import expr as E
+
+
+def view_as(a: np.ndarray, shape) -> np.ndarray:
+    """Reshape that never copies: raises if `a` cannot be viewed as `shape`. Kernels write
+    through these views, so a silent copy would lose the result."""
+    v = a.view()
+    v.shape = tuple(shape)
+    return v
+
+
+def epilogue(node, out):
+    """The fused activation of a conv/linear/matmul node (node.expr over @0 = the GEMM
+    output), applied in place on `out`; None when there is none."""
+    if not node.expr:
+        return None
+    tree = E.parse(node.expr, 1)
+    if node.variant.endswith("numexpr") and E.numexpr_supported(tree):
+        return E.compile_numexpr(tree, [out], out)
+    return E.compile_numpy(tree, [out], out)
+
+
+def chain(*fns):
+    """One callable running fns in order (Nones dropped)."""
+    fns = tuple(f for f in fns if f is not None)
+    if not fns:
+        return None
+    if len(fns) == 1:
+        return fns[0]
+    if len(fns) == 2:
+        a, b = fns
+        return lambda: (a(), b())
+    def run():
+        for f in fns:
+            f()
+    return run
+
+
+def padded_buffer(x_shape, pads, dtype, fill):
+    """A buffer for the padded input with its borders set once to `fill`, and the view of
+    its interior that receives the input on each run. pads = begins + ends per spatial dim."""
+    nd = len(pads) // 2
+    lead = tuple(x_shape[:-nd])
+    spatial = x_shape[-nd:]
+    shape = lead + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(spatial))
+    buf = np.full(shape, fill, dtype=dtype)
+    interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
+    return buf, interior
+
+
+def fill_border(buf, pads, sizes, mode):
+    """Callable that fills the padding of `buf` (interior already written) for reflect,
+    replicate and circular padding, one spatial dim at a time as np.pad does."""
+    nd = len(pads) // 2
+    steps = []
+    for i in range(nd):
+        axis = buf.ndim - nd + i
+        b, e, n = pads[i], pads[nd + i], sizes[i]
+        for j in range(b):
+            if mode == "reflect":
+                src = b + (b - j)
+            elif mode == "replicate":
+                src = b
+            else:  # circular
+                src = b + n - (b - j)
+            steps.append((axis, j, src))
+        for j in range(e):
+            dst = b + n + j
+            if mode == "reflect":
+                src = b + n - 2 - j
+            elif mode == "replicate":
+                src = b + n - 1
+            else:
+                src = b + j
+            steps.append((axis, dst, src))
+    pairs = []
+    for axis, dst, src in steps:
+        idx_d = [slice(None)] * buf.ndim
+        idx_s = [slice(None)] * buf.ndim
+        idx_d[axis] = dst
+        idx_s[axis] = src
+        pairs.append((buf[tuple(idx_d)], buf[tuple(idx_s)]))
+
+    def run():
+        for d, s in pairs:
+            np.copyto(d, s)
+
+    return run
+
+
+def conv_out_size(n, k, s, d, pb, pe):
+    return (n + pb + pe - d * (k - 1) - 1) // s + 1

@@ -1,0 +1,166 @@
+"""Pooling by maxima / sums over strided slices of a padded buffer (one numpy call per
+kernel tap; sliding_window_view reductions are ~20x slower).
+
+`max_pool`, `avg_pool`: attrs kernel, stride, pads (begins then ends per spatial dim),
+dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
+`adaptive_avg_pool`, `adaptive_max_pool`: attrs output_size (one int per spatial dim).
+"""
+
+import math
+
+import numpy as np
+
+from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import padded_buffer
+
+
+def _pool_len(n, k, s, d, pb, pe, ceil_mode):
+    span = n + pb + pe - d * (k - 1) - 1
+    if ceil_mode:
+        out = -(-span // s) + 1
+        if (out - 1) * s >= n + pb:  # last window must start inside the input or left pad
+            out -= 1
+    else:
+        out = span // s + 1
+    return out
+
+
+def pool_infer(node, shapes, dtypes):
+    x = shapes[0]
+    a = node.attrs
+    nd = len(a["kernel"])
+    dil = a.get("dilation") or (1,) * nd
+    spatial = tuple(
+        _pool_len(x[-nd + i], a["kernel"][i], a["stride"][i], dil[i], a["pads"][i], a["pads"][nd + i], a.get("ceil_mode", False))
+        for i in range(nd))
+    return [(tuple(x[:-nd]) + spatial, dtypes[0])]
+
+
+def _taps(x, out, a, fill):
+    """Padded copy step and one strided view of it per kernel tap."""
+    nd = len(a["kernel"])
+    k, s = a["kernel"], a["stride"]
+    d = a.get("dilation") or (1,) * nd
+    pads = list(a["pads"])
+    for i in range(nd):  # ceil_mode windows may run past the explicit padding
+        need = (out.shape[-nd + i] - 1) * s[i] + d[i] * (k[i] - 1) + 1
+        have = x.shape[-nd + i] + pads[i] + pads[nd + i]
+        pads[nd + i] += max(0, need - have)
+    if any(pads):
+        buf, interior = padded_buffer(x.shape, pads, x.dtype, fill)
+        copy_in = lambda: np.copyto(interior, x)  # noqa: E731
+    else:
+        buf, copy_in = x, None
+    views = []
+    for tap in np.ndindex(*k):
+        sl = tuple(slice(tap[i] * d[i], tap[i] * d[i] + (out.shape[-nd + i] - 1) * s[i] + 1, s[i]) for i in range(nd))
+        views.append(buf[(Ellipsis,) + sl])
+    return copy_in, views
+
+
+@register("max_pool", infer=pool_infer)
+def make_max_pool(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    copy_in, views = _taps(x, out, node.attrs, fill)
+    first, rest = views[0], views[1:]
+
+    def run():
+        if copy_in is not None:
+            copy_in()
+        np.copyto(out, first)
+        for v in rest:
+            np.maximum(out, v, out=out)
+
+    return run
+
+
+def _avg_divisor(x, out, a):
+    """Per-output-position divisor, the product of per-axis window counts (torch rules)."""
+    nd = len(a["kernel"])
+    if a.get("divisor_override"):
+        return np.float32(a["divisor_override"])
+    div = np.ones(out.shape[-nd:], np.float64)
+    for i in range(nd):
+        n, k, s = x.shape[-nd + i], a["kernel"][i], a["stride"][i]
+        pb, pe = a["pads"][i], a["pads"][nd + i]
+        counts = []
+        for o in range(out.shape[-nd + i]):
+            start = o * s - pb
+            end = min(start + k, n + pe)
+            if a.get("count_include_pad", True):
+                counts.append(end - start)
+            else:
+                counts.append(min(end, n) - max(start, 0))
+        shape = [1] * nd
+        shape[i] = -1
+        div = div * np.array(counts, np.float64).reshape(shape)
+    return (1.0 / div).astype(out.dtype)
+
+
+@register("avg_pool", infer=pool_infer)
+def make_avg_pool(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    copy_in, views = _taps(x, out, node.attrs, 0)
+    scale = _avg_divisor(x, out, node.attrs)
+    if np.ndim(scale) == 0:
+        scale = np.float32(1.0 / float(scale)) if out.dtype == np.float32 else 1.0 / float(scale)
+    first, rest = views[0], views[1:]
+
+    def run():
+        if copy_in is not None:
+            copy_in()
+        np.copyto(out, first)
+        for v in rest:
+            np.add(out, v, out=out)
+        np.multiply(out, scale, out=out)
+
+    return run
+
+
+def adaptive_infer(node, shapes, dtypes):
+    x = shapes[0]
+    size = node.attrs["output_size"]
+    nd = len(size)
+    spatial = tuple(x[-nd + i] if o is None else o for i, o in enumerate(size))
+    return [(tuple(x[:-nd]) + spatial, dtypes[0])]
+
+
+def _bins(n, o):
+    return [(math.floor(i * n / o), math.ceil((i + 1) * n / o)) for i in range(o)]
+
+
+def _make_adaptive(reduce_fn, node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    nd = len(node.attrs["output_size"])
+    lead = x.ndim - nd
+    in_sp, out_sp = x.shape[lead:], out.shape[lead:]
+    axes = tuple(range(lead, x.ndim))
+    if all(o == 1 for o in out_sp):
+        return lambda: reduce_fn(x, axis=axes, keepdims=True, out=out)
+    if all(n % o == 0 for n, o in zip(in_sp, out_sp)):
+        split = tuple(x.shape[:lead])
+        for n, o in zip(in_sp, out_sp):
+            split += (o, n // o)
+        inner = tuple(lead + 2 * i + 1 for i in range(nd))
+        return lambda: reduce_fn(x.reshape(split), axis=inner, out=out)
+    cells = []
+    for idx in np.ndindex(*out_sp):
+        sl = tuple(slice(*_bins(in_sp[i], out_sp[i])[idx[i]]) for i in range(nd))
+        cells.append((x[(Ellipsis,) + sl], out[(Ellipsis,) + idx]))
+
+    def run():
+        for src, dst in cells:
+            reduce_fn(src, axis=axes, out=dst)
+
+    return run
+
+
+@register("adaptive_avg_pool", infer=adaptive_infer)
+def make_adaptive_avg_pool(node, inputs, outputs):
+    return _make_adaptive(np.mean, node, inputs, outputs)
+
+
+@register("adaptive_max_pool", infer=adaptive_infer)
+def make_adaptive_max_pool(node, inputs, outputs):
+    return _make_adaptive(np.max, node, inputs, outputs)

@@ -1,0 +1,134 @@
+"""Shape and data-movement ops.
+
+`reshape`  attrs shape (concrete); a view of its input when the planner aliased it.
+`concat`   attrs axis; no work when the planner made each input a slice of the output.
+`split`    attrs axis, sizes; outputs may be aliased slices of the input.
+`slice`    attrs axes, starts, ends, steps (Python slice semantics, so negative and
+           out-of-range bounds clip as torch does), squeeze (axes removed by select).
+`transpose` attrs perm.
+`copy`     identity copy (used where an output must not alias its input).
+"""
+
+import numpy as np
+
+from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import view_as
+
+
+def _resolve_shape(shape, numel):
+    shape = list(shape)
+    if -1 in shape:
+        i = shape.index(-1)
+        rest = int(np.prod([d for j, d in enumerate(shape) if j != i]))
+        shape[i] = numel // rest if rest else 0
+    return tuple(shape)
+
+
+def reshape_infer(node, shapes, dtypes):
+    numel = int(np.prod(shapes[0]))
+    return [(_resolve_shape(node.attrs["shape"], numel), dtypes[0])]
+
+
+def _same_memory(a, b):
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
+
+
+@register("reshape", infer=reshape_infer, view=True)
+def make_reshape(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    if _same_memory(x, out) and x.flags.c_contiguous and out.flags.c_contiguous:
+        return None
+    return lambda: np.copyto(out, x.reshape(out.shape))
+
+
+@register("copy", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])])
+def make_copy(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    return lambda: np.copyto(out, x, casting="unsafe")
+
+
+def concat_infer(node, shapes, dtypes):
+    axis = node.attrs["axis"] % len(shapes[0])
+    shape = list(shapes[0])
+    shape[axis] = sum(s[axis] for s in shapes)
+    return [(tuple(shape), np.result_type(*dtypes))]
+
+
+@register("concat", infer=concat_infer)
+def make_concat(node, inputs, outputs):
+    out = outputs[0]
+    axis = node.attrs["axis"] % out.ndim
+    if node.variant == "inplace":  # producers already wrote into their slices
+        return None
+    return lambda: np.concatenate(inputs, axis=axis, out=out)
+
+
+def split_infer(node, shapes, dtypes):
+    axis = node.attrs["axis"] % len(shapes[0])
+    result = []
+    for size in node.attrs["sizes"]:
+        s = list(shapes[0])
+        s[axis] = size
+        result.append((tuple(s), dtypes[0]))
+    return result
+
+
+@register("split", infer=split_infer)
+def make_split(node, inputs, outputs):
+    x = inputs[0]
+    axis = node.attrs["axis"] % x.ndim
+    pairs = []
+    start = 0
+    for out in outputs:
+        n = out.shape[axis]
+        idx = [slice(None)] * x.ndim
+        idx[axis] = slice(start, start + n)
+        src = x[tuple(idx)]
+        start += n
+        if out is None or np.shares_memory(src, out):
+            continue
+        pairs.append((out, src))
+    if not pairs:
+        return None
+
+    def run():
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
+    return run
+
+
+def _slice_index(attrs, ndim):
+    index = [slice(None)] * ndim
+    for ax, st, en, sp in zip(attrs["axes"], attrs["starts"], attrs["ends"], attrs["steps"]):
+        index[ax % ndim] = slice(st, en, sp)
+    for ax in attrs.get("squeeze", ()):
+        s = index[ax % ndim]
+        index[ax % ndim] = s.start
+    return tuple(index)
+
+
+def slice_infer(node, shapes, dtypes):
+    probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), tuple(shapes[0]), (0,) * len(shapes[0]))
+    return [(probe[_slice_index(node.attrs, len(shapes[0]))].shape, dtypes[0])]
+
+
+@register("slice", infer=slice_infer)
+def make_slice(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    src = x[_slice_index(node.attrs, x.ndim)]
+    if np.shares_memory(src, out):
+        return None
+    dst = view_as(out, src.shape) if out.flags.c_contiguous else out
+    return lambda: np.copyto(dst, src)
+
+
+def transpose_infer(node, shapes, dtypes):
+    return [(tuple(shapes[0][p] for p in node.attrs["perm"]), dtypes[0])]
+
+
+@register("transpose", infer=transpose_infer)
+def make_transpose(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    src = x.transpose(node.attrs["perm"])
+    return lambda: np.copyto(out, src)

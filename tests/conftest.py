@@ -1,0 +1,61 @@
+"""Shared fixtures: a session-wide cache of pnnx exports and the compare-with-torch helper.
+
+Hypothesis profiles: "ci" (used when CI=true) bounds examples per test so the suite stays
+within minutes on 2 cores while still drawing new cases each run; "dev" is the default.
+"""
+
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pnnx_exports")
+
+
+@pytest.fixture(scope="session")
+def exporter(export_dir):
+    """exporter(name, module, inputs) -> path prefix of the pnnx files (cached per session)."""
+    from helpers import export_pnnx
+
+    cache = {}
+
+    def get(name, module, inputs):
+        if name not in cache:
+            cache[name] = export_pnnx(export_dir / name, module, inputs)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def check_model(exporter, tmp_path_factory):
+    """check_model(name, module, inputs, **compile_kwargs): export, compile, run, compare
+    with torch; returns (session, pmx outputs, torch outputs)."""
+    from helpers import compare_with_torch
+
+    out_dir = tmp_path_factory.mktemp("pmx")
+
+    def check(name, module, inputs, tol=1e-4, **kwargs):
+        prefix = exporter(name, module, inputs)
+        return compare_with_torch(prefix, module, inputs, out_dir / f"{name}.pmx", tol=tol, **kwargs)
+
+    return check
+
+
+def rel_error(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    scale = max(np.abs(b).max(), 1e-12) if b.size else 1.0
+    return float(np.abs(a - b).max() / scale) if b.size else 0.0

@@ -1,0 +1,81 @@
+"""Test helpers: export torch modules with pnnx, compile, run and compare."""
+
+import contextlib
+import io
+import os
+import pathlib
+
+import numpy as np
+
+
+def export_pnnx(directory, module, inputs):
+    """Export `module` traced on `inputs` with pnnx into `directory`; returns the path
+    prefix (prefix + '.pnnx.param' / '.pnnx.bin')."""
+    import pnnx
+    import torch
+
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    module = module.eval()
+    pt = directory / "model.pt"
+    inputs = tuple(inputs)
+    cwd = os.getcwd()
+    try:
+        os.chdir(directory)  # pnnx writes some side files into the working directory
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(module, str(pt), inputs)
+    finally:
+        os.chdir(cwd)
+    prefix = str(directory / "model")
+    if not os.path.exists(prefix + ".pnnx.param"):
+        raise RuntimeError(f"pnnx did not write {prefix}.pnnx.param")
+    return prefix
+
+
+def torch_outputs(module, inputs):
+    import torch
+
+    with torch.no_grad():
+        out = module.eval()(*inputs)
+    if isinstance(out, torch.Tensor):
+        out = (out,)
+    flat = []
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            flat.append(o.detach().numpy())
+        elif isinstance(o, (list, tuple)):
+            for e in o:
+                walk(e)
+
+    walk(out)
+    return flat
+
+
+def rel_error(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if b.size == 0:
+        return 0.0
+    scale = max(float(np.abs(b).max()), 1e-12)
+    return float(np.abs(a - b).max() / scale)
+
+
+def compare_with_torch(prefix, module, inputs, out_path, tol=1e-4, **compile_kwargs):
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out_path), verify=True, **compile_kwargs)
+    sess = InferenceSession(str(out_path), verify=True)
+    feed = {arg.name: x.numpy() for arg, x in zip(sess.get_inputs(), inputs)}
+    got = sess.run(None, feed)
+    want = torch_outputs(module, inputs)
+    assert len(got) == len(want), f"pmx returned {len(got)} outputs, torch {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"output {i}: shape {g.shape} != torch {w.shape}"
+        if w.dtype.kind in "biu":
+            np.testing.assert_array_equal(g, w, err_msg=f"output {i}")
+        else:
+            err = rel_error(g, w)
+            assert err <= tol, f"output {i}: max|pmx - torch| / max|torch| = {err:.3g} > {tol}"
+    return sess, got, want

