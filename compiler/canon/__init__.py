@@ -122,10 +122,14 @@ def in_shape(node, v):
 
 from pmx.compiler.canon import (  # noqa: E402,F401  (registration side effects)
     activation,
+    attention,
     conv,
+    indexing,
     linalg,
     math_ops,
     norm,
     pool,
+    recurrent,
+    resample,
     shape_ops,
 )

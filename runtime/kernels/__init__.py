@@ -54,11 +54,15 @@ def get(op: str) -> Kernel:
 
 
 from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects)
+    attention,
     conv,
     elementwise,
+    indexing,
     linalg,
     norm,
     pool,
+    recurrent,
     reduce,
+    resample,
     shape,
 )

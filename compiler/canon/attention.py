@@ -1,0 +1,3 @@
+"""Canonicalization rules: attention."""
+
+from pmx.compiler.canon import rule  # noqa: F401
