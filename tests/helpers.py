@@ -79,3 +79,28 @@ def compare_with_torch(prefix, module, inputs, out_path, tol=1e-4, **compile_kwa
             err = rel_error(g, w)
             assert err <= tol, f"output {i}: max|pmx - torch| / max|torch| = {err:.3g} > {tol}"
     return sess, got, want
+
+
+class KernelNode:
+    """Stand-in for a node when calling a kernel directly (kernel property tests)."""
+
+    def __init__(self, op, attrs=None, expr="", variant="", name="test"):
+        self.op, self.attrs, self.expr, self.variant, self.name = op, dict(attrs or {}), expr, variant, name
+
+
+def run_kernel(op, inputs, attrs=None, expr="", variant=""):
+    """Run one registered kernel on numpy inputs: output shapes come from the op's shape
+    rule, outputs are preallocated (as the arena would be) and returned as a list."""
+    from pmx.runtime.kernels import get
+
+    node = KernelNode(op, attrs, expr, variant)
+    kernel = get(op)
+    arrays = [np.ascontiguousarray(x) if x is not None else None for x in inputs]
+    present = [x for x in arrays if x is not None]
+    specs = kernel.infer(node, [x.shape for x in present], [x.dtype for x in present])
+    outputs = [np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt) for shape, dt in specs]
+    fn = kernel.make(node, arrays, outputs)
+    if fn is not None:
+        with np.errstate(all="ignore"):
+            fn()
+    return outputs

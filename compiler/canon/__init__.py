@@ -124,6 +124,7 @@ from pmx.compiler.canon import (  # noqa: E402,F401  (registration side effects)
     activation,
     attention,
     conv,
+    conv_transpose,
     indexing,
     linalg,
     math_ops,

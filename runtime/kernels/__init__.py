@@ -56,6 +56,7 @@ def get(op: str) -> Kernel:
 from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects)
     attention,
     conv,
+    conv_transpose,
     elementwise,
     indexing,
     linalg,
