@@ -1,0 +1,89 @@
+"""The `pmx` command on the example model that ships in tools/example/."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pmx.compiler.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "tools" / "example"
+
+
+@pytest.fixture(scope="module")
+def example_pmx(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "example.pmx"
+    assert main(["compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(out)]) == 0
+    return out
+
+
+def test_compile_prints_summary(tmp_path, capsys):
+    out = tmp_path / "m.pmx"
+    assert main(["compile", str(EXAMPLE / "cnn.pnnx.param"), str(EXAMPLE / "cnn.pnnx.bin"), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("ops", "constants", "arena", "file", "time"):
+        assert word in text
+    assert out.stat().st_size > 0
+
+
+def test_compile_default_output_next_to_param(tmp_path):
+    for name in ("cnn.pnnx.param", "cnn.pnnx.bin"):
+        (tmp_path / name).write_bytes((EXAMPLE / name).read_bytes())
+    assert main(["compile", str(tmp_path / "cnn.pnnx.param")]) == 0
+    assert (tmp_path / "cnn.pmx").exists()
+
+
+def test_run_matches_torch_output_shipped_with_example(example_pmx, capsys):
+    assert main(["run", str(example_pmx), "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "out0: shape [1, 10]" in text and "load" in text
+    from pmx.runtime import InferenceSession
+
+    sess = InferenceSession(str(example_pmx))
+    [y] = sess.run(None, {"in0": np.load(EXAMPLE / "cnn_input.npy")})
+    expected = np.load(EXAMPLE / "cnn_expected.npy")
+    assert np.abs(y - expected).max() / np.abs(expected).max() <= 1e-4
+
+
+def test_run_random_and_profile(example_pmx, capsys):
+    assert main(["run", str(example_pmx), "--random", "--profile", "--repeat", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "total" in text and "conv" in text
+
+
+def test_inspect_text_and_json(example_pmx, capsys):
+    assert main(["inspect", str(example_pmx)]) == 0
+    assert "in0" in capsys.readouterr().out
+    assert main(["inspect", "--json", str(example_pmx)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    for key in ("nodes", "arena_bytes", "lower_bound_bytes", "naive_bytes"):
+        assert isinstance(info[key], int)
+    assert info["lower_bound_bytes"] <= info["arena_bytes"]
+
+
+def test_verify_ok(example_pmx, capsys):
+    assert main(["verify", str(example_pmx)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_python_dash_m_compiler_matches_pmx_compile(tmp_path, example_pmx):
+    out = tmp_path / "m.pmx"
+    subprocess.run([sys.executable, "-m", "pmx.compiler", str(EXAMPLE / "cnn.pnnx.param"),
+                    str(EXAMPLE / "cnn.pnnx.bin"), "-o", str(out)], check=True, capture_output=True)
+    assert out.read_bytes() == example_pmx.read_bytes()
+
+
+def test_errors_are_one_line_and_exit_1(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.pmx")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pmx: error:") and err.count("\n") == 1 and "missing.pmx" in err
+
+
+def test_list_ops(capsys):
+    assert main(["compile", "--list-ops"]) == 0
+    text = capsys.readouterr().out
+    assert "nn.Conv2d" in text and "pnnx.Expression" in text
