@@ -1,0 +1,307 @@
+"""Side-by-side benchmark: pmx vs onnxruntime vs ncnn vs torch, one process tree.
+
+    # torchvision models (separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
+    /work/tvenv/bin/python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    # built-in small models, any venv with torch + pnnx
+    python tools/bench.py --builtin
+
+Each model is exported from torch once (pnnx -> .pnnx.param/.bin for pmx and
+.ncnn.param/.bin for ncnn; torch.onnx.export(dynamo=False) for onnxruntime; the traced
+TorchScript module pnnx saves for torch) into --cache. Then every contender runs in a
+fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
+and reports: import time, load time, time to first result (load + first run), steady-state
+latency (median of --runs runs after warm-up) and peak RSS. Outputs are checked against
+torch's. Prints a markdown table with ratios to onnxruntime and writes JSON.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+CONTENDERS = ("pmx", "onnxruntime", "ncnn", "torch")
+TORCHVISION_CNNS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
+                    "efficientnet_b0", "densenet121", "googlenet")
+TRANSFORMERS = ("vit_b_16", "swin_t")
+
+
+# --- worker: one contender, one model, fresh process ---------------------------------
+
+
+def worker(contender, model_dir, runs, threads):
+    d = pathlib.Path(model_dir)
+    x = np.load(d / "input.npy")
+    t0 = time.perf_counter()
+    if contender == "pmx":
+        from pmx.runtime import InferenceSession
+
+        t1 = time.perf_counter()
+        sess = InferenceSession(str(d / "model.pmx"), num_threads=threads)
+        t2 = time.perf_counter()
+        name = sess.get_inputs()[0].name
+        run = lambda: sess.run(None, {name: x})[0]  # noqa: E731
+    elif contender == "onnxruntime":
+        import onnxruntime as ort
+
+        t1 = time.perf_counter()
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        sess = ort.InferenceSession(str(d / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        t2 = time.perf_counter()
+        name = sess.get_inputs()[0].name
+        run = lambda: sess.run(None, {name: x})[0]  # noqa: E731
+    elif contender == "ncnn":
+        import ncnn
+
+        t1 = time.perf_counter()
+        net = ncnn.Net()
+        net.opt.num_threads = threads
+        net.opt.use_vulkan_compute = False
+        net.load_param(str(d / "model.ncnn.param"))
+        net.load_model(str(d / "model.ncnn.bin"))
+        t2 = time.perf_counter()
+        xin = ncnn.Mat(np.ascontiguousarray(x[0]))
+
+        def run():
+            ex = net.create_extractor()
+            ex.input("in0", xin)
+            _, out = ex.extract("out0")
+            return np.array(out)[None]
+    elif contender == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+        t1 = time.perf_counter()
+        mod = torch.jit.load(str(d / "model.pt")).eval()
+        t2 = time.perf_counter()
+        xt = torch.from_numpy(x)
+
+        def run():
+            with torch.no_grad():
+                out = mod(xt)
+            return (out[0] if isinstance(out, (tuple, list)) else out).numpy()
+    else:
+        raise SystemExit(f"unknown contender {contender}")
+    y = run()
+    t3 = time.perf_counter()
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(runs):
+        s = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - s)
+    np.save(d / f"out_{contender}.npy", np.asarray(y))
+    return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
+                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb())
+
+
+def peak_rss_mb():
+    """VmHWM (reset at exec, unlike ru_maxrss, which a child inherits from its parent)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+# --- preparation (parent) ---------------------------------------------------------------
+
+
+def builtin_models():
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class MiniResNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                              nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32)) for _ in range(3))
+            self.fc = nn.Linear(32, 10)
+
+        def forward(self, x):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = F.relu(x + b(x))
+            return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    class MiniMobileNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layers = [nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6()]
+            c = 16
+            for out, s in ((24, 2), (24, 1), (32, 2), (32, 1)):
+                layers += [nn.Conv2d(c, c * 4, 1), nn.BatchNorm2d(c * 4), nn.ReLU6(),
+                           nn.Conv2d(c * 4, c * 4, 3, s, 1, groups=c * 4), nn.BatchNorm2d(c * 4), nn.ReLU6(),
+                           nn.Conv2d(c * 4, out, 1), nn.BatchNorm2d(out)]
+                c = out
+            self.features = nn.Sequential(*layers)
+            self.fc = nn.Linear(c, 10)
+
+        def forward(self, x):
+            return self.fc(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
+
+    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112))}
+
+
+def make_model(name):
+    import torch
+
+    torch.manual_seed(0)
+    builtins = builtin_models()
+    if name in builtins:
+        cls, shape = builtins[name]
+        return cls().eval(), shape
+    import torchvision
+
+    kwargs = {"weights": None}
+    if name == "googlenet":
+        kwargs.update(aux_logits=False, init_weights=True)
+    m = getattr(torchvision.models, name)(**kwargs).eval()
+    return m, (1, 3, 224, 224)
+
+
+def prepare(name, cache):
+    """Export once: pnnx (pmx + ncnn files), ONNX, TorchScript; compile .pmx; torch reference."""
+    import contextlib
+    import io
+
+    import torch
+
+    d = pathlib.Path(cache) / name
+    d.mkdir(parents=True, exist_ok=True)
+    model, shape = make_model(name)
+    x = torch.rand(*shape, generator=torch.Generator().manual_seed(1))
+    if not (d / "model.pnnx.param").exists():
+        import pnnx
+
+        cwd = os.getcwd()
+        os.chdir(d)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                pnnx.export(model, "model.pt", (x,))
+        finally:
+            os.chdir(cwd)
+    if not (d / "model.onnx").exists():
+        torch.onnx.export(model, (x,), str(d / "model.onnx"), dynamo=False, opset_version=17,
+                          input_names=["input"], output_names=["output"])
+    with torch.no_grad():
+        ref = model(x)
+    np.save(d / "input.npy", x.numpy())
+    np.save(d / "expected.npy", (ref[0] if isinstance(ref, (tuple, list)) else ref).numpy())
+    from pmx.compiler.driver import compile_model
+
+    t0 = time.perf_counter()
+    r = compile_model(str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"), str(d / "model.pmx"))
+    return d, dict(compile_s=time.perf_counter() - t0, nodes=r.ops_out, pnnx_ops=r.ops_in)
+
+
+def run_contender(contender, d, runs, threads):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
+    p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs),
+                        "--threads", str(threads)], capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        return dict(error=(p.stderr.strip().splitlines() or ["failed"])[-1][:120])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    expected = np.load(d / "expected.npy")
+    got = np.load(d / f"out_{contender}.npy")
+    if got.size == expected.size:
+        got = got.reshape(expected.shape)
+        result["rel_err"] = float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
+    else:
+        result["rel_err"] = None
+    return result
+
+
+def available(contender):
+    mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
+    try:
+        __import__(mod)
+        return True
+    except ImportError:
+        return False
+
+
+def versions():
+    out = {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+    for mod in ("numpy", "numexpr", "torch", "onnxruntime", "ncnn"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
+def fmt(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(results):
+    lines = ["| model | runtime | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | peak RSS MB | rel err |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, per in results.items():
+        ort = per.get("onnxruntime", {})
+        for c in CONTENDERS:
+            r = per.get(c)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {model} | {c} | error: {r['error']} |||||||")
+                continue
+            rs = r["steady_ms"] / ort["steady_ms"] if ort.get("steady_ms") else None
+            rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
+            err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
+            lines.append(f"| {model} | {c} | {fmt(r['load_ms'])} | {fmt(r['first_result_ms'])} | {fmt(r['steady_ms'], 2)} | "
+                         f"{fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(r['peak_rss_mb'], 0)} | {err} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", nargs=2, metavar=("CONTENDER", "DIR"))
+    p.add_argument("--models", default=None, help="comma-separated torchvision model names")
+    p.add_argument("--builtin", action="store_true", help="only the small built-in models (no torchvision)")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cache", default="/tmp/pmx_bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker[0], args.worker[1], args.runs, args.threads)))
+        return
+    if args.builtin:
+        names = list(builtin_models())
+    elif args.models:
+        names = args.models.split(",")
+    else:
+        names = list(TORCHVISION_CNNS) + ["vit_b_16"]
+    contenders = [c for c in args.contenders.split(",") if available(c)]
+    results, meta = {}, {}
+    for name in names:
+        try:
+            d, info = prepare(name, args.cache)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next model
+            results[name] = {"pmx": {"error": f"prepare: {type(e).__name__}: {str(e)[:100]}"}}
+            continue
+        meta[name] = info
+        results[name] = {c: run_contender(c, d, args.runs, args.threads) for c in contenders}
+        print(f"{name}: done", file=sys.stderr)
+    print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads\n")
+    print(table(results))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()
