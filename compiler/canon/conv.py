@@ -5,9 +5,18 @@ from pmx.compiler.canon import data_input, fail, ints, make, param, rule, weight
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
+def _keeps_size(node, nd):
+    x, y = data_input(node).shape, node.outputs[0].shape
+    return x is not None and y is not None and tuple(x[2:]) == tuple(y[2:]) and len(y) == nd + 2
+
+
 def conv_pads(node, nd, kernel, dilation):
     """Padding parameter (int, tuple, 'same', 'valid') -> begins + ends."""
     p = param(node, "padding", 0)
+    if p == () and _keeps_size(node, nd):
+        # pnnx drops the pads of a 1-d 'same' conv with a non-zeros padding_mode
+        # (padding=()); the recorded output size says it was 'same'
+        p = "same"
     if p == "valid":
         return (0,) * (2 * nd)
     if p == "same":
@@ -18,6 +27,13 @@ def conv_pads(node, nd, kernel, dilation):
         return begins + tuple(t - b for t, b in zip(total, begins))
     if isinstance(p, str):
         fail(node, f"padding={p!r}: expected an int, a tuple, 'same' or 'valid'")
+    if isinstance(p, tuple) and len(p) == 2 * nd:
+        # 'same' with a non-zeros padding_mode: pnnx writes torch's F.pad-order pads
+        # (last dim first, begin/end pairs), which may be asymmetric
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in p):
+            fail(node, f"padding={p!r}: expected non-negative ints")
+        pairs = [p[2 * i:2 * i + 2] for i in range(nd)][::-1]
+        return tuple(b for b, _ in pairs) + tuple(e for _, e in pairs)
     pads = ints(node, "padding", nd, 0)
     if any(v < 0 for v in pads):
         fail(node, f"negative padding {pads}")

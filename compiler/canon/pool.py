@@ -17,15 +17,25 @@ def _common(node, nd):
     return kernel, stride, padding + padding
 
 
+def _values_only(node, ctx):
+    """Outputs of a max pool: torch traces adaptive_max_pool2d with return_indices=True even
+    when nothing reads the indices; those are dropped, used ones are refused."""
+    if not param(node, "return_indices", False):
+        return None
+    indices = node.outputs[1:]
+    if any(v.consumers or v in ctx.graph.outputs for v in indices):
+        fail(node, "return_indices=True is not supported (the indices are used)")
+    return node.outputs[:1]
+
+
 @rule("nn.MaxPool1d", "nn.MaxPool2d", "nn.MaxPool3d", "F.max_pool1d", "F.max_pool2d", "F.max_pool3d")
 def max_pool(node, ctx):
     nd = _nd(node)
-    if param(node, "return_indices", False):
-        fail(node, "return_indices=True is not supported")
+    outputs = _values_only(node, ctx)
     kernel, stride, pads = _common(node, nd)
     attrs = dict(kernel=kernel, stride=stride, pads=pads, dilation=ints(node, "dilation", nd, 1),
                  ceil_mode=bool(param(node, "ceil_mode", False)))
-    return [make(node, "max_pool", [data_input(node)], attrs)]
+    return [make(node, "max_pool", [data_input(node)], attrs, outputs=outputs)]
 
 
 @rule("nn.AvgPool1d", "nn.AvgPool2d", "nn.AvgPool3d", "F.avg_pool1d", "F.avg_pool2d", "F.avg_pool3d")
@@ -43,16 +53,16 @@ def avg_pool(node, ctx):
 def _adaptive(op):
     def fn(node, ctx):
         nd = _nd(node)
-        if param(node, "return_indices", False):
-            fail(node, "return_indices=True is not supported")
+        outputs = _values_only(node, ctx)
         size = param(node, "output_size")
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size,) * nd
-        if not isinstance(size, tuple) or len(size) != nd or not all(s is None or (isinstance(s, int) and s > 0) for s in size):
+        if not isinstance(size, tuple) or len(size) != nd or not all(s is None or (isinstance(s, int) and s >= 0) for s in size):
             fail(node, f"output_size={size!r}: expected {nd} positive ints (or None)")
         x = data_input(node)
-        size = tuple(x.shape[-nd + i] if s is None else s for i, s in enumerate(size))
-        return [make(node, op, [x], dict(output_size=size))]
+        # pnnx writes None (keep the input size) as 0
+        size = tuple(x.shape[-nd + i] if not s else s for i, s in enumerate(size))
+        return [make(node, op, [x], dict(output_size=size), outputs=outputs)]
     return fn
 
 

@@ -1,0 +1,256 @@
+"""Property tests of the CNN kernels (conv, pooling, adaptive pooling, linear, batch norm),
+called directly through run_kernel and compared with torch.nn.functional.
+
+Tolerance: max|pmx - torch| / max|torch| <= 1e-5. Inputs mix signs and exact zeros, so
+max-pooling ties, relu-like epilogues and padding values are all exercised.
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import rel_error, run_kernel
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+TOL = 1e-5
+# PMX_KERNEL_EXAMPLES=1000 for a long soak run
+FAST = settings(max_examples=int(os.environ.get("PMX_KERNEL_EXAMPLES", 30)), deadline=None)
+
+
+def signed_input(shape, seed):
+    """Uniform in [-1, 1) with about a tenth of the entries exactly zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    x[rng.random(shape) < 0.1] = 0
+    return x
+
+
+def _np(t):
+    return t.detach().numpy() if isinstance(t, torch.Tensor) else t
+
+
+def assert_close(got, want, pre_activation=None):
+    """Max-normalized error; with a fused activation the scale is the accumulator's
+    (pre-activation) magnitude: relu can leave one tiny output whose float32 rounding,
+    relative to itself, says nothing about the kernel."""
+    want = _np(want)
+    assert got.shape == want.shape, f"shape {got.shape} != torch {want.shape}"
+    # a max-pool window lying wholly in the padding is -inf in torch too
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(got[~finite], want[~finite])
+    err = rel_error(got[finite], want[finite])
+    if pre_activation is not None and want[finite].size:
+        pre = np.abs(_np(pre_activation)).max()
+        err *= max(np.abs(want[finite]).max(), 1e-12) / max(pre, 1e-12)
+    assert err <= TOL, f"max|pmx - torch| / max|torch| = {err:.3g} > {TOL}"
+
+
+# --- convolution ----------------------------------------------------------------------------
+
+TORCH_PAD_MODE = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
+@st.composite
+def conv_case(draw):
+    nd = draw(st.sampled_from([1, 2]))
+    groups = draw(st.sampled_from([1, 1, 2, 3]))
+    depthwise = draw(st.booleans())
+    if depthwise:
+        groups = draw(st.integers(1, 6))
+        cin, cout = groups, groups * draw(st.sampled_from([1, 1, 2]))
+    else:
+        cin = groups * draw(st.integers(1, 3))
+        cout = groups * draw(st.integers(1, 3))
+    k = tuple(draw(st.integers(1, 4)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    mode = draw(st.sampled_from(["zeros", "zeros", "reflect", "replicate", "circular"]))
+    size = tuple(draw(st.integers(1, 9 if nd == 2 else 14)) for _ in range(nd))
+    # torch's reflect needs pad < size, circular pad <= size
+    limit = [s - 1 if mode == "reflect" else s if mode == "circular" else 4 for s in size]
+    begins = tuple(draw(st.integers(0, max(0, min(3, lim)))) for lim in limit)
+    ends = tuple(draw(st.integers(0, max(0, min(3, lim)))) for lim in limit)
+    # the dilated kernel must fit the padded input
+    for i in range(nd):
+        if size[i] + begins[i] + ends[i] < dilation[i] * (k[i] - 1) + 1:
+            size = size[:i] + (dilation[i] * (k[i] - 1) + 1,) + size[i + 1:]
+    batch = draw(st.integers(1, 4))
+    bias = draw(st.booleans())
+    act = draw(st.sampled_from(["", "", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return dict(nd=nd, groups=groups, cin=cin, cout=cout, k=k, stride=stride, dilation=dilation, mode=mode,
+                size=size, pads=begins + ends, batch=batch, bias=bias, act=act, seed=seed)
+
+
+def torch_conv(x, w, b, c):
+    nd = c["nd"]
+    begins, ends = c["pads"][:nd], c["pads"][nd:]
+    # F.pad takes (last dim begin, last dim end, previous dim begin, ...)
+    pad = []
+    for i in reversed(range(nd)):
+        pad += [begins[i], ends[i]]
+    mode = "constant" if c["mode"] == "zeros" else TORCH_PAD_MODE[c["mode"]]
+    xt = F.pad(torch.from_numpy(x), pad, mode=mode)
+    conv = F.conv1d if nd == 1 else F.conv2d
+    y = conv(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), c["stride"], 0, c["dilation"],
+             c["groups"])
+    return activation(y, c["act"]), y
+
+
+def activation(y, expr):
+    return F.relu(y) if expr == "maximum(@0,0)" else F.silu(y) if expr else y
+
+
+def _valid_case(c):
+    nd = c["nd"]
+    for i in range(nd):
+        if c["mode"] == "reflect" and max(c["pads"][i], c["pads"][nd + i]) >= c["size"][i]:
+            return False
+        if c["mode"] == "circular" and max(c["pads"][i], c["pads"][nd + i]) > c["size"][i]:
+            return False
+    return True
+
+
+@FAST
+@given(conv_case())
+def test_conv_matches_torch(c):
+    assume(_valid_case(c))
+    rng_seed = c["seed"]
+    x = signed_input((c["batch"], c["cin"]) + c["size"], rng_seed)
+    w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], rng_seed + 1)
+    b = signed_input((c["cout"],), rng_seed + 2) if c["bias"] else None
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"],
+                 padding_mode=c["mode"])
+    want, pre = torch_conv(x, w, b, c)
+    inputs = [x, w] + ([b] if b is not None else [])
+    is_dw = c["groups"] == c["cin"] == c["cout"] and c["groups"] > 1
+    for variant in ["gemm", "depthwise"] if is_dw else ["gemm", ""]:
+        (got,) = run_kernel("conv", inputs, attrs, expr=c["act"], variant=variant)
+        assert_close(got, want, pre)
+
+
+def test_conv_pointwise_and_1x1_strided():
+    """The 1x1 stride-1 fast path (no im2col) and a 1x1 stride-2 conv."""
+    x = signed_input((2, 6, 5, 7), 0)
+    w = signed_input((4, 6, 1, 1), 1)
+    for stride in (1, 2):
+        attrs = dict(stride=(stride, stride), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")
+        (got,) = run_kernel("conv", [x, w], attrs)
+        assert_close(got, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), stride=stride))
+
+
+# --- pooling --------------------------------------------------------------------------------
+
+
+@st.composite
+def pool_case(draw, kind):
+    nd = 2
+    k = tuple(draw(st.integers(1, 4)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd)) if kind == "max" else (1, 1)
+    pad = tuple(draw(st.integers(0, kk // 2)) for kk in k)
+    size = tuple(draw(st.integers(1, 10)) for _ in range(nd))
+    size = tuple(max(s, d * (kk - 1) + 1 - 2 * p) for s, d, kk, p in zip(size, dilation, k, pad))
+    return dict(k=k, stride=stride, dilation=dilation, pad=pad, size=size,
+                ceil_mode=draw(st.booleans()), count_include_pad=draw(st.booleans()),
+                divisor=draw(st.sampled_from([0, 0, 0, 1, 3, 7])), batch=draw(st.integers(1, 3)),
+                channels=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+def _pool_attrs(c, kind):
+    a = dict(kernel=c["k"], stride=c["stride"], pads=c["pad"] + c["pad"], dilation=c["dilation"],
+             ceil_mode=c["ceil_mode"])
+    if kind == "avg":
+        a.update(count_include_pad=c["count_include_pad"], divisor_override=c["divisor"])
+    return a
+
+
+@FAST
+@given(pool_case("max"))
+def test_max_pool_matches_torch(c):
+    x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
+    want = F.max_pool2d(torch.from_numpy(x), c["k"], c["stride"], c["pad"], c["dilation"], ceil_mode=c["ceil_mode"])
+    (got,) = run_kernel("max_pool", [x], _pool_attrs(c, "max"))
+    assert_close(got, want)
+
+
+@FAST
+@given(pool_case("avg"))
+def test_avg_pool_matches_torch(c):
+    x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
+    want = F.avg_pool2d(torch.from_numpy(x), c["k"], c["stride"], c["pad"], ceil_mode=c["ceil_mode"],
+                        count_include_pad=c["count_include_pad"], divisor_override=c["divisor"] or None)
+    (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"))
+    assert_close(got, want)
+
+
+@FAST
+@given(st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.booleans(), st.integers(0, 2**32 - 1))
+def test_pool_1d_matches_torch(n, k, s, ceil_mode, seed):
+    x = signed_input((2, 3, n + k), seed)
+    a = dict(kernel=(k,), stride=(s,), pads=(k // 2, k // 2), dilation=(1,), ceil_mode=ceil_mode)
+    (got,) = run_kernel("max_pool", [x], a)
+    assert_close(got, F.max_pool1d(torch.from_numpy(x), k, s, k // 2, ceil_mode=ceil_mode))
+    a.update(count_include_pad=False, divisor_override=0)
+    (got,) = run_kernel("avg_pool", [x], a)
+    assert_close(got, F.avg_pool1d(torch.from_numpy(x), k, s, k // 2, ceil_mode=ceil_mode, count_include_pad=False))
+
+
+@FAST
+@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 14), st.integers(1, 14), st.integers(1, 3),
+       st.integers(0, 2**32 - 1))
+def test_adaptive_pools_match_torch(h, w, oh, ow, batch, seed):
+    x = signed_input((batch, 3, h, w), seed)
+    xt = torch.from_numpy(x)
+    (got,) = run_kernel("adaptive_avg_pool", [x], dict(output_size=(oh, ow)))
+    assert_close(got, F.adaptive_avg_pool2d(xt, (oh, ow)))
+    (got,) = run_kernel("adaptive_max_pool", [x], dict(output_size=(oh, ow)))
+    assert_close(got, F.adaptive_max_pool2d(xt, (oh, ow)))
+
+
+@pytest.mark.parametrize("size,out", [((7, 7), (3, 5)), ((7, 7), (1, 1)), ((8, 6), (4, 3)), ((5, 9), (5, 2)),
+                                      ((3, 4), (6, 8))])
+def test_adaptive_pool_corners(size, out):
+    """Global pooling, exact divisions (the reshape path) and upsampling-like bins."""
+    x = signed_input((1, 2) + size, 7)
+    xt = torch.from_numpy(x)
+    (got,) = run_kernel("adaptive_avg_pool", [x], dict(output_size=out))
+    assert_close(got, F.adaptive_avg_pool2d(xt, out))
+    (got,) = run_kernel("adaptive_max_pool", [x], dict(output_size=out))
+    assert_close(got, F.adaptive_max_pool2d(xt, out))
+
+
+# --- linear and batch norm ------------------------------------------------------------------
+
+
+@FAST
+@given(st.lists(st.integers(1, 4), min_size=0, max_size=2), st.integers(1, 33), st.integers(1, 17), st.booleans(),
+       st.sampled_from(["", "maximum(@0,0)"]), st.integers(0, 2**32 - 1))
+def test_linear_matches_torch(lead, fin, fout, bias, act, seed):
+    x = signed_input(tuple(lead) + (fin,), seed)
+    w = signed_input((fout, fin), seed + 1)
+    b = signed_input((fout,), seed + 2) if bias else None
+    pre = F.linear(torch.from_numpy(x), torch.from_numpy(w), None if b is None else torch.from_numpy(b))
+    (got,) = run_kernel("linear", [x, w] + ([b] if bias else []), expr=act)
+    assert_close(got, activation(pre, act), pre)
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 8), st.lists(st.integers(1, 6), min_size=0, max_size=2),
+       st.floats(1e-5, 1e-2), st.integers(0, 2**32 - 1))
+def test_batch_norm_matches_torch(n, c, spatial, eps, seed):
+    rng = np.random.default_rng(seed)
+    x = signed_input((n, c) + tuple(spatial), seed)
+    mean = rng.normal(0, 0.5, c).astype(np.float32)
+    var = rng.uniform(0.1, 2, c).astype(np.float32)
+    gamma = rng.normal(0, 1, c).astype(np.float32)
+    beta = rng.normal(0, 1, c).astype(np.float32)
+    # the scale/shift folding done by compiler/canon/norm.py
+    scale = gamma.astype(np.float64) / np.sqrt(var.astype(np.float64) + eps)
+    shift = beta - mean.astype(np.float64) * scale
+    (got,) = run_kernel("batch_norm", [x, scale.astype(np.float32), shift.astype(np.float32)])
+    t = [torch.from_numpy(a) for a in (x, mean, var, gamma, beta)]
+    assert_close(got, F.batch_norm(t[0], t[1], t[2], t[3], t[4], training=False, eps=eps))
