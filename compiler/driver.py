@@ -5,9 +5,10 @@ import time
 from dataclasses import dataclass, field
 
 from pmx.compiler import pnnx
+from pmx.compiler.ir import Node
 from pmx.compiler.passes import OPTIONAL, PIPELINE, run_pipeline
 from pmx.compiler.write import write
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxError
 
 
 @dataclass
@@ -57,6 +58,21 @@ def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False):
     return graph
 
 
+def _internal_error(e, source):
+    """A pass or rule crashed (usually on a parameter of a type pnnx never writes): name
+    the node being compiled (the innermost frame with a `node` local) and the code site."""
+    where, site, tb = "", "", e.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("node")
+        if isinstance(node, Node):
+            where = f" {node.where()}:"
+        site = "/".join(tb.tb_frame.f_code.co_filename.split(os.sep)[-2:]) + f":{tb.tb_lineno}"
+        tb = tb.tb_next
+    detail = " ".join(str(e).split())[:300]  # one line, as the CLI prints it
+    return PmxCompileError(f"{source}:{where} cannot compile: {type(e).__name__}: {detail} "
+                           f"(internal error at {site}; check the op's parameters)")
+
+
 def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
                   no_opt=False, _fail_after_bytes=None):
     t0 = time.perf_counter()
@@ -68,7 +84,12 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
             raise PmxCompileError(f"refusing to overwrite the input file {src} with the compiled model; choose another -o")
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
-    compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt)
+    try:
+        compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt)
+    except PmxError:
+        raise
+    except Exception as e:  # a malformed model must not escape as a bare crash
+        raise _internal_error(e, param_path) from e
     size = write(graph, output, _fail_after_bytes=_fail_after_bytes)
     consts = [v for v in graph.values() if v.is_constant]
     return CompileResult(

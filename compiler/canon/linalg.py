@@ -1,6 +1,10 @@
-"""Linear algebra: nn.Linear / F.linear -> linear; matmul spellings -> matmul."""
+"""Linear algebra: nn.Linear / F.linear -> linear; matmul spellings -> matmul;
+addmm / baddbmm / addmv -> matmul + an elementwise beta * input + alpha * product;
+torch.einsum -> einsum; nn.Embedding / F.embedding -> embedding."""
 
-from pmx.compiler.canon import data_input, fail, make, rule, weight
+import numpy as np
+
+from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, out_shape, param, rule, weight
 
 
 @rule("nn.Linear", "F.linear")
@@ -13,8 +17,72 @@ def linear(node, ctx):
     return [make(node, "linear", [x, w] + ([b] if b is not None else []))]
 
 
-@rule("torch.matmul", "torch.mm", "torch.bmm", "Tensor.matmul")
+def _operands(node, *labels):
+    """The operands labelled with the first matching name of each group in `labels`,
+    falling back to unlabelled inputs in order."""
+    unnamed = [v for v, n in zip(node.inputs, node.input_names) if n is None]
+    found = []
+    for group in labels:
+        v = next((node.named_input(name) for name in group if node.named_input(name) is not None), None)
+        if v is None:
+            if not unnamed:
+                fail(node, f"missing operand ${group[0]}")
+            v = unnamed.pop(0)
+        found.append(v)
+    return found
+
+
+@rule("torch.matmul", "torch.mm", "torch.bmm", "Tensor.matmul", "Tensor.mm", "Tensor.bmm", "torch.mv", "Tensor.mv")
 def matmul(node, ctx):
-    a = data_input(node, "input", 0)
-    b = node.named_input("other") or node.named_input("mat2") or data_input(node, "other", 1)
+    a, b = _operands(node, ("input", "self"), ("other", "mat2", "vec"))
+    for v in (a, b):
+        if len(in_shape(node, v)) == 0:
+            fail(node, f"{v.name} is 0-d; matmul needs at least 1-d operands")
     return [make(node, "matmul", [a, b])]
+
+
+def _number(node, key, default):
+    v = param(node, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(node, f"{key}={v!r} must be a number")
+    return float(v)
+
+
+@rule("torch.addmm", "Tensor.addmm", "torch.baddbmm", "Tensor.baddbmm", "torch.addmv", "Tensor.addmv")
+def addmm(node, ctx):
+    second = ("mat1", "batch1", "mat") if "mv" not in node.op else ("mat",)
+    third = ("mat2", "batch2") if "mv" not in node.op else ("vec",)
+    c, a, b = _operands(node, ("input", "self"), second, third)
+    beta, alpha = _number(node, "beta", 1), _number(node, "alpha", 1)
+    shape = out_shape(node)
+    product = ctx.temp(node, shape, node.outputs[0].dtype, suffix="mm")
+    scaled = "@1" if alpha == 1 else f"mul(@1,{alpha!r})"
+    mm = make(node, "matmul", [a, b], outputs=[product], name=f"{node.name}.mm")
+    if beta == 0:  # torch ignores input then, even its NaNs
+        return [mm, elementwise(node, scaled.replace("@1", "@0"), [product])]
+    term = "@0" if beta == 1 else f"mul(@0,{beta!r})"
+    return [mm, elementwise(node, f"add({term},{scaled})", [c, product])]
+
+
+@rule("torch.einsum")
+def einsum(node, ctx):
+    equation = param(node, "equation")
+    if not isinstance(equation, str) or not equation:
+        fail(node, f"equation={equation!r} must be a string")
+    operands = [v for v in node.inputs if v is not None]
+    for v in operands:
+        in_shape(node, v)
+    return [make(node, "einsum", operands, dict(equation=equation))]
+
+
+@rule("nn.Embedding", "F.embedding")
+def embedding(node, ctx):
+    ids = data_input(node)
+    w = weight(node, "weight")
+    if np.dtype(ids.dtype).kind not in "iu":
+        fail(node, f"indices {ids.name} have dtype {ids.dtype}; embedding needs integer ids")
+    if len(in_shape(node, w)) != 2:
+        fail(node, f"weight {w.shape} must be [num_embeddings, embedding_dim]")
+    if param(node, "max_norm", None) is not None:
+        fail(node, "max_norm renormalizes the weight during lookup; pmx supports max_norm=None only")
+    return [make(node, "embedding", [ids, w])]

@@ -1,18 +1,19 @@
-"""Normalization: BatchNorm -> batch_norm with scale/shift folded in float64."""
+"""Normalization: BatchNorm -> batch_norm with scale/shift folded in float64; LayerNorm /
+RMSNorm -> layer_norm; GroupNorm and InstanceNorm -> group_norm (InstanceNorm with
+tracked running statistics uses them in eval mode, so it is a batch_norm);
+F.normalize -> lp_normalize.
+
+Affine parameters may be weights (@weight) or operands ($weight), so a functional call
+on computed tensors works too; absent ones are simply left out of the node's inputs
+(a bias without a weight gets a constant weight of ones).
+"""
 
 import numpy as np
 
-from pmx.compiler.canon import data_input, fail, make, param, rule, weight
+from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule, weight
 
 
-@rule("nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "F.batch_norm")
-def batch_norm(node, ctx):
-    x = data_input(node)
-    mean = weight(node, "running_mean")
-    var = weight(node, "running_var")
-    gamma = weight(node, "weight", required=False)
-    beta = weight(node, "bias", required=False)
-    eps = float(param(node, "eps", 1e-5))
+def _folded_batch_norm(node, ctx, x, mean, var, gamma, beta, eps):
     for v in (mean, var, gamma, beta):
         if v is not None and not v.is_constant:
             fail(node, f"{v.name} must be a constant for inference-mode batch norm")
@@ -29,3 +30,103 @@ def batch_norm(node, ctx):
     s = ctx.const(f"{node.name}.scale", scale.astype(dtype))
     t = ctx.const(f"{node.name}.shift", shift.astype(dtype))
     return [make(node, "batch_norm", [x, s, t])]
+
+
+@rule("nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "F.batch_norm")
+def batch_norm(node, ctx):
+    x = data_input(node)
+    if param(node, "training", False) is True:
+        fail(node, "training=True uses batch statistics; pmx compiles inference (training=False)")
+    return _folded_batch_norm(node, ctx, x, weight(node, "running_mean"), weight(node, "running_var"),
+                              weight(node, "weight", required=False), weight(node, "bias", required=False),
+                              float(param(node, "eps", 1e-5)))
+
+
+def _affine_inputs(node, ctx, shape, dtype):
+    """[weight, bias] / [weight] / [] as the kernels take them, checked against `shape`."""
+    w = weight(node, "weight", required=False)
+    b = weight(node, "bias", required=False)
+    for v, key in ((w, "weight"), (b, "bias")):
+        if v is not None and tuple(in_shape(node, v)) != tuple(shape):
+            fail(node, f"{key} has shape {v.shape}, expected {tuple(shape)}")
+    if b is not None and w is None:
+        w = ctx.const(f"{node.name}.ones", np.ones(shape, dtype))
+    return [v for v in (w, b) if v is not None]
+
+
+def _float_input(node):
+    x = data_input(node)
+    if np.dtype(x.dtype).kind != "f":
+        fail(node, f"input {x.name} has dtype {x.dtype}; normalization needs a floating-point tensor")
+    in_shape(node, x)
+    return x
+
+
+@rule("nn.LayerNorm", "F.layer_norm", "nn.RMSNorm", "F.rms_norm")
+def layer_norm(node, ctx):
+    x = _float_input(node)
+    shape = param(node, "normalized_shape")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    k = len(shape)
+    if k == 0 or k > len(x.shape) or tuple(x.shape[len(x.shape) - k:]) != shape:
+        fail(node, f"normalized_shape={shape} does not match the trailing dims of input {x.shape}")
+    rms = node.op in ("nn.RMSNorm", "F.rms_norm")
+    eps = param(node, "eps", 1e-5)
+    if eps is None:  # RMSNorm's default: the dtype's machine epsilon
+        eps = float(np.finfo(x.dtype).eps)
+    affine = _affine_inputs(node, ctx, shape, x.dtype)
+    if rms and len(affine) > 1:
+        fail(node, "RMSNorm has no bias")
+    return [make(node, "layer_norm", [x] + affine, dict(axes=k, eps=float(eps), rms=int(rms)))]
+
+
+@rule("nn.GroupNorm", "F.group_norm")
+def group_norm(node, ctx):
+    x = _float_input(node)
+    if len(x.shape) < 2:
+        fail(node, f"input {x.shape} needs a channel axis 1")
+    groups = param(node, "num_groups")
+    c = x.shape[1]
+    if not isinstance(groups, int) or groups <= 0 or c % groups:
+        fail(node, f"num_groups={groups!r} must divide the {c} channels")
+    affine = _affine_inputs(node, ctx, (c,), x.dtype)
+    return [make(node, "group_norm", [x] + affine, dict(groups=groups, eps=float(param(node, "eps", 1e-5))))]
+
+
+@rule("nn.InstanceNorm1d", "nn.InstanceNorm2d", "nn.InstanceNorm3d", "F.instance_norm")
+def instance_norm(node, ctx):
+    x = _float_input(node)
+    if len(x.shape) < 3:
+        fail(node, f"input {x.shape} must be batched [N, C, ...] (unbatched instance norm is not supported)")
+    eps = float(param(node, "eps", 1e-5))
+    mean = weight(node, "running_mean", required=False)
+    var = weight(node, "running_var", required=False)
+    # nn.InstanceNorm* in eval mode normalizes with the running statistics when it tracks
+    # them; F.instance_norm does so only with use_input_stats=False.
+    if node.op == "F.instance_norm":
+        use_running = param(node, "use_input_stats", True) is False
+    else:
+        use_running = bool(param(node, "track_running_stats", False)) and mean is not None
+    if use_running:
+        if mean is None or var is None:
+            fail(node, "use_input_stats=False needs running_mean and running_var")
+        return _folded_batch_norm(node, ctx, x, mean, var, weight(node, "weight", required=False),
+                                  weight(node, "bias", required=False), eps)
+    c = x.shape[1]
+    affine = _affine_inputs(node, ctx, (c,), x.dtype)
+    return [make(node, "group_norm", [x] + affine, dict(groups=c, eps=eps))]
+
+
+@rule("F.normalize")
+def normalize(node, ctx):
+    x = _float_input(node)
+    dim = param(node, "dim", 1)
+    p = param(node, "p", 2.0)
+    if not isinstance(dim, int) or not -len(x.shape) <= dim < len(x.shape):
+        fail(node, f"dim={dim!r} out of range for input of rank {len(x.shape)}")
+    if isinstance(p, str) and p in ("inf", "Inf"):
+        p = float("inf")
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not p > 0:
+        fail(node, f"p={p!r} must be a positive number")
+    return [make(node, "lp_normalize", [x], dict(axis=dim % len(x.shape), p=float(p),
+                                                  eps=float(param(node, "eps", 1e-12))))]

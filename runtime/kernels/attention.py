@@ -1,5 +1,259 @@
-"""attention kernels (see the registry docstring in __init__.py for the kernel contract)."""
+"""Attention: softmax(q k^T * scale + masks) v with batched matmuls and an in-place softmax.
 
-import numpy as np  # noqa: F401
+`attention` inputs: (q, k, v, *masks), or (qkv, *masks) with attrs packed="qkv", or
+(q, kv, *masks) with packed="kv" (the projections' outputs side by side on the last axis,
+one GEMM instead of three; the kernel takes views).
+attrs:
+  heads      0: inputs are [..., L, E] / [..., S, E] / [..., S, Ev] with broadcasting batch
+             dims (F.scaled_dot_product_attention). H > 0: inputs are [L, N, H*d] or
+             [N, L, H*d] (nn.MultiheadAttention after its projections) and are split into
+             heads by views, without copies.
+  seq_axis   with heads > 0: 0 for [L, N, E], 1 for [N, L, E].
+  gqa        with heads = 0, 1: grouped-query attention (SDPA enable_gqa): q [..., Hq, L, E]
+             with k, v [..., Hkv, S, E]; query head h reads kv head h // (Hq / Hkv). The
+             kernel views q as [..., Hkv, Hq/Hkv, L, E] and broadcasts k and v, no repeat.
+  scale      multiplies the scores (1.0 when the compiler folded it into the q weights).
+  causal     1: query i sees keys j <= i (torch's top-left aligned is_causal).
+  masks      one string per mask input, each mask broadcastable to the scores [..., L, S]:
+             "add" (float, added), "keep" (bool, True = may attend, as in SDPA),
+             "drop" (bool, True = masked out, as in nn.MultiheadAttention).
+  mask_roles with heads > 0, one string per mask: "attn" ([L, S], or [N*H, L, S] seen as
+             [N, H, L, S]) or "key_padding" ([N, S] seen as [N, 1, 1, S]). The kernel
+             takes these views itself, so no node bakes the batch size into a shape.
+  weights    "none", "mean" (second output [N, L, S], averaged over heads) or "heads"
+             (second output [N, H, L, S]).
+  masked_rows "nan" (a fully masked row gives NaN, nn.MultiheadAttention) or "zero"
+             (it gives 0, as F.scaled_dot_product_attention's safe softmax).
+Output 0 has q's layout with v's feature size.
+"""
 
-from pmx.runtime.kernels import register  # noqa: F401
+import numpy as np
+
+from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import view_as
+
+
+def _unpack_shapes(attrs, shapes):
+    packed = attrs.get("packed", "")
+    if packed == "qkv":
+        e = shapes[0][-1] // 3
+        q = tuple(shapes[0][:-1]) + (e,)
+        return q, q, q, shapes[1:]
+    if packed == "kv":
+        e = shapes[1][-1] // 2
+        k = tuple(shapes[1][:-1]) + (e,)
+        return tuple(shapes[0]), k, k, shapes[2:]
+    return tuple(shapes[0]), tuple(shapes[1]), tuple(shapes[2]), shapes[3:]
+
+
+def attention_infer(node, shapes, dtypes):
+    q, k, v, _ = _unpack_shapes(node.attrs, shapes)
+    heads = int(node.attrs.get("heads", 0))
+    dtype = dtypes[0]
+    if heads:
+        sa = int(node.attrs.get("seq_axis", 0))
+        n, lq, s = q[1 - sa], q[sa], k[sa]
+        if q[-1] % heads or v[-1] % heads:
+            raise ValueError(f"feature sizes {q[-1]}, {v[-1]} are not divisible by {heads} heads")
+        result = [(q[:-1] + (v[-1],), dtype)]
+        weights = node.attrs.get("weights", "none")
+        if weights == "mean":
+            result.append(((n, lq, s), dtype))
+        elif weights == "heads":
+            result.append(((n, heads, lq, s), dtype))
+        return result
+    if int(node.attrs.get("gqa", 0)):
+        if len(q) < 3 or len(k) < 3 or k[-3] != v[-3] or q[-3] % k[-3]:
+            raise ValueError(f"grouped-query attention needs q heads {q} to be a multiple of kv heads {k}")
+        k = k[:-3] + (q[-3],) + k[-2:]
+        v = v[:-3] + (q[-3],) + v[-2:]
+    batch = np.broadcast_shapes(q[:-2], k[:-2], v[:-2])
+    return [(tuple(batch) + (q[-2], v[-1]), dtype)]
+
+
+def _split_heads(a, heads, seq_axis):
+    """[L, N, H*d] or [N, L, H*d] -> a [N, H, L, d] view (no copy)."""
+    v = _split_last(a, heads)
+    return v.transpose(1, 2, 0, 3) if seq_axis == 0 else v.transpose(0, 2, 1, 3)
+
+
+def _split_last(a, heads):
+    """Split the last axis of a (possibly sliced) array into (heads, d) as a view."""
+    d = a.shape[-1] // heads
+    st = a.strides
+    return np.lib.stride_tricks.as_strided(a, a.shape[:-1] + (heads, d), st[:-1] + (d * st[-1], st[-1]),
+                                           writeable=a.flags.writeable)
+
+
+def _split_axis(a, axis, parts):
+    """`a` with axis `axis` split into `parts` (p0, p1): always a view."""
+    axis %= a.ndim
+    st = a.strides
+    shape = a.shape[:axis] + tuple(parts) + a.shape[axis + 1:]
+    strides = st[:axis] + (parts[1] * st[axis], st[axis]) + st[axis + 1:]
+    return np.lib.stride_tricks.as_strided(a, shape, strides, writeable=a.flags.writeable)
+
+
+def _group_heads(q, k, v, out, masks):
+    """Views for grouped-query attention: q/out [..., Hkv, g, L, *], k/v [..., Hkv, 1, S, *],
+    head-indexed masks split the same way, others get a broadcast group axis."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    parts = (hkv, hq // hkv)
+    grouped = []
+    for m in masks:
+        if m.ndim >= 3 and m.shape[-3] == hq and hq > 1:
+            m = _split_axis(m, -3, parts)
+        elif m.ndim >= 3:
+            m = m[..., None, :, :]
+        grouped.append(m)
+    return (_split_axis(q, -3, parts), k[..., None, :, :], v[..., None, :, :], _split_axis(out, -3, parts),
+            tuple(grouped))
+
+
+def _viewed(a, shape):
+    """`a` as `shape` without a copy, or a buffer plus the run-time step filling it."""
+    try:
+        return view_as(a, shape), None
+    except AttributeError:
+        buf = np.empty(shape, a.dtype)
+        return buf, lambda: np.copyto(buf, a.reshape(shape))
+
+
+def _mask_step(mask, mode, scores):
+    if mode == "add":
+        return lambda: np.add(scores, mask, out=scores)
+    if mode == "drop":
+        return lambda: np.copyto(scores, -np.inf, where=mask)
+    raise ValueError(f"unknown mask mode {mode!r}")
+
+
+# Scores are computed in slices of the leading batch axis so the scratch stays near this
+# size however long the sequence (the last level of cache rather than a full [N, H, L, S]
+# buffer per attention node).
+SCRATCH_ELEMENTS = 1 << 20
+
+
+def _cut(a, ndim, r0, r1):
+    """`a` (broadcasting against an array of `ndim` dims) restricted to rows r0:r1 of that
+    array's axis 0; operands that broadcast along it are used whole."""
+    axis = a.ndim - ndim
+    if axis < 0 or a.shape[axis] == 1:
+        return a
+    index = (slice(None),) * axis + (slice(r0, r1),)
+    return a[index]
+
+
+def _softmax_step(scores, red, total, safe, dt):
+    lowest, tiny = np.finfo(dt).min, np.finfo(dt).tiny
+
+    def softmax():
+        np.max(scores, axis=-1, keepdims=True, out=red)
+        if safe:  # a fully masked row: exp(-inf - lowest) = 0 and 0 / tiny = 0
+            np.maximum(red, lowest, out=red)
+        np.subtract(scores, red, out=scores)
+        np.exp(scores, out=scores)
+        np.sum(scores, axis=-1, keepdims=True, out=total)
+        if safe:
+            np.maximum(total, tiny, out=total)
+        np.divide(scores, total, out=scores)
+
+    return softmax
+
+
+def _views(attrs, inputs, out):
+    """(qh, kh, vh, oh, masks): q/k/v/output as [..., L|S, d] arrays (views, no copies)."""
+    packed = attrs.get("packed", "")
+    if packed == "qkv":
+        e = inputs[0].shape[-1] // 3
+        q, k, v = inputs[0][..., :e], inputs[0][..., e:2 * e], inputs[0][..., 2 * e:]
+        masks = inputs[1:]
+    elif packed == "kv":
+        e = inputs[1].shape[-1] // 2
+        q, k, v = inputs[0], inputs[1][..., :e], inputs[1][..., e:]
+        masks = inputs[2:]
+    else:
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        masks = inputs[3:]
+    heads = int(attrs.get("heads", 0))
+    if heads:
+        sa = int(attrs.get("seq_axis", 0))
+        return tuple(_split_heads(a, heads, sa) for a in (q, k, v, out)) + (masks,)
+    if int(attrs.get("gqa", 0)):
+        return _group_heads(q, k, v, out, masks)
+    return q, k, v, out, masks
+
+
+def _prepare_masks(attrs, masks, full, dt):
+    """(steps run once per call, [(mask broadcasting against the scores `full`, mode)])."""
+    heads = int(attrs.get("heads", 0))
+    lq, s = full[-2], full[-1]
+    modes = tuple(attrs.get("masks", ()))
+    if len(modes) != len(masks):
+        raise ValueError(f"{len(masks)} mask inputs but masks={modes!r}")
+    pre, adds = [], []
+    if int(attrs.get("causal", 0)):
+        adds.append((np.where(np.triu(np.ones((lq, s), bool), 1), -np.inf, 0).astype(dt), "add"))
+    roles = tuple(attrs.get("mask_roles", ())) or ("attn",) * len(masks)
+    for m, mode, role in zip(masks, modes, roles):
+        if heads and (role == "key_padding" or m.ndim == 3):
+            n = full[0]
+            m, copy = _viewed(m, (n, 1, 1, m.shape[-1]) if role == "key_padding" else (n, heads) + m.shape[1:])
+            pre += [copy] if copy is not None else []
+        if mode == "keep":  # one logical_not of the mask, then it is a "drop" mask
+            blocked = np.empty(m.shape, bool)
+            pre.append(lambda m=m, blocked=blocked: np.logical_not(m, out=blocked))
+            m, mode = blocked, "drop"
+        adds.append((m, mode))
+    return pre, adds
+
+
+@register("attention", infer=attention_infer)
+def make_attention(node, inputs, outputs):
+    attrs = node.attrs
+    out = outputs[0]
+    heads = int(attrs.get("heads", 0))
+    qh, kh, vh, oh, masks = _views(attrs, inputs, out)
+    kt = np.swapaxes(kh, -1, -2)
+    dt = out.dtype
+    full = tuple(np.broadcast_shapes(qh.shape[:-2], kh.shape[:-2])) + (qh.shape[-2], kh.shape[-2])
+    scale = float(attrs.get("scale", 1.0))
+    pre, adds = _prepare_masks(attrs, masks, full, dt)
+    safe = attrs.get("masked_rows", "nan") == "zero" and bool(adds)
+    weights = attrs.get("weights", "none")
+    w = outputs[1] if weights != "none" else None
+
+    nd = len(full)
+    rows = full[0] if nd > 2 else 1
+    chunk = max(1, min(rows, SCRATCH_ELEMENTS // max(int(np.prod(full[1:])), 1))) if nd > 2 else 1
+    buf = np.empty((chunk,) + full[1:] if nd > 2 else full, dt)
+    red_buf = np.empty(buf.shape[:-1] + (1,), dt)
+    total_buf = np.empty(buf.shape[:-1] + (1,), dt)
+    steps = list(pre)
+    for r0 in range(0, rows, chunk):
+        n = min(rows, r0 + chunk) - r0
+        if nd > 2:
+            sc, red, total = buf[:n], red_buf[:n], total_buf[:n]
+        else:
+            sc, red, total = buf, red_buf, total_buf
+
+        def cut(a, ndim=nd, r0=r0, n=n):
+            return _cut(a, ndim, r0, r0 + n) if nd > 2 else a
+
+        steps.append(lambda sc=sc, q_=cut(qh), k_=cut(kt): np.matmul(q_, k_, out=sc))
+        if scale != 1.0:
+            steps.append(lambda sc=sc: np.multiply(sc, scale, out=sc))
+        steps += [_mask_step(cut(m), mode, sc) for m, mode in adds]
+        steps.append(_softmax_step(sc, red, total, safe, dt))
+        steps.append(lambda sc=sc, v_=cut(vh), o_=cut(oh): np.matmul(sc, v_, out=o_))
+        if weights == "mean":
+            inv = 1.0 / heads
+            steps.append(lambda sc=sc, w_=cut(w, 3): (np.sum(sc, axis=1, out=w_), np.multiply(w_, inv, out=w_)))
+        elif weights == "heads":
+            steps.append(lambda sc=sc, w_=cut(w): np.copyto(w_, sc))
+    steps = tuple(steps)
+
+    def run():
+        for f in steps:
+            f()
+
+    return run

@@ -2,11 +2,18 @@
 
 `linear`: inputs (x[..., in], weight[out, in], bias[out]?); y = x @ weight.T + bias. The
 transposed weight is a view, BLAS reads it without a copy. node.expr: fused activation.
-`matmul`: inputs (a, b) with numpy/torch broadcasting; node.expr: fused activation.
+`matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
+node.expr: fused activation.
+`einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
+The contraction order is found once in the factory (np.einsum_path) and reused.
+`embedding`: inputs (ids[...] int, weight[V, D]); output [..., D]. Ids outside [0, V) raise
+PmxInputError at run time (torch raises IndexError); they are never clipped or wrapped,
+so a bad id cannot silently read another row. padding_idx only matters for training.
 """
 
 import numpy as np
 
+from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import chain, epilogue, view_as
 
@@ -49,3 +56,77 @@ def make_matmul(node, inputs, outputs):
     a, b = inputs
     out = outputs[0]
     return chain(lambda: np.matmul(a, b, out=out), epilogue(node, out))
+
+
+def _einsum_parts(equation, ranks):
+    """Split an einsum equation into per-operand subscripts (with '...' expanded to
+    upper-case letters, which torch does not allow in subscripts) and the output's."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise ValueError(f"einsum {equation!r} has {len(terms)} operands, got {len(ranks)} inputs")
+    n_ell = 0
+    for t, r in zip(terms, ranks):
+        if "..." in t:
+            n_ell = max(n_ell, r - (len(t) - 3))
+    ell = "".join(chr(ord("A") + i) for i in range(n_ell))
+    expanded = []
+    for t, r in zip(terms, ranks):
+        if "..." in t:
+            k = r - (len(t) - 3)
+            t = t.replace("...", ell[n_ell - k:])
+        if len(t) != r:
+            raise ValueError(f"einsum term {t!r} does not match an operand of rank {r}")
+        expanded.append(t)
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        letters = "".join(expanded)
+        out = ell + "".join(sorted(c for c in set(letters) if c.islower() and letters.count(c) == 1))
+    return expanded, out
+
+
+def einsum_infer(node, shapes, dtypes):
+    terms, out = _einsum_parts(node.attrs["equation"], [len(s) for s in shapes])
+    sizes = {}
+    for t, s in zip(terms, shapes):
+        for c, d in zip(t, s):
+            if d != 1 or c not in sizes:
+                if sizes.get(c, 1) not in (1, d):
+                    raise ValueError(f"einsum index {c!r} has sizes {sizes[c]} and {d}")
+                sizes[c] = d
+    return [(tuple(sizes[c] for c in out), np.result_type(*dtypes))]
+
+
+@register("einsum", infer=einsum_infer)
+def make_einsum(node, inputs, outputs):
+    terms, out_terms = _einsum_parts(node.attrs["equation"], [a.ndim for a in inputs])
+    eq = ",".join(terms) + "->" + out_terms
+    out = outputs[0]
+    operands = tuple(inputs)
+    if len(operands) == 1:
+        return lambda: np.einsum(eq, operands[0], out=out)
+    path = np.einsum_path(eq, *operands, optimize="optimal")[0]
+    return lambda: np.einsum(eq, *operands, out=out, optimize=path)
+
+
+def embedding_infer(node, shapes, dtypes):
+    return [(tuple(shapes[0]) + (shapes[1][1],), dtypes[1])]
+
+
+@register("embedding", infer=embedding_infer)
+def make_embedding(node, inputs, outputs):
+    ids, weight = inputs
+    out = outputs[0]
+    rows = weight.shape[0]
+
+    def run():
+        if ids.size:
+            lo, hi = ids.min(), ids.max()
+            if lo < 0 or hi >= rows:
+                bad = lo if lo < 0 else hi
+                raise PmxInputError(f"embedding {node.name!r}: index {int(bad)} is out of range for a table of {rows} rows")
+        np.take(weight, ids, axis=0, out=out, mode="clip")
+
+    return run

@@ -1,12 +1,23 @@
 """Normalization.
 
 `batch_norm`: inputs (x, scale[C], shift[C]) with scale = gamma / sqrt(var + eps) and
-shift = beta - mean * scale precomputed by the compiler; channel axis 1.
+shift = beta - mean * scale precomputed by the compiler; channel axis 1. Also serves
+InstanceNorm with tracked running statistics (eval mode uses them, as batch norm does).
+`layer_norm`: inputs (x, weight?, bias?); attrs axes (how many trailing dims are
+normalized), eps, rms (1: RMSNorm, no mean subtraction). weight/bias have the shape of
+those trailing dims.
+`group_norm`: inputs (x[N, C, ...], weight[C]?, bias[C]?); attrs groups, eps. InstanceNorm
+without running statistics is group_norm with groups = C.
+`lp_normalize`: inputs (x); attrs axis, p, eps: x / max(||x||_p, eps) (F.normalize).
+
+Statistics are two-pass (mean, then mean of squared deviations) with numpy's pairwise
+sums, which keeps float32 within torch's Welford results for long rows.
 """
 
 import numpy as np
 
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import chain, view_as
 
 
 def same_as_input(node, shapes, dtypes):
@@ -23,5 +34,125 @@ def make_batch_norm(node, inputs, outputs):
     def run():
         np.multiply(x, s, out=out)
         np.add(out, t, out=out)
+
+    return run
+
+
+def _rows(a, shape, dtype, writes):
+    """`a` seen as `shape` (rows x row length), plus the copy step needed when it cannot be
+    viewed so (a strided arena view). Copies happen at run time, never in the factory."""
+    try:
+        return view_as(a, shape), None
+    except AttributeError:
+        buf = np.empty(shape, dtype)
+        if writes:
+            return buf, lambda: np.copyto(a, buf.reshape(a.shape))
+        return buf, lambda: np.copyto(buf, a.reshape(shape))
+
+
+# The squared deviations are formed a block of rows at a time, so the scratch stays
+# cache-sized instead of a second copy of the whole tensor per norm node.
+SCRATCH_ELEMENTS = 1 << 18
+
+
+def _normalize_rows(x2, out2, eps, rms=False):
+    """Callable normalizing each row of x2 (M, K) into out2: (x - mean) / sqrt(var + eps),
+    or x / sqrt(mean(x^2) + eps) for rms. Scratch is allocated once, here."""
+    m, k = x2.shape
+    dt = out2.dtype
+    mean = np.empty((m, 1), dt)
+    var = np.empty((m, 1), dt)
+    rows = max(1, min(m, SCRATCH_ELEMENTS // max(k, 1)))
+    sq = np.empty((rows, k), dt)
+    src = x2 if rms else out2  # rms: mean of x^2; otherwise of (x - mean)^2, held in out2
+    blocks = []
+    for r in range(0, m, rows):
+        b = slice(r, min(m, r + rows))
+        blocks.append((src[b], sq[:b.stop - r], var[b]))
+
+    def run():
+        if not rms:
+            np.mean(x2, axis=1, keepdims=True, out=mean)
+            np.subtract(x2, mean, out=out2)
+        for sb, qb, vb in blocks:
+            np.multiply(sb, sb, out=qb)
+            np.mean(qb, axis=1, keepdims=True, out=vb)
+        np.add(var, eps, out=var)
+        np.sqrt(var, out=var)
+        np.divide(src, var, out=out2)
+
+    return run
+
+
+def _affine(out, weight, bias, shape):
+    steps = []
+    if weight is not None:
+        w = weight.reshape(shape)
+        steps.append(lambda: np.multiply(out, w, out=out))
+    if bias is not None:
+        b = bias.reshape(shape)
+        steps.append(lambda: np.add(out, b, out=out))
+    return chain(*steps)
+
+
+@register("layer_norm", infer=same_as_input, inplace=True)
+def make_layer_norm(node, inputs, outputs):
+    x = inputs[0]
+    weight = inputs[1] if len(inputs) > 1 else None
+    bias = inputs[2] if len(inputs) > 2 else None
+    out = outputs[0]
+    k = int(node.attrs["axes"])
+    inner = int(np.prod(x.shape[x.ndim - k:]))
+    rows = int(np.prod(x.shape[:x.ndim - k]))
+    x2, pre = _rows(x, (rows, inner), out.dtype, writes=False)
+    out2, post = _rows(out, (rows, inner), out.dtype, writes=True)
+    norm = _normalize_rows(x2, out2, float(node.attrs.get("eps", 1e-5)), bool(node.attrs.get("rms", 0)))
+    return chain(pre, norm, _affine(out2, weight, bias, (inner,)), post)
+
+
+@register("group_norm", infer=same_as_input, inplace=True)
+def make_group_norm(node, inputs, outputs):
+    x = inputs[0]
+    weight = inputs[1] if len(inputs) > 1 else None
+    bias = inputs[2] if len(inputs) > 2 else None
+    out = outputs[0]
+    g = int(node.attrs["groups"])
+    n, c = x.shape[0], x.shape[1]
+    spatial = int(np.prod(x.shape[2:]))
+    x2, pre = _rows(x, (n * g, (c // g) * spatial), out.dtype, writes=False)
+    out2, post = _rows(out, (n * g, (c // g) * spatial), out.dtype, writes=True)
+    norm = _normalize_rows(x2, out2, float(node.attrs.get("eps", 1e-5)))
+    affine = _affine(view_as(out2, (n, c, spatial)), weight, bias, (c, 1))
+    return chain(pre, norm, affine, post)
+
+
+@register("lp_normalize", infer=same_as_input, inplace=True)
+def make_lp_normalize(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axis = int(node.attrs["axis"]) % x.ndim
+    p = float(node.attrs.get("p", 2.0))
+    eps = float(node.attrs.get("eps", 1e-12))
+    red_shape = tuple(1 if i == axis else d for i, d in enumerate(x.shape))
+    norm = np.empty(red_shape, out.dtype)
+    tmp = np.empty(x.shape, out.dtype)
+
+    def run():
+        if p == 2.0:
+            np.multiply(x, x, out=tmp)
+            np.sum(tmp, axis=axis, keepdims=True, out=norm)
+            np.sqrt(norm, out=norm)
+        elif p == 1.0:
+            np.abs(x, out=tmp)
+            np.sum(tmp, axis=axis, keepdims=True, out=norm)
+        elif p == np.inf:
+            np.abs(x, out=tmp)
+            np.max(tmp, axis=axis, keepdims=True, out=norm)
+        else:
+            np.abs(x, out=tmp)
+            np.power(tmp, p, out=tmp)
+            np.sum(tmp, axis=axis, keepdims=True, out=norm)
+            np.power(norm, 1.0 / p, out=norm)
+        np.maximum(norm, eps, out=norm)
+        np.divide(x, norm, out=out)
 
     return run
