@@ -36,7 +36,7 @@ FUNCTIONS = {
     "log1p": 1, "expm1": 1, "sign": 1, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
     "sin": 1, "cos": 1, "tan": 1, "asin": 1, "acos": 1, "atan": 1, "sinh": 1,
     "cosh": 1, "tanh": 1, "asinh": 1, "acosh": 1, "atanh": 1, "reciprocal": 1,
-    "square": 1, "sigmoid": 1, "erf": 1, "not": 1,
+    "square": 1, "sigmoid": 1, "erf": 1, "erfc": 1, "not": 1,
     # ternary
     "where": 3,
 }
@@ -156,17 +156,48 @@ def size(tree) -> int:
 
 # --- desugaring: composite functions in terms of primitives both backends share ---------
 
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+# erfc(a), a >= 0: t * exp(-a^2 + P(t)), t = 1 / (1 + a/2) (Numerical Recipes' erfcc,
+# Chebyshev fit, relative error < 1.2e-7 for every a); P's coefficients, constant first.
+_ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
+           -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+# erf(z) = 2/sqrt(pi) * z * S(z^2) for |z| < 0.5 (Taylor to z^11), where 1 - erfc loses
+# relative accuracy
+_ERF_TAYLOR = (1.0, -1 / 3, 1 / 10, -1 / 42, 1 / 216, -1 / 1320)
 
 
 def _c(v):
     return ("#", v)
 
 
+def _horner(coeffs, t):
+    poly = _c(coeffs[-1])
+    for a in reversed(coeffs[:-1]):
+        poly = ("add", ("mul", poly, t), _c(a))
+    return poly
+
+
+def _erfc_abs(a):
+    t = ("reciprocal", ("add", _c(1.0), ("mul", _c(0.5), a)))
+    return ("mul", t, ("exp", ("sub", _horner(_ERFC_P, t), ("mul", a, a))))
+
+
+def _erf(z):
+    a = ("abs", z)
+    z2 = ("minimum", ("mul", z, z), _c(0.25))  # clamped: the branch is only used below 0.5
+    small = ("mul", ("mul", _c(2 / math.sqrt(math.pi)), z), _horner(_ERF_TAYLOR, z2))
+    large = ("mul", ("where", ("lt", z, _c(0.0)), _c(-1.0), _c(1.0)), ("sub", _c(1.0), _erfc_abs(a)))
+    return ("where", ("lt", a, _c(0.5)), small, large)
+
+
+def _erfc(z):
+    e = _erfc_abs(("abs", z))
+    return ("where", ("lt", z, _c(0.0)), ("sub", _c(2.0), e), e)
+
+
 def desugar(tree):
-    """Rewrite spellings to the primitive set (erf via Abramowitz-Stegun 7.1.26, max abs
-    error 1.5e-7; pnnx's binary max/min are elementwise maximum/minimum)."""
+    """Rewrite spellings to the primitive set (erf and erfc to float32 accuracy, relative
+    error < 4e-7 everywhere: a Taylor series near 0, erfc's Chebyshev fit elsewhere; pnnx's
+    binary max/min are elementwise maximum/minimum)."""
     if tree[0] in ("@", "#"):
         return tree
     name, args = tree[0], [desugar(a) for a in tree[1:]]
@@ -175,14 +206,9 @@ def desugar(tree):
     elif name == "min":
         name = "minimum"
     elif name == "erf":
-        x = args[0]
-        t = ("reciprocal", ("add", _c(1), ("mul", _c(_ERF_P), ("abs", x))))
-        poly = _c(_ERF_A[4])
-        for a in reversed(_ERF_A[:4]):
-            poly = ("add", ("mul", poly, t), _c(a))
-        poly = ("mul", poly, t)
-        y = ("sub", _c(1), ("mul", poly, ("exp", ("neg", ("mul", x, x)))))
-        return ("where", ("lt", x, _c(0)), ("neg", y), y)
+        return _erf(args[0])
+    elif name == "erfc":
+        return _erfc(args[0])
     return (name, *args)
 
 
@@ -225,8 +251,12 @@ def to_numexpr(tree):
             return "True" if v else "False"
         if isinstance(v, int) and abs(v) < 2**31:
             return str(v)
+        value = np.array(v, dtype=np.float32)
+        for name, seen in constants.items():  # one variable per value: numexpr caps inputs
+            if seen.tobytes() == value.tobytes():
+                return name
         name = f"k{len(constants)}"
-        constants[name] = np.array(v, dtype=np.float32)
+        constants[name] = value
         return name
 
     def emit(t):
@@ -279,6 +309,9 @@ def _rsqrt(x, out):
 
 
 def _floor_divide(a, b, out):
+    if out.dtype.kind in "iu":  # integer floor division rounds toward -inf, as torch's
+        np.floor_divide(a, b, out=out, casting="unsafe")
+        return
     np.true_divide(a, b, out=out)
     np.floor(out, out=out)
 
@@ -312,6 +345,19 @@ def _literal(v, float_dtype):
     return v
 
 
+def _torch_float(result, args):
+    """torch keeps a float tensor's dtype against integer tensors and makes integer
+    math with a float literal float32, where numpy would widen both to float64."""
+    result = np.asarray(result)
+    if result.dtype.kind != "f":
+        return result
+    widths = [a.dtype.itemsize for a in args if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+    width = max(widths) if widths else 4
+    if result.dtype.itemsize > width:
+        return result.astype(f"f{width}")
+    return result
+
+
 def result_dtype(tree, input_dtypes):
     """dtype the expression produces for the given input dtypes (numpy promotion with
     weak literals, true division and integer pow as torch does)."""
@@ -326,7 +372,7 @@ def result_dtype(tree, input_dtypes):
         fn = NUMPY_FUNCS[t[0]]
         arrays = [a if isinstance(a, np.ndarray) else np.asarray(a) for a in args]
         if t[0] == "where":
-            return np.where(arrays[0], args[1], args[2])
+            return _torch_float(np.where(arrays[0], args[1], args[2]), args[1:])
         if t[0] in ("div", "reciprocal", "sqrt", "rsqrt", "exp", "log", "sigmoid") and all(
             np.asarray(a).dtype.kind in "biu" for a in args
         ):
@@ -334,8 +380,8 @@ def result_dtype(tree, input_dtypes):
         with np.errstate(all="ignore"):
             if fn in (_sigmoid, _rsqrt, _floor_divide):
                 base = np.result_type(*args) if t[0] == "floor_divide" else np.result_type(args[0], 1.0)
-                return np.ones((1,), base)
-            return fn(*args)
+                return _torch_float(np.ones((1,), base), args)
+            return _torch_float(fn(*args), args)
 
     out = ev(desugar(tree))
     return np.asarray(out).dtype

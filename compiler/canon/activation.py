@@ -1,7 +1,7 @@
 """Activations -> elementwise expressions over @0 (runtime/expr.py grammar).
 
 Every activation becomes an `elementwise` node, so fuse_elementwise and fuse_activation
-treat them uniformly; torch's exact formulas are kept (GELU uses erf, hardswish is
+treat them uniformly; torch's exact formulas are kept (GELU uses erfc, hardswish is
 x * relu6(x + 3) / 6).
 """
 
@@ -22,8 +22,11 @@ def _f(v):
 def gelu_expr(approximate="none"):
     if approximate == "tanh":
         c = math.sqrt(2.0 / math.pi)
-        return f"mul(mul(@0,0.5),add(tanh(mul({_f(c)},add(@0,mul(0.044715,mul(@0,mul(@0,@0)))))),1))"
-    return f"mul(mul(@0,0.5),add(erf(mul(@0,{_f(1 / math.sqrt(2))})),1))"
+        # 0.5 (1 + tanh(u)) == sigmoid(2u): same function, no cancellation for x < 0
+        return f"mul(@0,sigmoid(mul({_f(2 * c)},add(@0,mul(0.044715,mul(@0,mul(@0,@0)))))))"
+    # 0.5 x erfc(-x/sqrt2) == 0.5 x (1 + erf(x/sqrt2)) without the cancellation of 1 + erf
+    # for x < 0, so the negative tail keeps float32 relative accuracy
+    return f"mul(mul(@0,0.5),erfc(mul(@0,{_f(-1 / math.sqrt(2))})))"
 
 
 def softplus_expr(beta=1.0, threshold=20.0):
@@ -65,7 +68,6 @@ _SIMPLE = {
     ("F.softsign", "nn.Softsign"): lambda n: "div(@0,add(abs(@0),1))",
     ("F.logsigmoid", "nn.LogSigmoid"): lambda n: "neg(" + softplus_expr().replace("@0", "neg(@0)") + ")",
     ("F.tanhshrink", "nn.Tanhshrink"): lambda n: "sub(@0,tanh(@0))",
-    ("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip"): lambda n: _clamp_expr(param(n, "min", None), param(n, "max", None)),
 }
 
 # torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
@@ -74,7 +76,7 @@ _MATH = {"abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsq
          "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin", "acos": "acos",
          "atan": "atan", "sinh": "sinh", "cosh": "cosh", "reciprocal": "reciprocal",
          "square": "square", "log10": "log10", "log1p": "log1p", "expm1": "expm1",
-         "trunc": "trunc", "erf": "erf"}
+         "trunc": "trunc", "erf": "erf", "erfc": "erfc"}
 
 for _types, _fn in _SIMPLE.items():
     rule(*_types)(_unary(_fn))
@@ -95,3 +97,30 @@ def prelu(node, ctx):
     shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
     slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
     return [elementwise(node, "where(gt(@0,0),@0,mul(@0,@1))", [x, slopes])]
+
+
+@rule("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip", "torch.clamp_min", "Tensor.clamp_min",
+      "torch.clamp_max", "Tensor.clamp_max")
+def clamp(node, ctx):
+    """Bounds are numbers (params) or tensors ($min / $max inputs); an integer bound on an
+    integer tensor stays integer, as in torch."""
+    x = data_input(node)
+    tensors, e = [x], "@0"
+    names = {"torch.clamp_min": ("min",), "Tensor.clamp_min": ("min",), "torch.clamp_max": ("max",),
+             "Tensor.clamp_max": ("max",)}.get(node.op, ("min", "max"))
+    for key, fn in (("min", "maximum"), ("max", "minimum")):
+        if key not in names:
+            continue
+        v = node.named_input(key)
+        if v is not None:
+            tensors.append(v)
+            e = f"{fn}({e},@{len(tensors) - 1})"
+            continue
+        bound = param(node, key, None)
+        if bound is None:
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+            fail(node, f"{key}={bound!r} must be a number or a tensor")
+        lit = str(bound) if isinstance(bound, int) and x.dtype[0] in "iu" else _f(bound)
+        e = f"{fn}({e},{lit})"
+    return [elementwise(node, e, tensors)]

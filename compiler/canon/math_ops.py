@@ -10,6 +10,11 @@ def expression(node, ctx):
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
+    if text.startswith("[") and node.outputs[0].consumers and all(
+            c.op == "Tensor.index" for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
+        from pmx.compiler.canon.indexing import attach_index_expression
+
+        return attach_index_expression(node, ctx)
     if "size(" in text or "[" in text or "int(" in text:
         fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:
@@ -91,3 +96,144 @@ def _softmax(op):
 
 rule("F.softmax", "nn.Softmax", "torch.softmax", "Tensor.softmax")(_softmax("softmax"))
 rule("F.log_softmax", "nn.LogSoftmax", "torch.log_softmax", "Tensor.log_softmax")(_softmax("log_softmax"))
+
+
+# --- logical and bitwise ops on bool / integer tensors ---------------------------------
+
+for _name, _fn in (("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor", "xor")):
+    rule(f"torch.{_name}", f"Tensor.{_name}")(_binary(_fn))
+
+
+def _truth(v, i):
+    return f"@{i}" if v.dtype == "bool" else f"ne(@{i},0)"
+
+
+@rule("torch.logical_not", "Tensor.logical_not")
+def logical_not(node, ctx):
+    return [elementwise(node, "not(@0)", [data_input(node)])]
+
+
+@rule("torch.bitwise_not", "Tensor.bitwise_not")
+def bitwise_not(node, ctx):
+    x = data_input(node)
+    if x.dtype == "bool":
+        return [elementwise(node, "not(@0)", [x])]
+    if x.dtype is None or x.dtype[0] not in "iu":
+        fail(node, f"bitwise_not needs a bool or integer tensor, found {x.dtype}")
+    return [elementwise(node, "sub(neg(@0),1)", [x])]  # ~x == -x - 1 in two's complement
+
+
+def _logical(fn_name):
+    def fn(node, ctx):
+        a = data_input(node, "input", 0)
+        b = node.named_input("other")
+        if b is None:
+            fail(node, "second operand must be a tensor")
+        return [elementwise(node, f"{fn_name}({_truth(a, 0)},{_truth(b, 1)})", [a, b])]
+    return fn
+
+
+for _name, _fn in (("logical_and", "and"), ("logical_or", "or"), ("logical_xor", "xor")):
+    rule(f"torch.{_name}", f"Tensor.{_name}")(_logical(_fn))
+
+
+# --- reductions with an index output, statistics, norms --------------------------------
+
+
+def _axes_param(node, x, key="dim"):
+    dim = param(node, key, None)
+    rank = len(x.shape)
+    if dim is None or dim == ():
+        return ()
+    axes = (dim,) if isinstance(dim, int) else tuple(dim)
+    if any(not isinstance(a, int) or not -rank <= a < rank for a in axes):
+        fail(node, f"{key}={dim!r} out of range for input of rank {rank}")
+    return tuple(sorted({a % rank for a in axes}))
+
+
+def _max_min(values_op, index_op, binary):
+    def fn(node, ctx):
+        x = data_input(node)
+        other = node.named_input("other")
+        if other is not None:  # torch.max(a, b): elementwise
+            return [elementwise(node, f"{binary}(@0,@1)", [x, other])]
+        dim = param(node, "dim", None)
+        if dim is None:
+            return [make(node, values_op, [x], dict(axes=(), keepdim=False))]
+        if not isinstance(dim, int) or not -len(x.shape) <= dim < len(x.shape):
+            fail(node, f"dim={dim!r} must be one int in range for rank {len(x.shape)}")
+        keep = bool(param(node, "keepdim", False))
+        axis = dim % len(x.shape)
+        nodes = [make(node, values_op, [x], dict(axes=(axis,), keepdim=keep), outputs=node.outputs[:1],
+                      name=node.name + ".values")]
+        if len(node.outputs) > 1:
+            nodes.append(make(node, index_op, [x], dict(axis=axis, keepdim=keep), outputs=node.outputs[1:2],
+                              name=node.name + ".indices"))
+        return nodes
+    return fn
+
+
+rule("torch.max", "Tensor.max")(_max_min("reduce_max", "argmax", "maximum"))
+rule("torch.min", "Tensor.min")(_max_min("reduce_min", "argmin", "minimum"))
+
+
+def _arg(op):
+    def fn(node, ctx):
+        x = data_input(node)
+        dim = param(node, "dim", None)
+        keep = bool(param(node, "keepdim", False))
+        if node.outputs[0].shape is None:  # pnnx records nothing for a 0-d result
+            node.outputs[0].dtype = "int64"
+        if dim is None:  # index into the flattened tensor
+            n = 1
+            for d in x.shape:
+                n *= d
+            flat = ctx.temp(node, (n,), x.dtype)
+            idx = ctx.temp(node, (), "int64")
+            return [make(node, "reshape", [x], dict(shape=(n,)), outputs=[flat], name=node.name + ".flat"),
+                    make(node, op, [flat], dict(axis=0, keepdim=False), outputs=[idx], name=node.name + ".arg"),
+                    make(node, "reshape", [idx], dict(shape=tuple(node.outputs[0].shape or ())))]
+        if not isinstance(dim, int) or not -len(x.shape) <= dim < len(x.shape):
+            fail(node, f"dim={dim!r} must be one int in range for rank {len(x.shape)}")
+        return [make(node, op, [x], dict(axis=dim % len(x.shape), keepdim=keep))]
+    return fn
+
+
+rule("torch.argmax", "Tensor.argmax")(_arg("argmax"))
+rule("torch.argmin", "Tensor.argmin")(_arg("argmin"))
+
+
+def _statistic(op):
+    def fn(node, ctx):
+        x = data_input(node)
+        correction = param(node, "correction", None)
+        if correction is None:
+            correction = 1 if param(node, "unbiased", True) else 0
+        if not isinstance(correction, (int, float)) or isinstance(correction, bool):
+            fail(node, f"correction={correction!r} must be a number")
+        axes = _axes_param(node, x)
+        return [make(node, op, [x], dict(axes=axes, keepdim=bool(param(node, "keepdim", False)),
+                                         correction=float(correction)))]
+    return fn
+
+
+rule("torch.var", "Tensor.var")(_statistic("reduce_var"))
+rule("torch.std", "Tensor.std")(_statistic("reduce_std"))
+
+
+@rule("torch.norm", "Tensor.norm", "torch.linalg.vector_norm")
+def norm(node, ctx):
+    x = data_input(node)
+    p = param(node, "p", param(node, "ord", 2))
+    if p == "fro" or p is None:
+        p = 2
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        fail(node, f"p={p!r}: pmx supports numeric vector norms (p=1, 2, inf, ...) only")
+    return [make(node, "reduce_norm", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False)),
+                                                p=float(p)))]
+
+
+@rule("torch.logsumexp", "Tensor.logsumexp")
+def logsumexp(node, ctx):
+    x = data_input(node)
+    return [make(node, "reduce_logsumexp", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False))))]

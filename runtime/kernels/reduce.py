@@ -7,6 +7,7 @@ empty = all), keepdim. `softmax`, `log_softmax`: attrs axis.
 import numpy as np
 
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import view_as
 
 
 def reduce_infer(node, shapes, dtypes):
@@ -85,5 +86,119 @@ def make_log_softmax(node, inputs, outputs):
         np.sum(scratch, axis=axis, keepdims=True, out=total)
         np.log(total, out=total)
         np.subtract(out, total, out=out)
+
+    return run
+
+
+# --- index outputs, statistics, norms ----------------------------------------------------
+# argmax/argmin: attrs axis, keepdim -> int64 (first occurrence, as torch).
+# reduce_var/reduce_std: attrs axes, keepdim, correction (divisor N - correction).
+# reduce_norm: attrs axes, keepdim, p (float; inf/-inf for max/min of |x|, 0 counts nonzeros).
+# reduce_logsumexp: attrs axes, keepdim.
+
+
+def arg_infer(node, shapes, dtypes):
+    x = shapes[0]
+    axis = node.attrs["axis"] % len(x)
+    keep = node.attrs.get("keepdim", False)
+    shape = tuple(1 if i == axis else d for i, d in enumerate(x) if keep or i != axis)
+    return [(shape, np.dtype("int64"))]
+
+
+def _make_arg(fn):
+    def make(node, inputs, outputs):
+        x, out = inputs[0], outputs[0]
+        axis = node.attrs["axis"] % x.ndim
+        keep = bool(node.attrs.get("keepdim", False))
+        return lambda: fn(x, axis=axis, out=out, keepdims=keep)
+
+    return make
+
+
+register("argmax", infer=arg_infer)(_make_arg(np.argmax))
+register("argmin", infer=arg_infer)(_make_arg(np.argmin))
+
+
+def float_reduce_infer(node, shapes, dtypes):
+    (shape, dtype), = reduce_infer(node, shapes, dtypes)
+    return [(shape, dtype if np.dtype(dtype).kind == "f" else np.dtype("float32"))]
+
+
+def _keepdims_target(x, out, axes):
+    """`out` seen with the reduced axes kept as size 1 (same bytes)."""
+    return view_as(out, tuple(1 if i in axes else d for i, d in enumerate(x.shape)))
+
+
+def _statistic(sqrt):
+    def make(node, inputs, outputs):
+        x, out = inputs[0], outputs[0]
+        axes = _axes(node.attrs.get("axes"), x.ndim)
+        target = _keepdims_target(x, out, axes)
+        count = int(np.prod([x.shape[a] for a in axes]))
+        divisor = count - node.attrs.get("correction", 1.0)
+        mean = np.empty(target.shape, out.dtype)
+        dev = np.empty(x.shape, out.dtype)
+
+        def run():
+            np.mean(x, axis=axes, keepdims=True, out=mean)
+            np.subtract(x, mean, out=dev)
+            np.square(dev, out=dev)
+            np.sum(dev, axis=axes, keepdims=True, out=target)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                np.divide(target, divisor if divisor > 0 else 0.0, out=target)
+            if sqrt:
+                np.sqrt(target, out=target)
+
+        return run
+
+    return make
+
+
+register("reduce_var", infer=float_reduce_infer)(_statistic(False))
+register("reduce_std", infer=float_reduce_infer)(_statistic(True))
+
+
+@register("reduce_norm", infer=float_reduce_infer)
+def make_reduce_norm(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axes = _axes(node.attrs.get("axes"), x.ndim)
+    target = _keepdims_target(x, out, axes)
+    p = float(node.attrs.get("p", 2.0))
+    scratch = np.empty(x.shape, out.dtype)
+    kw = dict(axis=axes, keepdims=True, out=target)
+    if p == 2.0:
+        return lambda: (np.square(x, out=scratch), np.sum(scratch, **kw), np.sqrt(target, out=target))
+    if p == 1.0:
+        return lambda: (np.absolute(x, out=scratch), np.sum(scratch, **kw))
+    if p == np.inf:
+        return lambda: (np.absolute(x, out=scratch), np.max(scratch, **kw))
+    if p == -np.inf:
+        return lambda: (np.absolute(x, out=scratch), np.min(scratch, **kw))
+    if p == 0.0:
+        return lambda: (np.not_equal(x, 0, out=scratch, casting="unsafe"), np.sum(scratch, **kw))
+    return lambda: (np.absolute(x, out=scratch), np.power(scratch, p, out=scratch), np.sum(scratch, **kw),
+                    np.power(target, 1.0 / p, out=target))
+
+
+@register("reduce_logsumexp", infer=float_reduce_infer)
+def make_reduce_logsumexp(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axes = _axes(node.attrs.get("axes"), x.ndim)
+    target = _keepdims_target(x, out, axes)
+    peak = np.empty(target.shape, out.dtype)
+    finite = np.empty(target.shape, bool)
+    scratch = np.empty(x.shape, out.dtype)
+
+    def run():
+        np.max(x, axis=axes, keepdims=True, out=peak)
+        # an all -inf (or inf) slice: shift by 0 so the result is -inf (inf), not nan
+        np.isfinite(peak, out=finite)
+        np.logical_not(finite, out=finite)
+        np.copyto(peak, 0, where=finite)
+        np.subtract(x, peak, out=scratch)
+        np.exp(scratch, out=scratch)
+        np.sum(scratch, axis=axes, keepdims=True, out=target)
+        np.log(target, out=target)
+        np.add(target, peak, out=target)
 
     return run

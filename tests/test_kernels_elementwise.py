@@ -1,0 +1,309 @@
+"""Property tests for the `elementwise` kernel against torch: every activation formula as
+the canonicalization rules write it, unary math, broadcasting binary arithmetic, and
+integer / bool dtypes (torch's result dtypes, exact values), on both backends (numexpr
+and numpy)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import rel_error, run_kernel
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pmx.compiler.canon import RULES, Context
+from pmx.compiler.ir import Node, Value
+
+VARIANTS = ("numexpr", "numpy")
+TOL = 1e-5
+
+
+@st.composite
+def shapes(draw, min_rank=1, max_rank=4):
+    rank = draw(st.integers(min_rank, max_rank))
+    batch = draw(st.integers(1, 4))
+    return (batch,) + tuple(draw(st.integers(1, 6)) for _ in range(rank - 1))
+
+
+@st.composite
+def floats(draw, shape=None, scale=4.0):
+    """float32 data with negatives and exact zeros."""
+    shape = shape if shape is not None else draw(shapes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = np.asarray(rng.standard_normal(shape) * scale, np.float32)
+    x[rng.random(shape) < 0.15] = 0
+    return x
+
+
+def canon(op, attrs, *arrays, out_dtype="float32"):
+    """The canonical elementwise node pnnx op `op` becomes: (expr, input arrays)."""
+    ins = [Value(f"in{i}", a.shape, str(a.dtype)) for i, a in enumerate(arrays)]
+    shape = np.broadcast_shapes(*[a.shape for a in arrays])
+    node = Node(op, "n", ins, [Value("out", shape, out_dtype)], attrs,
+                input_names=["input"] + [None] * (len(ins) - 1))
+    (new,) = RULES[op](node, Context(None))
+    assert new.op == "elementwise"
+    data = {id(v): a for v, a in zip(ins, arrays)}
+    return new.expr, [data.get(id(v), v.data) for v in new.inputs]
+
+
+def check(expr, inputs, want, variant, tol=TOL):
+    (got,) = run_kernel("elementwise", inputs, expr=expr, variant=variant)
+    want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
+    assert got.shape == want.shape
+    assert got.dtype == want.dtype, f"{expr}: dtype {got.dtype}, torch {want.dtype}"
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want, err_msg=expr)
+    else:
+        assert np.array_equal(np.isnan(got), np.isnan(want)), expr
+        finite = ~np.isnan(want)
+        err = rel_error(got[finite], want[finite])
+        assert err <= tol, f"{expr} ({variant}): rel error {err:.3g}"
+
+
+ACTIVATIONS = [
+    ("F.relu", {}, F.relu),
+    ("F.relu6", {}, F.relu6),
+    # F.gelu's definition, evaluated without the cancellation of 1 + erf in float64
+    ("F.gelu", {}, lambda x: 0.5 * x * torch.special.erfc(-x / math.sqrt(2))),
+    # 0.5 x (1 + tanh(u)) == x sigmoid(2u): torch's float64 tanh form is 0 for x < -6
+    ("F.gelu", {"approximate": "tanh"},
+     lambda x: x * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
+    ("F.mish", {}, F.mish),
+    ("F.softplus", {"beta": 1.0, "threshold": 20.0}, F.softplus),
+    ("F.softplus", {"beta": 2, "threshold": 5}, lambda x: F.softplus(x, beta=2, threshold=5)),
+    ("F.softplus", {"beta": 0.5, "threshold": 1.0}, lambda x: F.softplus(x, beta=0.5, threshold=1.0)),
+    ("F.softsign", {}, F.softsign),
+    ("F.selu", {}, F.selu),
+    ("F.celu", {"alpha": 1.0}, F.celu),
+    ("F.celu", {"alpha": 0.5}, lambda x: F.celu(x, 0.5)),
+    ("F.elu", {"alpha": 1.0}, F.elu),
+    ("F.elu", {"alpha": 0.3}, lambda x: F.elu(x, 0.3)),
+    ("F.hardtanh", {"min_val": -1.0, "max_val": 1.0}, F.hardtanh),
+    ("F.hardtanh", {"min_val": -2, "max_val": 0.5}, lambda x: F.hardtanh(x, -2, 0.5)),
+    ("F.logsigmoid", {}, F.logsigmoid),
+    ("F.leaky_relu", {"negative_slope": 0.2}, lambda x: F.leaky_relu(x, 0.2)),
+    ("F.hardswish", {}, F.hardswish),
+    ("F.hardsigmoid", {}, F.hardsigmoid),
+    ("F.silu", {}, F.silu),
+    ("F.sigmoid", {}, torch.sigmoid),
+    ("F.tanh", {}, torch.tanh),
+    ("F.tanhshrink", {}, F.tanhshrink),
+    ("torch.clamp", {"min": -0.5, "max": 0.75}, lambda x: torch.clamp(x, -0.5, 0.75)),
+    ("torch.clamp", {"min": 0, "max": None}, lambda x: torch.clamp(x, min=0)),
+    ("torch.clamp", {"min": None, "max": 1.5}, lambda x: torch.clamp(x, max=1.5)),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("op,attrs,fn", ACTIVATIONS, ids=[f"{a[0]}{a[1]}" for a in ACTIVATIONS])
+@given(x=floats())
+def test_activation(op, attrs, fn, variant, x):
+    # oracle: torch in float64, so torch's own float32 rounding (e.g. 1 + erf(x) for x << 0)
+    # does not count against pmx; a tensor of one element makes the check elementwise
+    expr, inputs = canon(op, attrs, x)
+    check(expr, inputs, fn(torch.from_numpy(x).double()).float(), variant)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@given(x=floats(shape=(4, 64)))
+def test_gelu_matches_torch_float32(approximate, x):
+    expr, inputs = canon("F.gelu", {"approximate": approximate}, x)
+    for variant in VARIANTS:
+        check(expr, inputs, F.gelu(torch.from_numpy(x), approximate=approximate), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=floats(scale=1.0))
+def test_erf_near_zero_and_tails(variant, x):
+    x = np.concatenate([x.ravel(), np.float32([0, 1e-6, -1e-4, 0.5, -3.0, 4.0, 9.0, -9.0])])
+    expr, inputs = canon("torch.erf", {}, x)
+    check(expr, inputs, torch.erf(torch.from_numpy(x).double()).float(), variant)
+
+
+_UNARY = {
+    "abs": torch.abs, "exp": torch.exp, "neg": torch.neg, "floor": torch.floor, "ceil": torch.ceil,
+    "round": torch.round, "sign": torch.sign, "sin": torch.sin, "cos": torch.cos, "atan": torch.atan,
+    "sinh": torch.sinh, "tanh": torch.tanh, "square": torch.square, "expm1": torch.expm1,
+    "trunc": torch.trunc, "erf": torch.erf, "erfc": torch.erfc,
+    # domain-restricted: applied to |x| + 0.5 below
+    "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "reciprocal": torch.reciprocal,
+    "log10": torch.log10, "log1p": torch.log1p,
+}
+_POSITIVE = {"log", "sqrt", "rsqrt", "reciprocal", "log10", "log1p"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", sorted(_UNARY))
+@given(x=floats(scale=2.0))
+def test_unary_math(name, variant, x):
+    if name in _POSITIVE:
+        x = np.abs(x) + np.float32(0.5)
+    expr, inputs = canon(f"torch.{name}", {}, x)
+    check(expr, inputs, _UNARY[name](torch.from_numpy(x).double()).float(), variant)
+
+
+@st.composite
+def broadcast_pair(draw):
+    shape = draw(shapes(min_rank=1, max_rank=4))
+    other = list(shape)
+    for i in range(len(other)):
+        if draw(st.booleans()):
+            other[i] = 1
+    drop = draw(st.integers(0, len(other) - 1))
+    other = tuple(other[drop:])
+    if draw(st.booleans()):
+        shape, other = other, shape
+    return draw(floats(shape)), draw(floats(other))
+
+
+_BINARY = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "maximum": torch.maximum, "minimum": torch.minimum, "atan2": torch.atan2,
+    "gt": torch.gt, "ge": torch.ge, "lt": torch.lt, "le": torch.le, "eq": torch.eq, "ne": torch.ne,
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", sorted(_BINARY))
+@given(pair=broadcast_pair())
+def test_binary_broadcast(name, variant, pair):
+    a, b = pair
+    if name == "div":
+        b = np.where(b == 0, np.float32(1.5), b)
+    expr, inputs = canon(f"torch.{name}", {}, a, b)
+    check(expr, inputs, _BINARY[name](torch.from_numpy(a), torch.from_numpy(b)), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(pair=broadcast_pair(), alpha=st.sampled_from([1, 2, -0.5]))
+def test_add_sub_alpha_and_scalars(variant, pair, alpha):
+    a, b = pair
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    for op, want in (("torch.add", torch.add(ta, tb, alpha=alpha)), ("torch.sub", torch.sub(ta, tb, alpha=alpha))):
+        expr, inputs = canon(op, {"alpha": alpha}, a, b)
+        check(expr, inputs, want, variant)
+    expr, inputs = canon("torch.mul", {"other": 0.3}, a)
+    check(expr, inputs, ta * 0.3, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=floats(), data=st.data())
+def test_prelu_per_channel_and_single(variant, x, data):
+    if x.ndim < 2:
+        x = x.reshape(x.shape[0], 1)
+    c = data.draw(st.sampled_from([1, x.shape[1]]))
+    w = np.random.default_rng(c).uniform(-0.5, 0.5, c).astype(np.float32)
+    ins = [Value("x", x.shape, "float32"), Value("w", w.shape, "float32", data=w)]
+    node = Node("nn.PReLU", "p", ins, [Value("y", x.shape, "float32")], {"num_parameters": c},
+                input_names=["input", "@weight"])
+    (new,) = RULES["nn.PReLU"](node, Context(None))
+    inputs = [x if v is ins[0] else v.data for v in new.inputs]
+    check(new.expr, inputs, F.prelu(torch.from_numpy(x), torch.from_numpy(w)), variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=floats(), data=st.data())
+def test_clamp_with_tensor_bounds(variant, x, data):
+    lo = data.draw(floats(x.shape, scale=1.0)) - np.float32(0.5)
+    hi = lo + np.abs(data.draw(floats(x.shape[1:], scale=1.0)))
+    tx, tlo, thi = map(torch.from_numpy, (x, lo, hi))
+    for attrs, arrays, labels, want in (
+        ({}, (x, lo, hi), ["input", "min", "max"], torch.clamp(tx, tlo, thi)),
+        ({"max": None}, (x, lo), ["input", "min"], torch.clamp(tx, min=tlo)),
+        ({"min": None}, (x, hi), ["input", "max"], torch.clamp(tx, max=thi)),
+    ):
+        ins = [Value(f"i{i}", a.shape, "float32") for i, a in enumerate(arrays)]
+        node = Node("torch.clamp", "c", ins, [Value("y", x.shape, "float32")], attrs, input_names=labels)
+        (new,) = RULES["torch.clamp"](node, Context(None))
+        data_of = {id(v): a for v, a in zip(ins, arrays)}
+        check(new.expr, [data_of[id(v)] for v in new.inputs], want, variant)
+
+
+# --- where / masked_fill ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=floats(), data=st.data(), fill=st.sampled_from([-1e9, 0.0, 2.5, -math.inf]))
+def test_masked_fill_and_where(variant, x, data, fill):
+    mask = data.draw(floats(x.shape[-1:])) > 0  # broadcast along leading dims
+    other = data.draw(floats(x.shape))
+    tx, tm, to = map(torch.from_numpy, (x, mask, other))
+    ins = [Value("x", x.shape, "float32"), Value("m", mask.shape, "bool")]
+    node = Node("Tensor.masked_fill", "mf", ins, [Value("y", x.shape, "float32")], {"value": fill},
+                input_names=["input", "mask"])
+    (new,) = RULES["Tensor.masked_fill"](node, Context(None))
+    (got,) = run_kernel("elementwise", [x, mask], expr=new.expr, variant=variant)
+    np.testing.assert_array_equal(got, tx.masked_fill(tm, fill).numpy())
+    # torch.where with two tensors, and with a scalar branch on either side
+    for labels, arrays, attrs, want in (
+        (["condition", "input", "other"], (mask, x, other), {}, torch.where(tm, tx, to)),
+        (["condition", "input"], (mask, x), {"other": 0.0}, torch.where(tm, tx, 0.0)),
+        (["condition", "other"], (mask, x), {"input": 1.0}, torch.where(tm, 1.0, tx)),
+    ):
+        ins = [Value(f"i{i}", a.shape, str(a.dtype)) for i, a in enumerate(arrays)]
+        node = Node("torch.where", "w", ins, [Value("y", x.shape, "float32")], attrs, input_names=labels)
+        (new,) = RULES["torch.where"](node, Context(None))
+        data_of = {id(v): a for v, a in zip(ins, arrays)}
+        check(new.expr, [data_of[id(v)] for v in new.inputs], want, variant)
+
+
+# --- integer and bool tensors: torch's result dtypes and exact values ---------------------
+
+
+@st.composite
+def int_pair(draw):
+    shape = draw(shapes(max_rank=3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    a = rng.integers(-20, 20, shape).astype(np.int64)
+    b = rng.integers(-6, 7, shape[-1:]).astype(np.int64)
+    b[b == 0] = 3
+    return a, b
+
+
+_INT_BINARY = {
+    "add(@0,@1)": torch.add, "sub(@0,@1)": torch.sub, "mul(@0,@1)": torch.mul,
+    "div(@0,@1)": torch.div, "floor_divide(@0,@1)": torch.floor_divide,
+    "remainder(@0,@1)": torch.remainder, "fmod(@0,@1)": torch.fmod,
+    "maximum(@0,@1)": torch.maximum, "minimum(@0,@1)": torch.minimum,
+    "gt(@0,@1)": torch.gt, "le(@0,@1)": torch.le, "eq(@0,@1)": torch.eq, "ne(@0,@1)": torch.ne,
+    "and(@0,@1)": torch.bitwise_and, "or(@0,@1)": torch.bitwise_or, "xor(@0,@1)": torch.bitwise_xor,
+    "mul(@0,3)": lambda a, b: a * 3, "add(@0,1.5)": lambda a, b: a + 1.5,
+    "div(@0,2)": lambda a, b: a / 2, "floor_divide(@0,-2)": lambda a, b: torch.floor_divide(a, -2),
+    "mul(@0,sub(@1,1))": lambda a, b: a * (b - 1),
+    "where(gt(@0,0),@0,@1)": lambda a, b: torch.where(a > 0, a, b),
+    "where(gt(@0,0),@0,0.5)": lambda a, b: torch.where(a > 0, a, 0.5),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("expr", sorted(_INT_BINARY))
+@given(pair=int_pair())
+def test_int64_expressions(expr, variant, pair):
+    a, b = pair
+    want = _INT_BINARY[expr](torch.from_numpy(a), torch.from_numpy(b))
+    check(expr, [a, b], want, variant)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(pair=int_pair(), x=floats(scale=2.0))
+def test_mixed_float_int_bool(variant, pair, x):
+    a, b = pair
+    x = x.reshape(-1)[:1].reshape(()) if x.size else np.float32(1)
+    x = np.full(a.shape, x, np.float32)
+    m = a > 0
+    ta, tb, tx, tm = map(torch.from_numpy, (a, b, x, m))
+    check("mul(@0,@1)", [x, a], tx * ta, variant)  # float32 * int64 -> float32
+    check("add(@0,@1)", [m, a], tm + ta, variant)  # bool + int64 -> int64
+    check("mul(@0,@1)", [x, m], tx * tm, variant)  # float32 * bool -> float32
+    check("and(@0,gt(@1,0))", [m, b], tm & (tb > 0), variant)
+    check("not(@0)", [m], ~tm, variant)
+    check("sub(neg(@0),1)", [a], torch.bitwise_not(ta), variant)
+    check("exp(div(@0,10))", [a], torch.exp(ta / 10), variant)  # int math -> float32
+    for op in ("torch.logical_and", "torch.logical_or", "torch.logical_xor"):
+        ins = [Value("a", a.shape, "int64"), Value("m", m.shape, "bool")]
+        node = Node(op, "l", ins, [Value("y", a.shape, "bool")], {}, input_names=["input", "other"])
+        (new,) = RULES[op](node, Context(None))
+        check(new.expr, [a, m], getattr(torch, op.split(".")[1])(ta, tm), variant)
