@@ -143,7 +143,7 @@ def inspect_dict(model):
         else:
             roots[r] = (lo, hi)
     buffers = [(t[r].nbytes, lo, hi) for r, (lo, hi) in roots.items()]
-    naive = sum(ti.nbytes for ti in t if ti.kind != TensorKind.Constant and ti.alias_of < 0)
+    naive = sum(ti.nbytes for ti in t if ti.kind != TensorKind.Constant)  # one buffer per tensor
     return {
         "file": model.path,
         "producer": model.producer,

@@ -2,9 +2,11 @@
 
 A buffer is (size in bytes, first step, last step), steps being positions in the stored
 execution order (graph inputs at step -1, graph outputs alive to the last step). Buffers
-go in order of size, largest first (ties: earlier first step, then index, so the plan is
-deterministic); each takes the smallest gap between buffers already placed that are
-alive at an overlapping time, or the end of them. Offsets are 64-byte aligned.
+go in order of aligned size, largest first (ties: earlier first step, then index, so the
+plan is deterministic); each takes the smallest gap between buffers already placed that are
+alive at an overlapping time, or the end of them. Offsets are 64-byte aligned. A few
+other placement orders (ORDERINGS) run the same best-fit placement; the smallest arena
+wins.
 
 The compiler plans the shape a model was compiled for and stores it; the runtime calls
 the same function to re-plan other input shapes. `check_plan` is the planner's checker.
@@ -17,9 +19,31 @@ def _aligned(n):
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+# Orderings tried, best arena wins (ties: the first). Greedy by size alone misses easy
+# cases (a growing chain puts the first small tensor where the last big one's partner
+# should go); placing in order of first step, or of last step, catches those.
+ORDERINGS = (
+    lambda b, i: (-_aligned(max(b[0], 1)), b[1], i),  # greedy by size (TFLite)
+    lambda b, i: (-_aligned(max(b[0], 1)), -b[2], i),  # by size, longest-lived first
+    lambda b, i: (b[1], -_aligned(max(b[0], 1)), i),  # by first step (linear scan)
+    lambda b, i: (-b[2], -_aligned(max(b[0], 1)), i),  # by last step, backwards
+)
+
+
 def plan_arena(buffers):
     """buffers: list of (size, first, last). Returns (offsets list, arena size)."""
-    order = sorted(range(len(buffers)), key=lambda i: (-buffers[i][0], buffers[i][1], i))
+    best = None
+    for key in ORDERINGS:
+        order = sorted(range(len(buffers)), key=lambda i: key(buffers[i], i))
+        offsets, arena = _place(buffers, order)
+        if best is None or arena < best[1]:
+            best = (offsets, arena)
+    return best if best is not None else ([], 0)
+
+
+def _place(buffers, order):
+    """Each buffer in turn takes the smallest gap between already placed buffers alive at
+    an overlapping time that fits it, or the end of them."""
     offsets = [0] * len(buffers)
     placed = []  # (offset, end, first, last)
     arena = 0
@@ -49,7 +73,8 @@ def check_plan(buffers, offsets, arena_size):
     for i in range(len(buffers)):
         size = buffers[i][0]
         if offsets[i] < 0 or offsets[i] + size > arena_size:
-            raise AssertionError(f"buffer {i} [{offsets[i]}, +{size}) outside arena of {arena_size} bytes")
+            raise AssertionError(
+                f"buffer {i} [{offsets[i]}, +{size}) outside arena of {arena_size} bytes")
     for a_pos, i in enumerate(items):
         si, fi, li = buffers[i]
         for j in items[a_pos + 1:]:
@@ -58,7 +83,8 @@ def check_plan(buffers, offsets, arena_size):
             sj, fj, lj = buffers[j]
             if si and sj and fi <= lj and fj <= li:
                 raise AssertionError(
-                    f"buffers {i} [{offsets[i]}, +{si}) steps {fi}..{li} and {j} [{offsets[j]}, +{sj}) steps {fj}..{lj} overlap")
+                    f"buffers {i} [{offsets[i]}, +{si}) steps {fi}..{li} and "
+                    f"{j} [{offsets[j]}, +{sj}) steps {fj}..{lj} overlap")
 
 
 def lower_bound(buffers):

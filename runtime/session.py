@@ -27,7 +27,7 @@ import numpy as np
 
 from pmx.runtime import kernels
 from pmx.runtime.dtypes import ORT_TYPE
-from pmx.runtime.errors import PmxError, PmxInputError
+from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model, resolve_alias
 from pmx.schema import pmx_generated as fb
 
@@ -60,10 +60,10 @@ class _Binding:
                 fn = kernels.get(node.op).make(node, ins, outs)
             except PmxError:
                 raise
-            except Exception as e:  # a kernel refusing its inputs: the file is inconsistent
-                from pmx.runtime.errors import PmxFormatError
-
-                raise PmxFormatError(f"{model.path}: node {node.name!r} ({node.op}) cannot be bound: {type(e).__name__}: {e}") from None
+            except MemoryError:
+                raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
+            except Exception as e:  # noqa: BLE001 - a kernel refusing its attributes: the file is inconsistent
+                raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot be bound: {type(e).__name__}: {str(e)[:120]}") from None
             self.steps.append(fn)
         self.subsets = {}
 
@@ -128,7 +128,15 @@ class InferenceSession:
     def _binding(self):
         b = getattr(self._local, "binding", None)
         if b is None:
-            b = self._local.binding = _Binding(self._model)
+            try:
+                b = _Binding(self._model)
+            except PmxError:
+                raise
+            except MemoryError:
+                raise PmxResourceError(f"{self._model.path}: cannot allocate the {self._model.arena_size}-byte arena") from None
+            except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
+                raise PmxFormatError(f"{self._model.path}: cannot bind the model: {type(e).__name__}: {str(e)[:120]}") from None
+            self._local.binding = b
         return b
 
     def _check_feed(self, feed):
@@ -167,16 +175,16 @@ class InferenceSession:
         return steps
 
     def _needed_steps(self, binding, wanted):
-        """Only the nodes the requested outputs depend on, in stored order."""
+        """Only the nodes the requested outputs depend on, in stored order. Following
+        inputs is enough even with aliases: whatever writes into a tensor's bytes is an
+        ancestor of it (a concat's slices are its inputs, an in-place or view node reads
+        the tensor it aliases), and running a subset in stored order keeps every needed
+        tensor live as in a full run."""
         m = self._model
         producer = {}
         for j, node in enumerate(m.nodes):
             for t in node.outputs:
                 producer[t] = j
-        views_of = {}
-        for k, tk in enumerate(m.tensors):
-            if tk.alias_of >= 0:
-                views_of.setdefault(resolve_alias(m, k)[0], []).append(k)
         need = set()
         stack = list(wanted)
         seen = set()
@@ -185,14 +193,10 @@ class InferenceSession:
             if t in seen:
                 continue
             seen.add(t)
-            root, _ = resolve_alias(m, t)
-            for x in (t, root):
-                j = producer.get(x)
-                if j is not None and j not in need:
-                    need.add(j)
-                    stack.extend(i for i in m.nodes[j].inputs if i >= 0)
-            # views of a root are written by their own producers (e.g. concat slices)
-            stack.extend(k for k in views_of.get(root, ()) if k not in seen)
+            j = producer.get(t)
+            if j is not None and j not in need:
+                need.add(j)
+                stack.extend(i for i in m.nodes[j].inputs if i >= 0)
         return [binding.steps[j] for j in sorted(need) if binding.steps[j] is not None]
 
     def run(self, output_names=None, input_feed=None, run_options=None):
@@ -218,10 +222,27 @@ class InferenceSession:
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
         steps = self._steps_for(binding, wanted)
-        with np.errstate(all="ignore"):
-            for step in steps:
-                step()
+        step = None
+        try:
+            with np.errstate(all="ignore"):
+                for step in steps:
+                    step()
+        except PmxError:
+            raise
+        except MemoryError:
+            raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
+        except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
+            raise PmxFormatError(f"{self._model.path}: {self._describe(binding, step)} failed: {type(e).__name__}: {str(e)[:120]}") from None
         return [np.array(binding.views[i], copy=True) for i in wanted]
+
+    def _describe(self, binding, step):
+        """'node NAME (op)' for the step that raised (found only after an error, so the
+        loop in run() stays a bare loop)."""
+        for j, fn in enumerate(binding.steps):
+            if fn is step:
+                node = self._model.nodes[j]
+                return f"node {node.name[:40]!r} ({node.op})"
+        return "a node"
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,

@@ -2,13 +2,19 @@
 (changed?). With verify=True (tests, `pmx compile --verify`) the graph is checked after
 every pass and a failure names the pass."""
 
+from pmx.compiler.passes.alias_concat import alias_concat
+from pmx.compiler.passes.alias_views import alias_views
 from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
 from pmx.compiler.passes.fold_constants import fold_constants
+from pmx.compiler.passes.fuse_activation import fuse_activation
+from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
+from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
 from pmx.compiler.passes.infer_shapes import infer_shapes
 from pmx.compiler.passes.order import order
 from pmx.compiler.passes.plan_memory import plan_memory
+from pmx.compiler.passes.write_inplace import write_inplace
 
 PIPELINE = [
     # PNNX spellings -> canonical ops; everything after sees one op set.
@@ -18,29 +24,81 @@ PIPELINE = [
     # Constant subgraphs (shape arithmetic, Attribute chains) become constants, which
     # exposes more dead code and lets fusion see plain weights.
     ("fold_constants", fold_constants),
-    # Drops what no output needs, including constants only dead nodes read.
+    # Drops what no output needs, including constants only dead nodes read; before the
+    # fusions so a dead second reader does not block them.
     ("eliminate_dead_code", eliminate_dead_code),
+    # Before fuse_activation: a conv carrying an epilogue can no longer absorb a BN.
+    ("fuse_conv_batchnorm", fuse_conv_batchnorm),
+    # Before fuse_elementwise, so a GEMM's activation goes into its epilogue (in cache)
+    # rather than into a separate elementwise region that re-reads the output.
+    ("fuse_activation", fuse_activation),
+    # Merges what is left of elementwise chains into one expression per region.
+    ("fuse_elementwise", fuse_elementwise),
     # Per-node kernel choice; after fusion so it sees the final expressions.
     ("choose_kernels", choose_kernels),
-    # Fixes the execution order the file stores; planning depends on it.
+    # Fixes the execution order the file stores; lifetimes (in-place, planning) use it.
     ("order", order),
-    # Lifetimes over the final order -> arena offsets and aliases; must be last.
+    # Aliases from here on only change where tensors live, never the node list.
+    # Reshape-like views first: a concat slice or in-place write then sees them as part
+    # of their input's buffer.
+    ("alias_views", alias_views),
+    # Before write_inplace: removing a concat's copy saves time as well as memory, so
+    # concat gets the first claim on a tensor's placement.
+    ("alias_concat", alias_concat),
+    # Needs the final order and every other alias to know where each buffer dies.
+    ("write_inplace", write_inplace),
+    # Lifetimes over the final order -> arena offsets; must be last.
     ("plan_memory", plan_memory),
 ]
 
-# Passes that only optimize; `pmx compile --no-opt` skips them.
-OPTIONAL = {"fold_constants", "eliminate_dead_code"}
-# Passes that can be switched off one by one (`--disable NAME`).
+# Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
+OPTIONAL = {"fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
+            "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
+# Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "choose_kernels", "order", "plan_memory"}
 
 
 def run_pipeline(graph, verify=False, disabled=()):
+    if not hasattr(graph, "aliases"):
+        graph.aliases = {}
+    shapes_known = False  # pnnx leaves some shapes out; infer_shapes fills them
     for name, fn in PIPELINE:
         if name in disabled and name not in REQUIRED:
             continue
         before = len(graph.nodes)
         fn(graph)
         graph.pass_stats.append((name, before, len(graph.nodes)))
+        shapes_known = shapes_known or name == "infer_shapes"
         if verify:
-            graph.verify(after=name)
+            graph.verify(after=name, require_shapes=shapes_known)
+            check_aliases(graph, after=name)
     return graph
+
+
+def check_aliases(graph, after=""):
+    """Every alias points at a live, non-constant tensor with room for the view, and
+    alias chains end (no cycles)."""
+    from pmx.runtime.errors import PmxCompileError
+
+    where = f" after pass {after}" if after else ""
+    values = {v.uid for v in graph.values()}
+    for uid, (target, offset, strides) in graph.aliases.items():
+        if uid not in values:
+            continue  # the viewing tensor was removed; harmless, the writer ignores it
+        if target.is_constant or target.uid not in values:
+            raise PmxCompileError(
+                f"alias check failed{where}: a tensor aliases {target.name}, which is not a live tensor")
+        seen = {uid}
+        t = target
+        while t.uid in graph.aliases:
+            if t.uid in seen:
+                raise PmxCompileError(
+                    f"alias check failed{where}: alias chain through {t.name} loops")
+            seen.add(t.uid)
+            t = graph.aliases[t.uid][0]
+    by_uid = {v.uid: v for v in graph.values()}
+    for uid, (target, offset, strides) in graph.aliases.items():
+        v = by_uid.get(uid)
+        if v is not None and strides is None and offset + v.nbytes > target.nbytes:
+            raise PmxCompileError(f"alias check failed{where}: {v.name} [{offset}, +{v.nbytes}) "
+                                  f"exceeds {target.name} ({target.nbytes} bytes)")

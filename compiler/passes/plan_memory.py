@@ -2,49 +2,37 @@
 (runtime/plan.py, shared with run-time re-planning), checked by its own checker.
 
 Every non-constant tensor gets either an arena offset or an alias: a view into another
-tensor's bytes (reshape-like ops, and whatever fusion passes recorded in graph.aliases,
-e.g. concat inputs written straight into their slice of the output). Aliases resolve to
-a root buffer whose lifetime covers all its views. Graph inputs are planned too (run()
-copies them in); graph outputs and kept tensors live to the end.
+tensor's bytes, recorded in graph.aliases by the passes before this one (alias_views,
+alias_concat, write_inplace). Aliases resolve to a root buffer whose lifetime covers all
+its views. Graph inputs are planned too (run() copies them in, step -1); graph outputs
+and kept tensors live to the end.
+
+`lifetimes` and `resolve` are shared with write_inplace, which must see the same
+lifetimes the planner will.
 """
 
-from pmx.runtime.kernels import get
 from pmx.runtime.plan import check_plan, lower_bound, plan_arena
 
 
-def _decide_view_aliases(graph):
-    aliases = dict(getattr(graph, "aliases", {}))
-    for node in graph.nodes:
-        if not get(node.op).view:
-            continue
-        x, out = node.inputs[0], node.outputs[0]
-        if x.is_constant or out.uid in aliases:
-            continue
-        target = aliases.get(x.uid)
-        if target is not None and target[2] is not None:
-            continue  # x is a strided view: a reshape of it is not a view, the kernel copies
-        aliases[out.uid] = (x, 0, None)
-    return aliases
-
-
-def _root(v, aliases):
+def resolve(v, aliases):
+    """(root Value, byte offset into it, strided?) of v through the alias chain."""
     offset = 0
-    strides = None
+    strided = False
     while v.uid in aliases:
-        target, off, st = aliases[v.uid]
+        target, off, strides = aliases[v.uid]
         offset += off
-        strides = strides if strides is not None else st
+        strided = strided or strides is not None
         v = target
-    return v, offset
+    return v, offset, strided
 
 
-def plan_memory(graph) -> bool:
-    aliases = _decide_view_aliases(graph)
+def lifetimes(graph):
+    """{value uid: (first step, last step)} for non-constant values over graph.nodes;
+    graph inputs start at -1, graph outputs and kept tensors end at len(nodes)."""
     n = len(graph.nodes)
     first, last = {}, {}
     for v in graph.inputs:
-        first[v.uid] = -1
-        last[v.uid] = -1
+        first[v.uid] = last[v.uid] = -1
     for i, node in enumerate(graph.nodes):
         for v in node.outputs:
             first.setdefault(v.uid, i)
@@ -55,18 +43,29 @@ def plan_memory(graph) -> bool:
     for v in graph.outputs + list(getattr(graph, "kept", [])):
         if not v.is_constant:
             last[v.uid] = n
+    return {uid: (first.get(uid, last[uid]), last[uid]) for uid in last}
 
+
+def root_lifetimes(graph, aliases):
+    """{root uid: [root, first, last]} with each root's span covering all its views."""
+    spans = lifetimes(graph)
     roots = {}
     for v in graph.values():
-        if v.is_constant:
+        if v.is_constant or v.uid not in spans:
             continue
-        r, _ = _root(v, aliases)
-        lo, hi = first.get(v.uid, -1), last.get(v.uid, -1)
+        r, _, _ = resolve(v, aliases)
+        lo, hi = spans[v.uid]
         if r.uid in roots:
-            _, a, b = roots[r.uid]
-            roots[r.uid] = (r, min(a, lo), max(b, hi))
+            entry = roots[r.uid]
+            entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
         else:
-            roots[r.uid] = (r, lo, hi)
+            roots[r.uid] = [r, lo, hi]
+    return roots
+
+
+def plan_memory(graph) -> bool:
+    aliases = getattr(graph, "aliases", {})
+    roots = root_lifetimes(graph, aliases)
     root_list = sorted(roots.values(), key=lambda t: (t[1], t[0].uid))
     buffers = [(r.nbytes, lo, hi) for r, lo, hi in root_list]
     offsets, arena = plan_arena(buffers)
@@ -76,5 +75,8 @@ def plan_memory(graph) -> bool:
     graph.aliases = aliases
     graph.arena_size = arena
     graph.lower_bound = lower_bound(buffers)
-    graph.naive_bytes = sum(v.nbytes for v in graph.values() if not v.is_constant and v.uid not in aliases)
+    # what one buffer per tensor (no reuse over time, no views, no in-place) would take
+    spans = lifetimes(graph)
+    graph.naive_bytes = sum(v.nbytes for v in graph.values()
+                            if not v.is_constant and v.uid in spans)
     return True

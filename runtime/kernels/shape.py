@@ -54,13 +54,41 @@ def concat_infer(node, shapes, dtypes):
     return [(tuple(shape), np.result_type(*dtypes))]
 
 
+def _same_view(a, b):
+    """a and b are the very same elements (not merely overlapping memory); strides of
+    size-1 dims do not matter."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.__array_interface__["data"][0] != b.__array_interface__["data"][0]:
+        return False
+    return all(sa == sb for sa, sb, d in zip(a.strides, b.strides, a.shape) if d > 1)
+
+
 @register("concat", infer=concat_infer)
 def make_concat(node, inputs, outputs):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
     if node.variant == "inplace":  # producers already wrote into their slices
         return None
-    return lambda: np.concatenate(inputs, axis=axis, out=out)
+    pairs = []
+    start = 0
+    for x in inputs:
+        idx = [slice(None)] * out.ndim
+        idx[axis] = slice(start, start + x.shape[axis])
+        start += x.shape[axis]
+        dst = out[tuple(idx)]
+        if not _same_view(x, dst):  # inputs the planner placed in their slice need no copy
+            pairs.append((dst, x))
+    if not pairs:
+        return None
+    if len(pairs) == len(inputs):
+        return lambda: np.concatenate(inputs, axis=axis, out=out)
+
+    def run():
+        for dst, src in pairs:
+            np.copyto(dst, src)
+
+    return run
 
 
 def split_infer(node, shapes, dtypes):
@@ -85,7 +113,7 @@ def make_split(node, inputs, outputs):
         idx[axis] = slice(start, start + n)
         src = x[tuple(idx)]
         start += n
-        if out is None or np.shares_memory(src, out):
+        if out is None or _same_view(src, out):
             continue
         pairs.append((out, src))
     if not pairs:
@@ -117,7 +145,7 @@ def slice_infer(node, shapes, dtypes):
 def make_slice(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     src = x[_slice_index(node.attrs, x.ndim)]
-    if np.shares_memory(src, out):
+    if _same_view(src, out):
         return None
     dst = view_as(out, src.shape) if out.flags.c_contiguous else out
     return lambda: np.copyto(dst, src)

@@ -1,0 +1,451 @@
+"""Each optimizing pass: outputs with and without it agree with torch on models where it
+fires (and it does fire), and it does not fire where it must not."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pmx.compiler import pnnx
+from pmx.compiler.driver import compile_graph
+from pmx.compiler.ir import Graph, Node, Value
+from pmx.compiler.write import write
+from pmx.runtime import InferenceSession
+
+
+def randomize_bn(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.5)
+            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            m.weight.data.copy_(torch.randn(m.num_features, generator=g))
+            m.bias.data.copy_(torch.randn(m.num_features, generator=g))
+    return module.eval()
+
+
+def compiled(exporter, name, module, inputs, **kwargs):
+    """The planned graph of a pnnx export (not written)."""
+    prefix = exporter(name, module, inputs)
+    graph = pnnx.load(prefix + ".pnnx.param", prefix + ".pnnx.bin")
+    return compile_graph(graph, verify=True, **kwargs)
+
+
+def ops(graph):
+    return [n.op for n in graph.nodes]
+
+
+def check_with_and_without(check_model, exporter, name, module, inputs, pass_name):
+    """Both compiles match torch; returns (graph with the pass, graph without)."""
+    check_model(name, module, inputs)
+    check_model(name, module, inputs, disabled=[pass_name])
+    return (compiled(exporter, name, module, inputs),
+            compiled(exporter, name, module, inputs, disabled=[pass_name]))
+
+
+def make(cls):
+    """A fresh instance with fixed initial weights: exports are cached by name, so every
+    instance compared against one must be the same model."""
+    torch.manual_seed(0)
+    return cls().eval()
+
+
+def _rand(*shape, seed=0):
+    return (torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2 - 1,)
+
+
+# --- fuse_conv_batchnorm -------------------------------------------------------------
+# pnnx folds conv+bn itself when they are adjacent; a dropout between them (removed only
+# by pmx's canonicalization) leaves the pair to pmx.
+
+
+class ConvDropBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(4, 8, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=2, bias=False)
+        self.b2 = nn.BatchNorm2d(8)
+        self.c3 = nn.Conv1d(8, 6, 3)
+        self.b3 = nn.BatchNorm1d(6)
+        self.fc = nn.Linear(6, 5)
+        self.b4 = nn.BatchNorm1d(5)
+        self.d = nn.Dropout(0.3)
+
+    def forward(self, x):
+        y = F.relu(self.b1(self.d(self.c1(x))))
+        y = self.b2(self.d(self.c2(y)))
+        z = self.b3(self.d(self.c3(y.flatten(2))))
+        return self.b4(self.d(self.fc(z.mean(-1))))
+
+
+class ConvBNSecondReader(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 6, 3)
+        self.bn = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(4, 5)
+        self.bn1 = nn.BatchNorm1d(3)
+        self.d = nn.Dropout(0.1)
+
+    def forward(self, x, s):
+        y = self.c(x)
+        # linear on rank 3: BatchNorm1d's channel axis (1) is not the feature axis
+        return self.bn(self.d(y)) + y, self.bn1(self.d(self.fc(s)))
+
+
+def test_fuse_conv_batchnorm_fires(check_model, exporter):
+    m = randomize_bn(make(ConvDropBN))
+    x = _rand(2, 4, 6, 6)
+    with_, without = check_with_and_without(check_model, exporter, "passes_conv_drop_bn", m, x, "fuse_conv_batchnorm")
+    assert ops(without).count("batch_norm") == 4
+    assert "batch_norm" not in ops(with_)
+
+
+def test_fuse_conv_batchnorm_folds_in_float64():
+    w = np.random.default_rng(0).standard_normal((4, 3, 1, 1)).astype(np.float32)
+    scale = np.array([1e4, 1e-4, 3.0, -2.0], np.float32)
+    shift = np.array([0.5, -1.0, 0.0, 2.0], np.float32)
+    g = Graph("t")
+    x = Value("x", (1, 3, 2, 2))
+    y, z = Value("y", (1, 4, 2, 2)), Value("z", (1, 4, 2, 2))
+    g.inputs = [x]
+    g.add_node(Node("conv", "c", [x, Value("w", w.shape, data=w)], [y],
+                    dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1)))
+    g.add_node(Node("batch_norm", "bn", [y, Value("s", (4,), data=scale), Value("t", (4,), data=shift)], [z]))
+    g.outputs = [z]
+    compile_graph(g, verify=True)
+    (conv,) = g.nodes
+    want_w = (w.astype(np.float64) * scale.astype(np.float64)[:, None, None, None]).astype(np.float32)
+    np.testing.assert_array_equal(conv.inputs[1].data, want_w)
+    np.testing.assert_array_equal(conv.inputs[2].data, shift)
+    assert conv.inputs[1].dtype == "float32" and conv.outputs[0] is z
+
+
+def test_fuse_conv_batchnorm_not_with_second_reader(check_model, exporter):
+    m = randomize_bn(make(ConvBNSecondReader))
+    inputs = (_rand(1, 3, 7, 7)[0], _rand(2, 3, 4, seed=1)[0])
+    g, _ = check_with_and_without(check_model, exporter, "passes_conv_bn_second_reader", m, inputs, "fuse_conv_batchnorm")
+    assert ops(g).count("batch_norm") == 2
+
+
+# --- fuse_activation -------------------------------------------------------------------
+
+
+class GemmActs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1, groups=g) for g in (1, 4, 1, 2, 1, 1, 4))
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 8)
+
+    def forward(self, x, m):
+        acts = [F.relu, F.relu6, lambda t: F.leaky_relu(t, 0.1), torch.sigmoid, F.silu, F.hardswish,
+                F.hardsigmoid]
+        for conv, act in zip(self.convs, acts):
+            x = act(conv(x))
+        x = torch.clamp(x, -0.5, 0.5)  # stays separate: the conv already took hardsigmoid, clamp chains on
+        h = F.gelu(self.fc1(m))
+        h = torch.tanh(self.fc2(h))
+        h = F.gelu(self.fc3(h), approximate="tanh")
+        return x, torch.tanh(torch.matmul(h, h.transpose(-1, -2)))
+
+
+class GemmActNotFused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 1)
+        self.c2 = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = self.c(x)
+        z = self.c2(y)
+        return F.relu(y) + 1, y * z, torch.sigmoid(z)  # y read twice; z also a graph output? no: z read twice
+
+
+def test_fuse_activation_fires(check_model, exporter):
+    m = make(GemmActs)
+    inputs = (_rand(1, 4, 6, 6)[0], _rand(2, 5, 16, seed=1)[0])
+    g, without = check_with_and_without(check_model, exporter, "passes_gemm_acts", m, inputs, "fuse_activation")
+    gemms = [n for n in g.nodes if n.op in ("conv", "linear", "matmul")]
+    assert len(gemms) == 11 and all(n.expr for n in gemms), [(n.op, n.expr) for n in gemms]
+    assert "clamp" not in "".join(n.expr for n in gemms)
+    assert len(without.nodes) > len(g.nodes)
+
+
+def test_fuse_activation_not_with_second_reader(check_model, exporter):
+    m = make(GemmActNotFused)
+    g, _ = check_with_and_without(check_model, exporter, "passes_gemm_act_not", m, _rand(1, 3, 5, 5), "fuse_activation")
+    assert all(not n.expr for n in g.nodes if n.op == "conv")
+
+
+# --- fuse_elementwise ------------------------------------------------------------------
+
+
+class EwChains(nn.Module):
+    def forward(self, x, y, g):
+        a = torch.tanh(x * 2.5 + 1) - torch.sigmoid(y) * 0.5  # one region over x, y
+        b = torch.clamp(a, -0.7, 0.7) * x  # continues the region
+        s = torch.sigmoid(g) * 3  # (1, C, 1, 1) gate: stays its own node (small tensor)
+        c = b * s
+        d = torch.exp(c)  # read twice: region boundary
+        return d + 1, d * 2, (x > 0).float() * y
+
+
+def test_fuse_elementwise_fires(check_model, exporter):
+    inputs = (_rand(1, 4, 5, 6)[0], _rand(1, 4, 5, 6, seed=1)[0], _rand(1, 4, 1, 1, seed=2)[0])
+    g, without = check_with_and_without(check_model, exporter, "passes_ew_chains", make(EwChains), inputs, "fuse_elementwise")
+    ew = [n for n in g.nodes if n.op == "elementwise"]
+    assert len(without.nodes) - len(g.nodes) >= 5
+    # the gate region (small) and the d region (two readers) stay separate
+    gate = [n for n in ew if n.outputs[0].shape == (1, 4, 1, 1)]
+    assert len(gate) == 1
+    assert all(v.dtype == "float32" for n in ew for v in n.outputs if "gt(" not in n.expr)
+
+
+def test_fused_expression_stays_float32(check_model, exporter):
+    _, got, _ = check_model("passes_ew_chains", make(EwChains), (_rand(1, 4, 5, 6)[0], _rand(1, 4, 5, 6, seed=1)[0],
+                                                      _rand(1, 4, 1, 1, seed=2)[0]))
+    assert all(a.dtype == np.float32 for a in got)
+
+
+# --- alias_views, alias_concat, write_inplace -------------------------------------------
+
+
+class Fire(nn.Module):
+    """SqueezeNet fire module + Inception-style cat + reshape views."""
+
+    def __init__(self):
+        super().__init__()
+        self.squeeze = nn.Conv2d(8, 4, 1)
+        self.e1 = nn.Conv2d(4, 6, 1)
+        self.e3 = nn.Conv2d(4, 6, 3, padding=1)
+        self.b = nn.Conv2d(12, 4, 1)
+
+    def forward(self, x):
+        s = F.relu(self.squeeze(x))
+        y = torch.cat([F.relu(self.e1(s)), F.relu(self.e3(s))], 1)
+        z = torch.cat([y, self.b(y) * 2], 1)
+        return z.flatten(1).view(z.shape[0], -1, 2) + 1
+
+
+def aliases_by_op(graph):
+    """{op of the aliased tensor's producer: count}"""
+    out = {}
+    for v in graph.values():
+        if v.uid in graph.aliases and v.producer is not None:
+            out[v.producer.op] = out.get(v.producer.op, 0) + 1
+    return out
+
+
+def test_alias_concat_fires(check_model, exporter):
+    g, without = check_with_and_without(check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_concat")
+    concat_inputs = [v for n in g.nodes if n.op == "concat" for v in n.inputs]
+    assert len(concat_inputs) == 4 and all(v.uid in g.aliases for v in concat_inputs)
+    assert g.arena_size < without.arena_size
+    sess, _, _ = check_model("passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
+    binding = sess._binding()
+    concat_steps = [s for n, s in zip(sess.model.nodes, binding.steps) if n.op == "concat"]
+    assert concat_steps == [None, None]  # no copy left at run time
+
+
+class DenseBlock(nn.Module):
+    """torchvision DenseNet's pattern: layer k reads cat([x0, .., xk-1])."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Conv2d(4 + 3 * i, 3, 3, padding=1) for i in range(4))
+
+    def forward(self, x):
+        feats = [F.relu(x)]
+        for layer in self.layers:
+            feats.append(torch.tanh(layer(torch.cat(feats, 1))))
+        return torch.cat(feats, 1).mean((2, 3))
+
+
+def test_alias_concat_dense_block_copies_nothing(check_model, exporter):
+    g, without = check_with_and_without(check_model, exporter, "passes_dense_block", make(DenseBlock), _rand(1, 4, 6, 6),
+                                        "alias_concat")
+    concats = [n for n in g.nodes if n.op == "concat"]
+    assert len(concats) == 4  # pnnx drops the cat of one tensor
+    assert all(n.outputs[0].uid in g.aliases for n in concats[:-1])  # each a prefix of the next
+    sess, _, _ = check_model("passes_dense_block", make(DenseBlock), _rand(1, 4, 6, 6))
+    steps = sess._binding().steps
+    assert all(s is None for n, s in zip(sess.model.nodes, steps) if n.op == "concat")
+    assert g.arena_size < without.arena_size
+
+
+def test_alias_concat_not_for_strided_slices(check_model, exporter):
+    # batch 2: each input's slice of the cat output has gaps -> copied
+    g, _ = check_with_and_without(check_model, exporter, "passes_fire_b2", make(Fire), _rand(2, 8, 5, 5), "alias_concat")
+    assert all(v.uid not in g.aliases for n in g.nodes if n.op == "concat" for v in n.inputs)
+
+
+class CatOfOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        a = self.c(x)
+        b = a * 2
+        return torch.cat([a, b, b], 1), a, torch.cat([x, b], 1)
+
+
+def test_alias_concat_not_for_outputs_inputs_or_repeats(check_model, exporter):
+    g, _ = check_with_and_without(check_model, exporter, "passes_cat_of_output", make(CatOfOutput), _rand(1, 3, 4, 4),
+                                  "alias_concat")
+    a = g.outputs[1]
+    x = g.inputs[0]
+    assert a.uid not in g.aliases and x.uid not in g.aliases
+    for n in g.nodes:
+        if n.op == "concat":
+            repeated = [v for v in n.inputs if n.inputs.count(v) > 1]
+            assert all(v.uid not in g.aliases or g.aliases[v.uid][0] is not n.outputs[0] for v in repeated)
+
+
+def test_alias_views_fires_and_not_for_kept(check_model, exporter):
+    g, without = check_with_and_without(check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_views")
+    assert aliases_by_op(g).get("reshape", 0) >= 1
+    assert aliases_by_op(without).get("reshape", 0) == 0
+    # keep the tensor a reshape reads: that reshape copies, and the kept tensor is exact
+    cat_out = [n for n in g.nodes if n.op == "concat"][-1].outputs[0].name
+    gk = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), keep=[cat_out])
+    kept = gk.kept[0]
+    assert all(c.outputs[0].uid not in gk.aliases for c in kept.consumers if c.op == "reshape")
+    sess, _, _ = check_model("passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), keep=[cat_out])
+    m = make(Fire)
+    x = _rand(1, 8, 5, 5)[0]
+    with torch.no_grad():
+        s = F.relu(m.squeeze(x))
+        y = torch.cat([F.relu(m.e1(s)), F.relu(m.e3(s))], 1)
+        want = torch.cat([y, m.b(y) * 2], 1).numpy()
+    (got,) = sess.run([cat_out], {sess.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+class InplaceChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.c(x)
+        p = F.max_pool2d(y, 2)
+        q = p + torch.sigmoid(p).mean((2, 3), keepdim=True)  # p dies here: written in place
+        return torch.softmax(q * 3, 1), x * 2  # x is a graph input: never overwritten
+
+
+def test_write_inplace_fires(check_model, exporter):
+    g, without = check_with_and_without(check_model, exporter, "passes_inplace_chain", make(InplaceChain), _rand(1, 3, 8, 8),
+                                        "write_inplace")
+    inplace = [n for n in g.nodes if n.outputs[0].uid in g.aliases and n.op in ("elementwise", "softmax")]
+    assert inplace and not any(n.outputs[0].uid in without.aliases for n in without.nodes if n.op == "elementwise")
+    x = g.inputs[0]
+    for n in g.nodes:
+        if x in n.inputs:
+            assert g.aliases.get(n.outputs[0].uid, (None,))[0] is not x
+    assert g.arena_size <= without.arena_size
+
+
+# --- fold_constants, eliminate_dead_code: hand-built graphs ------------------------------
+
+
+def _run_graph(g, tmp_path, feed, **kwargs):
+    compile_graph(g, verify=True, **kwargs)
+    path = tmp_path / "g.pmx"
+    write(g, str(path))
+    sess = InferenceSession(str(path))
+    return sess.run(None, feed), g
+
+
+def _const_graph():
+    g = Graph("t")
+    x = Value("x", (2, 3))
+    k = Value("k", (3,), data=np.array([1.0, 2.0, 3.0], np.float32))
+    k2, y, dead, z = Value("k2", (3,)), Value("y", (2, 3)), Value("dead", (2, 3)), Value("z", (2, 3))
+    g.inputs = [x]
+    g.add_node(Node("elementwise", "fold_me", [k], [k2], expr="exp(mul(@0,0.5))"))
+    g.add_node(Node("elementwise", "use", [x, k2], [y], expr="add(@0,@1)"))
+    g.add_node(Node("elementwise", "unused", [x, k], [dead], expr="mul(@0,@1)"))
+    g.add_node(Node("elementwise", "out", [y], [z], expr="tanh(@0)"))
+    g.outputs = [z]
+    return g
+
+
+@pytest.mark.parametrize("disabled", [[], ["fold_constants"], ["eliminate_dead_code"], ["fold_constants", "eliminate_dead_code"]])
+def test_fold_constants_and_dce(tmp_path, disabled):
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    (got,), g = _run_graph(_const_graph(), tmp_path, {"x": x}, disabled=disabled + ["fuse_elementwise"])
+    want = np.tanh(x + np.exp(np.array([1, 2, 3], np.float32) * 0.5))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    names = [n.name for n in g.nodes]
+    assert ("fold_me" in names) == ("fold_constants" in disabled)
+    assert ("unused" in names) == ("eliminate_dead_code" in disabled)
+    if not disabled:
+        consts = {v.name for n in g.nodes for v in n.inputs if v.is_constant}
+        assert "k" not in consts  # only the dead node read it: not written
+
+
+def test_no_opt_runs_only_required_passes(exporter):
+    g = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), no_opt=True)
+    ran = [name for name, _, _ in g.pass_stats]
+    assert ran == ["canonicalize", "infer_shapes", "choose_kernels", "order", "plan_memory"]
+    assert not g.aliases
+
+
+def test_order_is_deterministic(exporter):
+    a = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
+    b = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
+    assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
+    assert a.arena_size == b.arena_size
+    assert [a.offsets[v.uid] for v in a.values() if v.uid in a.offsets] == \
+        [b.offsets[v.uid] for v in b.values() if v.uid in b.offsets]
+
+
+# models tools/bench_memory.py adds to its table: (name, factory, inputs)
+BENCH_MODELS = [
+    ("conv_drop_bn", lambda: randomize_bn(make(ConvDropBN)), lambda: _rand(2, 4, 6, 6)),
+    ("fire_b1", lambda: make(Fire), lambda: _rand(1, 8, 5, 5)),
+    ("fire_b2", lambda: make(Fire), lambda: _rand(2, 8, 5, 5)),
+    ("inplace_chain", lambda: make(InplaceChain), lambda: _rand(1, 3, 8, 8)),
+    ("dense_block", lambda: make(DenseBlock), lambda: _rand(1, 4, 6, 6)),
+]
+
+
+# --- choose_kernels ----------------------------------------------------------------------
+
+
+def _ew_node(expr, shape, n_inputs=1):
+    ins = [Value(f"i{k}", shape) for k in range(n_inputs)]
+    return Node("elementwise", "e", ins, [Value("o", shape)], expr=expr)
+
+
+@pytest.mark.parametrize("expr,shape,want", [
+    ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 64, 64), "numexpr"),  # where, cheap, large
+    ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 16, 16), "numpy"),  # where, mid-size
+    ("tanh(@0)", (1, 16, 64, 64), "numpy"),
+    ("where(gt(@0,0),@0,expm1(@0))", (1, 16, 64, 64), "numpy"),  # transcendental
+    ("mul(@0,div(minimum(maximum(add(@0,3),0),6),6))", (1, 8, 4, 4), "numexpr"),  # tiny, many ops
+    ("maximum(add(@0,@1),0)", (1, 64, 56, 56), "numpy"),
+    ("sign(@0)", (1, 8, 4, 4), "numpy"),  # numexpr lacks it
+])
+def test_choose_kernels_rule(expr, shape, want):
+    from pmx.compiler.passes.choose_kernels import elementwise_variant
+
+    assert elementwise_variant(_ew_node(expr, shape, 1 + ("@1" in expr))) == want
+
+
+class BigLeaky(nn.Module):
+    def forward(self, x, y):
+        return F.leaky_relu(x * 2 - y, 0.2), F.hardswish(y[:, :1, :4, :4] * 3)
+
+
+def test_numexpr_variant_runs_in_float32(check_model, exporter):
+    inputs = (_rand(1, 16, 64, 64)[0], _rand(1, 16, 64, 64, seed=1)[0])
+    sess, got, _ = check_model("passes_big_leaky", make(BigLeaky), inputs)
+    variants = {n.variant for n in sess.model.nodes if n.op == "elementwise"}
+    assert variants == {"numexpr"}
+    assert all(g.dtype == np.float32 for g in got)
