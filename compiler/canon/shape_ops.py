@@ -98,7 +98,8 @@ def _slice_params(node):
     for name, vals in (("starts", starts), ("ends", ends), ("steps", steps), ("selects", selects)):
         if not isinstance(vals, tuple) or len(vals) != len(dims) or not all(isinstance(v, int) for v in vals):
             fail(node, f"{name}={vals!r} must be {len(dims)} constant ints (dynamic slice bounds are not supported)")
-    if any(s <= 0 for s in steps):
+    # pnnx writes step 0 for the dims it selects (x[:, 1]); only sliced dims need a step
+    if any(p <= 0 and sel == 2**31 - 1 for p, sel in zip(steps, selects)):
         fail(node, f"steps {steps} must be positive")
     return dims, starts, ends, steps, selects
 
