@@ -16,7 +16,8 @@ def _compile(args):
     from pmx.compiler.driver import compile_model
 
     r = compile_model(args.param, args.bin, args.output, keep=args.keep or (), verify=args.verify,
-                      disabled=args.disable or (), no_opt=args.no_opt)
+                      disabled=args.disable or (), no_opt=args.no_opt,
+                      dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static)
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
@@ -24,7 +25,54 @@ def _compile(args):
           f"unplanned sum {r.naive_bytes / 1e6:.2f} MB)")
     print(f"  file       {r.file_bytes / 1e6:.2f} MB")
     print(f"  time       {r.seconds * 1e3:.0f} ms")
+    for name, ranges in r.dynamic.items():
+        print(f"  input      {name} takes {format_ranges(ranges)}")
+    for note in r.notes:
+        print(f"  note       {note}")
     return 0
+
+
+def format_ranges(ranges):
+    """[(1, -1), (3, 3), (8, 512)] -> '[1.., 3, 8..512]'."""
+    parts = []
+    for lo, hi in ranges:
+        parts.append(str(lo) if lo == hi else f"{lo}..{'' if hi == -1 else hi}")
+    return "[" + ", ".join(parts) + "]"
+
+
+def parse_dynamic(dynamic_specs, shape_specs):
+    """--dynamic in0:0,2  and  --shape in0=1..16x3x224x224 -> {name: {dim: (min, max)}}.
+    In --shape, each dim is N (fixed), A..B (range), A.. (from A up) or ? (any size)."""
+    from pmx.runtime.errors import PmxCompileError
+
+    out = {}
+    for spec in dynamic_specs:
+        name, sep, dims = spec.partition(":")
+        try:
+            assert sep and name
+            for d in dims.split(","):
+                out.setdefault(name, {})[int(d)] = (1, -1)
+        except (AssertionError, ValueError):
+            raise PmxCompileError(f"--dynamic {spec!r}: expected NAME:DIM[,DIM...], e.g. in0:0") from None
+    for spec in shape_specs:
+        name, sep, dims = spec.partition("=")
+        if not sep or not name:
+            raise PmxCompileError(f"--shape {spec!r}: expected NAME=DIMxDIMx..., e.g. in0=1..16x3x224x224")
+        for i, d in enumerate(dims.split("x")):
+            try:
+                if d == "?":
+                    rng = (1, -1)
+                elif ".." in d:
+                    lo, hi = d.split("..")
+                    rng = (int(lo), int(hi) if hi else -1)
+                    if rng[0] < 1 or (rng[1] != -1 and rng[1] < rng[0]):
+                        raise ValueError
+                else:
+                    continue  # a fixed dim: nothing to declare
+            except ValueError:
+                raise PmxCompileError(f"--shape {spec!r}: dim {i} {d!r} is not N, A..B, A.. or ?") from None
+            out.setdefault(name, {})[i] = rng
+    return out
 
 
 def _list_ops(args):
@@ -196,8 +244,10 @@ def _verify(args):
     from pmx.runtime.load import open_model
 
     model = open_model(args.model, verify_checksum=True)
+    pre = model.preamble
     print(f"{args.model}: OK ({model.file_size} bytes, {len(model.nodes)} nodes, {len(model.tensors)} tensors, "
-          f"header and data checksums match)")
+          f"structure valid, header and data checksums match: "
+          f"{pre['header_crc']:#010x} {pre['data_crc']:#010x})")
     return 0
 
 
@@ -239,6 +289,11 @@ def add_compile_args(c):
     c.add_argument("--no-opt", action="store_true", help="skip the optimizing passes")
     c.add_argument("--disable", action="append", metavar="PASS", help="skip one optimizing pass")
     c.add_argument("--list-ops", action="store_true", help="print the supported op types and exit")
+    c.add_argument("--dynamic", action="append", metavar="NAME:DIM[,DIM]",
+                   help="let these input dims take any size at run time (dim 0 is tried by default)")
+    c.add_argument("--shape", action="append", metavar="NAME=1..16x3x224x224",
+                   help="allowed sizes per input dim: N, A..B, A.. or ?")
+    c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
 
 
 def _dispatch(args):

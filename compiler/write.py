@@ -201,15 +201,27 @@ def write(graph, path, _fail_after_bytes=None):
     preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF)
 
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    if not os.path.isdir(directory):
+        raise PmxCompileError(f"cannot write {path}: directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise PmxCompileError(f"cannot write {path}: it is a directory")
     try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise PmxCompileError(f"cannot write {path}: cannot create a temporary file in {directory}: {e.strerror}") from None
+    try:
+        # mkstemp makes the file 0600; give it the mode a plain open() would (or the
+        # mode of the file it replaces) so other users and services can still read it.
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), _target_mode(path))
             written = 0
 
             def put(chunk):
                 nonlocal written
                 if _fail_after_bytes is not None and written + len(chunk) > _fail_after_bytes:
-                    raise OSError("simulated failure while writing")
+                    f.write(chunk[: _fail_after_bytes - written])  # leave a torn temporary behind
+                    f.flush()
+                    raise OSError(f"simulated failure after {_fail_after_bytes} bytes")
                 f.write(chunk)
                 written += len(chunk)
 
@@ -221,13 +233,50 @@ def write(graph, path, _fail_after_bytes=None):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError):
+            raise PmxCompileError(f"cannot write {path}: {e.strerror or e}; the previous file (if any) is unchanged") from e
         raise
+    _fsync_directory(directory)
     return data_offset + data_size
+
+
+def _target_mode(path):
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no other portable way to read it
+    os.umask(mask)
+    return mask
+
+
+def _fsync_directory(directory):
+    """Make the rename itself durable (a crash right after compile keeps the new file)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _with_padding(blobs, data_size):

@@ -11,7 +11,8 @@
     48     4    CRC32 of the header bytes
     52     4    CRC32 of the data bytes
     56     4    CRC32 of preamble bytes [0, 56)
-    60     4    reserved (0)
+    60     4    reserved (0; the loader refuses anything else, so every preamble byte
+                is checked: 0..55 by the CRC, 56..63 by value)
 
 CRC32 detects accidental damage (truncated downloads, flipped bits); it is not a
 defence against a deliberately forged file, which the structural verifier handles.
@@ -25,7 +26,7 @@ FILE_IDENTIFIER = b"PMX1"
 FORMAT_VERSION = 1
 PREAMBLE_SIZE = 64
 ALIGNMENT = 64
-_LAYOUT = struct.Struct("<8sIIQQQQIII4x")
+_LAYOUT = struct.Struct("<8sIIQQQQIIII")
 assert _LAYOUT.size == PREAMBLE_SIZE
 
 
@@ -40,17 +41,17 @@ def crc32(data) -> int:
 def pack_preamble(header_size, data_offset, data_size, header_crc, data_crc) -> bytes:
     head = _LAYOUT.pack(
         MAGIC, FORMAT_VERSION, 0, PREAMBLE_SIZE, header_size, data_offset, data_size,
-        header_crc, data_crc, 0,
+        header_crc, data_crc, 0, 0,
     )
     return head[:56] + struct.pack("<I", crc32(head[:56])) + head[60:]
 
 
 def unpack_preamble(raw: bytes) -> dict:
     (magic, version, flags, header_offset, header_size, data_offset, data_size,
-     header_crc, data_crc, preamble_crc) = _LAYOUT.unpack(raw[:PREAMBLE_SIZE])
+     header_crc, data_crc, preamble_crc, reserved) = _LAYOUT.unpack(raw[:PREAMBLE_SIZE])
     return dict(
         magic=magic, version=version, flags=flags, header_offset=header_offset,
         header_size=header_size, data_offset=data_offset, data_size=data_size,
         header_crc=header_crc, data_crc=data_crc, preamble_crc=preamble_crc,
-        preamble_crc_actual=crc32(raw[:56]),
+        preamble_crc_actual=crc32(raw[:56]), reserved=reserved,
     )

@@ -1,0 +1,538 @@
+"""Damaged and hostile .pmx files: mutate valid files and check that loading and running
+them raises only PmxError subclasses, within a time and a memory bound.
+
+Two valid files are mutated: the example CNN (tools/example) and a model with views
+(reshape/flatten aliases, concat slices), pooling, linear, GELU (an erf expression) and
+softmax. Mutations:
+  - truncation at every region boundary (preamble, header, padding, each constant, data
+    end, and one byte either side) and at random points;
+  - random byte flips in preamble, header and data, with the stored CRCs left alone and
+    with the CRCs recomputed (so the structural verifier is what must catch them);
+  - extreme values (0, -1, 2**31-1, 2**32-1, 2**63-1, 2**64-1, ...) written over integer
+    fields found by walking the FlatBuffer with the table layouts read from
+    schema/pmx.fbs: scalars, vector lengths, vector elements, uoffsets to tables,
+    vectors and strings, vtable entries and table soffsets; CRCs recomputed.
+Each case runs InferenceSession(path) and one run() under signal.alarm (5 s) with
+max_arena_bytes = 64 MiB; the worst cases (extreme values on every kind of size-like
+field) also run in a subprocess under RLIMIT_AS with the default limits. `pytest -s` prints the
+number of cases and the distinct error messages.
+"""
+
+import collections
+import os
+import pathlib
+import re
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pmx.compiler.driver import compile_model
+from pmx.runtime import InferenceSession, PmxError
+from pmx.runtime import fileformat as ff
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "tools" / "example" / "cnn"
+TIME_LIMIT_S = 5
+ARENA_LIMIT = 64 << 20
+EXTREMES = (0, 1, -1, 2**15 - 1, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**63 - 1, 2**64 - 1)
+
+
+def fuzz(n):
+    return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+CASES = collections.Counter()  # mutation kind -> cases run
+MESSAGES = collections.Counter()  # first 60 chars of each PmxError (path removed)
+
+
+class Views(nn.Module):
+    """Reshape/flatten views, concat, pooling, linear, GELU (erf) and softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(32, 6)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.conv(x)), 2)
+        z = self.fc(torch.flatten(y, 1))
+        w = torch.cat([F.gelu(z), torch.sigmoid(z)], dim=1)
+        return F.softmax(self.fc2(w).reshape(2, 3), dim=1)
+
+
+# --- the files ------------------------------------------------------------------------
+
+
+class Files(dict):
+    """name -> file bytes, with a short repr for hypothesis failure reports."""
+
+    def __repr__(self):
+        return f"Files({ {k: len(v) for k, v in self.items()} })"
+
+
+
+@pytest.fixture(scope="module")
+def valid_files(exporter, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz_src")
+    compile_model(str(EXAMPLE) + ".pnnx.param", str(EXAMPLE) + ".pnnx.bin", str(d / "cnn.pmx"))
+    prefix = exporter("fuzz_views", Views(), (torch.rand(1, 3, 8, 8),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "views.pmx"))
+    files = Files({name: (d / f"{name}.pmx").read_bytes() for name in ("cnn", "views")})
+    sess = InferenceSession(str(d / "views.pmx"))
+    assert any(t.alias_of >= 0 for t in sess.model.tensors), "the views model should contain aliases"
+    for data in files.values():
+        assert _attempt(data, d / "check.pmx", verify=True) is None, "unmutated files must load and run"
+    return files
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    total = sum(CASES.values())
+    print(f"\n[pmx fuzz] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(CASES.items())))
+    print(f"[pmx fuzz] {len(MESSAGES)} distinct error messages (first 60 chars):")
+    for msg, n in sorted(MESSAGES.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:6d}  {msg}")
+
+
+# --- running one case ---------------------------------------------------------------------
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def _feed(sess):
+    feed = {}
+    for arg in sess.get_inputs():
+        t = sess.model.tensors[sess.model.inputs[len(feed)]]
+        feed[arg.name] = np.ones(t.shape, t.dtype)
+    return feed
+
+
+def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
+    """Load and run `data`; None if it ran, else the PmxError message. Anything else
+    (another exception, a timeout) fails the test."""
+    path = pathlib.Path(path)
+    path.write_bytes(data)
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(TIME_LIMIT_S)
+    try:
+        sess = InferenceSession(str(path), verify=verify, max_arena_bytes=max_arena_bytes)
+        sess.run(None, _feed(sess))
+        return None
+    except PmxError as e:
+        msg = str(e)
+        return msg[len(str(path)) + 2:] if msg.startswith(str(path)) else msg
+    except _Timeout:
+        pytest.fail(f"load+run took longer than {TIME_LIMIT_S} s")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _record(kind, msg):
+    CASES[kind] += 1
+    if msg is not None:
+        MESSAGES[_normalize(msg)[:60]] += 1
+
+
+def _normalize(msg):
+    """Numbers -> N and quoted names -> '…', so messages group by kind."""
+    msg = re.sub(r"'[^']*'", "'…'", msg)
+    return re.sub(r"-?\b(0x[0-9a-f]+|\d+)\b", "N", msg)
+
+
+def recompute_crcs(data: bytes) -> bytes:
+    """Rewrite the preamble's three CRCs to match the (mutated) bytes, as a forger would;
+    header/data extents are taken from the preamble as stored."""
+    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
+    header_crc = ff.crc32(data[h0:h0 + hs])
+    data_crc = ff.crc32(data[d0:])
+    head = bytearray(data[:ff.PREAMBLE_SIZE])
+    struct.pack_into("<II", head, 48, header_crc, data_crc)
+    struct.pack_into("<I", head, 56, ff.crc32(bytes(head[:56])))
+    return bytes(head) + data[ff.PREAMBLE_SIZE:]
+
+
+# --- walking the FlatBuffer -------------------------------------------------------------
+
+_SCALARS = {"bool": 1, "byte": 1, "ubyte": 1, "short": 2, "ushort": 2, "int": 4, "uint": 4,
+            "float": 4, "long": 8, "ulong": 8, "double": 8}
+
+
+def _schema():
+    """{table: [(field, type)]} and {enum: underlying type} from schema/pmx.fbs."""
+    text = re.sub(r"//[^\n]*", "", (ROOT / "schema" / "pmx.fbs").read_text())
+    enums = dict(re.findall(r"enum\s+(\w+)\s*:\s*(\w+)", text))
+    tables = {}
+    for name, body in re.findall(r"table\s+(\w+)\s*\{([^}]*)\}", text):
+        tables[name] = re.findall(r"(\w+)\s*:\s*(\[?\w+\]?)", body)
+    return tables, enums
+
+
+def flatbuffer_sites(data: bytes):
+    """Every integer field of the header: (absolute file offset, width, label)."""
+    tables, enums = _schema()
+    h0 = ff.PREAMBLE_SIZE
+    buf = data[h0:h0 + ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])["header_size"]]
+    u32 = lambda p: struct.unpack_from("<I", buf, p)[0]  # noqa: E731
+    sites = []
+    seen = set()
+
+    def site(p, width, label):
+        sites.append((h0 + p, width, label))
+
+    def table(pos, name):
+        if (pos, name) in seen:
+            return
+        seen.add((pos, name))
+        site(pos, 4, f"{name} soffset")
+        vt = pos - struct.unpack_from("<i", buf, pos)[0]
+        vt_len = struct.unpack_from("<H", buf, vt)[0]
+        site(vt, 2, f"{name} vtable length")
+        for k, (field, ftype) in enumerate(tables[name]):
+            slot = 4 + 2 * k
+            if slot >= vt_len:
+                break
+            off = struct.unpack_from("<H", buf, vt + slot)[0]
+            site(vt + slot, 2, f"{name}.{field} vtable entry")
+            if not off:
+                continue
+            p = pos + off
+            ftype = enums.get(ftype, ftype)
+            if ftype in _SCALARS:
+                if ftype not in ("float", "double"):
+                    site(p, _SCALARS[ftype], f"{name}.{field}")
+                continue
+            site(p, 4, f"{name}.{field} uoffset")
+            target = p + u32(p)
+            if ftype == "string":
+                site(target, 4, f"{name}.{field} string length")
+            elif ftype.startswith("["):
+                elem = enums.get(ftype[1:-1], ftype[1:-1])
+                n = u32(target)
+                site(target, 4, f"{name}.{field} vector length")
+                for i in range(n):
+                    q = target + 4 + i * _SCALARS.get(elem, 4)
+                    if elem in tables:
+                        site(q, 4, f"{name}.{field}[] uoffset")
+                        table(q + u32(q), elem)
+                    elif elem == "string":
+                        site(q, 4, f"{name}.{field}[] uoffset")
+                    elif elem not in ("float", "double"):
+                        site(q, _SCALARS[elem], f"{name}.{field}[]")
+            else:
+                table(target, ftype)
+
+    site(0, 4, "root uoffset")
+    table(u32(0), "Model")
+    return sites
+
+
+def write_int(data: bytes, pos: int, width: int, value: int) -> bytes:
+    raw = (value % (1 << (8 * width))).to_bytes(width, "little")
+    return data[:pos] + raw + data[pos + width:]
+
+
+def region_boundaries(data: bytes):
+    """Offsets where one region of the file ends and the next begins."""
+    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    d0 = pre["data_offset"]
+    points = {0, 8, ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"], d0, len(data)}
+    path = "/dev/null"
+    from pmx.runtime.load import _read_header
+
+    header = memoryview(data)[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]]
+    model = _read_header(path, header, pre, len(data))
+    for t in model.tensors:
+        if t.kind == 1:  # constant
+            points |= {d0 + t.data_offset, d0 + t.data_offset + t.data_size}
+    out = set()
+    for p in points:
+        out |= {p - 1, p, p + 1}
+    return sorted(p for p in out if 0 <= p < len(data))
+
+
+# --- the tests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cnn", "views"])
+def test_truncate_at_every_region_boundary(valid_files, name, tmp_path):
+    data = valid_files[name]
+    points = region_boundaries(data)
+    assert len(points) > 20
+    for cut in points:
+        msg = _attempt(data[:cut], tmp_path / "m.pmx", verify=False)
+        assert msg is not None, f"a file truncated to {cut} of {len(data)} bytes loaded"
+        _record("truncate-boundary", msg)
+
+
+@fuzz(60)
+@given(name=st.sampled_from(["cnn", "views"]), frac=st.floats(0, 1, exclude_max=True))
+def test_truncate_at_random_points(valid_files, tmp_path_factory, name, frac):
+    data = valid_files[name]
+    cut = int(frac * len(data))
+    msg = _attempt(data[:cut], tmp_path_factory.getbasetemp() / "trunc.pmx", verify=False)
+    assert msg is not None
+    _record("truncate-random", msg)
+
+
+@fuzz(250)
+@given(name=st.sampled_from(["cnn", "views"]), region=st.sampled_from(["preamble", "header", "data"]),
+       where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255), fix_crc=st.booleans(),
+       verify=st.booleans())
+def test_flip_bytes(valid_files, tmp_path_factory, name, region, where, mask, fix_crc, verify):
+    data = valid_files[name]
+    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    lo, hi = {"preamble": (0, ff.PREAMBLE_SIZE),
+              "header": (ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"]),
+              "data": (pre["data_offset"], len(data))}[region]
+    pos = lo + int(where * (hi - lo))
+    bad = data[:pos] + bytes([data[pos] ^ mask]) + data[pos + 1:]
+    if fix_crc:
+        bad = recompute_crcs(bad)
+    msg = _attempt(bad, tmp_path_factory.getbasetemp() / "flip.pmx", verify=verify)
+    if region == "preamble" and not fix_crc:
+        assert msg is not None, "the preamble CRC must catch any flipped preamble byte"
+    if verify and not fix_crc:
+        assert msg is not None, "verify=True must catch any flipped byte"
+    _record(f"flip-{region}{'-fixcrc' if fix_crc else ''}", msg)
+
+
+@pytest.fixture(scope="module")
+def sites(valid_files):
+    out = {name: flatbuffer_sites(data) for name, data in valid_files.items()}
+    for name, s in out.items():
+        labels = {label for _, _, label in s}
+        for want in ("Tensor.shape[]", "Tensor.data_offset", "Node.inputs[]", "Model.arena_size",
+                     "Tensor.alias_of", "Attr.ints[]", "Model.tensors vector length", "Tensor soffset"):
+            assert want in labels, f"{name}: walker found no {want}"
+    return out
+
+
+@fuzz(400)
+@given(name=st.sampled_from(["cnn", "views"]), pick=st.floats(0, 1, exclude_max=True),
+       value=st.one_of(st.sampled_from(EXTREMES), st.integers(-(2**63), 2**64 - 1), st.integers(-300, 300)),
+       verify=st.booleans())
+def test_overwrite_fields_with_extreme_values(valid_files, sites, tmp_path_factory, name, pick, value, verify):
+    data = valid_files[name]
+    pos, width, label = sites[name][int(pick * len(sites[name]))]
+    bad = recompute_crcs(write_int(data, pos, width, value))
+    msg = _attempt(bad, tmp_path_factory.getbasetemp() / "field.pmx", verify=verify)
+    _record("field-overwrite", msg)
+
+
+@fuzz(80)
+@given(name=st.sampled_from(["cnn", "views"]), picks=st.lists(st.floats(0, 1, exclude_max=True), min_size=2, max_size=6),
+       value=st.sampled_from(EXTREMES))
+def test_overwrite_several_fields(valid_files, sites, tmp_path_factory, name, picks, value):
+    data = valid_files[name]
+    for pick in picks:
+        pos, width, _ = sites[name][int(pick * len(sites[name]))]
+        data = write_int(data, pos, width, value)
+    msg = _attempt(recompute_crcs(data), tmp_path_factory.getbasetemp() / "fields.pmx", verify=False)
+    _record("field-overwrite-multi", msg)
+
+
+def test_hostile_structures(valid_files, tmp_path):
+    """Hand-made attacks the random mutations rarely hit exactly."""
+    data = valid_files["views"]
+    model = open_model_bytes(data, tmp_path)
+    by_label = collections.defaultdict(list)
+    for pos, width, label in flatbuffer_sites(data):
+        by_label[label].append(pos)
+    cases = [("alias self-loop", _alias_loop(data, model, by_label, loop_len=1)),
+             ("alias two-cycle", _alias_loop(data, model, by_label, loop_len=2)),
+             ("alias offset past its root", write_int(data, by_label["Tensor.alias_offset"][0], 8, 2**40))
+             if by_label["Tensor.alias_offset"] else None]
+    # every tensor pointer aimed at the table with the longest name: reading it again and
+    # again would be quadratic in the header size without the read budget
+    tv = by_label["Model.tensors[] uoffset"]
+    bad = data
+    target = tv[-1] + struct.unpack_from("<I", data, tv[-1])[0]
+    for pos in tv:
+        bad = write_int(bad, pos, 4, target - pos)
+    cases.append(("all tensors are one table", bad))
+    # a vector length of 2**32-1 on every vector
+    bad = data
+    for label, positions in by_label.items():
+        if label.endswith("vector length"):
+            for pos in positions:
+                bad = write_int(bad, pos, 4, 2**32 - 1)
+    cases.append(("every vector 2**32-1 long", bad))
+    # expressions replaced by hostile text of the same length (offsets stay valid)
+    for pos in by_label["Node.expr string length"]:
+        n = struct.unpack_from("<I", data, pos)[0]
+        for text in (b"@" + b"9" * (n - 1), b"_" * n, b"(" * n, (b"__import__('os')" * n)[:n],
+                     (b"neg(" * n)[: n - 1] + b")"):
+            cases.append(("expression " + text[:20].decode(), data[:pos + 4] + text + data[pos + 4 + n:]))
+    for what, bad in filter(None, cases):
+        for verify in (False, True):
+            msg = _attempt(recompute_crcs(bad), tmp_path / "h.pmx", verify=verify)
+            _record("hostile", msg)
+            if what != "all tensors are one table":
+                assert msg is not None, f"{what}: loaded"
+
+
+def open_model_bytes(data, tmp_path):
+    from pmx.runtime.load import open_model
+
+    p = tmp_path / "ok.pmx"
+    p.write_bytes(data)
+    return open_model(str(p))
+
+
+def _alias_loop(data, model, by_label, loop_len):
+    """Point the alias_of of alias tensors so they form a cycle of loop_len."""
+    alias_ids = [i for i, t in enumerate(model.tensors) if t.alias_of >= 0]
+    # the writer stores alias_of only for aliases, so the sites are theirs, in tensor order
+    pos_of = dict(zip(alias_ids, by_label["Tensor.alias_of"]))
+    ids = alias_ids[:loop_len] if len(alias_ids) >= loop_len else alias_ids * loop_len
+    bad = data
+    for k, i in enumerate(ids[:loop_len]):
+        bad = write_int(bad, pos_of[i], 4, ids[(k + 1) % loop_len])
+    return bad
+
+
+def test_expression_blowup_is_refused(valid_files, tmp_path):
+    """erf(erf(...)) and square(square(...)) expand exponentially in the backends; the
+    loader refuses them by expanded size instead of hanging."""
+    from pmx.runtime import expr as E
+    from pmx.runtime.load import MAX_EXPANDED_EXPR, _expanded_size
+
+    for fn in ("erf", "square", "sigmoid"):
+        text = "@0"
+        for _ in range(60):
+            text = f"{fn}({text})"
+        tree = E.parse(text, 1)
+        size = _expanded_size(E.desugar(tree))
+        if fn == "sigmoid":
+            assert size < MAX_EXPANDED_EXPR
+        else:
+            assert size > MAX_EXPANDED_EXPR
+
+
+# --- worst cases under RLIMIT_AS ------------------------------------------------------------
+
+_SIZE_LIKE = re.compile(r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|shape\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|kind|dtype)")
+
+_CHILD = textwrap.dedent("""
+    import resource, signal, sys, os, collections
+    resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+    import numpy as np
+    from pmx.runtime import InferenceSession, PmxError
+
+    def alarm(*a):
+        raise TimeoutError()
+
+    signal.signal(signal.SIGALRM, alarm)
+    failures, messages, n = [], collections.Counter(), 0
+    for name in sorted(os.listdir(sys.argv[1])):
+        path = os.path.join(sys.argv[1], name)
+        n += 1
+        signal.alarm({seconds})
+        try:
+            sess = InferenceSession(path)
+            feed = {{}}
+            for k, i in enumerate(sess.model.inputs):
+                t = sess.model.tensors[i]
+                feed[sess.get_inputs()[k].name] = np.ones(t.shape, t.dtype)
+            sess.run(None, feed)
+        except PmxError as e:
+            messages[type(e).__name__] += 1
+        except BaseException as e:
+            failures.append(f"{{name}}: {{type(e).__name__}}: {{str(e)[:200]}}")
+        finally:
+            signal.alarm(0)
+    print("cases", n, dict(messages))
+    for f in failures:
+        print("FAIL", f)
+    sys.exit(1 if failures else 0)
+""")
+
+
+def _spread(sites, per_label=4):
+    """Up to per_label sites of each label (first, last and evenly between), so each
+    kind of field is hit without running every element of every vector."""
+    by_label = collections.defaultdict(list)
+    for site in sites:
+        by_label[site[2]].append(site)
+    out = []
+    for group in by_label.values():
+        idx = sorted({round(i * (len(group) - 1) / max(per_label - 1, 1)) for i in range(per_label)})
+        out.extend(group[i] for i in idx)
+    return out
+
+
+def test_worst_cases_under_rlimit_as(valid_files, sites, tmp_path):
+    """Extreme values on every kind of size-like field, loaded with the default limits in a
+    child process whose address space is capped at 3 GiB: a MemoryError must surface as
+    PmxResourceError, nothing may crash or hang."""
+    n = 0
+    for name, data in valid_files.items():
+        for pos, width, label in _spread(sites[name]):
+            if not _SIZE_LIKE.search(label):
+                continue
+            for value in (-1, 2**31 - 1, 2**63 - 1, 1 << 33):
+                (tmp_path / f"{n:06d}.pmx").write_bytes(recompute_crcs(write_int(data, pos, width, value)))
+                n += 1
+    script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    CASES["rlimit-subprocess"] += n
+    print(f"\n[pmx fuzz] RLIMIT_AS subprocess: {proc.stdout.strip()[:2000]}")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def forge(header: bytes) -> bytes:
+    """A file around a hand-built FlatBuffer header, with an empty data section."""
+    data_offset = ff.align(ff.PREAMBLE_SIZE + len(header))
+    pre = ff.pack_preamble(len(header), data_offset, 0, ff.crc32(header), ff.crc32(b""))
+    return pre + header + bytes(data_offset - ff.PREAMBLE_SIZE - len(header))
+
+
+def test_repeated_pointers_cannot_amplify_reads(tmp_path):
+    """20000 tensor entries all pointing at one tensor with a 200 kB name: reading them
+    naively would decode 4 GB of strings. The read budget stops it after about twice
+    the header size."""
+    import time
+
+    import flatbuffers
+
+    from pmx.schema import pmx_generated as fb
+
+    b = flatbuffers.Builder(1 << 20)
+    name = b.CreateString("x" * 200_000)
+    fb.TensorStart(b)
+    fb.TensorAddName(b, name)
+    tensor = fb.TensorEnd(b)
+    fb.ModelStartTensorsVector(b, 20000)
+    for _ in range(20000):
+        b.PrependUOffsetTRelative(tensor)
+    tensors = b.EndVector()
+    fb.ModelStart(b)
+    fb.ModelAddTensors(b, tensors)
+    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+    t0 = time.perf_counter()
+    msg = _attempt(forge(bytes(b.Output())), tmp_path / "amp.pmx", verify=True)
+    assert msg is not None and "add up to more than" in msg, msg
+    assert time.perf_counter() - t0 < 2
+    _record("hostile", msg)
