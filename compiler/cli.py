@@ -25,19 +25,13 @@ def _compile(args):
           f"unplanned sum {r.naive_bytes / 1e6:.2f} MB)")
     print(f"  file       {r.file_bytes / 1e6:.2f} MB")
     print(f"  time       {r.seconds * 1e3:.0f} ms")
+    from pmx.runtime.replan import format_ranges
+
     for name, ranges in r.dynamic.items():
         print(f"  input      {name} takes {format_ranges(ranges)}")
     for note in r.notes:
         print(f"  note       {note}")
     return 0
-
-
-def format_ranges(ranges):
-    """[(1, -1), (3, 3), (8, 512)] -> '[1.., 3, 8..512]'."""
-    parts = []
-    for lo, hi in ranges:
-        parts.append(str(lo) if lo == hi else f"{lo}..{'' if hi == -1 else hi}")
-    return "[" + ", ".join(parts) + "]"
 
 
 def parse_dynamic(dynamic_specs, shape_specs):

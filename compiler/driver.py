@@ -24,6 +24,8 @@ class CompileResult:
     naive_bytes: int
     seconds: float
     pass_stats: list = field(default_factory=list)
+    dynamic: dict = field(default_factory=dict)   # input name -> [(min, max) per dim]
+    notes: list = field(default_factory=list)     # e.g. which input dims are fixed and why
 
 
 def default_output(param_path):
@@ -35,7 +37,18 @@ def default_output(param_path):
     return base + ".pmx"
 
 
-def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False):
+def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True):
+    """Run the pipeline on a parsed graph. `dynamic` = {input name: {dim: (min, max)}}
+    (max -1 = unbounded) declares input dims that may change at run time; with
+    auto_batch, dim 0 of every input is made dynamic too when the model allows it."""
+    for v in graph.inputs:
+        if v.shape is None or any(d is None for d in v.shape):
+            raise PmxCompileError(
+                f"{graph.source}: input {v.name} has shape {v.shape} with dynamic ('?') dims; pmx plans memory for "
+                f"one concrete shape: export with a fixed input shape and declare the dims that may change with "
+                f"--dynamic {v.name}:DIM or --shape {v.name}=1..16x3x224x224")
+    graph.dynamic_request = dict(dynamic or {})
+    graph.auto_batch = auto_batch
     by_name = {v.name: v for v in graph.values()}
     kept = []
     for name in keep:
@@ -75,7 +88,7 @@ def _internal_error(e, source):
 
 
 def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
-                  no_opt=False, _fail_after_bytes=None):
+                  no_opt=False, dynamic=None, auto_batch=True, _fail_after_bytes=None):
     t0 = time.perf_counter()
     if bin_path is None:
         bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
@@ -86,7 +99,8 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
     try:
-        compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt)
+        compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt,
+                      dynamic=dynamic, auto_batch=auto_batch)
     except PmxError:
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash
@@ -97,4 +111,5 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
         output=output, ops_in=ops_in, ops_out=len(graph.nodes), constants=len(consts),
         constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
         lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
-        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats))
+        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats),
+        dynamic=dict(graph.dynamic), notes=list(graph.fixed_reasons))

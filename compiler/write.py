@@ -90,6 +90,21 @@ def _unique_names(values):
     return names
 
 
+def _dim_ranges(graph):
+    """{value uid: [(min, max) per dim]} for graph inputs with dynamic dims (from
+    mark_dynamic_dims) and for outputs whose dims follow them ((0, -1) = varies)."""
+    out = {}
+    dynamic = getattr(graph, "dynamic", {})
+    for v in graph.inputs:
+        if v.name in dynamic:
+            out[v.uid] = [tuple(r) for r in dynamic[v.name]]
+    for v in graph.outputs:
+        dims = getattr(graph, "dynamic_outputs", {}).get(v.uid)
+        if dims and v.uid not in out:
+            out[v.uid] = [(0, -1) if i in dims else (d, d) for i, d in enumerate(v.shape)]
+    return out
+
+
 def build(graph):
     """Return (header bytes, list of (relative offset, constant array), data size)."""
     values = graph.values()
@@ -109,11 +124,15 @@ def build(graph):
             cursor = ff.align(cursor + arr.nbytes)
     data_size = cursor
 
+    ranges = _dim_ranges(graph)
     b = flatbuffers.Builder(1024)
     tensor_offs = []
     for v, name in zip(values, names):
         name_off = b.CreateString(name)
         shape_off = _int_vector(b, v.shape, np.int64)
+        rng = ranges.get(v.uid)
+        dim_min_off = _int_vector(b, [lo for lo, _ in rng], np.int64) if rng else None
+        dim_max_off = _int_vector(b, [hi for _, hi in rng], np.int64) if rng else None
         alias = graph.aliases.get(v.uid) if not v.is_constant else None
         strides_off = _int_vector(b, alias[2], np.int64) if alias is not None and alias[2] is not None else None
         fb.TensorStart(b)
@@ -125,6 +144,9 @@ def build(graph):
             raise PmxCompileError(f"tensor {v.name} has dtype {v.dtype}, which .pmx cannot store")
         fb.TensorAddDtype(b, NAME_TO_ENUM[v.dtype])
         fb.TensorAddShape(b, shape_off)
+        if rng:
+            fb.TensorAddDimMin(b, dim_min_off)
+            fb.TensorAddDimMax(b, dim_max_off)
         if v.is_constant:
             off, size = const_place[v.uid]
             fb.TensorAddDataOffset(b, off)

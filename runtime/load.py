@@ -56,6 +56,8 @@ class TensorInfo:
     alias_of: int
     alias_offset: int
     alias_strides: tuple | None
+    dim_min: tuple | None = None  # graph inputs/outputs with dims that may change
+    dim_max: tuple | None = None  # -1 = unbounded
 
     @property
     def nbytes(self):
@@ -238,8 +240,18 @@ def _read_tensor(r, t, i):
         if n_strides > MAX_RANK:
             _fail(r.path, f"tensor {i} has {n_strides} alias strides, more than {MAX_RANK}")
         strides = r.ints(n_strides, t.AliasStridesAsNumpy, 8, f"tensor {i} alias_strides")
+    dim_min = dim_max = None
+    if t.DimMinLength() or t.DimMaxLength():
+        if t.DimMinLength() != rank or t.DimMaxLength() != rank:
+            _fail(r.path, f"tensor {i} has {t.DimMinLength()}/{t.DimMaxLength()} dim ranges for rank {rank}")
+        dim_min = r.ints(rank, t.DimMinAsNumpy, 8, f"tensor {i} dim_min")
+        dim_max = r.ints(rank, t.DimMaxAsNumpy, 8, f"tensor {i} dim_max")
+        for d, lo, hi in zip(shape, dim_min, dim_max):
+            if lo < 0 or hi < -1 or (hi != -1 and not lo <= d <= hi):
+                _fail(r.path, f"tensor {i} dim range {lo}..{hi} does not contain its planned size {d}")
     return TensorInfo(r.str(t.Name(), f"tensor {i} name"), t.Kind(), ENUM_TO_NUMPY[dtype_enum], shape,
-                      t.DataOffset(), t.DataSize(), t.ArenaOffset(), t.AliasOf(), t.AliasOffset(), strides)
+                      t.DataOffset(), t.DataSize(), t.ArenaOffset(), t.AliasOf(), t.AliasOffset(), strides,
+                      dim_min, dim_max)
 
 
 def _read_node(r, n, i):

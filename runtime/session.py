@@ -19,6 +19,8 @@ What run() accepts (decided here, documented in the README):
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ import numpy as np
 from pmx.runtime import kernels
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
-from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model, resolve_alias
+from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model
+from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
 from pmx.schema import pmx_generated as fb
 
 
@@ -42,20 +45,23 @@ class NodeArg:
 
 
 class _Binding:
-    """One thread's arena, tensor views and kernel callables."""
+    """One thread's arena, tensor views and kernel callables for one input-shape layout."""
 
-    def __init__(self, model):
-        self.arena = _aligned_empty(model.arena_size)
+    def __init__(self, model, layout):
+        self.layout = layout
+        self.arena = _aligned_empty(layout.arena_size)
         self.views = [None] * len(model.tensors)
         for i, t in enumerate(model.tensors):
             if t.kind == fb.TensorKind.Constant:
                 self.views[i] = model.constants[i]
             else:
-                self.views[i] = self._arena_view(model, i)
+                self.views[i] = self._arena_view(t, i, layout)
         self.steps = []
-        for node in model.nodes:
-            ins = [self.views[j] if j >= 0 else None for j in node.inputs]
-            outs = [self.views[j] for j in node.outputs]
+        for j, node in enumerate(model.nodes):
+            if j in layout.plain_nodes:  # its in-place aliases do not hold at this shape
+                node = dataclasses.replace(node, variant="")
+            ins = [self.views[k] if k >= 0 else None for k in node.inputs]
+            outs = [self.views[k] for k in node.outputs]
             try:
                 fn = kernels.get(node.op).make(node, ins, outs)
             except PmxError:
@@ -67,13 +73,35 @@ class _Binding:
             self.steps.append(fn)
         self.subsets = {}
 
-    def _arena_view(self, model, i):
-        t = model.tensors[i]
-        root, offset = resolve_alias(model, i)
-        start = model.tensors[root].arena_offset + offset
-        if t.alias_strides is not None:
-            return np.ndarray(t.shape, t.dtype, buffer=self.arena, offset=start, strides=t.alias_strides)
-        return self.arena[start:start + t.nbytes].view(t.dtype).reshape(t.shape)
+    def _arena_view(self, t, i, layout):
+        shape = layout.shapes[i]
+        if i in layout.views:
+            root, offset, strides = layout.views[i]
+            start = layout.offsets[root] + offset
+            if strides is not None:
+                return np.ndarray(shape, t.dtype, buffer=self.arena, offset=start, strides=strides)
+        else:
+            start = layout.offsets[i]
+        nbytes = int(np.prod(shape, dtype=np.int64)) * t.dtype.itemsize
+        return self.arena[start:start + nbytes].view(t.dtype).reshape(shape)
+
+
+def _ranges(t):
+    """[(min, max) per dim] of a tensor (max -1 = unbounded); fixed dims are (d, d)."""
+    if t.dim_min is None:
+        return [(d, d) for d in t.shape]
+    return list(zip(t.dim_min, t.dim_max))
+
+
+def _shape_allowed(shape, t):
+    ranges = _ranges(t)
+    return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
+
+
+def _node_arg(t):
+    """onnxruntime-style NodeArg: dims that may change are None."""
+    shape = [d if lo == hi else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
+    return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
 
 
 def _aligned_empty(nbytes, align=64):
@@ -91,8 +119,12 @@ class InferenceSession:
     ignored (pmx runs on the CPU).
     """
 
+    # layouts kept per session (shared by threads) and bindings kept per thread
+    PLAN_CACHE_SIZE = 8
+
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
-                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES):
+                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
+                 plan_cache_size=PLAN_CACHE_SIZE):
         if not isinstance(path_or_bytes, (str, bytes)) and not hasattr(path_or_bytes, "__fspath__"):
             raise PmxInputError(f"InferenceSession takes a path to a .pmx file, got {type(path_or_bytes).__name__}")
         self._model = open_model(str(path_or_bytes) if not isinstance(path_or_bytes, bytes) else path_or_bytes.decode(),
@@ -102,11 +134,17 @@ class InferenceSession:
 
             numexpr.set_num_threads(int(num_threads))
         m = self._model
-        self._inputs = [NodeArg(m.tensors[i].name, list(m.tensors[i].shape), ORT_TYPE[m.tensors[i].dtype.name]) for i in m.inputs]
-        self._outputs = [NodeArg(m.tensors[i].name, list(m.tensors[i].shape), ORT_TYPE[m.tensors[i].dtype.name]) for i in m.outputs]
+        self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
+        self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
+        self._max_arena_bytes = max_arena_bytes
+        self._cache_size = max(1, int(plan_cache_size))
+        self._compiled_key = tuple(m.tensors[i].shape for i in m.inputs)
+        self._layouts = collections.OrderedDict({self._compiled_key: compiled_layout(m)})
+        self._layouts_lock = threading.Lock()
+        self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
 
     # --- metadata -------------------------------------------------------------------
 
@@ -125,19 +163,59 @@ class InferenceSession:
 
     # --- running --------------------------------------------------------------------
 
-    def _binding(self):
-        b = getattr(self._local, "binding", None)
-        if b is None:
-            try:
-                b = _Binding(self._model)
-            except PmxError:
-                raise
-            except MemoryError:
-                raise PmxResourceError(f"{self._model.path}: cannot allocate the {self._model.arena_size}-byte arena") from None
-            except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
-                raise PmxFormatError(f"{self._model.path}: cannot bind the model: {type(e).__name__}: {str(e)[:120]}") from None
-            self._local.binding = b
+    def _binding(self, key=None):
+        """This thread's binding for the input shapes `key` (None: the compiled ones)."""
+        key = self._compiled_key if key is None else key
+        cache = getattr(self._local, "bindings", None)
+        if cache is None:
+            cache = self._local.bindings = collections.OrderedDict()
+        b = cache.get(key)
+        if b is not None:
+            cache.move_to_end(key)
+            return b
+        layout = self._layout(key)
+        try:
+            b = _Binding(self._model, layout)
+        except PmxError:
+            raise
+        except MemoryError:
+            raise PmxResourceError(f"{self._model.path}: cannot allocate the {layout.arena_size}-byte arena") from None
+        except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
+            raise PmxFormatError(f"{self._model.path}: cannot bind the model: {type(e).__name__}: {str(e)[:120]}") from None
+        cache[key] = b
+        while len(cache) > self._cache_size:
+            cache.popitem(last=False)
         return b
+
+    def _layout(self, key):
+        """Layout for input shapes `key`: stored in the file for the compiled shapes,
+        otherwise planned once (shape rules + the same arena planner) and cached (LRU)."""
+        with self._layouts_lock:
+            layout = self._layouts.get(key)
+            if layout is not None:
+                self._layouts.move_to_end(key)
+                return layout
+        m = self._model
+        try:
+            shapes = infer_shapes(m, dict(zip(m.inputs, key)))
+        except PmxInputError as e:
+            given = ", ".join(f"{m.tensors[i].name} {list(s)}" for i, s in zip(m.inputs, key))
+            allowed = ", ".join(f"{a.name} {format_ranges(_ranges(m.tensors[i]))}" for a, i in zip(self._inputs, m.inputs))
+            raise PmxInputError(f"input shapes {given} are not allowed by this model (allowed: {allowed}): {e}") from None
+        layout = plan_layout(m, shapes)
+        if layout.arena_size > self._max_arena_bytes:
+            raise PmxResourceError(f"input shapes {[list(k) for k in key]} need a {layout.arena_size}-byte arena, "
+                                   f"over the limit of {self._max_arena_bytes} (max_arena_bytes)")
+        with self._layouts_lock:
+            self._layouts[key] = layout
+            self.plans_built += 1
+            while len(self._layouts) > self._cache_size:
+                oldest = next(iter(self._layouts))
+                if oldest == self._compiled_key:
+                    self._layouts.move_to_end(oldest)
+                    oldest = next(iter(self._layouts))
+                del self._layouts[oldest]
+        return layout
 
     def _check_feed(self, feed):
         if not isinstance(feed, dict):
@@ -162,8 +240,8 @@ class InferenceSession:
                     arr = np.asarray(value, dtype=t.dtype)
                 except (ValueError, TypeError) as e:
                     raise PmxInputError(f"input {name!r}: cannot convert {type(value).__name__} to {t.dtype.name}: {e}") from None
-            if arr.shape != tuple(t.shape):
-                raise PmxInputError(f"input {name!r}: expected shape {list(t.shape)}, got {list(arr.shape)}")
+            if not _shape_allowed(arr.shape, t):
+                raise PmxInputError(f"input {name!r}: expected shape {format_ranges(_ranges(t))}, got {list(arr.shape)}")
             arrays[self._input_index[name]] = arr
         return arrays
 
@@ -218,7 +296,7 @@ class InferenceSession:
                         f"unknown output {name!r}; available: {list(self._fetchable)} "
                         f"(compile with --keep NAME to fetch an intermediate tensor)")
                 wanted.append(self._fetchable[name])
-        binding = self._binding()
+        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
         steps = self._steps_for(binding, wanted)
@@ -248,10 +326,11 @@ class InferenceSession:
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
         shapes, ms, sorted by time."""
         arrays = self._check_feed(input_feed)
-        binding = self._binding()
+        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
         m = self._model
+        shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
         with np.errstate(all="ignore"):
             for _ in range(repeat):
@@ -264,8 +343,8 @@ class InferenceSession:
         rows = []
         for j, node in enumerate(m.nodes):
             ms = float(np.median(times[j])) * 1e3 if times[j] else 0.0
-            shapes = [list(m.tensors[i].shape) for i in node.inputs if i >= 0 and m.tensors[i].kind != fb.TensorKind.Constant]
+            in_shapes = [list(shapes[i]) for i in node.inputs if i >= 0 and m.tensors[i].kind != fb.TensorKind.Constant]
             rows.append(dict(op=node.op, name=node.name, variant=node.variant,
-                             in_shapes=shapes, out_shapes=[list(m.tensors[i].shape) for i in node.outputs], ms=ms))
+                             in_shapes=in_shapes, out_shapes=[list(shapes[i]) for i in node.outputs], ms=ms))
         rows.sort(key=lambda r: -r["ms"])
         return rows

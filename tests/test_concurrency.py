@@ -62,7 +62,7 @@ def models(exporter, tmp_path_factory):
 def feeds(sess, n, seed=0):
     rng = np.random.default_rng(seed)
     arg = sess.get_inputs()[0]
-    return [{arg.name: rng.standard_normal(arg.shape).astype(np.float32)} for _ in range(n)]
+    return [{arg.name: rng.standard_normal([d if d is not None else 1 for d in arg.shape]).astype(np.float32)} for _ in range(n)]
 
 
 @pytest.mark.parametrize("name", ["cnn", "mixed"])

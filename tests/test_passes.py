@@ -392,7 +392,7 @@ def test_fold_constants_and_dce(tmp_path, disabled):
 def test_no_opt_runs_only_required_passes(exporter):
     g = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), no_opt=True)
     ran = [name for name, _, _ in g.pass_stats]
-    assert ran == ["canonicalize", "infer_shapes", "choose_kernels", "order", "plan_memory"]
+    assert ran == ["canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"]
     assert not g.aliases
 
 

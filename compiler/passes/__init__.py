@@ -12,6 +12,7 @@ from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
 from pmx.compiler.passes.infer_shapes import infer_shapes
+from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
 from pmx.compiler.passes.order import order
 from pmx.compiler.passes.plan_memory import plan_memory
 from pmx.compiler.passes.write_inplace import write_inplace
@@ -27,6 +28,9 @@ PIPELINE = [
     # Drops what no output needs, including constants only dead nodes read; before the
     # fusions so a dead second reader does not block them.
     ("eliminate_dead_code", eliminate_dead_code),
+    # Which input dims may change at run time (and frozen reshapes made symbolic); after
+    # folding, so only nodes that run are probed, before fusion rewrites them.
+    ("mark_dynamic_dims", mark_dynamic_dims),
     # Before fuse_activation: a conv carrying an epilogue can no longer absorb a BN.
     ("fuse_conv_batchnorm", fuse_conv_batchnorm),
     # Before fuse_elementwise, so a GEMM's activation goes into its epilogue (in cache)
@@ -55,7 +59,7 @@ PIPELINE = [
 OPTIONAL = {"fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
-REQUIRED = {"canonicalize", "infer_shapes", "choose_kernels", "order", "plan_memory"}
+REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
 
 
 def run_pipeline(graph, verify=False, disabled=()):

@@ -27,6 +27,8 @@ def conv_infer(node, shapes, dtypes):
     x, w = shapes[0], shapes[1]
     a = node.attrs
     nd = len(w) - 2
+    if len(x) != nd + 2 or x[1] != w[1] * a.get("groups", 1):
+        raise ValueError(f"input {tuple(x)} does not have the {w[1] * a.get('groups', 1)} channels weight {tuple(w)} expects")
     spatial = tuple(
         conv_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i], a["pads"][nd + i])
         for i in range(nd)

@@ -19,6 +19,8 @@ from pmx.runtime.kernels.common import chain, epilogue, view_as
 
 
 def linear_infer(node, shapes, dtypes):
+    if not shapes[0] or shapes[0][-1] != shapes[1][1]:
+        raise ValueError(f"input {tuple(shapes[0])} does not end in the weight's {shapes[1][1]} features")
     return [(tuple(shapes[0][:-1]) + (shapes[1][0],), dtypes[0])]
 
 
@@ -42,6 +44,8 @@ def matmul_infer(node, shapes, dtypes):
     a, b = shapes
     a2 = (1,) + tuple(a) if len(a) == 1 else tuple(a)
     b2 = tuple(b) + (1,) if len(b) == 1 else tuple(b)
+    if a2[-1] != b2[-2]:
+        raise ValueError(f"matmul of {tuple(a)} and {tuple(b)}: inner dims {a2[-1]} and {b2[-2]} differ")
     batch = np.broadcast_shapes(a2[:-2], b2[:-2])
     shape = tuple(batch) + (a2[-2], b2[-1])
     if len(a) == 1:

@@ -24,7 +24,13 @@ def same_as_input(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("batch_norm", infer=same_as_input, inplace=True)
+def batch_norm_infer(node, shapes, dtypes):
+    if len(shapes[0]) < 2 or shapes[0][1] != shapes[1][0]:
+        raise ValueError(f"input {tuple(shapes[0])} does not have the {shapes[1][0]} channels on axis 1")
+    return [(tuple(shapes[0]), dtypes[0])]
+
+
+@register("batch_norm", infer=batch_norm_infer, inplace=True)
 def make_batch_norm(node, inputs, outputs):
     x, scale, shift = inputs
     out = outputs[0]

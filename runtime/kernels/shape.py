@@ -24,9 +24,31 @@ def _resolve_shape(shape, numel):
     return tuple(shape)
 
 
+def resolve_dyn_shape(dyn_shape, in_shape):
+    """A symbolic reshape target -> concrete shape for this input shape. Entries: >= 0
+    literal, -1 inferred from the element count, -2-k copy input dim k (written by the
+    compiler's mark_dynamic_dims pass so frozen targets follow dynamic dims)."""
+    out = [in_shape[-2 - d] if d <= -2 else d for d in dyn_shape]
+    total = int(np.prod(in_shape, dtype=np.int64))
+    if -1 in out:
+        i = out.index(-1)
+        rest = int(np.prod([d for j, d in enumerate(out) if j != i], dtype=np.int64))
+        if rest == 0 or total % rest:
+            raise ValueError(f"cannot reshape {tuple(in_shape)} to {tuple(out)}")
+        out[i] = total // rest
+    if int(np.prod(out, dtype=np.int64)) != total:
+        raise ValueError(f"cannot reshape {tuple(in_shape)} ({total} elements) to {tuple(out)}")
+    return tuple(out)
+
+
 def reshape_infer(node, shapes, dtypes):
+    if "dyn_shape" in node.attrs:
+        return [(resolve_dyn_shape(node.attrs["dyn_shape"], shapes[0]), dtypes[0])]
     numel = int(np.prod(shapes[0]))
-    return [(_resolve_shape(node.attrs["shape"], numel), dtypes[0])]
+    shape = _resolve_shape(node.attrs["shape"], numel)
+    if int(np.prod(shape)) != numel:
+        raise ValueError(f"cannot reshape {tuple(shapes[0])} to {shape}")
+    return [(shape, dtypes[0])]
 
 
 def _same_memory(a, b):

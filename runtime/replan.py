@@ -1,0 +1,150 @@
+"""Memory layouts: the one stored in the file, and new ones for other input shapes.
+
+A Layout says, for one set of input shapes, each tensor's shape and where its bytes live:
+either at an arena offset or as a view of another tensor (root index + byte offset, with
+optional strides). The compiled shape's layout is read from the file (no planning at
+load); any other allowed shape gets a layout computed here by running every node's shape
+rule in the stored order and planning the arena with the same greedy-by-size planner the
+compiler uses (runtime/plan.py).
+
+When re-planning, views that do not depend on the shape (reshape-like views, in-place
+outputs: offset 0, contiguous) are kept; views into a slice of another tensor (concat
+inputs written in place) are dropped, and the nodes that relied on them run their
+ordinary kernel instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pmx.runtime import kernels
+from pmx.runtime.errors import PmxInputError
+from pmx.runtime.plan import check_plan, plan_arena
+from pmx.schema.pmx_generated import TensorKind
+
+
+@dataclass
+class Layout:
+    shapes: list                      # per tensor
+    offsets: dict                     # root tensor index -> arena offset
+    views: dict                       # tensor index -> (root index, byte offset, strides | None)
+    arena_size: int
+    plain_nodes: set = field(default_factory=set)  # nodes that must not assume in-place aliases
+
+
+def compiled_layout(model) -> Layout:
+    """The layout stored in the file, for the shape the model was compiled with."""
+    offsets, views = {}, {}
+    for i, t in enumerate(model.tensors):
+        if t.kind == TensorKind.Constant:
+            continue
+        if t.alias_of >= 0:
+            root, off = _root(model, i)
+            views[i] = (root, off, t.alias_strides)
+        else:
+            offsets[i] = t.arena_offset
+    return Layout([t.shape for t in model.tensors], offsets, views, model.arena_size)
+
+
+def _root(model, i):
+    offset = 0
+    while model.tensors[i].alias_of >= 0:
+        offset += model.tensors[i].alias_offset
+        i = model.tensors[i].alias_of
+    return i, offset
+
+
+def infer_shapes(model, input_shapes: dict) -> list:
+    """Shapes of every tensor for the given input shapes (tensor index -> shape), by each
+    node's shape rule in stored order. Raises PmxInputError naming the node that cannot
+    take the shapes."""
+    shapes = [t.shape for t in model.tensors]
+    for i, s in input_shapes.items():
+        shapes[i] = tuple(int(d) for d in s)
+    for node in model.nodes:
+        rule = kernels.get(node.op).infer
+        present = [i for i in node.inputs if i >= 0]
+        in_shapes = [shapes[i] for i in present]
+        if rule is None:
+            raise PmxInputError(f"node {node.name!r} ({node.op}) has no shape rule, so the model only takes its compiled shapes")
+        try:
+            results = rule(node, in_shapes, [model.tensors[i].dtype for i in present])
+            for out, (shape, _dtype) in zip(node.outputs, results):
+                shape = tuple(int(d) for d in shape)
+                if any(d < 0 for d in shape):
+                    raise ValueError(f"negative output shape {shape}")
+                shapes[out] = shape
+        except PmxInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any rule failure means "this shape is not allowed"
+            raise PmxInputError(f"node {node.name!r} ({node.op}) cannot take input shapes {in_shapes}: {e}") from None
+    return shapes
+
+
+def lifetimes(model):
+    """(first step, last step) per non-constant tensor over the stored order; graph
+    inputs start at -1, graph outputs and kept tensors live to the end."""
+    n = len(model.nodes)
+    first, last = {}, {}
+    for i in model.inputs:
+        first[i] = last[i] = -1
+    for j, node in enumerate(model.nodes):
+        for i in node.outputs:
+            first.setdefault(i, j)
+            last[i] = max(last.get(i, j), j)
+        for i in node.inputs:
+            if i >= 0 and model.tensors[i].kind != TensorKind.Constant:
+                last[i] = max(last.get(i, j), j)
+    for i in list(model.outputs) + list(model.kept):
+        if model.tensors[i].kind != TensorKind.Constant:
+            last[i] = n
+    return first, last
+
+
+def plan_layout(model, shapes) -> Layout:
+    """Plan the arena for `shapes` (from infer_shapes), keeping shape-independent views."""
+    def keepable(i):
+        # Whole-buffer views (reshape-like, in-place) stay valid at any shape; a view of
+        # part of its target (a concat slice, even the first one) does not.
+        t = model.tensors[i]
+        target = model.tensors[t.alias_of]
+        return t.alias_offset == 0 and t.alias_strides is None and t.nbytes == target.nbytes
+
+    views, plain = {}, set()
+    for i, t in enumerate(model.tensors):
+        if t.kind == TensorKind.Constant or t.alias_of < 0:
+            continue
+        root = i
+        while model.tensors[root].alias_of >= 0 and keepable(root):
+            root = model.tensors[root].alias_of
+        if root != i:
+            views[i] = (root, 0, None)
+    dropped = {i for i, t in enumerate(model.tensors) if t.alias_of >= 0 and not keepable(i)}
+    if dropped:
+        for j, node in enumerate(model.nodes):
+            if set(node.inputs) & dropped or set(node.outputs) & dropped:
+                plain.add(j)
+    first, last = lifetimes(model)
+    spans = {}
+    for i in first:
+        root = views[i][0] if i in views else i
+        lo, hi = first[i], last[i]
+        a, b = spans.get(root, (lo, hi))
+        spans[root] = (min(a, lo), max(b, hi))
+    roots = sorted(spans, key=lambda r: (spans[r][0], r))
+    buffers = [(_nbytes(shapes[r], model.tensors[r].dtype), *spans[r]) for r in roots]
+    offsets, arena = plan_arena(buffers)
+    check_plan(buffers, offsets, arena)
+    return Layout(list(shapes), dict(zip(roots, offsets)), views, arena, plain)
+
+
+def format_ranges(ranges):
+    """[(1, -1), (3, 3), (8, 512)] -> '[1.., 3, 8..512]' for messages."""
+    parts = [str(lo) if lo == hi else f"{lo}..{'' if hi == -1 else hi}" for lo, hi in ranges]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _nbytes(shape, dtype):
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize

@@ -1,0 +1,235 @@
+"""Inputs of other shapes than the one the model was exported with: compile once, run
+other batch sizes and image sizes, compare with torch run at those shapes."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import rel_error, torch_outputs
+from pmx.compiler.driver import compile_model
+from pmx.runtime import InferenceSession, PmxCompileError, PmxInputError
+
+
+class FullyConv(nn.Module):
+    """Residual + SE + global pool: takes any batch and any image size >= 8."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.c2 = nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.se = nn.Linear(16, 16)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.c1(x)))
+        y = y + F.hardswish(self.c2(y))
+        s = torch.sigmoid(self.se(y.mean((2, 3))))
+        y = y * s.view(y.shape[0], 16, 1, 1)
+        y = F.max_pool2d(y, 2, ceil_mode=True)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(y, 1), 1))
+
+
+class FlattenHead(nn.Module):
+    """view(1, -1) before a Linear: the batch follows, the spatial size is fixed."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x):
+        y = F.relu(self.c(x))
+        return self.fc(y.reshape(y.shape[0], -1))
+
+
+class TokenMixer(nn.Module):
+    """A transformer block on a fixed number of tokens: batch is dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, n, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-2, -1) * 0.5, dim=-1)
+        y = (a @ v).transpose(1, 2).reshape(b, n, c)
+        return x + self.proj(y)
+
+
+@pytest.fixture(scope="module")
+def compiled(exporter, tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("dyn")
+    cache = {}
+
+    def get(name, module, example, **kwargs):
+        key = (name, repr(sorted(kwargs.items())))
+        if key not in cache:
+            torch.manual_seed(0)
+            prefix = exporter(f"dyn_{name}", module, (example,))
+            path = out_dir / f"{name}_{len(cache)}.pmx"
+            compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(path), verify=True, **kwargs)
+            cache[key] = InferenceSession(str(path))
+        return cache[key]
+
+    return get
+
+
+def _check(sess, module, x, tol=1e-4):
+    [got] = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    [want] = torch_outputs(module, (x,))
+    assert got.shape == want.shape
+    assert rel_error(got, want) <= tol
+
+
+MODELS = {}
+
+
+def model(name):
+    if name not in MODELS:
+        torch.manual_seed(0)
+        MODELS[name] = {"fullyconv": FullyConv, "flatten": FlattenHead, "tokens": TokenMixer}[name]().eval()
+    return MODELS[name]
+
+
+def test_batch_is_dynamic_by_default(compiled):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32))
+    assert sess.get_inputs()[0].shape == [None, 3, 32, 32]
+    for batch in (1, 2, 5):
+        _check(sess, m, torch.rand(batch, 3, 32, 32))
+
+
+def test_spatial_dims_on_request(compiled):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32), dynamic={"in0": {0: (1, -1), 2: (8, 512), 3: (8, 512)}})
+    assert sess.get_inputs()[0].shape == [None, 3, None, None]
+    for shape in ((1, 3, 32, 32), (2, 3, 48, 40), (3, 3, 17, 65), (1, 3, 8, 8)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_plan_is_cached_per_shape(compiled):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32))
+    x = np.random.rand(4, 3, 32, 32).astype(np.float32)
+    sess.run(None, {"in0": x})
+    plans = sess.plans_built
+    sess.run(None, {"in0": x})
+    assert sess.plans_built == plans
+    sess.run(None, {"in0": x[:3]})
+    assert sess.plans_built == plans + 1
+
+
+def test_flatten_follows_batch(compiled):
+    m = model("flatten")
+    sess = compiled("flatten", m, torch.rand(1, 3, 8, 8))
+    for batch in (1, 2, 5):
+        _check(sess, m, torch.rand(batch, 3, 8, 8))
+    with pytest.raises(PmxInputError) as e:
+        sess.run(None, {"in0": np.zeros((1, 3, 9, 9), np.float32)})
+    msg = str(e.value)
+    assert "in0" in msg and "[1, 3, 9, 9]" in msg and "3, 8, 8" in msg
+
+
+def test_explicit_dynamic_dim_the_model_cannot_take_fails_compile(exporter, tmp_path):
+    m = model("flatten")
+    prefix = exporter("dyn_flatten", m, (torch.rand(1, 3, 8, 8),))
+    with pytest.raises(PmxCompileError) as e:
+        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"),
+                      dynamic={"in0": {2: (4, 64)}})
+    assert "in0" in str(e.value)
+
+
+def test_transformer_block_batch(compiled):
+    m = model("tokens")
+    sess = compiled("tokens", m, torch.rand(1, 6, 16))
+    for batch in (1, 2, 5):
+        _check(sess, m, torch.rand(batch, 6, 16))
+
+
+def test_range_is_enforced(compiled):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32), dynamic={"in0": {0: (1, 4)}})
+    _check(sess, m, torch.rand(4, 3, 32, 32))
+    with pytest.raises(PmxInputError) as e:
+        sess.run(None, {"in0": np.zeros((5, 3, 32, 32), np.float32)})
+    assert "1..4" in str(e.value)
+
+
+def test_static_flag_keeps_compiled_shape_only(compiled):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32), auto_batch=False)
+    assert sess.get_inputs()[0].shape == [1, 3, 32, 32]
+    with pytest.raises(PmxInputError):
+        sess.run(None, {"in0": np.zeros((2, 3, 32, 32), np.float32)})
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(1, 4), h=st.integers(8, 40), w=st.integers(8, 40))
+def test_random_allowed_shapes(compiled, batch, h, w):
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32), dynamic={"in0": {0: (1, -1), 2: (8, 512), 3: (8, 512)}})
+    _check(sess, m, torch.rand(batch, 3, h, w))
+
+
+def test_threads_with_different_shapes(compiled):
+    import threading
+
+    m = model("fullyconv")
+    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32), dynamic={"in0": {0: (1, -1), 2: (8, 512), 3: (8, 512)}})
+    xs = [np.random.rand(b, 3, s, s).astype(np.float32) for b, s in ((1, 32), (2, 24), (3, 40), (1, 16))]
+    expected = [sess.run(None, {"in0": x})[0] for x in xs]
+    errors = []
+
+    def work(k):
+        for _ in range(5):
+            for i in range(len(xs)):
+                j = (i + k) % len(xs)
+                if not np.array_equal(sess.run(None, {"in0": xs[j]})[0], expected[j]):
+                    errors.append(j)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_cli_shape_ranges_and_static(exporter, tmp_path, capsys):
+    from pmx.compiler.cli import main
+
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    out = tmp_path / "m.pmx"
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", "in0=1..8x3x16..64x?"]) == 0
+    assert "in0 takes [1..8, 3, 16..64, 1..]" in capsys.readouterr().out
+    assert InferenceSession(str(out)).get_inputs()[0].shape == [None, 3, None, None]
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--static"]) == 0
+    assert InferenceSession(str(out)).get_inputs()[0].shape == [1, 3, 32, 32]
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", "in0=0..8x3x32x32"]) == 1
+    assert "--shape" in capsys.readouterr().err
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--dynamic", "in9:0"]) == 1
+    assert "in9" in capsys.readouterr().err
+
+
+def test_compile_reports_fixed_dims(exporter, tmp_path, capsys):
+    """A view that freezes the batch: the compile says which dim is fixed and why."""
+    from pmx.compiler.cli import main
+
+    class FrozenBatch(nn.Module):
+        def forward(self, x):
+            return x.view(12, 16).sum(0)
+
+    prefix = exporter("dyn_frozen", FrozenBatch(), (torch.rand(1, 12, 4, 4),))
+    out = tmp_path / "m.pmx"
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "in0 dim 0 fixed" in text and "reshape" in text and "line" in text
+    assert InferenceSession(str(out)).get_inputs()[0].shape == [1, 12, 4, 4]
