@@ -1,5 +1,110 @@
-"""conv_transpose kernels (see the registry docstring in __init__.py for the kernel contract)."""
+"""Transposed convolution (1-d, 2-d, 3-d; groups, dilation, output_padding).
 
-import numpy as np  # noqa: F401
+Canonical op `conv_transpose`: inputs (x, weight[Cin, Cout/groups, *k], bias[Cout]?),
+attrs stride, pads (begins then ends per spatial dim), output_padding, dilation, groups.
+node.expr is an optional fused activation.
 
-from pmx.runtime.kernels import register  # noqa: F401
+One batched GEMM gives every (output channel, tap, input pixel) product; col2im then adds
+each tap's slab into a strided view of the output (a loop over kernel taps, not pixels),
+or writes it when the taps tile the output without overlap.
+Taps whose positions fall into the cropped padding are clipped to the output window in
+the factory, so no padded scratch output is needed.
+"""
+
+import numpy as np
+
+from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import chain, epilogue, view_as
+
+
+def conv_transpose_out_size(n, k, s, d, pb, pe, op):
+    return (n - 1) * s - pb - pe + d * (k - 1) + op + 1
+
+
+def conv_transpose_infer(node, shapes, dtypes):
+    x, w = shapes[0], shapes[1]
+    a = node.attrs
+    nd = len(w) - 2
+    groups = int(a.get("groups", 1))
+    if len(x) != nd + 2 or x[1] != w[0]:
+        raise ValueError(f"input {tuple(x)} does not match weight {tuple(w)}")
+    spatial = tuple(
+        conv_transpose_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i],
+                                a["pads"][nd + i], a["output_padding"][i])
+        for i in range(nd))
+    return [((x[0], w[1] * groups) + spatial, dtypes[0])]
+
+
+def _tap_range(t, d, s, pb, n_in, n_out):
+    """Input indices [lo, hi] whose product for tap t lands inside the output window, and
+    the output index the first of them lands on; None when none do."""
+    off = t * d - pb  # output position of input index 0
+    lo = max(0, -(off // s))  # ceil(-off / s)
+    hi = min(n_in - 1, (n_out - 1 - off) // s)
+    if lo > hi:
+        return None
+    return lo, hi, off + lo * s
+
+
+@register("conv_transpose", infer=conv_transpose_infer)
+def make_conv_transpose(node, inputs, outputs):
+    x, w = inputs[0], inputs[1]
+    b = inputs[2] if len(inputs) > 2 else None
+    out = outputs[0]
+    a = node.attrs
+    nd = w.ndim - 2
+    groups = int(a.get("groups", 1))
+    stride, dilation, pads = a["stride"], a["dilation"], a["pads"]
+    n, cin = x.shape[:2]
+    cin_g, cout_g = cin // groups, w.shape[1]
+    cout = cout_g * groups
+    k = w.shape[2:]
+    kk = int(np.prod(k))
+    in_sp, out_sp = x.shape[2:], out.shape[2:]
+    length = int(np.prod(in_sp))
+    # (G, Cout_g * kk, Cin_g): a transposed view of the weight; BLAS takes it as is
+    wt = None
+    if w.flags.c_contiguous:
+        wt = view_as(w, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1)
+    xg = view_as(x, (n, groups, cin_g, length)) if x.flags.c_contiguous else None
+    cols = np.empty((n, groups, cout_g * kk, length), out.dtype)
+    cols_taps = view_as(cols, (n, cout) + tuple(k) + tuple(in_sp))
+    adds = []
+    coverage = np.zeros(out_sp, np.int64)
+    for tap in np.ndindex(*k):
+        src, dst = [], []
+        for i in range(nd):
+            r = _tap_range(tap[i], dilation[i], stride[i], pads[i], in_sp[i], out_sp[i])
+            if r is None:
+                break
+            lo, hi, start = r
+            src.append(slice(lo, hi + 1))
+            dst.append(slice(start, start + (hi - lo) * stride[i] + 1, stride[i]))
+        else:
+            adds.append((out[(slice(None), slice(None)) + tuple(dst)],
+                         cols_taps[(slice(None), slice(None)) + tap + tuple(src)]))
+            coverage[tuple(dst)] += 1
+    bias = b.reshape((1, cout) + (1,) * nd) if b is not None else None
+    # taps that tile the output exactly once (kernel == stride, no padding: the usual
+    # 2x2/2 up-convolution) are written, not accumulated, so out needs no zero fill
+    tiled = bool(np.all(coverage == 1))
+
+    def run():
+        w_ = wt if wt is not None else w.reshape(groups, cin_g, cout_g * kk).transpose(0, 2, 1)
+        x_ = xg if xg is not None else x.reshape(n, groups, cin_g, length)
+        np.matmul(w_, x_, out=cols)
+        if tiled:
+            for o, c in adds:
+                if bias is None:
+                    np.copyto(o, c)
+                else:
+                    np.add(c, bias, out=o)
+            return
+        if bias is None:
+            out.fill(0)
+        else:
+            np.copyto(out, bias)
+        for o, c in adds:
+            np.add(o, c, out=o)
+
+    return chain(run, epilogue(node, out))

@@ -1,5 +1,274 @@
-"""resample kernels (see the registry docstring in __init__.py for the kernel contract)."""
+"""Resampling and padding.
 
-import numpy as np  # noqa: F401
+`resize`  interpolation over the trailing len(sizes) dims, separable: one pass per
+          resized axis, each a few np.take + multiply-add calls with index/weight tables
+          built once in the factory. attrs mode ("nearest", "nearest_exact", "linear",
+          "cubic"), align_corners, sizes (output size per resized dim at the compiled
+          shape), scales (the scale_factor torch maps coordinates with, 0.0 where it uses
+          in/out: size given or recompute_scale_factor), scale_factor (> 0 where the
+          output size is floor(in * scale_factor) at other input shapes; 0.0 keeps sizes).
+`pad`     attrs pads (begins then ends per trailing dim; negative crops), mode
+          ("constant", "reflect", "replicate", "circular"), value. Negative pads follow
+          torch: constant and circular crop first and pad the crop, reflect and
+          replicate pad the whole input and crop the result.
+`pixel_shuffle` attrs factor, inverse (pixel_unshuffle): one strided copy.
 
-from pmx.runtime.kernels import register  # noqa: F401
+Coordinate rules follow ATen's UpSample.h / UpSampleKernel.cpp, including its float32
+arithmetic (the tables are computed in float32 so floors land where torch's do).
+"""
+
+import math
+
+import numpy as np
+
+from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import fill_border
+
+F32 = np.float32
+CUBIC_A = F32(-0.75)
+
+
+def _scale(n_in, n_out, align_corners, scale):
+    """ATen area_pixel_compute_scale<float>."""
+    if align_corners:
+        return F32(n_in - 1) / F32(n_out - 1) if n_out > 1 else F32(0)
+    if scale and scale > 0:
+        return F32(1.0 / scale)
+    return F32(n_in) / F32(n_out)
+
+
+def _source(scale, n_out, align_corners, cubic):
+    """ATen area_pixel_compute_source_index<float> for every output index."""
+    i = np.arange(n_out, dtype=F32)
+    if align_corners:
+        return scale * i
+    src = scale * (i + F32(0.5)) - F32(0.5)
+    return src if cubic else np.maximum(src, F32(0))
+
+
+def _cubic1(x):
+    return ((CUBIC_A + F32(2)) * x - (CUBIC_A + F32(3))) * x * x + F32(1)
+
+
+def _cubic2(x):
+    return ((CUBIC_A * x - F32(5) * CUBIC_A) * x + F32(8) * CUBIC_A) * x - F32(4) * CUBIC_A
+
+
+def axis_taps(mode, n_in, n_out, align_corners, scale, nd):
+    """[(indices, weights or None), ...] for one axis; None when the axis is unchanged."""
+    if mode == "nearest":
+        # ATen's 2-d nearest kernel (only it) goes through nearest_idx, which copies
+        # for out == in and halves for out == 2 in whatever the scale factor said.
+        if nd == 2 and n_out == n_in:
+            return None
+        if nd == 2 and n_out == 2 * n_in:
+            return [(np.arange(n_out) // 2, None)]
+        s = _scale(n_in, n_out, False, scale)
+        idx = np.minimum(np.floor(s * np.arange(n_out, dtype=F32)).astype(np.int64), n_in - 1)
+        return None if n_in == n_out and np.array_equal(idx, np.arange(n_in)) else [(idx, None)]
+    if mode == "nearest_exact":
+        s = _scale(n_in, n_out, False, scale)
+        src = _source(s, n_out, False, False)
+        idx = np.floor(src + F32(0.5)).astype(np.int64)
+        idx = np.minimum(idx, n_in - 1)
+        return None if np.array_equal(idx, np.arange(n_in)) and n_in == n_out else [(idx, None)]
+    s = _scale(n_in, n_out, align_corners, scale)
+    if mode == "linear":
+        if n_out == n_in:
+            return None
+        src = _source(s, n_out, align_corners, False)
+        i0 = np.minimum(np.floor(src).astype(np.int64), n_in - 1)
+        l1 = np.clip(src - i0.astype(F32), F32(0), F32(1)).astype(F32)
+        i1 = i0 + (i0 < n_in - 1)
+        return [(i0, F32(1) - l1), (i1, l1)]
+    if mode == "cubic":
+        src = _source(s, n_out, align_corners, True)
+        base = np.floor(src).astype(np.int64)
+        t = (src - base.astype(F32)).astype(F32)
+        ws = [_cubic2(t + F32(1)), _cubic1(t), _cubic1(F32(1) - t), _cubic2(F32(2) - t)]
+        return [(np.clip(base - 1 + j, 0, n_in - 1), ws[j].astype(F32)) for j in range(4)]
+    raise ValueError(f"unknown resize mode {mode!r}")
+
+
+def resize_infer(node, shapes, dtypes):
+    x = shapes[0]
+    sizes = tuple(node.attrs["sizes"])
+    nd = len(sizes)
+    follow = tuple(node.attrs.get("scale_factor") or (0.0,) * nd)
+    lead = len(x) - nd
+    if lead < 1:
+        raise ValueError(f"input {tuple(x)} has fewer than {nd} + 1 dims")
+    # torch: floor(double(in) * scale_factor) when a scale factor set the size
+    sizes = tuple(math.floor(x[lead + i] * f) if f > 0 else sizes[i] for i, f in enumerate(follow))
+    return [(tuple(x[:lead]) + sizes, dtypes[0])]
+
+
+@register("resize", infer=resize_infer)
+def make_resize(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    a = node.attrs
+    mode = a["mode"]
+    nd = len(a["sizes"])
+    lead = x.ndim - nd
+    scales = tuple(a.get("scales") or (0.0,) * nd)
+    align = bool(a.get("align_corners", False))
+    taps = [axis_taps(mode, x.shape[lead + i], out.shape[lead + i], align, scales[i], nd)
+            for i in range(nd)]
+    # shrinking axes first, so later passes touch fewer elements
+    axes = sorted(((lead + i, t) for i, t in enumerate(taps) if t is not None),
+                  key=lambda at: out.shape[at[0]] / x.shape[at[0]])
+    if not axes:
+        return lambda: np.copyto(out, x)
+    steps = []
+    shape = list(x.shape)
+    src = x
+    for k, (axis, t) in enumerate(axes):
+        shape[axis] = out.shape[axis]
+        dst = out if k == len(axes) - 1 else np.empty(shape, out.dtype)
+        steps.append(_axis_step(src, dst, axis, t))
+        src = dst
+
+    def run():
+        for step in steps:
+            step()
+
+    return run
+
+
+def _axis_step(src, dst, axis, taps):
+    bshape = (-1,) + (1,) * (src.ndim - axis - 1)
+    if len(taps) == 1 and taps[0][1] is None:
+        idx = taps[0][0]
+        return lambda: np.take(src, idx, axis=axis, out=dst, mode="clip")
+    terms = [(idx, w.astype(dst.dtype).reshape(bshape)) for idx, w in taps]
+    tmp = np.empty(dst.shape, dst.dtype)
+    (i0, w0), rest = terms[0], terms[1:]
+
+    def run():
+        np.take(src, i0, axis=axis, out=dst, mode="clip")
+        np.multiply(dst, w0, out=dst)
+        for idx, w in rest:
+            np.take(src, idx, axis=axis, out=tmp, mode="clip")
+            np.multiply(tmp, w, out=tmp)
+            np.add(dst, tmp, out=dst)
+
+    return run
+
+
+def pad_infer(node, shapes, dtypes):
+    x = shapes[0]
+    pads = node.attrs["pads"]
+    nd = len(pads) // 2
+    lead = len(x) - nd
+    spatial = tuple(x[lead + i] + pads[i] + pads[nd + i] for i in range(nd))
+    return [(tuple(x[:lead]) + spatial, dtypes[0])]
+
+
+@register("pad", infer=pad_infer)
+def make_pad(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    a = node.attrs
+    pads = tuple(a["pads"])
+    mode = a.get("mode", "constant")
+    value = a.get("value", 0.0)
+    nd = len(pads) // 2
+    lead = x.ndim - nd
+    grow = tuple(max(p, 0) for p in pads)
+
+    def crop(shape):
+        return (Ellipsis,) + tuple(
+            slice(max(-pads[i], 0), shape[lead + i] - max(-pads[nd + i], 0)) for i in range(nd))
+
+    if mode in ("reflect", "replicate") and min(pads) < 0:
+        # torch pads these from the uncropped input and crops afterwards
+        spatial = tuple(x.shape[lead + i] + grow[i] + grow[nd + i] for i in range(nd))
+        full = np.empty(tuple(x.shape[:lead]) + spatial, x.dtype)
+        fill = _pad_into(x, full, grow, mode, value)
+        window = full[crop(full.shape)]
+        return lambda: (fill(), np.copyto(out, window))
+    # constant and circular crop first and pad the crop
+    return _pad_into(x[crop(x.shape)], out, grow, mode, value)
+
+
+def _pad_into(src, out, grow, mode, value):
+    """Callable writing src padded by non-negative `grow` (begins + ends) into out."""
+    nd = len(grow) // 2
+    lead = src.ndim - nd
+    sizes = src.shape[lead:]
+    interior = out[(Ellipsis,) + tuple(slice(grow[i], grow[i] + sizes[i]) for i in range(nd))]
+    copy_in = lambda: np.copyto(interior, src)  # noqa: E731
+    if not any(grow):
+        return copy_in
+    if mode != "constant":
+        border = fill_border(out, grow, sizes, mode)
+        return lambda: (copy_in(), border())
+    value = 0.0 if value is None else value
+    slabs = []
+    for i in range(nd):
+        axis = lead + i
+        for sl in (slice(0, grow[i]), slice(grow[i] + sizes[i], None)):
+            idx = [slice(None)] * out.ndim
+            idx[axis] = sl
+            slab = out[tuple(idx)]
+            if slab.size:
+                slabs.append(slab)
+
+    def run():
+        for slab in slabs:
+            slab.fill(value)
+        np.copyto(interior, src)
+
+    return run
+
+
+def pixel_shuffle_infer(node, shapes, dtypes):
+    x = shapes[0]
+    r = node.attrs["factor"]
+    lead, (c, h, w) = tuple(x[:-3]), tuple(x[-3:])
+    if node.attrs.get("inverse"):
+        if h % r or w % r:
+            raise ValueError(f"height and width of {tuple(x)} must be divisible by {r}")
+        return [(lead + (c * r * r, h // r, w // r), dtypes[0])]
+    if c % (r * r):
+        raise ValueError(f"channels of {tuple(x)} must be divisible by {r * r}")
+    return [(lead + (c // (r * r), h * r, w * r), dtypes[0])]
+
+
+def _split_view(a, shape):
+    """a viewed as `shape` when its strides allow it, else None (reshaped per run)."""
+    if not a.flags.c_contiguous:
+        return None
+    v = a.view()
+    v.shape = shape
+    return v
+
+
+@register("pixel_shuffle", infer=pixel_shuffle_infer)
+def make_pixel_shuffle(node, inputs, outputs):
+    """`pixel_shuffle`: attrs factor, inverse (pixel_unshuffle). One strided copy between
+    (..., C, r, r, H, W) and (..., C, H, r, W, r) views of input and output."""
+    x, out = inputs[0], outputs[0]
+    r = node.attrs["factor"]
+    inverse = bool(node.attrs.get("inverse"))
+    k = x.ndim - 3
+    lead = tuple(x.shape[:k])
+    small, big = (out, x) if inverse else (x, out)
+    c, h, w = small.shape[k] // (r * r), small.shape[k + 1], small.shape[k + 2]
+    small_shape = lead + (c, r, r, h, w)
+    big_shape = lead + (c, h, r, w, r)
+    to_big = tuple(range(k + 1)) + (k + 3, k + 1, k + 4, k + 2)
+    to_small = tuple(range(k + 1)) + (k + 2, k + 4, k + 1, k + 3)
+    if inverse:
+        src_shape, dst_shape, perm = big_shape, small_shape, to_small
+    else:
+        src_shape, dst_shape, perm = small_shape, big_shape, to_big
+    src = _split_view(x, src_shape)
+    dst = _split_view(out, dst_shape)
+    if src is not None and dst is not None:
+        moved = src.transpose(perm)
+        return lambda: np.copyto(dst, moved)
+
+    def run():
+        np.copyto(out, x.reshape(src_shape).transpose(perm).reshape(out.shape))
+
+    return run
