@@ -83,10 +83,12 @@ def compiled(exporter, tmp_path_factory):
 
 
 def _check(sess, module, x, tol=1e-4):
-    [got] = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
-    [want] = torch_outputs(module, (x,))
-    assert got.shape == want.shape
-    assert rel_error(got, want) <= tol
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    want = torch_outputs(module, (x,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert rel_error(g, w) <= tol
 
 
 MODELS = {}
@@ -225,7 +227,7 @@ def test_compile_reports_fixed_dims(exporter, tmp_path, capsys):
 
     class FrozenBatch(nn.Module):
         def forward(self, x):
-            return x.view(12, 16).sum(0)
+            return x.view(3, 64).sum(0)
 
     prefix = exporter("dyn_frozen", FrozenBatch(), (torch.rand(1, 12, 4, 4),))
     out = tmp_path / "m.pmx"
@@ -233,3 +235,56 @@ def test_compile_reports_fixed_dims(exporter, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "in0 dim 0 fixed" in text and "reshape" in text and "line" in text
     assert InferenceSession(str(out)).get_inputs()[0].shape == [1, 12, 4, 4]
+
+
+def _blocks():
+    import test_e2e_cnn_blocks as cnn
+    import test_e2e_transformers as tr
+
+    def bn(cls):
+        return lambda: cnn.randomize_bn(cls())
+
+    def seeded(cls):
+        return lambda: tr._seeded(cls())
+
+    return {
+        # name: (module factory, compiled example shape, extra shapes to run)
+        "residual": (bn(cnn.Residual), (1, 4, 16, 16), [(2, 4, 16, 16), (5, 4, 16, 16)]),
+        "depthwise_separable": (bn(cnn.DepthwiseSeparable), (1, 6, 12, 12), [(2, 6, 12, 12), (5, 6, 12, 12)]),
+        "squeeze_excite": (bn(cnn.SqueezeExcite), (1, 8, 9, 9), [(2, 8, 9, 9), (5, 8, 9, 9)]),
+        "shuffle_unit": (bn(cnn.ShuffleUnit), (1, 16, 8, 8), [(2, 16, 8, 8), (5, 16, 8, 8)]),
+        "dense_block": (bn(cnn.DenseBlock), (1, 8, 10, 10), [(2, 8, 10, 10), (5, 8, 10, 10)]),
+        "inception": (bn(cnn.Inception), (1, 8, 15, 15), [(2, 8, 15, 15), (5, 8, 15, 15)]),
+        "mobilenet_v3_block": (bn(cnn.MobileNetV3Block), (1, 8, 16, 16), [(2, 8, 16, 16), (5, 8, 16, 16)]),
+        "mbconv": (bn(cnn.MBConv), (1, 8, 10, 10), [(2, 8, 10, 10), (5, 8, 10, 10)]),
+        "regnet_block": (bn(cnn.RegNetBlock), (1, 8, 14, 14), [(2, 8, 14, 14), (5, 8, 14, 14)]),
+        "vit": (seeded(tr.ViT), (1, 3, 16, 16), [(2, 3, 16, 16), (5, 3, 16, 16)]),
+        "convnext": (seeded(tr.ConvNeXtBlock), (1, 16, 9, 9), [(2, 16, 9, 9), (5, 16, 9, 9)]),
+        "swin": (seeded(tr.SwinBlock), (1, 8, 8, 16), [(2, 8, 8, 16), (5, 8, 8, 16)]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_blocks()))
+def test_suite_blocks_at_other_batch_sizes(name, compiled):
+    """The test-suite CNN and transformer blocks, compiled at batch 1, run at 1, 2 and 5."""
+    factory, shape, others = _blocks()[name]
+    torch.manual_seed(0)
+    m = factory().eval()
+    sess = compiled(f"block_{name}", m, torch.rand(*shape))
+    assert sess.get_inputs()[0].shape[0] is None, f"{name}: batch should be dynamic"
+    for s in [shape] + others:
+        _check(sess, m, torch.rand(*s))
+
+
+@pytest.mark.parametrize("name,spatial", [("residual", [(2, 4, 20, 24), (1, 4, 9, 31)]),
+                                          ("dense_block", [(1, 8, 14, 12), (3, 8, 6, 6)]),
+                                          ("mbconv", [(2, 8, 13, 7)]),
+                                          ("convnext", [(1, 16, 12, 7), (2, 16, 5, 5)])])
+def test_suite_blocks_at_other_image_sizes(name, spatial, compiled):
+    factory, shape, _ = _blocks()[name]
+    torch.manual_seed(0)
+    m = factory().eval()
+    sess = compiled(f"block_{name}", m, torch.rand(*shape), dynamic={"in0": {2: (4, 64), 3: (4, 64)}})
+    assert sess.get_inputs()[0].shape == [None, shape[1], None, None]
+    for s in spatial:
+        _check(sess, m, torch.rand(*s))

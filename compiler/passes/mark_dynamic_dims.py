@@ -36,12 +36,13 @@ def _numel(s):
     return int(np.prod(s, dtype=np.int64))
 
 
-def symbolic_reshape(target, in_compiled, in_probe):
+def symbolic_reshape(target, in_compiled, in_probe, batch_values=()):
     """Rewrite a frozen reshape target so it follows the input dims that changed between
     the compiled and the probe shape; None if no rewrite keeps the element count."""
-    squeezed = _squeeze_like(target, in_compiled, in_probe)
-    if squeezed is not None:
-        return squeezed
+    for rule in (_squeeze_like, _leading_merge):
+        found = rule(target, in_compiled, in_probe)
+        if found is not None:
+            return found
     # Copying a dim that does not change is the same as the literal, so aligned equal dims
     # become copies whether or not this probe moves them.
     t = list(target)
@@ -59,7 +60,7 @@ def symbolic_reshape(target, in_compiled, in_probe):
             t[jt] = copy_dim(jin)
         else:
             break
-    for candidate in (t, _with_inferred(t)):
+    for candidate in (t, _with_inferred(t), _leading_inferred(t, batch_values)):
         if candidate is None:
             continue
         try:
@@ -90,8 +91,65 @@ def _squeeze_like(target, in_compiled, in_probe):
     return tuple(out) if p == len(kept) else None
 
 
+def _groups(a, b):
+    """Pair consecutive dims of a and b whose products match ([(dims of a, dims of b)]), as
+    a reshape that merges or splits neighbouring dims does; None if there is no pairing."""
+    i = j = 0
+    groups = []
+    while i < len(a) and j < len(b):
+        ga, gb, pa, pb = [i], [j], a[i], b[j]
+        while pa != pb:
+            if pa < pb:
+                i += 1
+                if i >= len(a):
+                    return None
+                pa *= a[i]
+                ga.append(i)
+            else:
+                j += 1
+                if j >= len(b):
+                    return None
+                pb *= b[j]
+                gb.append(j)
+        groups.append((ga, gb))
+        i, j = i + 1, j + 1
+    if any(d != 1 for d in a[i:]) or any(d != 1 for d in b[j:]):
+        return None
+    groups += [([k], []) for k in range(i, len(a))] + [([], [k]) for k in range(j, len(b))]
+    return groups
+
+
+def _leading_merge(target, in_compiled, in_probe):
+    """A reshape whose first target dim merges the leading input dims, the batch among
+    them (Swin's windows: (B, nH, nW, ws, ws, C) -> (B*nH*nW, ws*ws, C)): that dim
+    becomes -1, one-to-one dims are copied, other unchanged groups stay literal."""
+    if -1 in target:
+        return None
+    groups = _groups(list(in_compiled), list(target))
+    if groups is None:
+        return None
+    out = list(target)
+    for ga, gb in groups:
+        changed = any(in_compiled[k] != in_probe[k] for k in ga)
+        if len(ga) == 1 and len(gb) == 1:
+            out[gb[0]] = copy_dim(ga[0])
+        elif changed and gb == [0] and ga[0] == 0 and in_compiled[0] != in_probe[0]:
+            out[0] = -1
+        elif changed:
+            return None
+    return tuple(out)
+
+
 def _concrete(target, in_shape):
     return resolve_dyn_shape([d for d in target], in_shape)
+
+
+def _leading_inferred(t, batch_values):
+    """Last resort: a leading literal equal to the traced batch of a dynamic input absorbs
+    the change (Swin's window reverse view(B, H/ws, W/ws, ws, ws, C) traced with B = 1)."""
+    if -1 in t or not t or t[0] < 0 or t[0] not in batch_values:
+        return None
+    return [-1] + list(t[1:])
 
 
 def _with_inferred(t):
@@ -119,11 +177,12 @@ def _requested(graph):
                 raise PmxCompileError(f"--dynamic {name}:{dim}: input {name} has rank {len(v.shape)}")
             req.setdefault(v.uid, {})[dim % len(v.shape)] = rng
             explicit.add((v.uid, dim % len(v.shape)))
+    auto = {}
     if getattr(graph, "auto_batch", True):
         for v in graph.inputs:
-            if v.shape and v.uid not in req:
-                req[v.uid] = {0: (1, UNBOUNDED)}
-    return req, explicit
+            if v.shape and 0 not in req.get(v.uid, {}):
+                auto[v.uid] = {0: (1, UNBOUNDED)}
+    return req, explicit, auto
 
 
 def _probe_value(compiled, rng):
@@ -136,13 +195,21 @@ def _probe_value(compiled, rng):
 
 def mark_dynamic_dims(graph) -> bool:
     """All requested dims are probed together (inputs that share a batch move together)."""
-    req, explicit = _requested(graph)
+    explicit_req, explicit, auto = _requested(graph)
     graph.dynamic = {}
     graph.dynamic_outputs = {}
     graph.fixed_reasons = []
+    req = {uid: {**auto.get(uid, {}), **explicit_req.get(uid, {})} for uid in set(explicit_req) | set(auto)}
     if not req:
         return False
     failure, shapes = _probe(graph, req)
+    if failure is not None and auto and explicit_req:
+        # the batch the user did not ask for may be what cannot change: try without it
+        node, why = failure
+        names = ", ".join(f"{v.name} dim 0" for v in graph.inputs if v.uid in auto)
+        graph.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
+        req = explicit_req
+        failure, shapes = _probe(graph, req)
     if failure is not None:
         node, why = failure
         if explicit:
@@ -180,6 +247,7 @@ def _probe(graph, req):
                 return (_FakeNode(v.name), f"range {rng} of dim {d} leaves no other size to allow"), None
             probe[d] = p
         shapes[v.uid] = tuple(probe)
+    batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
     rewrites = {}
     for node in graph.nodes:
         ins = [x for x in node.inputs if x is not None]
@@ -193,21 +261,56 @@ def _probe(graph, req):
             target = node.attrs.get("dyn_shape") or node.attrs.get("pnnx_shape") or node.attrs["shape"]
             if not isinstance(target, tuple) or not all(isinstance(d, int) for d in target):
                 target = node.attrs["shape"]
-            new = symbolic_reshape(target, ins[0].shape, in_probe[0])
+            new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
             if new is None:
                 return (node, f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}"), None
             rewrites[node.uid] = (node, new)
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
             continue
+        dtypes = [np.dtype(x.dtype) for x in ins]
         try:
-            results = kernel.infer(node, in_probe, [np.dtype(x.dtype) for x in ins])
+            results = kernel.infer(node, in_probe, dtypes)
         except Exception as e:  # noqa: BLE001 - a rule rejecting the probe fixes the dim
-            return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
+            results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
+            if results is None:
+                return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
         for out, (shape, _) in zip(node.outputs, results):
             shapes[out.uid] = tuple(int(d) for d in shape)
     for node, new in rewrites.values():
-        node.attrs["dyn_shape"] = new
+        if node.op == "reshape":
+            node.attrs["dyn_shape"] = new
+        else:
+            node.attrs.update(new)
     return None, shapes
+
+
+# Constants pnnx folded at the traced batch, and the attribute that lets them follow it:
+# a class token concatenated to the tokens (an expand), an attention mask repeated per batch.
+_CONSTANT_FOLLOWS = {"concat": ("broadcast", True), "attention": ("tile_masks", 1)}
+
+
+def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
+    """A node reading a constant traced at batch 1 (see _CONSTANT_FOLLOWS) whose other
+    inputs now have a larger batch: set the attribute that stretches the constant, if the
+    shape rule then accepts the probe. Returns the probe results, or None."""
+    if node.op not in _CONSTANT_FOLLOWS or not any(x.is_constant for x in ins):
+        return None
+    key, value = _CONSTANT_FOLLOWS[node.op]
+    attrs = dict(node.attrs, **{key: value})
+    probe_node = _AttrNode(node, attrs)
+    try:
+        results = get(node.op).infer(probe_node, in_probe, dtypes)
+        if get(node.op).infer(probe_node, [x.shape for x in ins], dtypes)[0][0] != node.outputs[0].shape:
+            return None
+    except Exception:  # noqa: BLE001
+        return None
+    rewrites[node.uid] = (node, {key: value})
+    return results
+
+
+class _AttrNode:
+    def __init__(self, node, attrs):
+        self.op, self.name, self.attrs, self.expr, self.variant = node.op, node.name, attrs, node.expr, node.variant
 
 
 class _FakeNode:

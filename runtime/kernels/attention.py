@@ -20,6 +20,8 @@ attrs:
   mask_roles with heads > 0, one string per mask: "attn" ([L, S], or [N*H, L, S] seen as
              [N, H, L, S]) or "key_padding" ([N, S] seen as [N, 1, 1, S]). The kernel
              takes these views itself, so no node bakes the batch size into a shape.
+  tile_masks with heads > 0, 1: a constant [N*H, L, S] mask traced at a smaller batch is
+             repeated along its first axis (set by the compiler for dynamic batch)
   weights    "none", "mean" (second output [N, L, S], averaged over heads) or "heads"
              (second output [N, H, L, S]).
   masked_rows "nan" (a fully masked row gives NaN, nn.MultiheadAttention) or "zero"
@@ -46,8 +48,26 @@ def _unpack_shapes(attrs, shapes):
     return tuple(shapes[0]), tuple(shapes[1]), tuple(shapes[2]), shapes[3:]
 
 
+def _check_masks(node, masks, scores):
+    """Masks must fit the scores at these shapes (a constant mask traced at another batch
+    does not, which makes the compiler keep that batch fixed)."""
+    roles = tuple(node.attrs.get("mask_roles", ())) or ("attn",) * len(masks)
+    n, h, lq, s = scores if len(scores) == 4 else (None, None, None, None)
+    tile = bool(node.attrs.get("tile_masks"))
+    for m, role in zip(masks, roles):
+        size = int(np.prod(m))
+        if node.attrs.get("heads"):
+            full = n * h * lq * s
+            ok = size == n * s if role == "key_padding" else (
+                size in (lq * s, full) or (tile and len(m) == 3 and full % size == 0))
+        else:
+            ok = tuple(np.broadcast_shapes(tuple(m), tuple(scores))) == tuple(scores)
+        if not ok:
+            raise ValueError(f"mask of shape {tuple(m)} does not fit scores {tuple(scores)}")
+
+
 def attention_infer(node, shapes, dtypes):
-    q, k, v, _ = _unpack_shapes(node.attrs, shapes)
+    q, k, v, masks = _unpack_shapes(node.attrs, shapes)
     heads = int(node.attrs.get("heads", 0))
     dtype = dtypes[0]
     if heads:
@@ -56,6 +76,7 @@ def attention_infer(node, shapes, dtypes):
         if q[-1] % heads or v[-1] % heads:
             raise ValueError(f"feature sizes {q[-1]}, {v[-1]} are not divisible by {heads} heads")
         result = [(q[:-1] + (v[-1],), dtype)]
+        _check_masks(node, masks, (n, heads, lq, s))
         weights = node.attrs.get("weights", "none")
         if weights == "mean":
             result.append(((n, lq, s), dtype))
@@ -68,6 +89,7 @@ def attention_infer(node, shapes, dtypes):
         k = k[:-3] + (q[-3],) + k[-2:]
         v = v[:-3] + (q[-3],) + v[-2:]
     batch = np.broadcast_shapes(q[:-2], k[:-2], v[:-2])
+    _check_masks(node, masks, tuple(batch) + (q[-2], k[-2]))
     return [(tuple(batch) + (q[-2], v[-1]), dtype)]
 
 
@@ -195,6 +217,9 @@ def _prepare_masks(attrs, masks, full, dt):
         adds.append((np.where(np.triu(np.ones((lq, s), bool), 1), -np.inf, 0).astype(dt), "add"))
     roles = tuple(attrs.get("mask_roles", ())) or ("attn",) * len(masks)
     for m, mode, role in zip(masks, modes, roles):
+        if heads and role == "attn" and m.ndim == 3 and int(attrs.get("tile_masks", 0)) and m.shape[0] != full[0] * heads:
+            # a constant [N*H, L, S] mask traced at batch 1: torch repeated it per batch
+            m = np.tile(m, (full[0] * heads // m.shape[0], 1, 1))
         if heads and (role == "key_padding" or m.ndim == 3):
             n = full[0]
             m, copy = _viewed(m, (n, 1, 1, m.shape[-1]) if role == "key_padding" else (n, heads) + m.shape[1:])

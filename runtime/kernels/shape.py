@@ -70,8 +70,21 @@ def make_copy(node, inputs, outputs):
 
 
 def concat_infer(node, shapes, dtypes):
-    axis = node.attrs["axis"] % len(shapes[0])
+    """attrs broadcast=True (set by the compiler when a constant such as a class token was
+    traced at batch 1) lets size-1 dims of inputs stretch to the others, as expand did."""
+    rank = len(shapes[0])
+    axis = node.attrs["axis"] % rank
     shape = list(shapes[0])
+    for i in range(rank):
+        if i == axis:
+            continue
+        sizes = {s[i] for s in shapes if len(s) == rank}
+        if node.attrs.get("broadcast"):
+            sizes.discard(1)
+            sizes = sizes or {1}
+        if len(sizes) != 1 or any(len(s) != rank for s in shapes):
+            raise ValueError(f"concat along {axis} of {[tuple(s) for s in shapes]}: dim {i} differs")
+        shape[i] = sizes.pop()
     shape[axis] = sum(s[axis] for s in shapes)
     return [(tuple(shape), np.result_type(*dtypes))]
 
@@ -99,11 +112,11 @@ def make_concat(node, inputs, outputs):
         idx[axis] = slice(start, start + x.shape[axis])
         start += x.shape[axis]
         dst = out[tuple(idx)]
-        if not _same_view(x, dst):  # inputs the planner placed in their slice need no copy
+        if not _same_view(x, dst):  # (np.copyto broadcasts size-1 dims when attrs broadcast)  # inputs the planner placed in their slice need no copy
             pairs.append((dst, x))
     if not pairs:
         return None
-    if len(pairs) == len(inputs):
+    if len(pairs) == len(inputs) and not node.attrs.get("broadcast"):
         return lambda: np.concatenate(inputs, axis=axis, out=out)
 
     def run():
