@@ -151,29 +151,13 @@ def _print_profile(rows):
 
 def inspect_dict(model):
     """Everything `pmx inspect` reports, as one JSON-able dict."""
+    from pmx.runtime.load import resolve_alias
     from pmx.runtime.plan import lower_bound
+    from pmx.runtime.replan import lifetimes
     from pmx.schema.pmx_generated import TensorKind
 
     t = model.tensors
-    position = {}
-    for j, node in enumerate(model.nodes):
-        for i in node.outputs:
-            position[i] = j
-    first, last = {}, {}
-    n = len(model.nodes)
-    for i in model.inputs:
-        first[i] = last[i] = -1
-    for j, node in enumerate(model.nodes):
-        for i in node.outputs:
-            first.setdefault(i, j)
-            last[i] = max(last.get(i, j), j)
-        for i in node.inputs:
-            if i >= 0 and t[i].kind != TensorKind.Constant:
-                last[i] = max(last.get(i, j), j)
-    for i in model.outputs + model.kept:
-        last[i] = n
-    from pmx.runtime.load import resolve_alias
-
+    first, last = lifetimes(model)
     roots = {}
     for i, ti in enumerate(t):
         if ti.kind == TensorKind.Constant or i not in first:

@@ -112,6 +112,54 @@ def peak_rss_mb():
     return None
 
 
+def batch_worker(contender, model_dir, batches, runs, threads):
+    """Other batch sizes than the compiled one: time of the first run at each new shape
+    (pmx: re-plan + bind; onnxruntime: its own first-run cost) and steady throughput."""
+    d = pathlib.Path(model_dir)
+    x1 = np.load(d / "input.npy")
+    if contender == "pmx":
+        from pmx.runtime import InferenceSession
+
+        sess = InferenceSession(str(d / "model.pmx"), num_threads=threads)
+    else:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        sess = ort.InferenceSession(str(d / "model_dynamic.onnx"), opts, providers=["CPUExecutionProvider"])
+    name = sess.get_inputs()[0].name
+    sess.run(None, {name: x1})
+    out = {}
+    for b in batches:
+        x = np.ascontiguousarray(np.repeat(x1, b, axis=0))
+        t0 = time.perf_counter()
+        sess.run(None, {name: x})
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            sess.run(None, {name: x})
+            times.append(time.perf_counter() - t0)
+        steady = float(np.median(times))
+        out[b] = dict(first_ms=first * 1e3, steady_ms=steady * 1e3, images_per_s=b / steady)
+    return out
+
+
+def batch_table(results):
+    lines = ["| model | batch | pmx first run ms | pmx steady ms | pmx img/s | ort first run ms | ort steady ms | ort img/s | pmx/ort img/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, per in results.items():
+        p, o = per.get("pmx", {}), per.get("onnxruntime", {})
+        for b in sorted({int(k) for k in p} | {int(k) for k in o}):
+            pr, orr = p.get(b) or p.get(str(b)) or {}, o.get(b) or o.get(str(b)) or {}
+            ratio = pr.get("images_per_s", 0) / orr["images_per_s"] if orr.get("images_per_s") else None
+            lines.append(f"| {model} | {b} | {fmt(pr.get('first_ms'))} | {fmt(pr.get('steady_ms'))} | "
+                         f"{fmt(pr.get('images_per_s'))} | {fmt(orr.get('first_ms'))} | {fmt(orr.get('steady_ms'))} | "
+                         f"{fmt(orr.get('images_per_s'))} | {fmt(ratio, 2)} |")
+    return "\n".join(lines)
+
+
 # --- preparation (parent) ---------------------------------------------------------------
 
 
@@ -194,6 +242,10 @@ def prepare(name, cache):
     if not (d / "model.onnx").exists():
         torch.onnx.export(model, (x,), str(d / "model.onnx"), dynamo=False, opset_version=17,
                           input_names=["input"], output_names=["output"])
+    if not (d / "model_dynamic.onnx").exists():
+        torch.onnx.export(model, (x,), str(d / "model_dynamic.onnx"), dynamo=False, opset_version=17,
+                          input_names=["input"], output_names=["output"],
+                          dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
     with torch.no_grad():
         ref = model(x)
     np.save(d / "input.npy", x.numpy())
@@ -221,6 +273,17 @@ def run_contender(contender, d, runs, threads):
     else:
         result["rel_err"] = None
     return result
+
+
+def run_batches(contender, d, batches, runs, threads):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
+               MKL_NUM_THREADS=str(threads))
+    p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--batches", batches,
+                        "--runs", str(runs), "--threads", str(threads)], capture_output=True, text=True, env=env,
+                       timeout=3600)
+    if p.returncode != 0:
+        return {}
+    return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
 
 
 def available(contender):
@@ -276,7 +339,12 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
+    p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
     args = p.parse_args()
+    if args.worker and args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
+        print(json.dumps(batch_worker(args.worker[0], args.worker[1], batches, args.runs, args.threads)))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], args.runs, args.threads)))
         return
@@ -295,10 +363,14 @@ def main():
             results[name] = {"pmx": {"error": f"prepare: {type(e).__name__}: {str(e)[:100]}"}}
             continue
         meta[name] = info
-        results[name] = {c: run_contender(c, d, args.runs, args.threads) for c in contenders}
+        if args.batches:
+            results[name] = {c: run_batches(c, d, args.batches, args.runs, args.threads)
+                             for c in contenders if c in ("pmx", "onnxruntime")}
+        else:
+            results[name] = {c: run_contender(c, d, args.runs, args.threads) for c in contenders}
         print(f"{name}: done", file=sys.stderr)
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads\n")
-    print(table(results))
+    print(batch_table(results) if args.batches else table(results))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, results=results), indent=1))
 
