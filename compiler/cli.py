@@ -17,7 +17,8 @@ def _compile(args):
 
     r = compile_model(args.param, args.bin, args.output, keep=args.keep or (), verify=args.verify,
                       disabled=args.disable or (), no_opt=args.no_opt,
-                      dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static)
+                      dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static,
+                      plan_shapes=parse_plan_shapes(args.shape or ()))
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
@@ -32,6 +33,20 @@ def _compile(args):
     for note in r.notes:
         print(f"  note       {note}")
     return 0
+
+
+def parse_plan_shapes(shape_specs):
+    """--shape in0=1..16x3x224x224 -> {in0: (1, 3, 224, 224)}: the size memory is planned
+    for (a range's lower end), used for inputs pnnx wrote with '?' dims."""
+    out = {}
+    for spec in shape_specs:
+        name, _, dims = spec.partition("=")
+        plan = []
+        for d in dims.split("x"):
+            head = d.split("..")[0]
+            plan.append(int(head) if head.isdigit() else None)
+        out[name] = tuple(plan)
+    return out
 
 
 def parse_dynamic(dynamic_specs, shape_specs):

@@ -37,16 +37,35 @@ def default_output(param_path):
     return base + ".pmx"
 
 
-def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True):
+def _plan_dynamic_inputs(graph, dynamic, plan_shapes):
+    """Inputs pnnx wrote with '?' dims: give them the planning shape the user chose
+    (--shape) and declare those dims dynamic."""
+    dynamic = {k: dict(v) for k, v in (dynamic or {}).items()}
+    for v in graph.inputs:
+        if v.shape is not None and None not in v.shape:
+            continue
+        plan = (plan_shapes or {}).get(v.name)
+        if plan is None or v.shape is None or len(plan) != len(v.shape) or any(
+                p is None or (d is not None and d != p) for p, d in zip(plan, v.shape)):
+            shown = "x".join("?" if d is None else str(d) for d in v.shape) if v.shape else "?"
+            raise PmxCompileError(
+                f"{graph.source}: input {v.name} has dynamic dims ({shown}); give the size to plan memory for, "
+                f"with ranges where wanted, e.g. --shape {v.name}={shown.replace('?', '1..', 1).replace('?', '224')}")
+        for d, (recorded, size) in enumerate(zip(v.shape, plan)):
+            if recorded is None:
+                dynamic.setdefault(v.name, {}).setdefault(d, (1, -1))
+        v.shape = tuple(plan)
+    return dynamic
+
+
+def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True,
+                  plan_shapes=None):
     """Run the pipeline on a parsed graph. `dynamic` = {input name: {dim: (min, max)}}
     (max -1 = unbounded) declares input dims that may change at run time; with
-    auto_batch, dim 0 of every input is made dynamic too when the model allows it."""
-    for v in graph.inputs:
-        if v.shape is None or any(d is None for d in v.shape):
-            raise PmxCompileError(
-                f"{graph.source}: input {v.name} has shape {v.shape} with dynamic ('?') dims; pmx plans memory for "
-                f"one concrete shape: export with a fixed input shape and declare the dims that may change with "
-                f"--dynamic {v.name}:DIM or --shape {v.name}=1..16x3x224x224")
+    auto_batch, dim 0 of every input is made dynamic too when the model allows it.
+    `plan_shapes` = {input name: shape} gives the size to plan for to inputs that pnnx
+    wrote with '?' dims (those dims become dynamic)."""
+    dynamic = _plan_dynamic_inputs(graph, dynamic, plan_shapes)
     graph.dynamic_request = dict(dynamic or {})
     graph.auto_batch = auto_batch
     by_name = {v.name: v for v in graph.values()}
@@ -88,7 +107,7 @@ def _internal_error(e, source):
 
 
 def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
-                  no_opt=False, dynamic=None, auto_batch=True, _fail_after_bytes=None):
+                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, _fail_after_bytes=None):
     t0 = time.perf_counter()
     if bin_path is None:
         bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
@@ -100,7 +119,7 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     ops_in = len(graph.nodes)
     try:
         compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt,
-                      dynamic=dynamic, auto_batch=auto_batch)
+                      dynamic=dynamic, auto_batch=auto_batch, plan_shapes=plan_shapes)
     except PmxError:
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash

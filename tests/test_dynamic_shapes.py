@@ -288,3 +288,60 @@ def test_suite_blocks_at_other_image_sizes(name, spatial, compiled):
     assert sess.get_inputs()[0].shape == [None, shape[1], None, None]
     for s in spatial:
         _check(sess, m, torch.rand(*s))
+
+
+class ChunkPool(nn.Module):
+    """chunk + cat + pool + mean + view(x.size(0), -1): what pnnx writes with '?' dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = F.relu(self.c(x))
+        a, b = torch.chunk(y, 2, 1)
+        y = F.max_pool2d(torch.cat([b, a], 1), 2).mean((2, 3))
+        return self.fc(torch.flatten(y.view(y.size(0), -1), 1))
+
+
+@pytest.fixture(scope="module")
+def question_mark_export(tmp_path_factory):
+    """Exported with pnnx's second input shape, so the .param has '?' dims."""
+    import contextlib
+    import io
+    import os
+
+    import pnnx
+
+    d = tmp_path_factory.mktemp("qdims")
+    torch.manual_seed(0)
+    m = ChunkPool().eval()
+    cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(m, str(d / "model.pt"), (torch.rand(1, 3, 16, 16),), (torch.rand(2, 3, 24, 20),))
+    finally:
+        os.chdir(cwd)
+    param = (d / "model.pnnx.param").read_text()
+    assert "(?,3,?,?)" in param
+    return m, str(d / "model")
+
+
+def test_question_mark_dims_compile_with_a_planning_shape(question_mark_export, tmp_path):
+    m, prefix = question_mark_export
+    out = tmp_path / "q.pmx"
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out), verify=True,
+                  plan_shapes={"in0": (1, 3, 16, 16)}, dynamic={"in0": {2: (8, 256), 3: (8, 256)}})
+    sess = InferenceSession(str(out))
+    assert sess.get_inputs()[0].shape == [None, 3, None, None]
+    for shape in ((1, 3, 16, 16), (2, 3, 24, 20), (3, 3, 9, 33)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_question_mark_dims_without_a_planning_shape_say_how(question_mark_export, tmp_path):
+    _, prefix = question_mark_export
+    with pytest.raises(PmxCompileError) as e:
+        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "q.pmx"))
+    assert "in0" in str(e.value) and "?x3x?x?" in str(e.value) and "--shape" in str(e.value)

@@ -108,10 +108,68 @@ def elementwise(node, expr, inputs, outputs=None, name=None):
 
 
 def out_shape(node, i=0):
+    """The output shape pnnx recorded; for exports with dynamic ('?') dims, computed from
+    the op's parameters and its (by then concrete) input shape where the op allows."""
     s = node.outputs[i].shape
     if s is None or any(d is None for d in s):
-        fail(node, f"output {node.outputs[i].name} has no static shape; pmx needs the shapes pnnx records (export with a fixed input shape)")
+        computed = _shape_from_params(node, i)
+        if computed is None or (s is not None and any(a is not None and a != b for a, b in zip(s, computed))):
+            fail(node, f"output {node.outputs[i].name} has no static shape {s}; pmx cannot derive it from the "
+                       f"op's parameters (export with a fixed input shape)")
+        return computed
     return s
+
+
+def _shape_from_params(node, i):
+    """Output shape of reshape/flatten/squeeze/unsqueeze/chunk/split from parameters."""
+    x = next((v for v, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")), None)
+    if x is None or x.shape is None or any(d is None for d in x.shape):
+        return None
+    shape, rank, a = list(x.shape), len(x.shape), node.attrs
+    kind = node.op.split(".")[-1]
+    try:
+        if kind in ("flatten", "Flatten", "ravel"):
+            start = a.get("start_dim", 1 if node.op == "nn.Flatten" else 0) % rank if rank else 0
+            end = a.get("end_dim", -1) % rank if rank else 0
+            merged = 1
+            for d in shape[start:end + 1]:
+                merged *= d
+            return tuple(shape[:start] + [merged] + shape[end + 1:])
+        if kind in ("reshape", "view") and isinstance(a.get("shape"), tuple):
+            target = list(a["shape"])
+            if all(isinstance(d, int) for d in target):
+                total = 1
+                for d in shape:
+                    total *= d
+                if -1 in target:
+                    rest = 1
+                    for d in target:
+                        rest *= d if d != -1 else 1
+                    target[target.index(-1)] = total // rest
+                return tuple(target)
+        if kind == "squeeze":
+            dims = a.get("dim")
+            dims = tuple(range(rank)) if dims is None else (dims if isinstance(dims, tuple) else (dims,))
+            dims = {d % rank for d in dims}
+            return tuple(d for j, d in enumerate(shape) if not (j in dims and d == 1))
+        if kind == "unsqueeze":
+            d = a["dim"] % (rank + 1)
+            return tuple(shape[:d] + [1] + shape[d:])
+        if kind in ("chunk", "split"):
+            dim = a.get("dim", 0) % rank
+            n = shape[dim]
+            if kind == "chunk":
+                step = -(-n // a["chunks"])
+                sizes = [min(step, n - k) for k in range(0, n, step)]
+            else:
+                sec = a.get("split_size_or_sections", a.get("split_size"))
+                sizes = list(sec) if isinstance(sec, tuple) else [min(sec, n - k) for k in range(0, n, sec)]
+            out = list(shape)
+            out[dim] = sizes[i]
+            return tuple(out)
+    except (KeyError, TypeError, ZeroDivisionError, IndexError, ValueError):
+        return None
+    return None
 
 
 def in_shape(node, v):

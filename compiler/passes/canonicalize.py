@@ -1,5 +1,7 @@
 """PNNX spellings -> the canonical op set (rules in compiler/canon/)."""
 
+import numpy as np
+
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.runtime.errors import PmxUnsupportedOpError
 from pmx.runtime.kernels import REGISTRY
@@ -13,7 +15,9 @@ def canonicalize(graph) -> bool:
         more = f"; also unsupported: {', '.join(others)}" if others else ""
         raise PmxUnsupportedOpError(
             f"{graph.source}: line {first.line}: unsupported op {first.op} (node '{first.name}'){more}. "
-            f"`pmx compile --list-ops` prints the supported op types")
+            f"`pmx compile --list-ops` prints the supported op types"
+            + (" (Tensor.size appears in exports with dynamic dims: export with a fixed shape and "
+               "declare dynamic dims with --dynamic / --shape)" if first.op in ("Tensor.size", "aten::size") else ""))
     ctx = Context(graph)
     changed = False
     for node in list(graph.nodes):
@@ -29,4 +33,24 @@ def canonicalize(graph) -> bool:
             continue
         for offset, new in enumerate(result):
             graph.add_node(new, index + offset)
+            _fill_shapes(new)
     return changed
+
+
+def _fill_shapes(node):
+    """Exports with dynamic ('?') dims leave shapes partly unknown; once the inputs are
+    concrete (the graph inputs get their planning shape), the canonical op's shape rule
+    fills its outputs, so the next rule sees concrete input shapes."""
+    if all(v.shape is not None and None not in v.shape for v in node.outputs):
+        return
+    ins = [v for v in node.inputs if v is not None]
+    if any(v.shape is None or None in v.shape for v in ins):
+        return
+    rule = REGISTRY[node.op].infer
+    try:
+        results = rule(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
+    except Exception:  # noqa: BLE001 - infer_shapes reports the error with context
+        return
+    for v, (shape, _dtype) in zip(node.outputs, results):
+        if v.shape is None or None in v.shape:
+            v.shape = tuple(int(d) for d in shape)

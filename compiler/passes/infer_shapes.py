@@ -29,7 +29,11 @@ def infer_shapes(graph) -> bool:
             shape = tuple(int(d) for d in shape)
             if any(d < 0 for d in shape):
                 raise PmxCompileError(f"{node.where()}: output shape {shape} is negative (inputs {shapes})")
-            if out.shape is not None and tuple(out.shape) != shape:
+            recorded = out.shape
+            if recorded is not None and None in recorded and len(recorded) == len(shape) and all(
+                    r is None or r == d for r, d in zip(recorded, shape)):
+                out.shape = recorded = None  # a dynamic ('?') export: fill in the planned size
+            if recorded is not None and tuple(recorded) != shape:
                 raise PmxCompileError(
                     f"{node.where()}: output {out.name} would have shape {shape} but pnnx recorded {out.shape}")
             if out.shape is None:
