@@ -345,3 +345,24 @@ def test_question_mark_dims_without_a_planning_shape_say_how(question_mark_expor
     with pytest.raises(PmxCompileError) as e:
         compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "q.pmx"))
     assert "in0" in str(e.value) and "?x3x?x?" in str(e.value) and "--shape" in str(e.value)
+
+
+@settings(max_examples=6, deadline=None)
+@given(name=st.sampled_from(["residual", "dense_block", "mbconv", "convnext"]),
+       batch=st.integers(1, 3), h=st.integers(6, 24), w=st.integers(6, 24))
+def test_random_allowed_shapes_on_suite_blocks(compiled, name, batch, h, w):
+    factory, shape, _ = _blocks()[name]
+    torch.manual_seed(0)
+    m = MODELS.get(f"block_{name}") or MODELS.setdefault(f"block_{name}", factory().eval())
+    sess = compiled(f"block_{name}", m, torch.rand(*shape), dynamic={"in0": {2: (4, 64), 3: (4, 64)}})
+    _check(sess, m, torch.rand(batch, shape[1], h, w))
+
+
+@settings(max_examples=6, deadline=None)
+@given(name=st.sampled_from(["vit", "swin", "regnet_block", "shuffle_unit"]), batch=st.integers(1, 6))
+def test_random_batches_on_suite_blocks(compiled, name, batch):
+    factory, shape, _ = _blocks()[name]
+    torch.manual_seed(0)
+    m = MODELS.get(f"block_{name}") or MODELS.setdefault(f"block_{name}", factory().eval())
+    sess = compiled(f"block_{name}", m, torch.rand(*shape))
+    _check(sess, m, torch.rand(batch, *shape[1:]))
