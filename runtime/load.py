@@ -27,7 +27,7 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels import REGISTRY, output_shapes
 from pmx.schema import pmx_generated as fb
 
 # Refuse files whose arena or tensors exceed this before allocating anything; raise it
@@ -473,13 +473,10 @@ def _check_shape_rules(model):
     padding or stride is refused here instead of becoming a huge allocation at bind."""
     path, tensors = model.path, model.tensors
     for j, node in enumerate(model.nodes):
-        rule = REGISTRY[node.op].infer
-        if rule is None:
-            continue
         present = [i for i in node.inputs if i >= 0]
         try:
-            results = rule(node, [tensors[i].shape for i in present], [tensors[i].dtype for i in present])
-            got = [tuple(int(d) for d in shape) for shape, _ in results]
+            got = [shape for shape, _ in output_shapes(node, [tensors[i].shape for i in present],
+                                                       [tensors[i].dtype for i in present])]
         except PmxError as e:
             _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
         except MemoryError:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pmx.runtime import kernels
+from pmx.runtime.kernels import output_shapes
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.plan import check_plan, plan_arena
 from pmx.schema.pmx_generated import TensorKind
@@ -64,17 +64,11 @@ def infer_shapes(model, input_shapes: dict) -> list:
     for i, s in input_shapes.items():
         shapes[i] = tuple(int(d) for d in s)
     for node in model.nodes:
-        rule = kernels.get(node.op).infer
         present = [i for i in node.inputs if i >= 0]
         in_shapes = [shapes[i] for i in present]
-        if rule is None:
-            raise PmxInputError(f"node {node.name!r} ({node.op}) has no shape rule, so the model only takes its compiled shapes")
         try:
-            results = rule(node, in_shapes, [model.tensors[i].dtype for i in present])
+            results = output_shapes(node, in_shapes, [model.tensors[i].dtype for i in present])
             for out, (shape, _dtype) in zip(node.outputs, results):
-                shape = tuple(int(d) for d in shape)
-                if any(d < 0 for d in shape):
-                    raise ValueError(f"negative output shape {shape}")
                 shapes[out] = shape
         except PmxInputError:
             raise

@@ -4,7 +4,7 @@ import numpy as np
 
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.runtime.errors import PmxUnsupportedOpError
-from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels import REGISTRY, output_shapes
 
 
 def canonicalize(graph) -> bool:
@@ -46,11 +46,10 @@ def _fill_shapes(node):
     ins = [v for v in node.inputs if v is not None]
     if any(v.shape is None or None in v.shape for v in ins):
         return
-    rule = REGISTRY[node.op].infer
     try:
-        results = rule(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
+        results = output_shapes(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
     except Exception:  # noqa: BLE001 - infer_shapes reports the error with context
         return
     for v, (shape, _dtype) in zip(node.outputs, results):
         if v.shape is None or None in v.shape:
-            v.shape = tuple(int(d) for d in shape)
+            v.shape = shape

@@ -8,27 +8,21 @@ pnnx left without a shape get the inferred one.
 import numpy as np
 
 from pmx.runtime.errors import PmxCompileError
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels import output_shapes
 
 
 def infer_shapes(graph) -> bool:
     changed = False
     for node in graph.nodes:
-        rule = get(node.op).infer
-        if rule is None:
-            continue
         shapes = [v.shape if v is not None else None for v in node.inputs]
         if any(s is None or any(d is None for d in s) for s, v in zip(shapes, node.inputs) if v is not None):
             raise PmxCompileError(f"{node.where()}: an input has no static shape: {[v.shape for v in node.inputs if v is not None]}")
         dtypes = [np.dtype(v.dtype) if v is not None else None for v in node.inputs]
         try:
-            results = rule(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
+            results = output_shapes(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
             raise PmxCompileError(f"{node.where()}: cannot compute output shape from inputs {shapes}: {e}") from None
         for out, (shape, dtype) in zip(node.outputs, results):
-            shape = tuple(int(d) for d in shape)
-            if any(d < 0 for d in shape):
-                raise PmxCompileError(f"{node.where()}: output shape {shape} is negative (inputs {shapes})")
             recorded = out.shape
             if recorded is not None and None in recorded and len(recorded) == len(shape) and all(
                     r is None or r == d for r, d in zip(recorded, shape)):
@@ -39,10 +33,8 @@ def infer_shapes(graph) -> bool:
             if out.shape is None:
                 out.shape = shape
                 changed = True
-            dtype = str(np.dtype(dtype))
-            if out.dtype != dtype:
-                if np.dtype(out.dtype).kind == np.dtype(dtype).kind or out.dtype is None:
-                    out.dtype = dtype  # e.g. pnnx says f32 where the op keeps f16
-                else:
-                    out.dtype = out.dtype  # keep pnnx's: the kernel casts on write
+            # same kind (pnnx says f32 where the op keeps f16): the op's dtype; another kind:
+            # pnnx's, and the kernel casts on write
+            if out.dtype != dtype.name and np.dtype(out.dtype).kind == dtype.kind:
+                out.dtype = dtype.name
     return changed

@@ -22,7 +22,7 @@ graph.fixed_reasons = [text, ...] for the compile summary.
 import numpy as np
 
 from pmx.runtime.errors import PmxCompileError
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels import output_shapes
 from pmx.runtime.kernels.shape import resolve_dyn_shape
 
 UNBOUNDED = -1
@@ -64,7 +64,7 @@ def symbolic_reshape(target, in_compiled, in_probe, batch_values=()):
         if candidate is None:
             continue
         try:
-            if (resolve_dyn_shape(candidate, in_compiled) == tuple(_concrete(target, in_compiled))
+            if (resolve_dyn_shape(candidate, in_compiled) == resolve_dyn_shape(target, in_compiled)
                     and _numel(resolve_dyn_shape(candidate, in_probe)) == _numel(in_probe)):
                 return tuple(candidate)
         except ValueError:
@@ -138,10 +138,6 @@ def _leading_merge(target, in_compiled, in_probe):
         elif changed:
             return None
     return tuple(out)
-
-
-def _concrete(target, in_shape):
-    return resolve_dyn_shape([d for d in target], in_shape)
 
 
 def _leading_inferred(t, batch_values):
@@ -254,9 +250,6 @@ def _probe(graph, req):
         in_probe = [shapes.get(x.uid, x.shape) for x in ins]
         if all(p == x.shape for p, x in zip(in_probe, ins)):
             continue  # untouched by the change
-        kernel = get(node.op)
-        if kernel.infer is None:
-            return (node, "has no shape rule"), None
         if node.op == "reshape":
             target = node.attrs.get("dyn_shape") or node.attrs.get("pnnx_shape") or node.attrs["shape"]
             if not isinstance(target, tuple) or not all(isinstance(d, int) for d in target):
@@ -264,23 +257,20 @@ def _probe(graph, req):
             new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
             if new is None:
                 return (node, f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}"), None
-            rewrites[node.uid] = (node, new)
+            rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
             continue
         dtypes = [np.dtype(x.dtype) for x in ins]
         try:
-            results = kernel.infer(node, in_probe, dtypes)
+            results = output_shapes(node, in_probe, dtypes)
         except Exception as e:  # noqa: BLE001 - a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
                 return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
         for out, (shape, _) in zip(node.outputs, results):
-            shapes[out.uid] = tuple(int(d) for d in shape)
-    for node, new in rewrites.values():
-        if node.op == "reshape":
-            node.attrs["dyn_shape"] = new
-        else:
-            node.attrs.update(new)
+            shapes[out.uid] = shape
+    for node, attrs in rewrites.values():
+        node.attrs.update(attrs)
     return None, shapes
 
 
@@ -299,8 +289,8 @@ def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
     attrs = dict(node.attrs, **{key: value})
     probe_node = _AttrNode(node, attrs)
     try:
-        results = get(node.op).infer(probe_node, in_probe, dtypes)
-        if get(node.op).infer(probe_node, [x.shape for x in ins], dtypes)[0][0] != node.outputs[0].shape:
+        results = output_shapes(probe_node, in_probe, dtypes)
+        if output_shapes(probe_node, [x.shape for x in ins], dtypes)[0][0] != tuple(node.outputs[0].shape):
             return None
     except Exception:  # noqa: BLE001
         return None

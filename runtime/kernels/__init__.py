@@ -19,6 +19,8 @@ Family files are imported explicitly below; registering a name twice is an error
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from pmx.runtime.errors import PmxFormatError
 
 
@@ -26,7 +28,7 @@ from pmx.runtime.errors import PmxFormatError
 class Kernel:
     op: str
     make: Callable
-    infer: Callable | None = None
+    infer: Callable
     # the op's output may overwrite its first input when that input dies here
     inplace: bool = False
     # output is a reinterpretation of input 0's bytes (reshape-like): plannable as alias
@@ -36,7 +38,7 @@ class Kernel:
 REGISTRY: dict[str, Kernel] = {}
 
 
-def register(op, *, infer=None, inplace=False, view=False):
+def register(op, *, infer, inplace=False, view=False):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
@@ -51,6 +53,20 @@ def get(op: str) -> Kernel:
         return REGISTRY[op]
     except KeyError:
         raise PmxFormatError(f"unknown op {op!r} in model (this runtime knows {len(REGISTRY)} ops)") from None
+
+
+def output_shapes(node, shapes, dtypes):
+    """The op's shape rule, normalized: [(shape as a tuple of ints, np.dtype)] per output.
+    Whatever the rule raises when the inputs do not fit propagates (callers add context);
+    a negative dim is a ValueError too. Used by the compiler's checks, the loader's
+    verifier and run-time re-planning alike."""
+    result = []
+    for shape, dtype in get(node.op).infer(node, shapes, dtypes):
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative output shape {shape}")
+        result.append((shape, np.dtype(dtype)))
+    return result
 
 
 from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects)
