@@ -33,8 +33,8 @@ def infer_shapes(graph) -> bool:
             if out.shape is None:
                 out.shape = shape
                 changed = True
-            # same kind (pnnx says f32 where the op keeps f16): the op's dtype; another kind:
-            # pnnx's, and the kernel casts on write
-            if out.dtype != dtype.name and np.dtype(out.dtype).kind == dtype.kind:
+            # unknown or same kind (pnnx says f32 where the op keeps f16): the op's dtype;
+            # another kind: pnnx's, and the kernel casts on write
+            if out.dtype is None or (out.dtype != dtype.name and np.dtype(out.dtype).kind == dtype.kind):
                 out.dtype = dtype.name
     return changed
