@@ -166,24 +166,12 @@ def _print_profile(rows):
 
 def inspect_dict(model):
     """Everything `pmx inspect` reports, as one JSON-able dict."""
-    from pmx.runtime.load import resolve_alias
     from pmx.runtime.plan import lower_bound
-    from pmx.runtime.replan import lifetimes
+    from pmx.runtime.replan import root_buffers
     from pmx.schema.pmx_generated import TensorKind
 
     t = model.tensors
-    first, last = lifetimes(model)
-    roots = {}
-    for i, ti in enumerate(t):
-        if ti.kind == TensorKind.Constant or i not in first:
-            continue
-        r, _ = resolve_alias(model, i)
-        lo, hi = first[i], last[i]
-        if r in roots:
-            roots[r] = (min(roots[r][0], lo), max(roots[r][1], hi))
-        else:
-            roots[r] = (lo, hi)
-    buffers = [(t[r].nbytes, lo, hi) for r, (lo, hi) in roots.items()]
+    _, buffers = root_buffers(model, [x.shape for x in t], lambda i: model.roots[i][0])
     naive = sum(ti.nbytes for ti in t if ti.kind != TensorKind.Constant)  # one buffer per tensor
     return {
         "file": model.path,

@@ -16,6 +16,7 @@ Trees are nested tuples: ("@", i) for inputs, ("#", value) for literals, and
 (name, arg, ...) for calls, so equal subtrees compare equal (used for CSE).
 """
 
+import functools
 import math
 import re
 
@@ -47,8 +48,11 @@ MAX_DEPTH = 200
 _TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)|(-inf)|(\()|(\))|(,))")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(text: str, num_inputs: int | None = None):
-    """Parse an expression string into a tree. Raises PmxFormatError on anything else."""
+    """Parse an expression string into a tree. Raises PmxFormatError on anything else.
+    Memoized: the loader's verifier, the shape rule and the kernel factory all read the
+    same node's text, and trees are immutable tuples, so sharing them is safe."""
     if not isinstance(text, str) or not text or len(text) > MAX_EXPR_LENGTH:
         raise PmxFormatError(f"expression must be a non-empty string under {MAX_EXPR_LENGTH} chars")
     tokens = []

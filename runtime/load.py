@@ -498,11 +498,5 @@ def _wrap_constants(model, buf, pre):
 
 
 def resolve_alias(model, i):
-    """(root tensor index, byte offset into the root) of tensor i."""
-    if model.roots:
-        return model.roots[i]
-    offset = 0
-    while model.tensors[i].alias_of >= 0:
-        offset += model.tensors[i].alias_offset
-        i = model.tensors[i].alias_of
-    return i, offset
+    """(root tensor index, byte offset into the root) of tensor i (resolved at load)."""
+    return model.roots[i]

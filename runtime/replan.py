@@ -41,19 +41,11 @@ def compiled_layout(model) -> Layout:
         if t.kind == TensorKind.Constant:
             continue
         if t.alias_of >= 0:
-            root, off = _root(model, i)
+            root, off = model.roots[i]  # resolved once by the loader's verifier
             views[i] = (root, off, t.alias_strides)
         else:
             offsets[i] = t.arena_offset
     return Layout([t.shape for t in model.tensors], offsets, views, model.arena_size)
-
-
-def _root(model, i):
-    offset = 0
-    while model.tensors[i].alias_of >= 0:
-        offset += model.tensors[i].alias_offset
-        i = model.tensors[i].alias_of
-    return i, offset
 
 
 def infer_shapes(model, input_shapes: dict) -> list:
@@ -97,6 +89,20 @@ def lifetimes(model):
     return first, last
 
 
+def root_buffers(model, shapes, root_of):
+    """The planner's input: one buffer per root tensor (root_of(i) for every tensor that
+    lives in the arena), alive from the first step to the last of any tensor it holds.
+    Returns (root indices, [(bytes, first step, last step)])."""
+    first, last = lifetimes(model)
+    spans = {}
+    for i in first:
+        root = root_of(i)
+        lo, hi = spans.get(root, (first[i], last[i]))
+        spans[root] = (min(lo, first[i]), max(hi, last[i]))
+    roots = sorted(spans, key=lambda r: (spans[r][0], r))
+    return roots, [(_nbytes(shapes[r], model.tensors[r].dtype), *spans[r]) for r in roots]
+
+
 def plan_layout(model, shapes) -> Layout:
     """Plan the arena for `shapes` (from infer_shapes), keeping shape-independent views."""
     def keepable(i):
@@ -120,15 +126,7 @@ def plan_layout(model, shapes) -> Layout:
         for j, node in enumerate(model.nodes):
             if set(node.inputs) & dropped or set(node.outputs) & dropped:
                 plain.add(j)
-    first, last = lifetimes(model)
-    spans = {}
-    for i in first:
-        root = views[i][0] if i in views else i
-        lo, hi = first[i], last[i]
-        a, b = spans.get(root, (lo, hi))
-        spans[root] = (min(a, lo), max(b, hi))
-    roots = sorted(spans, key=lambda r: (spans[r][0], r))
-    buffers = [(_nbytes(shapes[r], model.tensors[r].dtype), *spans[r]) for r in roots]
+    roots, buffers = root_buffers(model, shapes, lambda i: views[i][0] if i in views else i)
     offsets, arena = plan_arena(buffers)
     check_plan(buffers, offsets, arena)
     return Layout(list(shapes), dict(zip(roots, offsets)), views, arena, plain)

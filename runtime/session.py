@@ -93,8 +93,7 @@ def _ranges(t):
     return list(zip(t.dim_min, t.dim_max))
 
 
-def _shape_allowed(shape, t):
-    ranges = _ranges(t)
+def _shape_allowed(shape, ranges):
     return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
 
 
@@ -137,6 +136,7 @@ class InferenceSession:
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
+        self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
         self._max_arena_bytes = max_arena_bytes
@@ -200,7 +200,7 @@ class InferenceSession:
             shapes = infer_shapes(m, dict(zip(m.inputs, key)))
         except PmxInputError as e:
             given = ", ".join(f"{m.tensors[i].name} {list(s)}" for i, s in zip(m.inputs, key))
-            allowed = ", ".join(f"{a.name} {format_ranges(_ranges(m.tensors[i]))}" for a, i in zip(self._inputs, m.inputs))
+            allowed = ", ".join(f"{a.name} {format_ranges(self._input_ranges[i])}" for a, i in zip(self._inputs, m.inputs))
             raise PmxInputError(f"input shapes {given} are not allowed by this model (allowed: {allowed}): {e}") from None
         layout = plan_layout(m, shapes)
         if layout.arena_size > self._max_arena_bytes:
@@ -240,8 +240,9 @@ class InferenceSession:
                     arr = np.asarray(value, dtype=t.dtype)
                 except (ValueError, TypeError) as e:
                     raise PmxInputError(f"input {name!r}: cannot convert {type(value).__name__} to {t.dtype.name}: {e}") from None
-            if not _shape_allowed(arr.shape, t):
-                raise PmxInputError(f"input {name!r}: expected shape {format_ranges(_ranges(t))}, got {list(arr.shape)}")
+            ranges = self._input_ranges[self._input_index[name]]
+            if not _shape_allowed(arr.shape, ranges):
+                raise PmxInputError(f"input {name!r}: expected shape {format_ranges(ranges)}, got {list(arr.shape)}")
             arrays[self._input_index[name]] = arr
         return arrays
 

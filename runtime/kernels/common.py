@@ -47,7 +47,8 @@ def padded_buffer(x_shape, pads, dtype, fill):
     lead = tuple(x_shape[:-nd])
     spatial = x_shape[-nd:]
     shape = lead + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(spatial))
-    buf = np.full(shape, fill, dtype=dtype)
+    # np.zeros gets already-zero pages from the OS: no fill pass at bind, no first touch
+    buf = np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
     return buf, interior
 
