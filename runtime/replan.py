@@ -9,13 +9,13 @@ compiler uses (runtime/plan.py).
 
 When re-planning, views that do not depend on the shape (reshape-like views, in-place
 outputs: offset 0, contiguous) are kept; views into a slice of another tensor (concat
-inputs written in place) are dropped, and the nodes that relied on them run their
-ordinary kernel instead.
+inputs written in place) are dropped: those tensors get their own buffers and the
+concat kernel, which copies only inputs not already in their slice, copies them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,7 +31,6 @@ class Layout:
     offsets: dict                     # root tensor index -> arena offset
     views: dict                       # tensor index -> (root index, byte offset, strides | None)
     arena_size: int
-    plain_nodes: set = field(default_factory=set)  # nodes that must not assume in-place aliases
 
 
 def compiled_layout(model) -> Layout:
@@ -112,7 +111,7 @@ def plan_layout(model, shapes) -> Layout:
         target = model.tensors[t.alias_of]
         return t.alias_offset == 0 and t.alias_strides is None and t.nbytes == target.nbytes
 
-    views, plain = {}, set()
+    views = {}
     for i, t in enumerate(model.tensors):
         if t.kind == TensorKind.Constant or t.alias_of < 0:
             continue
@@ -121,15 +120,10 @@ def plan_layout(model, shapes) -> Layout:
             root = model.tensors[root].alias_of
         if root != i:
             views[i] = (root, 0, None)
-    dropped = {i for i, t in enumerate(model.tensors) if t.alias_of >= 0 and not keepable(i)}
-    if dropped:
-        for j, node in enumerate(model.nodes):
-            if set(node.inputs) & dropped or set(node.outputs) & dropped:
-                plain.add(j)
     roots, buffers = root_buffers(model, shapes, lambda i: views[i][0] if i in views else i)
     offsets, arena = plan_arena(buffers)
     check_plan(buffers, offsets, arena)
-    return Layout(list(shapes), dict(zip(roots, offsets)), views, arena, plain)
+    return Layout(list(shapes), dict(zip(roots, offsets)), views, arena)
 
 
 def format_ranges(ranges):

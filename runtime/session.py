@@ -20,7 +20,6 @@ What run() accepts (decided here, documented in the README):
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -57,9 +56,7 @@ class _Binding:
             else:
                 self.views[i] = self._arena_view(t, i, layout)
         self.steps = []
-        for j, node in enumerate(model.nodes):
-            if j in layout.plain_nodes:  # its in-place aliases do not hold at this shape
-                node = dataclasses.replace(node, variant="")
+        for node in model.nodes:
             ins = [self.views[k] if k >= 0 else None for k in node.inputs]
             outs = [self.views[k] for k in node.outputs]
             try:

@@ -103,8 +103,6 @@ def _same_view(a, b):
 def make_concat(node, inputs, outputs):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
-    if node.variant == "inplace":  # producers already wrote into their slices
-        return None
     pairs = []
     start = 0
     for x in inputs:
