@@ -100,3 +100,36 @@ def lower_bound(buffers):
         live += events[step]
         peak = max(peak, live)
     return peak
+
+
+def lifetimes(steps, graph_inputs, live_to_end, is_constant):
+    """{tensor: (first step, last step)} over `steps`, a list of (input ids, output ids)
+    in execution order (None inputs are absent ones). Graph inputs start at -1, tensors in
+    live_to_end (graph outputs, kept tensors) end at len(steps); constants are skipped.
+    The compiler (over Values) and the runtime re-planner (over tensor indices) share it."""
+    n = len(steps)
+    first, last = {}, {}
+    for t in graph_inputs:
+        first[t] = last[t] = -1
+    for i, (ins, outs) in enumerate(steps):
+        for t in outs:
+            first.setdefault(t, i)
+            last[t] = max(last.get(t, i), i)
+        for t in ins:
+            if t is not None and not is_constant(t):
+                last[t] = max(last.get(t, i), i)
+    for t in live_to_end:
+        if not is_constant(t):
+            last[t] = n
+    return {t: (first.get(t, last[t]), last[t]) for t in last}
+
+
+def root_spans(spans, root_of):
+    """{root: (first, last)}: each buffer lives while any tensor it holds (its views,
+    slices, in-place outputs) is alive. root_of maps a tensor to its buffer."""
+    roots = {}
+    for t, (lo, hi) in spans.items():
+        r = root_of(t)
+        a, b = roots.get(r, (lo, hi))
+        roots[r] = (min(a, lo), max(b, hi))
+    return roots

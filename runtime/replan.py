@@ -21,7 +21,7 @@ import numpy as np
 
 from pmx.runtime.kernels import output_shapes
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.plan import check_plan, plan_arena
+from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans
 from pmx.schema.pmx_generated import TensorKind
 
 
@@ -68,38 +68,17 @@ def infer_shapes(model, input_shapes: dict) -> list:
     return shapes
 
 
-def lifetimes(model):
-    """(first step, last step) per non-constant tensor over the stored order; graph
-    inputs start at -1, graph outputs and kept tensors live to the end."""
-    n = len(model.nodes)
-    first, last = {}, {}
-    for i in model.inputs:
-        first[i] = last[i] = -1
-    for j, node in enumerate(model.nodes):
-        for i in node.outputs:
-            first.setdefault(i, j)
-            last[i] = max(last.get(i, j), j)
-        for i in node.inputs:
-            if i >= 0 and model.tensors[i].kind != TensorKind.Constant:
-                last[i] = max(last.get(i, j), j)
-    for i in list(model.outputs) + list(model.kept):
-        if model.tensors[i].kind != TensorKind.Constant:
-            last[i] = n
-    return first, last
-
-
 def root_buffers(model, shapes, root_of):
     """The planner's input: one buffer per root tensor (root_of(i) for every tensor that
-    lives in the arena), alive from the first step to the last of any tensor it holds.
-    Returns (root indices, [(bytes, first step, last step)])."""
-    first, last = lifetimes(model)
-    spans = {}
-    for i in first:
-        root = root_of(i)
-        lo, hi = spans.get(root, (first[i], last[i]))
-        spans[root] = (min(lo, first[i]), max(hi, last[i]))
-    roots = sorted(spans, key=lambda r: (spans[r][0], r))
-    return roots, [(_nbytes(shapes[r], model.tensors[r].dtype), *spans[r]) for r in roots]
+    lives in the arena) over the stored order. Returns (root indices, [(bytes, first
+    step, last step)])."""
+    tensors = model.tensors
+    steps = [([i if i >= 0 else None for i in node.inputs], node.outputs) for node in model.nodes]
+    spans = lifetimes(steps, model.inputs, list(model.outputs) + list(model.kept),
+                      lambda i: tensors[i].kind == TensorKind.Constant)
+    per_root = root_spans(spans, root_of)
+    roots = sorted(per_root, key=lambda r: (per_root[r][0], r))
+    return roots, [(_nbytes(shapes[r], tensors[r].dtype), *per_root[r]) for r in roots]
 
 
 def plan_layout(model, shapes) -> Layout:

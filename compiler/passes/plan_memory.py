@@ -7,11 +7,12 @@ alias_concat, write_inplace). Aliases resolve to a root buffer whose lifetime co
 its views. Graph inputs are planned too (run() copies them in, step -1); graph outputs
 and kept tensors live to the end.
 
-`lifetimes` and `resolve` are shared with write_inplace, which must see the same
-lifetimes the planner will.
+`root_lifetimes` and `resolve` are shared with write_inplace, which must see the same
+lifetimes the planner will; the lifetime and span computations themselves live in
+runtime/plan.py, shared with run-time re-planning.
 """
 
-from pmx.runtime.plan import check_plan, lower_bound, plan_arena
+from pmx.runtime.plan import check_plan, lifetimes, lower_bound, plan_arena, root_spans
 
 
 def resolve(v, aliases):
@@ -26,41 +27,20 @@ def resolve(v, aliases):
     return v, offset, strided
 
 
-def lifetimes(graph):
-    """{value uid: (first step, last step)} for non-constant values over graph.nodes;
-    graph inputs start at -1, graph outputs and kept tensors end at len(nodes)."""
-    n = len(graph.nodes)
-    first, last = {}, {}
-    for v in graph.inputs:
-        first[v.uid] = last[v.uid] = -1
-    for i, node in enumerate(graph.nodes):
-        for v in node.outputs:
-            first.setdefault(v.uid, i)
-            last[v.uid] = max(last.get(v.uid, i), i)
-        for v in node.inputs:
-            if v is not None and not v.is_constant:
-                last[v.uid] = max(last.get(v.uid, i), i)
-    for v in graph.outputs + list(getattr(graph, "kept", [])):
-        if not v.is_constant:
-            last[v.uid] = n
-    return {uid: (first.get(uid, last[uid]), last[uid]) for uid in last}
+def value_lifetimes(graph):
+    """{value uid: (first step, last step)} over graph.nodes (runtime/plan.lifetimes)."""
+    constants = {v.uid for v in graph.values() if v.is_constant}
+    steps = [([v.uid if v is not None else None for v in n.inputs], [v.uid for v in n.outputs])
+             for n in graph.nodes]
+    return lifetimes(steps, [v.uid for v in graph.inputs],
+                     [v.uid for v in graph.outputs + list(getattr(graph, "kept", []))], constants.__contains__)
 
 
 def root_lifetimes(graph, aliases):
-    """{root uid: [root, first, last]} with each root's span covering all its views."""
-    spans = lifetimes(graph)
-    roots = {}
-    for v in graph.values():
-        if v.is_constant or v.uid not in spans:
-            continue
-        r, _, _ = resolve(v, aliases)
-        lo, hi = spans[v.uid]
-        if r.uid in roots:
-            entry = roots[r.uid]
-            entry[1], entry[2] = min(entry[1], lo), max(entry[2], hi)
-        else:
-            roots[r.uid] = [r, lo, hi]
-    return roots
+    """{root uid: [root Value, first, last]}, each root's span covering all its views."""
+    by_uid = {v.uid: v for v in graph.values()}
+    per_root = root_spans(value_lifetimes(graph), lambda uid: resolve(by_uid[uid], aliases)[0].uid)
+    return {uid: [by_uid[uid], lo, hi] for uid, (lo, hi) in per_root.items()}
 
 
 def plan_memory(graph) -> bool:
@@ -76,7 +56,7 @@ def plan_memory(graph) -> bool:
     graph.arena_size = arena
     graph.lower_bound = lower_bound(buffers)
     # what one buffer per tensor (no reuse over time, no views, no in-place) would take
-    spans = lifetimes(graph)
+    spans = value_lifetimes(graph)
     graph.naive_bytes = sum(v.nbytes for v in graph.values()
                             if not v.is_constant and v.uid in spans)
     return True
