@@ -18,7 +18,7 @@ def _compile(args):
     r = compile_model(args.param, args.bin, args.output, keep=args.keep or (), verify=args.verify,
                       disabled=args.disable or (), no_opt=args.no_opt,
                       dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static,
-                      plan_shapes=parse_plan_shapes(args.shape or ()))
+                      plan_shapes=parse_plan_shapes(args.shape or ()), tune=args.tune)
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
@@ -32,6 +32,13 @@ def _compile(args):
         print(f"  input      {name} takes {format_ranges(ranges)}")
     for note in r.notes:
         print(f"  note       {note}")
+    if args.tune:
+        from pmx.compiler.passes.tune import format_report
+
+        changed = sum(1 for _, rule, chosen, _ in r.tuned if rule != chosen)
+        print(f"  tuned      {len(r.tuned)} nodes timed, {changed} changed from the rule's choice (ms per candidate):")
+        for line in format_report(r.tuned, limit=None if args.verbose else 10):
+            print(line)
     return 0
 
 
@@ -246,7 +253,8 @@ def build_parser():
     r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
     r.add_argument("--random", action="store_true", help="random inputs for those not given")
     r.add_argument("--repeat", type=int, default=10, help="timed runs after the first (default 10)")
-    r.add_argument("--threads", type=int, default=None, help="numexpr threads")
+    r.add_argument("--threads", type=int, default=None,
+                   help="threads for BLAS, numexpr and kernel splits (default: all cores)")
     r.add_argument("--profile", action="store_true", help="print per-node times")
     r.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
@@ -275,6 +283,9 @@ def add_compile_args(c):
     c.add_argument("--shape", action="append", metavar="NAME=1..16x3x224x224",
                    help="allowed sizes per input dim: N, A..B, A.. or ?")
     c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
+    c.add_argument("--tune", action="store_true",
+                   help="time each node's candidate kernels on this machine and store the fastest")
+    c.add_argument("--verbose", action="store_true", help="with --tune: list every tuned node, not the top 10")
 
 
 def _dispatch(args):

@@ -26,6 +26,7 @@ class CompileResult:
     pass_stats: list = field(default_factory=list)
     dynamic: dict = field(default_factory=dict)   # input name -> [(min, max) per dim]
     notes: list = field(default_factory=list)     # e.g. which input dims are fixed and why
+    tuned: list = field(default_factory=list)     # --tune: (node, rule's variant, chosen, {variant: s})
 
 
 def default_output(param_path):
@@ -59,13 +60,17 @@ def _plan_dynamic_inputs(graph, dynamic, plan_shapes):
 
 
 def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True,
-                  plan_shapes=None):
+                  plan_shapes=None, tune=False):
     """Run the pipeline on a parsed graph. `dynamic` = {input name: {dim: (min, max)}}
     (max -1 = unbounded) declares input dims that may change at run time; with
     auto_batch, dim 0 of every input is made dynamic too when the model allows it.
     `plan_shapes` = {input name: shape} gives the size to plan for to inputs that pnnx
-    wrote with '?' dims (those dims become dynamic)."""
+    wrote with '?' dims (those dims become dynamic). With `tune`, kernels are chosen by
+    timing the candidates on this machine (compiler/passes/tune.py) at the planned
+    shapes."""
     dynamic = _plan_dynamic_inputs(graph, dynamic, plan_shapes)
+    graph.tune = tune
+    graph.tune_report = []
     graph.dynamic_request = dict(dynamic or {})
     graph.auto_batch = auto_batch
     by_name = {v.name: v for v in graph.values()}
@@ -107,7 +112,7 @@ def _internal_error(e, source):
 
 
 def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
-                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, _fail_after_bytes=None):
+                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, tune=False, _fail_after_bytes=None):
     t0 = time.perf_counter()
     if bin_path is None:
         bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
@@ -119,7 +124,7 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     ops_in = len(graph.nodes)
     try:
         compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt,
-                      dynamic=dynamic, auto_batch=auto_batch, plan_shapes=plan_shapes)
+                      dynamic=dynamic, auto_batch=auto_batch, plan_shapes=plan_shapes, tune=tune)
     except PmxError:
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash
@@ -131,4 +136,4 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
         constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
         lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
         seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats),
-        dynamic=dict(graph.dynamic), notes=list(graph.fixed_reasons))
+        dynamic=dict(graph.dynamic), notes=list(graph.fixed_reasons), tuned=list(graph.tune_report))

@@ -408,7 +408,13 @@ def compile_numpy(tree, inputs, out):
             return _literal(t[1], float_dtype)
         if t in memo and target is None:
             return memo[t]
+        clip = _as_clip(t) if float_dtype is not None else None
+        if clip is not None:
+            t_clip = t
+            t, bounds = clip
         args = [emit(a) for a in t[1:]]
+        if clip is not None:
+            t = t_clip
         if target is None:
             shape = np.broadcast_shapes(*[np.shape(a) for a in args])
             dtype = result_dtype(_relabel(t), _leaf_dtypes(t, dtypes))
@@ -417,7 +423,9 @@ def compile_numpy(tree, inputs, out):
             target = np.empty(shape, dtype)
             memo[t] = target
         fn = NUMPY_FUNCS[t[0]]
-        if isinstance(fn, np.ufunc):
+        if clip is not None:
+            steps.append(_clip_step(args[0], bounds, target))
+        elif isinstance(fn, np.ufunc):
             steps.append(_ufunc_step(fn, args, target))
         else:
             steps.append(_custom_step(fn, args, target))
@@ -435,6 +443,36 @@ def compile_numpy(tree, inputs, out):
             s()
 
     return run
+
+
+def _as_clip(t):
+    """(subtree with the clipped operand as its only argument, (lo, hi)) when t is
+    maximum/minimum against literals (relu, relu6, clamp), else None. np.clip with two
+    finite-or-infinite float bounds runs ~3x faster than np.maximum here (numpy 2.4,
+    float32), and relu6 becomes one pass instead of two; NaN propagates in both."""
+    lo, hi = -np.inf, np.inf
+    node = t
+    while node[0] in ("maximum", "minimum"):
+        a, b = node[1], node[2]
+        if b[0] != "#" and a[0] == "#":
+            a, b = b, a
+        if b[0] != "#" or not isinstance(b[1], (int, float)) or isinstance(b[1], bool):
+            break
+        if node[0] == "maximum" and lo == -np.inf and float(b[1]) <= hi:
+            lo = float(b[1])
+        elif node[0] == "minimum" and hi == np.inf and float(b[1]) >= lo:
+            hi = float(b[1])
+        else:
+            break
+        node = a
+    if node is t:
+        return None
+    return ("clip", node), (lo, hi)
+
+
+def _clip_step(x, bounds, target):
+    lo, hi = (np.asarray(v, target.dtype) for v in bounds)
+    return lambda: np.clip(x, lo, hi, out=target, casting="unsafe")
 
 
 def _needs_temp(tree, inputs, out):
@@ -472,9 +510,27 @@ def _leaf_dtypes(t, dtypes):
     return [dtypes[i] for i in sorted(inputs_used(t))]
 
 
+_numexpr_configured = False
+
+
+def _configure_numexpr_once():
+    """numexpr is imported only when a model uses it (it costs ~10 ms); give it the
+    runtime's thread count then."""
+    global _numexpr_configured
+    if not _numexpr_configured:
+        import numexpr
+
+        from pmx.runtime import parallel
+
+        parallel.configure_numexpr(numexpr)
+        _numexpr_configured = True
+
+
 def compile_numexpr(tree, inputs, out):
     """Return a zero-argument callable running one precompiled numexpr program into out."""
     from numexpr.necompiler import NumExpr, getType
+
+    _configure_numexpr_once()
 
     source, constants = to_numexpr(tree)
     names = [f"i{i}" for i in range(len(inputs))]

@@ -16,10 +16,14 @@ raise PmxResourceError before anything is allocated. Weights are then wrapped ze
 
 from __future__ import annotations
 
+import itertools
+import math
 import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from operator import attrgetter
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -177,17 +181,90 @@ def verify_checksums(path, buf, pre):
 
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
+#
+# flatc's Python accessors cost microseconds per field read, which was most of the load
+# time. Instead, each field's layout is learnt from them once, at import (_field), and a
+# field is then read for all tables of one type (all tensors, all nodes, ...) with a few
+# numpy calls (_Tables), every position checked against the header first (_Reader).
+
+
+class _Probe:
+    """Stands in for flatbuffers' Table while one generated accessor runs, noting the
+    vtable slot it asks for and the number type it reads."""
+
+    Pos = 0
+
+    def __init__(self, present):
+        self.present, self.slot, self.flags = present, None, None
+
+    def Offset(self, slot):  # noqa: N802 - flatbuffers' Table interface
+        self.slot = slot
+        return 4 if self.present else 0
+
+    def Get(self, flags, off):  # noqa: N802
+        self.flags = flags
+        return 0
+
+    GetVectorAsNumpy = Get
+
+    def VectorLen(self, off):  # noqa: N802
+        return 0
+
+    def String(self, off):  # noqa: N802
+        return None
+
+
+@dataclass(frozen=True)
+class _Field:
+    slot: int  # byte offset of the field's entry in its table's vtable
+    dtype: np.dtype | None  # of a scalar or of a vector's elements (None: strings, tables)
+    default: object  # a scalar's value when the table omits it
+
+
+def _field(accessor):
+    """The layout of the field `accessor` (a generated method, e.g. fb.Tensor.AliasOf)
+    reads: the generated code stays the one place that knows slots, types and defaults
+    (tools/regen_schema.py rewrites it from schema/pmx.fbs)."""
+    absent, present = _Probe(False), _Probe(True)
+    default = accessor(SimpleNamespace(_tab=absent))
+    accessor(SimpleNamespace(_tab=present))
+    dtype = np.dtype(present.flags.packer_type.format) if present.flags else None
+    return _Field(absent.slot, dtype, default)
+
+
+def _fields(table, **accessors):
+    return SimpleNamespace(**{key: _field(getattr(table, name)) for key, name in accessors.items()})
+
+
+_MODEL = _fields(fb.Model, producer="Producer", tensors="TensorsLength", nodes="NodesLength",
+                 inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
+                 arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source")
+_TENSOR = _fields(fb.Tensor, name="Name", kind="Kind", dtype="Dtype", shape="ShapeAsNumpy",
+                  data_offset="DataOffset", data_size="DataSize", arena_offset="ArenaOffset",
+                  alias_of="AliasOf", alias_offset="AliasOffset", alias_strides="AliasStridesAsNumpy",
+                  dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
+_NODE = _fields(fb.Node, op="Op", name="Name", inputs="InputsAsNumpy", outputs="OutputsAsNumpy",
+                attrs="AttrsLength", expr="Expr", variant="Variant")
+_ATTR = _fields(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
+                strings="StringsLength")
+_PASS_STAT = _fields(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
+_I32, _U16, _U32 = np.dtype("<i4"), np.dtype("<u2"), np.dtype("<u4")
 
 
 class _Reader:
-    """Charges every vector and string read against the header size. In a file pmx wrote
-    each vector and string is stored once, so the total never exceeds the header; a
-    hostile file whose tables all point at one big vector is stopped after reading about
-    twice its header, however many times it repeats the pointer."""
+    """The header's bytes, read only at checked positions and under a budget: every vector
+    and string read is charged against the header size. In a file pmx wrote each vector
+    and string is stored once, so the total never exceeds the header; a hostile file whose
+    tables all point at one big vector is stopped after reading about twice its header,
+    however many times it repeats the pointer. A whole column is charged before any of it
+    is read, so nothing is allocated beyond a small multiple of the budget."""
 
-    def __init__(self, path, header_size):
+    def __init__(self, path, header):
         self.path = path
-        self.budget = self.left = 2 * header_size + 4096
+        self.raw = bytes(header)
+        self.u8 = np.frombuffer(self.raw, np.uint8)
+        self.views = {}  # dtype -> the header as an array of it
+        self.budget = self.left = 2 * len(self.raw) + 4096
 
     def charge(self, nbytes, what):
         self.left -= nbytes
@@ -198,170 +275,322 @@ class _Reader:
         self.charge(n * elem_bytes, f"{what} ({n} elements)")
         return n
 
-    def ints(self, n, as_numpy, elem_bytes, what):
-        if not self.count(n, elem_bytes, what):
-            return ()
-        return tuple(as_numpy().tolist())
+    def gather(self, pos, dtype, what):
+        """The little-endian `dtype` values at byte positions `pos` (an int64 array)."""
+        size = dtype.itemsize
+        if len(pos) and (pos.min() < 0 or pos.max() > len(self.raw) - size):
+            bad = pos[(pos < 0) | (pos > len(self.raw) - size)][0]
+            raise IndexError(f"{what} at byte {bad} is outside the {len(self.raw)}-byte header")
+        if not (pos % size).any():  # aligned, as flatbuffers writes them: one lookup
+            return self._view(dtype)[pos // size]
+        out = np.empty((len(pos), size), np.uint8)  # a hostile file need not align anything
+        for b in range(size):
+            out[:, b] = self.u8[pos + b]
+        return out.view(dtype).reshape(len(pos))
 
-    def str(self, raw, what):
-        if raw is None:
-            return ""
-        self.charge(len(raw), what)
-        return raw.decode("utf-8")
+    def _view(self, dtype):
+        view = self.views.get(dtype)
+        if view is None:
+            view = self.views[dtype] = np.frombuffer(self.raw, dtype, len(self.raw) // dtype.itemsize)
+        return view
+
+    def elements(self, start, length, size):
+        """Byte positions of the elements of every run (`length` elements of `size` bytes
+        from `start`), run after run. Charge the runs first: this allocates per element."""
+        first = np.cumsum(length) - length
+        return np.repeat(start - first * size, length) + np.arange(int(length.sum())) * size
+
+    def numbers(self, start, length, dtype, what):
+        """One tuple of Python numbers per run."""
+        self.count(int(length.sum()), dtype.itemsize, what)
+        return _split(self.gather(self.elements(start, length, dtype.itemsize), dtype, what).tolist(), length)
+
+    def strings(self, start, length, what):
+        self.charge(int(length.sum()), what)
+        outside = (length > 0) & ((start < 0) | (start > len(self.raw) - length))
+        if outside.any():
+            raise IndexError(f"{what} at byte {start[outside][0]} runs past the {len(self.raw)}-byte header")
+        raw = self.raw
+        return [raw[s:s + n].decode() for s, n in zip(start.tolist(), length.tolist())]
+
+
+def _split(flat, length):
+    """`flat` cut into one tuple per run of `length` items."""
+    ends = np.cumsum(length).tolist()
+    return [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+
+
+class _Tables:
+    """Tables of one type (`layout`, from _fields) at byte positions `pos` of the header,
+    read a field at a time for all of them."""
+
+    def __init__(self, r, pos, layout, what):
+        self.r, self.pos, self.layout, self.what = r, pos, layout, what
+        vtable = pos - r.gather(pos, _I32, f"{what} vtable offset")
+        vtable_len = r.gather(vtable, _U16, f"{what} vtable length")
+        # every vtable entry of every table at once: (tables, fields) offsets, 0 = absent.
+        # Unlisted entries read byte 0 instead, which every header has (see _or_zero).
+        slots = np.arange(4, max(f.slot for f in vars(layout).values()) + 2, 2)
+        listed = slots < vtable_len[:, None]
+        entries = r.gather(_or_zero(listed, vtable[:, None] + slots).ravel(), _U16, f"{what} vtable entry")
+        self.offsets = np.where(listed, entries.reshape(listed.shape), 0)
+
+    def __len__(self):
+        return len(self.pos)
+
+    def subset(self, idx):
+        sub = object.__new__(_Tables)
+        sub.r, sub.pos, sub.layout, sub.what, sub.offsets = self.r, self.pos[idx], self.layout, self.what, self.offsets[idx]
+        return sub
+
+    def _where(self, field):
+        """(position of the field in each table, whether the table has it)."""
+        off = self.offsets[:, (field.slot - 4) // 2]
+        return self.pos + off, off > 0
+
+    def scalars(self, field):
+        at, present = self._where(field)
+        values = self.r.gather(_or_zero(present, at), field.dtype, f"{self.what} field")
+        return np.where(present, values, field.default).astype(field.dtype)
+
+    def spans(self, field):
+        """(byte position of the first element, length) of each table's vector or string;
+        (4, 0) where the table omits it."""
+        at, present = self._where(field)
+        at = _or_zero(present, at)
+        target = _or_zero(present, at + self.r.gather(at, _U32, f"{self.what} offset"))
+        length = np.where(present, self.r.gather(target, _U32, f"{self.what} length"), 0)
+        return target + 4, length.astype(np.int64)
+
+    def numbers(self, field, what):
+        return self.r.numbers(*self.spans(field), field.dtype, what)
+
+    def strings(self, field, what):
+        return self.r.strings(*self.spans(field), what)
+
+    def _targets(self, field, what):
+        """Positions of what a vector of offsets (to tables or strings) points at, all
+        tables' vectors one after another, and each vector's length."""
+        start, length = self.spans(field)
+        self.r.count(int(length.sum()), 4, what)
+        pos = self.r.elements(start, length, 4)
+        return pos + self.r.gather(pos, _U32, what), length
+
+    def tables(self, field, layout, what):
+        pos, length = self._targets(field, what)
+        return _Tables(self.r, pos, layout, what), length
+
+    def string_lists(self, field, what):
+        pos, length = self._targets(field, what)
+        return _split(self.r.strings(pos + 4, self.r.gather(pos, _U32, what).astype(np.int64), what), length)
+
+
+def _or_zero(present, at):
+    """`at` where `present`, else byte 0: the header's first 8 bytes (root offset and file
+    identifier) always exist, so reading any scalar there is safe, and the value read is
+    discarded. Cheaper than selecting the present tables and scattering back."""
+    return np.where(present, at, 0)
+
+
+def _one_of(values, allowed):
+    """Which of `values` (an integer array) are in the tuple `allowed`."""
+    return (values[:, None] == np.array(allowed)).any(axis=1)
+
+
+def _check_all(path, bad, message):
+    """Fail with message(i) for the first i where the boolean array `bad` holds."""
+    if bad.any():
+        _fail(path, message(int(np.argmax(bad))))
 
 
 def _read_header(path, header, pre, size) -> Model:
-    r = _Reader(path, pre["header_size"])
-    m = fb.Model.GetRootAs(header, 0)
-    tensors = [_read_tensor(r, m.Tensors(i), i) for i in range(r.count(m.TensorsLength(), 4, "tensors"))]
-    nodes = [_read_node(r, m.Nodes(i), i) for i in range(r.count(m.NodesLength(), 4, "nodes"))]
-    inputs = list(r.ints(m.InputsLength(), m.InputsAsNumpy, 4, "model inputs"))
-    outputs = list(r.ints(m.OutputsLength(), m.OutputsAsNumpy, 4, "model outputs"))
-    kept = list(r.ints(m.KeptLength(), m.KeptAsNumpy, 4, "model kept"))
-    stats = []
-    for i in range(r.count(m.PassStatsLength(), 4, "pass_stats")):
-        s = m.PassStats(i)
-        stats.append((r.str(s.Name(), "pass name"), s.NodesBefore(), s.NodesAfter()))
-    return Model(path, tensors, nodes, inputs, outputs, kept, int(m.ArenaSize()), {}, stats,
-                 r.str(m.Producer(), "producer"), r.str(m.Source(), "source"), size, pre)
+    r = _Reader(path, header)
+    m = _Tables(r, r.gather(np.zeros(1, np.int64), _U32, "root offset").astype(np.int64), _MODEL, "model")
+    tensors = _read_tensors(r, m.tables(_MODEL.tensors, _TENSOR, "tensors")[0])
+    nodes = _read_nodes(r, m.tables(_MODEL.nodes, _NODE, "nodes")[0])
+    [inputs], [outputs], [kept] = (m.numbers(f, f"model {what}") for f, what in
+                                   ((_MODEL.inputs, "inputs"), (_MODEL.outputs, "outputs"), (_MODEL.kept, "kept")))
+    s = m.tables(_MODEL.pass_stats, _PASS_STAT, "pass_stats")[0]
+    stats = list(zip(s.strings(_PASS_STAT.name, "pass names"), s.scalars(_PASS_STAT.nodes_before).tolist(),
+                     s.scalars(_PASS_STAT.nodes_after).tolist()))
+    [producer], [source] = m.strings(_MODEL.producer, "producer"), m.strings(_MODEL.source, "source")
+    return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), int(m.scalars(_MODEL.arena_size)[0]),
+                 {}, stats, producer, source, size, pre)
 
 
-def _read_tensor(r, t, i):
-    rank = t.ShapeLength()
-    if rank > MAX_RANK:
-        _fail(r.path, f"tensor {i} has rank {rank}, more than {MAX_RANK}")
-    shape = r.ints(rank, t.ShapeAsNumpy, 8, f"tensor {i} shape")
-    dtype_enum = t.Dtype()
-    if dtype_enum not in ENUM_TO_NUMPY:
-        _fail(r.path, f"tensor {i} has dtype code {dtype_enum}, not one of {sorted(ENUM_TO_NAME)}")
-    strides = None
-    n_strides = t.AliasStridesLength()
-    if n_strides:
-        if n_strides > MAX_RANK:
-            _fail(r.path, f"tensor {i} has {n_strides} alias strides, more than {MAX_RANK}")
-        strides = r.ints(n_strides, t.AliasStridesAsNumpy, 8, f"tensor {i} alias_strides")
-    dim_min = dim_max = None
-    if t.DimMinLength() or t.DimMaxLength():
-        if t.DimMinLength() != rank or t.DimMaxLength() != rank:
-            _fail(r.path, f"tensor {i} has {t.DimMinLength()}/{t.DimMaxLength()} dim ranges for rank {rank}")
-        dim_min = r.ints(rank, t.DimMinAsNumpy, 8, f"tensor {i} dim_min")
-        dim_max = r.ints(rank, t.DimMaxAsNumpy, 8, f"tensor {i} dim_max")
-        for d, lo, hi in zip(shape, dim_min, dim_max):
+def _read_tensors(r, t):
+    path = r.path
+    shape_at, rank = t.spans(_TENSOR.shape)
+    _check_all(path, rank > MAX_RANK, lambda i: f"tensor {i} has rank {rank[i]}, more than {MAX_RANK}")
+    shapes = r.numbers(shape_at, rank, _TENSOR.shape.dtype, "tensor shapes")
+    codes = t.scalars(_TENSOR.dtype)
+    _check_all(path, ~_one_of(codes, tuple(ENUM_TO_NUMPY)),
+               lambda i: f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
+    strides_at, n_strides = t.spans(_TENSOR.alias_strides)
+    _check_all(path, n_strides > MAX_RANK, lambda i: f"tensor {i} has {n_strides[i]} alias strides, more than {MAX_RANK}")
+    strides = r.numbers(strides_at, n_strides, _TENSOR.alias_strides.dtype, "tensor alias_strides")
+    dim_min, dim_max = _read_dim_ranges(r, t, shapes, rank)
+    names = t.strings(_TENSOR.name, "tensor names")
+    columns = (t.scalars(getattr(_TENSOR, k)).tolist()
+               for k in ("kind", "data_offset", "data_size", "arena_offset", "alias_of", "alias_offset"))
+    kinds, data_offsets, data_sizes, arena_offsets, alias_ofs, alias_offsets = columns
+    dtypes = [ENUM_TO_NUMPY[c] for c in codes.tolist()]
+    return [TensorInfo(*row) for row in zip(names, kinds, dtypes, shapes, data_offsets, data_sizes, arena_offsets,
+                                            alias_ofs, alias_offsets, [s or None for s in strides], dim_min, dim_max)]
+
+
+def _read_dim_ranges(r, t, shapes, rank):
+    """dim_min and dim_max per tensor (None for the tensors without: all but the graph's
+    inputs and outputs with dims that may change)."""
+    min_at, n_min = t.spans(_TENSOR.dim_min)
+    max_at, n_max = t.spans(_TENSOR.dim_max)
+    ranged = (n_min > 0) | (n_max > 0)
+    _check_all(r.path, ranged & ((n_min != rank) | (n_max != rank)),
+               lambda i: f"tensor {i} has {n_min[i]}/{n_max[i]} dim ranges for rank {rank[i]}")
+    dim_min = r.numbers(min_at, n_min, _TENSOR.dim_min.dtype, "tensor dim_min")
+    dim_max = r.numbers(max_at, n_max, _TENSOR.dim_max.dtype, "tensor dim_max")
+    for i in np.flatnonzero(ranged).tolist():
+        for d, lo, hi in zip(shapes[i], dim_min[i], dim_max[i]):
             if lo < 0 or hi < -1 or (hi != -1 and not lo <= d <= hi):
                 _fail(r.path, f"tensor {i} dim range {lo}..{hi} does not contain its planned size {d}")
-    return TensorInfo(r.str(t.Name(), f"tensor {i} name"), t.Kind(), ENUM_TO_NUMPY[dtype_enum], shape,
-                      t.DataOffset(), t.DataSize(), t.ArenaOffset(), t.AliasOf(), t.AliasOffset(), strides,
-                      dim_min, dim_max)
+    return [lo or None for lo in dim_min], [hi or None for hi in dim_max]
 
 
-def _read_node(r, n, i):
-    where = f"node {i}"
-    attrs = {}
-    for j in range(r.count(n.AttrsLength(), 4, f"{where} attrs")):
-        a = n.Attrs(j)
-        name = r.str(a.Name(), f"{where} attribute name")
-        attrs[name] = _attr_value(r, a, f"{where} attribute {name!r}")
-    return NodeInfo(r.str(n.Op(), f"{where} op"), r.str(n.Name(), f"{where} name"),
-                    r.ints(n.InputsLength(), n.InputsAsNumpy, 4, f"{where} inputs"),
-                    r.ints(n.OutputsLength(), n.OutputsAsNumpy, 4, f"{where} outputs"),
-                    attrs, r.str(n.Expr(), f"{where} expr"), r.str(n.Variant(), f"{where} variant"))
+def _read_nodes(r, n):
+    ops = n.strings(_NODE.op, "node ops")
+    names = n.strings(_NODE.name, "node names")
+    inputs = n.numbers(_NODE.inputs, "node inputs")
+    outputs = n.numbers(_NODE.outputs, "node outputs")
+    attrs = _read_attrs(r, *n.tables(_NODE.attrs, _ATTR, "node attrs"))
+    exprs = n.strings(_NODE.expr, "node expressions")
+    variants = n.strings(_NODE.variant, "node variants")
+    return [NodeInfo(*row) for row in zip(ops, names, inputs, outputs, attrs, exprs, variants)]
 
 
-def _attr_value(r, a, where):
-    k = a.Kind()
-    if k == fb.AttrKind.None_:
-        return None
-    if k in (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints):
-        vals = r.ints(a.IntsLength(), a.IntsAsNumpy, 8, where)
-        if k == fb.AttrKind.Ints:
-            return vals
-        if len(vals) != 1:
-            _fail(r.path, f"{where} should hold one value, holds {len(vals)}")
-        return bool(vals[0]) if k == fb.AttrKind.Bool else vals[0]
-    if k in (fb.AttrKind.Float, fb.AttrKind.Floats):
-        vals = r.ints(a.FloatsLength(), a.FloatsAsNumpy, 8, where)
-        if k == fb.AttrKind.Floats:
-            return vals
-        if len(vals) != 1:
-            _fail(r.path, f"{where} should hold one value, holds {len(vals)}")
-        return vals[0]
-    if k in (fb.AttrKind.String, fb.AttrKind.Strings):
-        n = r.count(a.StringsLength(), 4, where)
-        vals = tuple(r.str(a.Strings(j), where) for j in range(n))
-        if k == fb.AttrKind.Strings:
-            return vals
-        if len(vals) != 1:
-            _fail(r.path, f"{where} should hold one value, holds {len(vals)}")
-        return vals[0]
-    _fail(r.path, f"{where} has unknown kind {k}")
+_INTS = (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints)
+_FLOATS = (fb.AttrKind.Float, fb.AttrKind.Floats)
+_STRINGS = (fb.AttrKind.String, fb.AttrKind.Strings)
+_LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
+
+
+def _read_attrs(r, a, per_node):
+    """One dict per node, from all nodes' attribute tables (`per_node` of them each)."""
+    names = a.strings(_ATTR.name, "attribute names")
+    kinds = a.scalars(_ATTR.kind)
+    owner = np.repeat(np.arange(len(per_node)), per_node)
+
+    def where(i):
+        return f"node {owner[i]} attribute {names[i]!r}"
+
+    _check_all(r.path, ~_one_of(kinds, (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS),
+               lambda i: f"{where(i)} has unknown kind {kinds[i]}")
+    values = [None] * len(a)
+    for group, read in ((_INTS, lambda s: s.numbers(_ATTR.ints, "attribute ints")),
+                        (_FLOATS, lambda s: s.numbers(_ATTR.floats, "attribute floats")),
+                        (_STRINGS, lambda s: s.string_lists(_ATTR.strings, "attribute strings"))):
+        idx = np.flatnonzero(_one_of(kinds, group))
+        for i, kind, vals in zip(idx.tolist(), kinds[idx].tolist(), read(a.subset(idx))):
+            if kind in _LISTS:
+                values[i] = vals
+            elif len(vals) != 1:
+                _fail(r.path, f"{where(i)} should hold one value, holds {len(vals)}")
+            else:
+                values[i] = bool(vals[0]) if kind == fb.AttrKind.Bool else vals[0]
+    names, values = _split(names, per_node), _split(values, per_node)
+    return [dict(zip(k, v)) for k, v in zip(names, values)]
 
 
 # --- structural verification --------------------------------------------------------------
 
 
 def _verify_structure(model: Model, pre, max_arena_bytes):
-    path = model.path
-    n = len(model.tensors)
     if model.arena_size > max_arena_bytes:
-        raise PmxResourceError(f"{path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
-    data_size = pre["data_size"]
-    for i, t in enumerate(model.tensors):
-        where = f"tensor {i} ({t.name[:40]!r})"
-        if t.kind not in _KINDS:
-            _fail(path, f"{where} has kind {t.kind}, not one of {list(_KINDS)}")
-        if any(d < 0 for d in t.shape):
-            _fail(path, f"{where} has shape {t.shape}: dims must be non-negative")
-        # Zero dims count as 1 (kernels may loop over the other dims of an empty tensor)
-        # and views count in full (a stride-0 view of 4 bytes can have 2**40 elements):
-        # the bound is on work, not only on bytes.
-        bound = t.dtype.itemsize
-        for d in t.shape:
-            bound *= max(d, 1)
-            if bound > max(max_arena_bytes, data_size):
-                raise PmxResourceError(f"{path}: {where} of shape {t.shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
-        nbytes = t.nbytes
-        if t.kind == fb.TensorKind.Constant:
-            if t.alias_of != -1 or t.alias_strides is not None:
-                _fail(path, f"{where} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
-            if t.data_size != nbytes:
-                _fail(path, f"{where}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {nbytes}")
-            if t.data_offset % ff.ALIGNMENT or t.data_offset + t.data_size > data_size:
-                _fail(path, f"{where}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {ff.ALIGNMENT}-byte aligned")
-        elif t.alias_of == -1:
-            if t.alias_strides is not None:
-                _fail(path, f"{where} has alias_strides {t.alias_strides} but aliases nothing")
-            if t.arena_offset % ff.ALIGNMENT or t.arena_offset + nbytes > model.arena_size:
-                _fail(path, f"{where}: arena range [{t.arena_offset}, +{nbytes}) is outside the {model.arena_size}-byte arena or not {ff.ALIGNMENT}-byte aligned")
-        elif not 0 <= t.alias_of < n:
-            _fail(path, f"{where}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
+        raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
+    nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
     model.roots = _resolve_aliases(model)
     for i, t in enumerate(model.tensors):
         if t.kind != fb.TensorKind.Constant and t.alias_of >= 0:
-            _check_alias_extent(model, i, t)
+            _check_alias_extent(model, i, t, nbytes)
     _check_io(model)
     _check_nodes(model)
     _check_shape_rules(model)
+
+
+# Byte counts and offsets are compared as int64 after clamping to this: every limit is
+# clamped too, so a clamped value fails exactly the checks its true value fails, and the
+# sum of two never overflows. (No real tensor, arena or file comes near 2 EiB.)
+_CLAMP = 1 << 61
+
+
+def _check_tensors(model, data_size, max_arena_bytes):
+    """Kind, shape, size, and where each tensor's bytes are (data section, arena range or
+    alias target), checked for all tensors at once. Returns each tensor's byte count."""
+    path, tensors, n = model.path, model.tensors, len(model.tensors)
+
+    def where(i):
+        return f"tensor {i} ({tensors[i].name[:40]!r})"
+
+    def column(name, dtype):
+        return np.fromiter(map(attrgetter(name), tensors), dtype, n)
+
+    kind = column("kind", np.int64)
+    _check_all(path, ~_one_of(kind, _KINDS), lambda i: f"{where(i)} has kind {kind[i]}, not one of {list(_KINDS)}")
+    shapes = [t.shape for t in tensors]
+    rank = np.fromiter(map(len, shapes), np.int64, n)
+    dims = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, int(rank.sum()))
+    owner = np.repeat(np.arange(n), rank)  # the tensor each dim belongs to
+    _check_all(path, np.bincount(owner[dims < 0], minlength=n) > 0,
+               lambda i: f"{where(i)} has shape {shapes[i]}: dims must be non-negative")
+    nbytes = [math.prod(s) * t.dtype.itemsize for s, t in zip(shapes, tensors)]
+    # Zero dims count as 1 (kernels may loop over the other dims of an empty tensor) and
+    # views count in full (a stride-0 view of 4 bytes can have 2**40 elements): the bound
+    # is on work, not only on bytes.
+    bound = list(nbytes)
+    for i in np.flatnonzero(np.bincount(owner[dims == 0], minlength=n)).tolist():
+        bound[i] = math.prod(max(d, 1) for d in shapes[i]) * tensors[i].dtype.itemsize
+    limit = min(max(max_arena_bytes, data_size), _CLAMP)
+    if max(bound, default=0) > limit:
+        i = next(i for i, b in enumerate(bound) if b > limit)
+        raise PmxResourceError(f"{path}: {where(i)} of shape {shapes[i]} {tensors[i].dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
+    size = np.array(nbytes, np.int64)
+    data_offset, data_bytes, arena_offset = (np.minimum(column(k, np.uint64), _CLAMP).astype(np.int64)
+                                             for k in ("data_offset", "data_size", "arena_offset"))
+    alias_of = column("alias_of", np.int64)
+    strided = np.array([t.alias_strides is not None for t in tensors], bool)
+    const = kind == fb.TensorKind.Constant
+    own = ~const & (alias_of == -1)
+    in_data, in_arena = min(data_size, _CLAMP), min(model.arena_size, _CLAMP)
+    _check_all(path, const & ((alias_of != -1) | strided),
+               lambda i: f"{where(i)} is a constant but has alias_of {alias_of[i]} / alias_strides {tensors[i].alias_strides}")
+    _check_all(path, const & (data_bytes != size),
+               lambda i: f"{where(i)}: data_size {tensors[i].data_size} != shape {shapes[i]} x {tensors[i].dtype.itemsize} bytes = {nbytes[i]}")
+    _check_all(path, const & ((data_offset % ff.ALIGNMENT != 0) | (data_offset + data_bytes > in_data)),
+               lambda i: f"{where(i)}: data [{tensors[i].data_offset}, +{tensors[i].data_size}) is outside the {data_size}-byte data section or not {ff.ALIGNMENT}-byte aligned")
+    _check_all(path, own & strided, lambda i: f"{where(i)} has alias_strides {tensors[i].alias_strides} but aliases nothing")
+    _check_all(path, own & ((arena_offset % ff.ALIGNMENT != 0) | (arena_offset + size > in_arena)),
+               lambda i: f"{where(i)}: arena range [{tensors[i].arena_offset}, +{nbytes[i]}) is outside the {model.arena_size}-byte arena or not {ff.ALIGNMENT}-byte aligned")
+    _check_all(path, ~const & ~own & ((alias_of < 0) | (alias_of >= n)),
+               lambda i: f"{where(i)}: alias_of {alias_of[i]} is not a tensor index (0..{n - 1})")
+    return nbytes
 
 
 def _resolve_aliases(model):
     """(root, byte offset) for every tensor, following alias chains once each (memoized,
     so long chains cost linear time); a chain that loops or ends at a constant fails."""
     path, tensors = model.path, model.tensors
-    roots = [None] * len(tensors)
-    for i in range(len(tensors)):
+    roots = [None if t.kind != fb.TensorKind.Constant and t.alias_of >= 0 else (i, 0) for i, t in enumerate(tensors)]
+    for i in [i for i, r in enumerate(roots) if r is None]:
         chain = []
         on_chain = set()
         j = i
-        while roots[j] is None and tensors[j].kind != fb.TensorKind.Constant and tensors[j].alias_of >= 0:
+        while roots[j] is None:
             if j in on_chain:
                 _fail(path, f"tensor {i} ({tensors[i].name[:40]!r}): alias chain loops at tensor {j}")
             on_chain.add(j)
             chain.append(j)
             j = tensors[j].alias_of
-        if roots[j] is None:
-            if tensors[j].kind == fb.TensorKind.Constant and j != i:
-                _fail(path, f"tensor {chain[-1]} ({tensors[chain[-1]].name[:40]!r}) aliases constant tensor {j}; views of constants are not stored")
-            roots[j] = (j, 0)
+        if tensors[j].kind == fb.TensorKind.Constant:
+            _fail(path, f"tensor {chain[-1]} ({tensors[chain[-1]].name[:40]!r}) aliases constant tensor {j}; views of constants are not stored")
         root, offset = roots[j]
         for k in reversed(chain):
             offset += tensors[k].alias_offset
@@ -369,11 +598,11 @@ def _resolve_aliases(model):
     return roots
 
 
-def _check_alias_extent(model, i, t):
+def _check_alias_extent(model, i, t, nbytes):
     """The bytes a view can touch must lie inside its root's arena range."""
     path = model.path
     root, offset = model.roots[i]
-    root_bytes = model.tensors[root].nbytes
+    root_bytes = nbytes[root]
     where = f"tensor {i} ({t.name[:40]!r})"
     if any(d == 0 for d in t.shape):
         lo, hi = 0, 0
@@ -383,13 +612,13 @@ def _check_alias_extent(model, i, t):
         lo = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s < 0)
         hi = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s > 0) + t.dtype.itemsize
     else:
-        lo, hi = 0, t.nbytes
+        lo, hi = 0, nbytes[i]
     if offset + lo < 0 or offset + hi > root_bytes:
         _fail(path, f"{where}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})")
     target = model.tensors[t.alias_of]
-    if target.alias_strides is None and t.alias_offset + hi > target.nbytes:
+    if target.alias_strides is None and t.alias_offset + hi > nbytes[t.alias_of]:
         # inside the arena, but reaching past the tensor it claims to view
-        _fail(path, f"{where}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {target.nbytes} bytes")
+        _fail(path, f"{where}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes")
 
 
 def _check_io(model):

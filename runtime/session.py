@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pmx.runtime import kernels
+from pmx.runtime import kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model
@@ -46,7 +46,7 @@ class NodeArg:
 class _Binding:
     """One thread's arena, tensor views and kernel callables for one input-shape layout."""
 
-    def __init__(self, model, layout):
+    def __init__(self, model, layout, max_arena_bytes):
         self.layout = layout
         self.arena = _aligned_empty(layout.arena_size)
         self.views = [None] * len(model.tensors)
@@ -56,11 +56,18 @@ class _Binding:
             else:
                 self.views[i] = self._arena_view(t, i, layout)
         self.steps = []
-        for node in model.nodes:
-            ins = [self.views[k] if k >= 0 else None for k in node.inputs]
-            outs = [self.views[k] for k in node.outputs]
+        operands = [([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
+                    for node in model.nodes]
+        scratch_size = max((kernels.node_scratch_nbytes(node, ins, outs) for node, (ins, outs) in zip(model.nodes, operands)),
+                           default=0)
+        if layout.arena_size + scratch_size > max_arena_bytes:
+            raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
+                                   f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
+        self.scratch = _aligned_empty(scratch_size)
+        for node, (ins, outs) in zip(model.nodes, operands):
             try:
-                fn = kernels.get(node.op).make(node, ins, outs)
+                with kernels.scratch_scope(self.scratch):
+                    fn = kernels.get(node.op).make(node, ins, outs)
             except PmxError:
                 raise
             except MemoryError:
@@ -110,8 +117,10 @@ class InferenceSession:
     """Load a .pmx file and run it. Mirrors onnxruntime.InferenceSession.
 
     verify=True checks the CRC32 checksums of the whole file at load (off by default so
-    load stays fast; the structural verifier always runs). num_threads sets numexpr's
-    thread count. providers / sess_options are accepted for drop-in compatibility and
+    load stays fast; the structural verifier always runs). num_threads sets the threads
+    BLAS, numexpr and pmx's own kernel splits use; like BLAS's and numexpr's own settings
+    it is process-wide (the last session to set it wins); default: the cores this process
+    may use (runtime/parallel.py). providers / sess_options are accepted for drop-in compatibility and
     ignored (pmx runs on the CPU).
     """
 
@@ -126,9 +135,10 @@ class InferenceSession:
         self._model = open_model(str(path_or_bytes) if not isinstance(path_or_bytes, bytes) else path_or_bytes.decode(),
                                  verify_checksum=verify, max_arena_bytes=max_arena_bytes)
         if num_threads is not None:
-            import numexpr
-
-            numexpr.set_num_threads(int(num_threads))
+            try:
+                parallel.set_num_threads(num_threads)
+            except (TypeError, ValueError) as e:
+                raise PmxInputError(f"num_threads: {e}") from None
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
@@ -172,7 +182,7 @@ class InferenceSession:
             return b
         layout = self._layout(key)
         try:
-            b = _Binding(self._model, layout)
+            b = _Binding(self._model, layout, self._max_arena_bytes)
         except PmxError:
             raise
         except MemoryError:
@@ -300,7 +310,7 @@ class InferenceSession:
         steps = self._steps_for(binding, wanted)
         step = None
         try:
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore"), parallel.blas_single_threaded():
                 for step in steps:
                     step()
         except PmxError:
@@ -330,7 +340,7 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), parallel.blas_single_threaded():
             for _ in range(repeat):
                 for j, step in enumerate(binding.steps):
                     if step is None:

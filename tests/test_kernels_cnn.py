@@ -142,6 +142,52 @@ def test_conv_pointwise_and_1x1_strided():
         assert_close(got, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), stride=stride))
 
 
+
+@pytest.fixture
+def two_threads():
+    """Kernels split work over the threads only above a size threshold and when more than
+    one thread is configured: force two, whatever this machine has."""
+    from pmx.runtime import parallel
+
+    before = parallel.num_threads()
+    parallel.set_num_threads(2)
+    yield
+    parallel.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3"])
+def test_conv_large_enough_to_split(kind, two_threads):
+    """Shapes past parallel.SPLIT_MIN_ELEMENTS, so the channel-split depthwise parts and the
+    split im2col copy run on two threads (the property test's shapes are too small)."""
+    from pmx.runtime import parallel
+
+    c, size, batch = 64, 48, 2
+    stride, dilation, mode, groups = {
+        "depthwise_s1": (1, 1, "zeros", c), "depthwise_s2_dilated": (2, 2, "zeros", c),
+        "depthwise_reflect_s2": (2, 1, "reflect", c), "gemm_3x3": (1, 1, "zeros", 1)}[kind]
+    x = signed_input((batch, c, size, size), 0)
+    w = signed_input((c, c // groups, 3, 3), 1)
+    b = signed_input((c,), 2)
+    pads = (dilation, dilation, dilation, dilation)
+    assert parallel.worth_splitting(batch * c * (size // stride) ** 2)
+    attrs = dict(stride=(stride, stride), pads=pads, dilation=(dilation, dilation), groups=groups, padding_mode=mode)
+    xt = F.pad(torch.from_numpy(x), (dilation,) * 4, mode="constant" if mode == "zeros" else mode)
+    want = F.conv2d(xt, torch.from_numpy(w), torch.from_numpy(b), stride, 0, dilation, groups)
+    for variant in ("depthwise", "gemm") if groups > 1 else ("gemm",):
+        (got,) = run_kernel("conv", [x, w, b], attrs, expr="maximum(@0,0)", variant=variant)
+        assert_close(got, F.relu(want), want)
+
+
+def test_depthwise_conv3d_matches_torch():
+    """The phase-split depthwise lowering is written for any number of spatial dims."""
+    x = signed_input((2, 5, 7, 8, 9), 0)
+    w = signed_input((5, 1, 3, 2, 3), 1)
+    attrs = dict(stride=(2, 1, 2), pads=(1, 0, 2, 1, 1, 0), dilation=(1, 2, 1), groups=5, padding_mode="zeros")
+    xt = F.pad(torch.from_numpy(x), (2, 0, 0, 1, 1, 1))
+    want = F.conv3d(xt, torch.from_numpy(w), None, (2, 1, 2), 0, (1, 2, 1), 5)
+    (got,) = run_kernel("conv", [x, w], attrs, variant="depthwise")
+    assert_close(got, want)
+
 # --- pooling --------------------------------------------------------------------------------
 
 

@@ -307,3 +307,27 @@ def test_mixed_float_int_bool(variant, pair, x):
         node = Node(op, "l", ins, [Value("y", a.shape, "bool")], {}, input_names=["input", "other"])
         (new,) = RULES[op](node, Context(None))
         check(new.expr, [a, m], getattr(torch, op.split(".")[1])(ta, tm), variant)
+
+
+@pytest.mark.parametrize("shapes_", [
+    [(2, 64, 32, 32), (64, 1, 1), (1,)],        # split along batch; per-channel and scalar broadcast
+    [(1, 96, 40, 40), (1, 96, 40, 40), (40,)],  # batch 1: split along channels; broadcast last axis
+    [(1, 1, 300, 300), (1, 1, 1, 300), ()],      # split along the first long axis (rows)
+])
+def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
+    """Tensors past parallel.SPLIT_MIN_ELEMENTS run as one slab per thread (two forced
+    here, whatever this machine has); slabs must slice only the inputs that are not
+    broadcast along the split axis, and relu6's clip fast path must keep NaN."""
+    from pmx.runtime import parallel
+
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.standard_normal(s).astype(np.float32) for s in shapes_)
+    a.flat[::97] = np.nan
+    expr = "minimum(maximum(add(mul(@0,@1),@2),0),6)"
+    assert parallel.worth_splitting(a.size)
+    for variant in ("numpy", "numpy_1t"):
+        (got,) = run_kernel("elementwise", [a, b, c], expr=expr, variant=variant)
+        want = F.relu6(torch.from_numpy(a) * torch.from_numpy(b) + torch.from_numpy(c)).numpy()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert rel_error(np.nan_to_num(got), np.nan_to_num(want)) <= TOL

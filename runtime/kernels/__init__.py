@@ -13,9 +13,19 @@ A shape rule `infer(node, shapes, dtypes) -> [(shape, dtype), ...]` gives output
 and dtypes from input shapes and attributes; the compiler checks pnnx's declared shapes
 against it and the runtime uses it to re-plan other input shapes.
 
+Scratch: temporaries a callable needs only while it runs (im2col columns, depthwise
+partial sums) come from one buffer per binding that every node reuses, instead of a
+buffer per node: that keeps first-run page faults and peak memory to the largest single
+need. A kernel declares its need with `scratch(node, inputs, outputs) -> bytes` at
+registration (computed with `scratch_nbytes` over the same shapes it will request) and
+takes the arrays in make() with `scratch_array`. Memory whose contents must survive from
+one run to the next (the zero border of a padded copy) stays per node.
+
 Family files are imported explicitly below; registering a name twice is an error.
 """
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,19 +43,65 @@ class Kernel:
     inplace: bool = False
     # output is a reinterpretation of input 0's bytes (reshape-like): plannable as alias
     view: bool = False
+    # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
+    scratch: Callable | None = None
 
 
 REGISTRY: dict[str, Kernel] = {}
 
 
-def register(op, *, infer, inplace=False, view=False):
+def register(op, *, infer, inplace=False, view=False, scratch=None):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view)
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch)
         return make
 
     return deco
+
+
+# --- shared scratch ------------------------------------------------------------------
+
+SCRATCH_ALIGN = 64
+_scratch = threading.local()
+
+
+def _aligned(nbytes):
+    return -(-int(nbytes) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+
+
+def scratch_nbytes(*arrays):
+    """Bytes `scratch_array` takes for these (shape, dtype) requests, in order."""
+    return sum(_aligned(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize) for shape, dtype in arrays)
+
+
+def node_scratch_nbytes(node, inputs, outputs) -> int:
+    k = get(node.op)
+    return int(k.scratch(node, inputs, outputs)) if k.scratch is not None else 0
+
+
+@contextlib.contextmanager
+def scratch_scope(buffer):
+    """While make() runs inside this scope, scratch_array carves arrays out of `buffer`
+    (a uint8 array, 64-byte aligned), starting at its beginning for every node."""
+    _scratch.buffer, _scratch.used = buffer, 0
+    try:
+        yield
+    finally:
+        _scratch.buffer = None
+
+
+def scratch_array(shape, dtype):
+    """A temporary valid only inside this node's callable (the next node reuses the
+    bytes). Outside a scratch scope, or past the declared size, it is a plain array."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = getattr(_scratch, "buffer", None)
+    if buf is None or _scratch.used + nbytes > buf.size:
+        return np.empty(shape, dtype)
+    start = _scratch.used
+    _scratch.used += _aligned(nbytes)
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def get(op: str) -> Kernel:

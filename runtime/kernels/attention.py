@@ -31,8 +31,9 @@ Output 0 has q's layout with v's feature size.
 
 import numpy as np
 
-from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import view_as
+from pmx.runtime import parallel
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.common import chain, view_as
 
 
 def _unpack_shapes(attrs, shapes):
@@ -141,14 +142,6 @@ def _viewed(a, shape):
         return buf, lambda: np.copyto(buf, a.reshape(shape))
 
 
-def _mask_step(mask, mode, scores):
-    if mode == "add":
-        return lambda: np.add(scores, mask, out=scores)
-    if mode == "drop":
-        return lambda: np.copyto(scores, -np.inf, where=mask)
-    raise ValueError(f"unknown mask mode {mode!r}")
-
-
 # Scores are computed in slices of the leading batch axis so the scratch stays near this
 # size however long the sequence (the last level of cache rather than a full [N, H, L, S]
 # buffer per attention node).
@@ -165,8 +158,39 @@ def _cut(a, ndim, r0, r1):
     return a[index]
 
 
-def _softmax_step(scores, red, total, safe, dt):
-    lowest, tiny = np.finfo(dt).min, np.finfo(dt).tiny
+def _query_rows(a, lo, hi):
+    """`a` (broadcasting against scores [..., L, S] or an output [..., L, Ev]) restricted to
+    query rows lo:hi; operands that broadcast along them are used whole."""
+    if a.ndim < 2 or a.shape[-2] == 1:
+        return a
+    return a[..., lo:hi, :]
+
+
+def _over_query_rows(make_part, rows, elements):
+    """make_part(lo, hi) -> the callable for query rows lo:hi. Elementwise work between the
+    two GEMMs runs on one thread per ufunc, so a large slice is split by query rows over
+    the cores (BLAS already uses them for the GEMMs)."""
+    parts = parallel.num_threads() if parallel.worth_splitting(elements) else 1
+    return parallel.split([make_part(lo, hi) for lo, hi in parallel.ranges(rows, parts)])
+
+
+def _mask_step(mask, mode, scores):
+    if mode == "add":
+        return lambda: np.add(scores, mask, out=scores)
+    if mode == "drop":
+        return lambda: np.copyto(scores, -np.inf, where=mask)
+    raise ValueError(f"unknown mask mode {mode!r}")
+
+
+def _scale_step(scores, scale):
+    return (lambda: np.multiply(scores, scale, out=scores)) if scale != 1.0 else None
+
+
+def _softmax_step(scores, red, total, safe, normalize):
+    """exp(scores - row max) in place and its row sums in `total`; the rows are divided by
+    their sums only when `normalize` (the weights are an output). Otherwise the PV product
+    is divided instead, which has Ev columns where the scores have S."""
+    lowest, tiny = np.finfo(scores.dtype).min, np.finfo(scores.dtype).tiny
 
     def softmax():
         np.max(scores, axis=-1, keepdims=True, out=red)
@@ -177,9 +201,31 @@ def _softmax_step(scores, red, total, safe, dt):
         np.sum(scores, axis=-1, keepdims=True, out=total)
         if safe:
             np.maximum(total, tiny, out=total)
-        np.divide(scores, total, out=scores)
+        if normalize:
+            np.divide(scores, total, out=scores)
 
     return softmax
+
+
+def _scores_step(sc, red, total, adds, scale, safe, normalize):
+    """Everything between the two GEMMs on one slice of the scores, by query rows."""
+
+    def rows(lo, hi):
+        s, r, t = (_query_rows(a, lo, hi) for a in (sc, red, total))
+        masks = [_mask_step(_query_rows(m, lo, hi), mode, s) for m, mode in adds]
+        return chain(_scale_step(s, scale), *masks, _softmax_step(s, r, t, safe, normalize))
+
+    return _over_query_rows(rows, sc.shape[-2], sc.size)
+
+
+def _normalize_step(o, total):
+    """Divide the PV product by the softmax row sums it was computed without."""
+
+    def rows(lo, hi):
+        o_, t = _query_rows(o, lo, hi), _query_rows(total, lo, hi)
+        return lambda: np.divide(o_, t, out=o_)
+
+    return _over_query_rows(rows, o.shape[-2], o.size)
 
 
 def _views(attrs, inputs, out):
@@ -232,27 +278,47 @@ def _prepare_masks(attrs, masks, full, dt):
     return pre, adds
 
 
-@register("attention", infer=attention_infer)
+def _layout(attrs, inputs, out):
+    """(q, k, v, output views and masks; full scores shape; rows of its axis 0 per slice;
+    the slice's shape): the geometry make() and the scratch rule share."""
+    views = _views(attrs, inputs, out)
+    qh, kh, vh = views[:3]
+    # v's batch dims count: a v batched where q and k broadcast needs each batch's scores
+    full = tuple(np.broadcast_shapes(qh.shape[:-2], kh.shape[:-2], vh.shape[:-2])) + (qh.shape[-2], kh.shape[-2])
+    if len(full) == 2:
+        return views, full, 1, full
+    chunk = max(1, min(full[0], SCRATCH_ELEMENTS // max(int(np.prod(full[1:])), 1)))
+    return views, full, chunk, (chunk,) + full[1:]
+
+
+def _scratch_requests(slab, dtype):
+    """Scores of one slice, their row maxima and row sums."""
+    rows = slab[:-1] + (1,)
+    return [(slab, dtype), (rows, dtype), (rows, dtype)]
+
+
+def attention_scratch(node, inputs, outputs):
+    _, _, _, slab = _layout(node.attrs, inputs, outputs[0])
+    return scratch_nbytes(*_scratch_requests(slab, outputs[0].dtype))
+
+
+@register("attention", infer=attention_infer, scratch=attention_scratch)
 def make_attention(node, inputs, outputs):
     attrs = node.attrs
     out = outputs[0]
     heads = int(attrs.get("heads", 0))
-    qh, kh, vh, oh, masks = _views(attrs, inputs, out)
+    (qh, kh, vh, oh, masks), full, chunk, slab = _layout(attrs, inputs, out)
     kt = np.swapaxes(kh, -1, -2)
     dt = out.dtype
-    full = tuple(np.broadcast_shapes(qh.shape[:-2], kh.shape[:-2])) + (qh.shape[-2], kh.shape[-2])
     scale = float(attrs.get("scale", 1.0))
     pre, adds = _prepare_masks(attrs, masks, full, dt)
     safe = attrs.get("masked_rows", "nan") == "zero" and bool(adds)
     weights = attrs.get("weights", "none")
     w = outputs[1] if weights != "none" else None
+    buf, red_buf, total_buf = (scratch_array(shape, dtype) for shape, dtype in _scratch_requests(slab, dt))
 
     nd = len(full)
     rows = full[0] if nd > 2 else 1
-    chunk = max(1, min(rows, SCRATCH_ELEMENTS // max(int(np.prod(full[1:])), 1))) if nd > 2 else 1
-    buf = np.empty((chunk,) + full[1:] if nd > 2 else full, dt)
-    red_buf = np.empty(buf.shape[:-1] + (1,), dt)
-    total_buf = np.empty(buf.shape[:-1] + (1,), dt)
     steps = list(pre)
     for r0 in range(0, rows, chunk):
         n = min(rows, r0 + chunk) - r0
@@ -265,15 +331,16 @@ def make_attention(node, inputs, outputs):
             return _cut(a, ndim, r0, r0 + n) if nd > 2 else a
 
         steps.append(lambda sc=sc, q_=cut(qh), k_=cut(kt): np.matmul(q_, k_, out=sc))
-        if scale != 1.0:
-            steps.append(lambda sc=sc: np.multiply(sc, scale, out=sc))
-        steps += [_mask_step(cut(m), mode, sc) for m, mode in adds]
-        steps.append(_softmax_step(sc, red, total, safe, dt))
-        steps.append(lambda sc=sc, v_=cut(vh), o_=cut(oh): np.matmul(sc, v_, out=o_))
-        if weights == "mean":
+        steps.append(_scores_step(sc, red, total, [(cut(m), mode) for m, mode in adds], scale, safe,
+                                  normalize=weights != "none"))
+        o_ = cut(oh)
+        steps.append(lambda sc=sc, v_=cut(vh), o_=o_: np.matmul(sc, v_, out=o_))
+        if weights == "none":
+            steps.append(_normalize_step(o_, total))
+        elif weights == "mean":
             inv = 1.0 / heads
             steps.append(lambda sc=sc, w_=cut(w, 3): (np.sum(sc, axis=1, out=w_), np.multiply(w_, inv, out=w_)))
-        elif weights == "heads":
+        else:
             steps.append(lambda sc=sc, w_=cut(w): np.copyto(w_, sc))
     steps = tuple(steps)
 

@@ -5,14 +5,24 @@ attrs stride, pads (begins then ends per spatial dim), dilation, groups, padding
 ("zeros", "reflect", "replicate", "circular"). node.expr is an optional fused activation.
 
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
-  gemm      im2col copy built from one strided view of the padded input, then one
-            batched GEMM per conv (1x1 stride-1 convs skip im2col entirely)
-  depthwise per-tap multiply-add over strided views (groups == Cin == Cout)
+  gemm      per image: the im2col copy, made by one np.copyto from a strided view of the
+            padded input into shared scratch (split over the cores when large), then one
+            GEMM per group; bias and activation follow on the image's output while it is
+            still in cache. 1x1 stride-1 unpadded convs are a plain GEMM on the input.
+  depthwise (groups == Cin == Cout) per-tap multiply-add over "flat" views: the padded
+            input is stored split into stride phases (one phase when stride is 1), each
+            flattened per channel, so every tap is one contiguous slice at a fixed offset
+            and each ufunc call runs over a whole channel instead of one output row. The
+            output is computed "wide" (rows as long as the phase rows, the extra columns
+            discarded when it is copied out with the bias). Channels are split over the
+            cores. Measured on MobileNetV2's shapes (tools/bench_conv.py): 1.6-2.5x faster
+            than per-tap strided views on one core, 2.6-4x on two.
 """
 
 import numpy as np
 
-from pmx.runtime.kernels import register
+from pmx.runtime import parallel
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
     chain,
     conv_out_size,
@@ -41,92 +51,258 @@ def _padded_input(x, a, nd):
     pads = tuple(a["pads"])
     if not any(pads):
         return None, x
-    mode = a.get("padding_mode", "zeros")
     buf, interior = padded_buffer(x.shape, pads, x.dtype, 0)
-    copy_in = lambda: np.copyto(interior, x)  # noqa: E731
-    if mode == "zeros":
-        return copy_in, buf
-    return chain(copy_in, fill_border(buf, pads, x.shape[-nd:], mode)), buf
+    return chain(lambda: np.copyto(interior, x), _border_step(buf, a, x.shape[-nd:])), buf
+
+
+def _border_step(buf, a, sizes):
+    """Refills the padding of `buf` for non-zero padding modes (zeros stay from np.zeros)."""
+    mode = a.get("padding_mode", "zeros")
+    return None if mode == "zeros" else fill_border(buf, tuple(a["pads"]), sizes, mode)
 
 
 def _windows(xp, k, stride, dilation, out_spatial, groups):
-    """Strided view (N, G, Cg, *k, *out) of the padded input: no copy."""
-    n, c = xp.shape[:2]
+    """Strided view (G, Cg, *k, *out) of one padded image: no copy."""
+    c = xp.shape[0]
     nd = len(k)
     s = xp.strides
     cg = c // groups
-    shape = (n, groups, cg) + tuple(k) + tuple(out_spatial)
-    strides = (s[0], cg * s[1], s[1]) + tuple(dilation[i] * s[2 + i] for i in range(nd)) + tuple(
-        stride[i] * s[2 + i] for i in range(nd))
+    shape = (groups, cg) + tuple(k) + tuple(out_spatial)
+    strides = (cg * s[0], s[0]) + tuple(dilation[i] * s[1 + i] for i in range(nd)) + tuple(
+        stride[i] * s[1 + i] for i in range(nd))
     return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
 
 
-@register("conv", infer=conv_infer)
+def _is_depthwise(w_shape, groups):
+    return groups > 1 and w_shape[1] == 1 and w_shape[0] == groups
+
+
+SINGLE_THREAD = "_1t"  # variant suffix: this node's work is not split over the threads
+
+
+def variants(node, w_shape):
+    """The lowerings `pmx compile --tune` times for a conv with this weight shape."""
+    groups = int(node.attrs.get("groups", 1))
+    base = ["gemm", "depthwise"] if _is_depthwise(w_shape, groups) else ["gemm"]
+    return [v + suffix for v in base for suffix in ("", SINGLE_THREAD)]
+
+
+def _variant(node, w):
+    """The lowering to use: the stored one when it applies (an unknown or inapplicable
+    variant falls back to the rule, so any file runs), else depthwise for groups ==
+    channels."""
+    lowering = node.variant[:-len(SINGLE_THREAD)] if node.variant.endswith(SINGLE_THREAD) else node.variant
+    depthwise = _is_depthwise(w.shape, int(node.attrs.get("groups", 1)))
+    if lowering == "gemm" or (lowering == "depthwise" and depthwise):
+        return lowering
+    return "depthwise" if depthwise else "gemm"
+
+
+def _threads(node):
+    return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
+
+
+def _is_pointwise(x, w, a):
+    return (all(v == 1 for v in w.shape[2:]) and all(s == 1 for s in a["stride"]) and not any(a["pads"])
+            and x.flags.c_contiguous)
+
+
+def conv_scratch(node, inputs, outputs):
+    x, w, out = inputs[0], inputs[1], outputs[0]
+    if _variant(node, w) == "depthwise":
+        return scratch_nbytes(*_depthwise_scratch(_Phases(x, w, out, node.attrs), out.dtype))
+    if _is_pointwise(x, w, node.attrs):
+        return 0
+    return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
+
+
+@register("conv", infer=conv_infer, scratch=conv_scratch)
 def make_conv(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
-    a = node.attrs
-    nd = w.ndim - 2
-    groups = int(a.get("groups", 1))
-    k = w.shape[2:]
-    cout, cg = w.shape[0], w.shape[1]
-    out_spatial = out.shape[2:]
-    pad_step, xp = _padded_input(x, a, nd)
-    variant = node.variant or ("depthwise" if groups > 1 and cg == 1 and cout == groups else "gemm")
-    if variant == "depthwise" and not (cg == 1 and cout == groups):
-        variant = "gemm"
-    if variant == "depthwise":
-        core = _depthwise(xp, w, out, a, k)
-    else:
-        core = _gemm(x, xp, w, out, a, k, groups, pad_step is None)
+    if _variant(node, w) == "depthwise":
+        return _depthwise(node, x, w, b, out)
+    return _gemm(node, x, w, b, out)
+
+
+def _bias_and_activation(node, b, out, nd):
+    """Bias add then the fused activation, in place on `out` (all images or one; the
+    channel axis is followed by nd spatial axes)."""
     bias_step = None
     if b is not None:
-        bview = b.reshape((1, cout) + (1,) * nd)
+        bview = b.reshape((-1,) + (1,) * nd)
         bias_step = lambda: np.add(out, bview, out=out)  # noqa: E731
-    return chain(pad_step, core, bias_step, epilogue(node, out))
+    return chain(bias_step, epilogue(node, out))
 
 
-def _gemm(x, xp, w, out, a, k, groups, unpadded):
-    n = x.shape[0]
+# --- gemm ----------------------------------------------------------------------------
+
+
+def _cols_shape(x, w, out):
+    groups = x.shape[1] // w.shape[1]
+    kk = int(np.prod(w.shape[2:]))
+    return (groups, w.shape[1] * kk, int(np.prod(out.shape[2:])))
+
+
+def _gemm(node, x, w, b, out):
+    a = node.attrs
+    n, nd = x.shape[0], w.ndim - 2
+    groups = x.shape[1] // w.shape[1]
     cout, cg = w.shape[0], w.shape[1]
-    kk = int(np.prod(k))
+    k = w.shape[2:]
     o = int(np.prod(out.shape[2:]))
-    wg = view_as(w, (groups, cout // groups, cg * kk)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, cg * kk)
+    threads = _threads(node)
+    wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
-    pointwise = all(v == 1 for v in k) and all(s == 1 for s in a["stride"]) and unpadded
-    if pointwise and x.flags.c_contiguous:
-        cols = view_as(x, (n, groups, cg, o))
-        return lambda: np.matmul(wg, cols, out=out_g)
-    windows = _windows(xp, k, a["stride"], a["dilation"], out.shape[2:], groups)
-    cols = np.empty(windows.shape, dtype=x.dtype)
-    cols_2d = view_as(cols, (n, groups, cg * kk, o))
+    if _is_pointwise(x, w, a):
+        x_g = view_as(x, (n, groups, cg, o))
+        return chain(*(chain(parallel.matmul(wg, x_g[i], out_g[i], threads), _bias_and_activation(node, b, out[i], nd))
+                       for i in range(n)))
+    pad_step, xp = _padded_input(x, a, nd)
+    cols = scratch_array(_cols_shape(x, w, out), x.dtype)
+    windows_shape = (groups, cg) + tuple(k) + tuple(out.shape[2:])
+    cols_windows = view_as(cols, windows_shape)
+    steps = [pad_step]
+    for i in range(n):
+        windows = _windows(xp[i], k, a["stride"], a["dilation"], out.shape[2:], groups)
+        steps.append(_im2col(cols_windows, windows, threads))
+        steps.append(parallel.matmul(wg, cols, out_g[i], threads))
+        steps.append(_bias_and_activation(node, b, out[i], nd))
+    return chain(*steps)
+
+
+def _im2col(cols, windows, threads):
+    """np.copyto(cols, windows), split over the threads along the larger of the channel
+    and first kernel axes when the copy is big enough to pay for the dispatch."""
+    if threads == 1 or not parallel.worth_splitting(cols.size):
+        return lambda: np.copyto(cols, windows)
+    axis = 1 if cols.shape[1] >= cols.shape[2] else 2
+    parts = []
+    for lo, hi in parallel.ranges(cols.shape[axis], threads):
+        idx = (slice(None),) * axis + (slice(lo, hi),)
+        parts.append(lambda c=cols[idx], v=windows[idx]: np.copyto(c, v))
+    return parallel.split(parts)
+
+
+# --- depthwise -----------------------------------------------------------------------
+
+
+class _Phases:
+    """Geometry of the phase-split padded input (see the module docstring).
+
+    For stride s and dilation d along a dim, tap t reads padded rows t*d + s*y: phase
+    (t*d) % s at phase row (t*d)//s + y. Each phase holds ceil(P/s) rows of the padded
+    size P. Per channel, all phases lie one after another, each flattened, followed by
+    a margin so the last tap's slice of the wide output stays inside the buffer."""
+
+    def __init__(self, x, w, out, a):
+        nd = w.ndim - 2
+        self.n, self.c = x.shape[:2]
+        self.k = tuple(w.shape[2:])
+        self.stride, self.dilation = tuple(a["stride"]), tuple(a["dilation"])
+        self.pads = tuple(a["pads"])
+        self.in_spatial, self.out_spatial = tuple(x.shape[2:]), tuple(out.shape[2:])
+        self.padded = tuple(self.in_spatial[i] + self.pads[i] + self.pads[nd + i] for i in range(nd))
+        self.rows = tuple(-(-self.padded[i] // self.stride[i]) for i in range(nd))  # per phase
+        self.phase_size = int(np.prod(self.rows))
+        self.row_strides = tuple(int(np.prod(self.rows[i + 1:])) for i in range(nd))
+        self.wide = self.out_spatial[:1] + self.rows[1:]
+        self.length = int(np.prod(self.wide))  # wide output elements per channel
+        self.phases = list(np.ndindex(*self.stride))
+        self.taps = []  # (phase index, flat offset within the phase) per kernel tap
+        for tap in np.ndindex(*self.k):
+            r = tuple(tap[i] * self.dilation[i] for i in range(nd))
+            phase = self.phases.index(tuple(r[i] % self.stride[i] for i in range(nd)))
+            offset = sum((r[i] // self.stride[i]) * self.row_strides[i] for i in range(nd))
+            self.taps.append((phase * self.phase_size + offset))
+        self.per_channel = len(self.phases) * self.phase_size + max(0, max(self.taps) + self.length - len(
+            self.phases) * self.phase_size)
+
+
+def _depthwise_scratch(g, dtype):
+    return [((g.n, g.c, g.length), dtype)] * 2  # wide output, product of one tap
+
+
+def _depthwise(node, x, w, b, out):
+    a = node.attrs
+    g = _Phases(x, w, out, a)
+    nd = len(g.k)
+    # persistent (not scratch): the padding and margin must stay zero between runs
+    buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
+    wide, prod = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, out.dtype))
+    weights = w.reshape(g.c, -1)
+    taps = g.taps
+    valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
+    wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
+    fill = _phase_fill(x, buf, g, a)
+    parts = []
+    threads = _threads(node) if parallel.worth_splitting(out.size * len(taps)) else 1
+    for lo, hi in parallel.ranges(g.c, threads):
+        ch = slice(lo, hi)
+        tap_views = [buf[:, ch, t:t + g.length] for t in taps]
+        tap_weights = [np.ascontiguousarray(weights[ch, j]).reshape(-1, 1) for j in range(len(taps))]
+        parts.append(chain(
+            fill(ch),
+            _tap_sum(tap_views, tap_weights, wide[:, ch], prod[:, ch]),
+            _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None),
+            epilogue(node, out[:, ch])))
+    return parallel.split(parts)
+
+
+def _tap_sum(views, weights, acc, tmp):
+    (x0, w0), rest = (views[0], weights[0]), list(zip(views[1:], weights[1:]))
 
     def run():
-        np.copyto(cols, windows)
-        np.matmul(wg, cols_2d, out=out_g)
-
-    return run
-
-
-def _depthwise(xp, w, out, a, k):
-    nd = len(k)
-    c = w.shape[0]
-    stride, dilation = a["stride"], a["dilation"]
-    taps = []
-    for tap in np.ndindex(*k):
-        sl = tuple(
-            slice(tap[i] * dilation[i], tap[i] * dilation[i] + (out.shape[2 + i] - 1) * stride[i] + 1, stride[i])
-            for i in range(nd))
-        wv = w[(slice(None), 0) + tap].reshape((c,) + (1,) * nd)
-        taps.append((xp[(Ellipsis,) + sl], wv))
-    tmp = np.empty(out.shape, out.dtype)
-    (x0, w0), rest = taps[0], taps[1:]
-
-    def run():
-        np.multiply(x0, w0, out=out)
+        np.multiply(x0, w0, out=acc)
         for xv, wv in rest:
             np.multiply(xv, wv, out=tmp)
-            np.add(out, tmp, out=out)
+            np.add(acc, tmp, out=acc)
 
     return run
+
+
+def _copy_out(wide_valid, out, b):
+    if b is None:
+        return lambda: np.copyto(out, wide_valid)
+    bview = b.reshape((-1,) + (1,) * (out.ndim - 2))
+    return lambda: np.add(wide_valid, bview, out=out)
+
+
+def _phase_fill(x, buf, g, a):
+    """fill(channel slice) -> callable copying the input into the phase buffers. With
+    zero padding each phase takes its rows straight from x; other padding modes build
+    the padded input first (one per-node buffer) and split that."""
+    nd = len(g.k)
+    phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
+                   for p in range(len(g.phases))]
+    if a.get("padding_mode", "zeros") == "zeros":
+        src, begins = x, g.pads[:nd]
+    else:
+        padded, interior = padded_buffer(x.shape, g.pads, x.dtype, 0)
+        border = _border_step(padded, a, g.in_spatial)
+        src, begins = padded, (0,) * nd
+    pairs = []
+    for phase, dst in zip(g.phases, phase_views):
+        d_idx, s_idx = [], []
+        for i in range(nd):
+            # padded row p = phase + stride*q lies in src at p - begin; keep q whose row exists
+            r, s, begin, size = phase[i], g.stride[i], begins[i], src.shape[2 + i]
+            q0 = max(0, -(-(begin - r) // s))
+            q1 = min(g.rows[i], (begin + size - 1 - r) // s + 1)
+            d_idx.append(slice(q0, max(q0, q1)))
+            s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
+        pairs.append((dst, tuple(d_idx), tuple(s_idx)))
+
+    def fill(ch):
+        copies = [(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
+        steps = [lambda d=d, s=s: np.copyto(d, s) for d, s in copies]
+        if src is not x:
+            interior_ch, x_ch = interior[:, ch], x[:, ch]
+            steps = [lambda: np.copyto(interior_ch, x_ch), border_ch(ch)] + steps
+        return chain(*steps)
+
+    def border_ch(ch):
+        return None if border is None else fill_border(padded[:, ch], g.pads, g.in_spatial, a["padding_mode"])
+
+    return fill

@@ -1,0 +1,236 @@
+"""Threads: how many the runtime uses, for BLAS, numexpr and its own kernel splits.
+
+numpy's ufuncs and copies release the GIL, so a kernel that is a sequence of ufunc calls
+(depthwise convolution, im2col copies, big elementwise passes) can run its halves on two
+cores at once. `split(parts)` turns a list of callables, each covering a disjoint slice
+of the work, into one callable that runs part 0 on the calling thread and the others on
+persistent worker threads. A dispatch costs about 35 us here (thread wake-up and GIL
+hand-off), so kernels split only work measured to take well over that
+(`worth_splitting`).
+
+The thread count is process-wide, as BLAS's and numexpr's are: set_num_threads(n) sets
+all three (InferenceSession(..., num_threads=n) calls it). The default is the number of
+cores this process may run on. BLAS is found among the libraries loaded in this process
+(numpy's bundled OpenBLAS, or MKL) and driven through its own C entry point; when none
+is found, BLAS keeps its own default and `blas_threads_controlled()` says False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+
+import numpy as np
+
+# below this many elements touched, a split's dispatch costs more than the second core saves
+SPLIT_MIN_ELEMENTS = 1 << 16
+# GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core)
+GEMM_SPLIT_MIN_MACS = 1 << 22
+GEMM_SPLIT_MIN_COLUMNS = 512
+GEMM_SPLIT_MIN_ROWS = 256
+GEMM_SPLIT_MIN_ROW_WIDTH = 196
+
+_BLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
+                 "openblas_set_num_threads", "MKL_Set_Num_Threads", "bli_thread_set_num_threads")
+_BLAS_LIB_HINTS = ("openblas", "mkl_rt", "libblis")
+
+
+def _default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+_num_threads = _default_threads()
+_workers: list = []
+_workers_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    return _num_threads
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for BLAS, numexpr (if loaded later, it picks this up) and kernel splits."""
+    global _num_threads
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    _num_threads = n
+    _set_blas_threads(n)
+    import sys
+
+    numexpr = sys.modules.get("numexpr")
+    if numexpr is not None:
+        numexpr.set_num_threads(n)
+
+
+def configure_numexpr(numexpr) -> None:
+    """Called by runtime/expr.py when it first imports numexpr."""
+    numexpr.set_num_threads(_num_threads)
+
+
+# --- BLAS ----------------------------------------------------------------------------
+
+_blas_setter = None
+_blas_searched = False
+
+
+def _loaded_libraries():
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS))
+
+
+def _find_blas_setter():
+    global _blas_setter, _blas_searched
+    if _blas_searched:
+        return _blas_setter
+    _blas_searched = True
+    for path in _loaded_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in _BLAS_SETTERS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                fn.restype = None
+                _blas_setter = fn
+                return fn
+    return None
+
+
+def _set_blas_threads(n):
+    setter = _find_blas_setter()
+    if setter is not None:
+        setter(n)
+
+
+def blas_threads_controlled() -> bool:
+    return _find_blas_setter() is not None
+
+
+@contextlib.contextmanager
+def blas_single_threaded():
+    """BLAS on one thread while a model runs, the configured count again afterwards.
+    pmx splits its GEMMs itself (`matmul`) and runs non-BLAS steps on its own workers;
+    OpenBLAS's idle threads spin for a while after each call, and a spinning BLAS thread
+    on the core a pmx worker needs doubled the time of the step after a GEMM (measured
+    on MobileNetV2's depthwise layers). Two ctypes calls per run."""
+    setter = _find_blas_setter() if _num_threads > 1 else None
+    if setter is None:
+        yield
+        return
+    setter(1)
+    try:
+        yield
+    finally:
+        setter(_num_threads)
+
+
+# --- kernel splits -------------------------------------------------------------------
+
+
+def worth_splitting(elements: int) -> bool:
+    return _num_threads > 1 and elements >= SPLIT_MIN_ELEMENTS
+
+
+def matmul(a, b, out, threads=None):
+    """Callable computing np.matmul(a, b, out=out), split over the threads along out's
+    columns (or rows, for narrow outputs) when the product is big enough. BLAS itself
+    runs single-threaded inside run() (see `blas_single_threaded`), so this is where
+    GEMMs get the other cores. Measured (tools/bench_kernels.py shapes, 2 cores): a
+    two-way split matches OpenBLAS's own two threads on GEMMs of 1 ms and more and
+    loses on narrow ones (N < ~200), hence the shape limits."""
+    m, n = out.shape[-2], out.shape[-1]
+    k = a.shape[-1]
+    macs = int(np.prod(out.shape, dtype=np.int64)) * k
+    threads = (threads or _num_threads) if macs >= GEMM_SPLIT_MIN_MACS else 1
+    if threads > 1 and n >= GEMM_SPLIT_MIN_COLUMNS:
+        parts = [lambda lo=lo, hi=hi: np.matmul(a, b[..., lo:hi], out=out[..., lo:hi])
+                 for lo, hi in ranges(n, threads)]
+    elif threads > 1 and m >= GEMM_SPLIT_MIN_ROWS and n >= GEMM_SPLIT_MIN_ROW_WIDTH and a.ndim == 2:
+        parts = [lambda lo=lo, hi=hi: np.matmul(a[lo:hi], b, out=out[..., lo:hi, :]) for lo, hi in ranges(m, threads)]
+    else:
+        return lambda: np.matmul(a, b, out=out)
+    return split(parts)
+
+
+def ranges(n: int, parts: int):
+    """`parts` contiguous (start, stop) ranges covering range(n), none empty."""
+    parts = max(1, min(parts, n))
+    bounds = [n * k // parts for k in range(parts + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+def split(parts):
+    """One callable running the callables in `parts` concurrently (part 0 on the caller's
+    thread); exceptions of any part are raised after all parts finish."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    first, rest = parts[0], parts[1:]
+    workers = _get_workers(len(rest))
+
+    def run():
+        for w, p in zip(workers, rest):
+            w.start(p)
+        error = None
+        try:
+            first()
+        except BaseException as e:  # noqa: BLE001 - re-raised once the workers are done
+            error = e
+        for w in workers:
+            e = w.wait()
+            error = error or e
+        if error is not None:
+            raise error
+
+    return run
+
+
+class _Worker:
+    """A daemon thread running one callable per start()/wait() pair."""
+
+    def __init__(self):
+        self._go = threading.Semaphore(0)
+        self._done = threading.Semaphore(0)
+        self._fn = None
+        self._error = None
+        self._lock = threading.Lock()  # one caller at a time (sessions run on many threads)
+        threading.Thread(target=self._loop, daemon=True, name="pmx-worker").start()
+
+    def _loop(self):
+        while True:
+            self._go.acquire()
+            try:
+                self._fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._error = e
+            self._done.release()
+
+    def start(self, fn):
+        self._lock.acquire()
+        self._fn, self._error = fn, None
+        self._go.release()
+
+    def wait(self):
+        self._done.acquire()
+        error, self._fn, self._error = self._error, None, None
+        self._lock.release()
+        return error
+
+
+def _get_workers(n):
+    with _workers_lock:
+        while len(_workers) < n:
+            _workers.append(_Worker())
+        return _workers[:n]

@@ -1,0 +1,51 @@
+"""`pmx compile --tune`: every candidate of a node is timed, the fastest is stored in the
+file as the node's variant, and the tuned model still matches torch."""
+
+import torch
+from helpers import compare_with_torch
+from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
+
+from pmx.compiler.driver import compile_model
+from pmx.compiler.passes.tune import candidates
+from pmx.runtime import InferenceSession
+
+
+class TunedBlocks(torch.nn.Module):
+    """Depthwise-separable and MBConv blocks: depthwise convs (gemm and depthwise
+    lowerings), pointwise GEMM convs and elementwise regions (numpy and numexpr)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = DepthwiseSeparable()
+        self.b = MBConv()
+
+    def forward(self, x):
+        r, z = self.a(x)
+        return self.b(torch.nn.functional.pad(r, (0, 0, 0, 0, 0, 2))), z
+
+
+def test_tune_stores_the_fastest_candidate(exporter, tmp_path):
+    module = TunedBlocks().eval()
+    inputs = (_rand(2, 6, 12, 12),)
+    prefix = exporter("tuned_blocks", module, inputs)
+    out = tmp_path / "tuned.pmx"
+    compare_with_torch(prefix, module, inputs, out, tune=True)  # asserts pmx == torch
+
+
+    r = compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "again.pmx"), tune=True)
+    tuned = {node.name: (chosen, times) for node, _, chosen, times in r.tuned}
+    ops = {node.op for node, *_ in r.tuned}
+    assert {"conv", "elementwise"} <= ops, f"expected conv and elementwise nodes among the tuned, got {ops}"
+    for node, _, chosen, times in r.tuned:
+        assert set(times) == set(candidates(node)), f"{node.name}: a candidate failed to run"
+        assert chosen == min(times, key=times.get)
+    stored = {n.name: n.variant for n in InferenceSession(str(tmp_path / "again.pmx")).model.nodes}
+    for name, (chosen, _) in tuned.items():
+        assert stored[name] == chosen, f"{name}: file stores {stored[name]!r}, tune chose {chosen!r}"
+
+
+def test_without_tune_nothing_is_timed(exporter, tmp_path):
+    module = DepthwiseSeparable().eval()
+    prefix = exporter("tune_off", module, (_rand(1, 6, 12, 12),))
+    r = compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
+    assert r.tuned == []

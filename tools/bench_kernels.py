@@ -1,0 +1,216 @@
+"""Kernel-level GEMM throughput: pmx's matmul-heavy kernels against the plain GEMM numpy
+reaches on the same shapes.
+
+    python tools/bench_kernels.py                  # every row
+    python tools/bench_kernels.py --only linear,attention --runs 41
+
+Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
+outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
+views are. The callable is what gets timed. The reference row is np.matmul(a, b, out=c)
+over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
+more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col) the reference is
+the sum of those GEMMs. Both sides count the same FLOPs (2 M N K per GEMM), so bias,
+activation epilogues, softmax and im2col are overhead the pmx side pays.
+
+Timing: pmx and reference samples alternate (so drifting load from other jobs hits both
+alike); a sample is the mean over enough back-to-back calls to last --sample-ms; the
+table shows the median of --runs samples after a warm-up. BLAS threads are whatever the
+environment gives (OPENBLAS_NUM_THREADS, default = one per core).
+"""
+
+import argparse
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pmx.runtime.kernels import get
+from pmx.compiler.canon.activation import gelu_expr
+
+
+@dataclass
+class Node:
+    """What a kernel factory reads from a node."""
+
+    op: str
+    attrs: dict = field(default_factory=dict)
+    expr: str = ""
+    variant: str = ""
+    name: str = "bench"
+
+
+@dataclass
+class Case:
+    group: str  # linear | matmul | attention | conv
+    label: str
+    node: Node
+    inputs: list  # arrays; weights are made read-only
+    gemms: list  # [(a_shape, b_shape)] the reference multiplies
+
+
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape):
+    return RNG.standard_normal(shape, dtype=np.float32)
+
+
+def weight(*shape):
+    w = rand(*shape)
+    w.flags.writeable = False
+    return w
+
+
+def linear(label, x_shape, n_out, expr=""):
+    *lead, k = x_shape
+    m = math.prod(lead)
+    node = Node("linear", expr=expr)
+    return Case("linear", label, node, [rand(*x_shape), weight(n_out, k), weight(n_out)], [((m, k), (k, n_out))])
+
+
+def matmul(label, a_shape, b_shape):
+    return Case("matmul", label, Node("matmul"), [rand(*a_shape), rand(*b_shape)], [(a_shape, b_shape)])
+
+
+def vit_mha(label, n, length, embed, heads):
+    """nn.MultiheadAttention(batch_first=True) as compiled: one packed qkv input."""
+    d = embed // heads
+    attrs = dict(heads=heads, seq_axis=1, scale=1.0, causal=0, masks=(), mask_roles=(), weights="none",
+                 masked_rows="nan", packed="qkv")
+    gemms = [((n * heads, length, d), (n * heads, d, length)), ((n * heads, length, length), (n * heads, length, d))]
+    return Case("attention", label, Node("attention", attrs), [rand(n, length, 3 * embed)], gemms)
+
+
+def sdpa(label, n, heads, length, d):
+    """F.scaled_dot_product_attention on [N, H, L, d] tensors."""
+    attrs = dict(heads=0, scale=1.0 / math.sqrt(d), causal=0, masks=(), masked_rows="zero", gqa=0)
+    gemms = [((n * heads, length, d), (n * heads, d, length)), ((n * heads, length, length), (n * heads, length, d))]
+    inputs = [rand(n, heads, length, d) for _ in range(3)]
+    return Case("attention", label, Node("attention", attrs), inputs, gemms)
+
+
+def conv(label, cin, size, cout, k, stride=1, pad=None):
+    pad = k // 2 if pad is None else pad
+    out = (size + 2 * pad - k) // stride + 1
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=1, padding_mode="zeros")
+    inputs = [rand(1, cin, size, size), weight(cout, cin, k, k), weight(cout)]
+    gemms = [((cout, cin * k * k), (cin * k * k, out * out))]
+    return Case("conv", label, Node("conv", attrs, variant="gemm"), inputs, gemms)
+
+
+def cases():
+    gelu = gelu_expr()
+    return [
+        linear("resnet18 fc 1x512->1000", (1, 512), 1000),
+        linear("mobilenet_v2 fc 1x1280->1000", (1, 1280), 1000),
+        linear("resnet18 fc 8x512->1000", (8, 512), 1000),
+        linear("mobilenet_v2 fc 8x1280->1000", (8, 1280), 1000),
+        linear("ViT-B/16 qkv 197x768->2304", (1, 197, 768), 2304),
+        linear("ViT-B/16 out_proj 197x768->768", (1, 197, 768), 768),
+        linear("ViT-B/16 mlp1 197x768->3072 +GELU", (1, 197, 768), 3072, gelu),
+        linear("ViT-B/16 mlp2 197x3072->768", (1, 197, 3072), 768),
+        matmul("(12,197,64)@(12,64,197)", (12, 197, 64), (12, 64, 197)),
+        matmul("(12,197,197)@(12,197,64)", (12, 197, 197), (12, 197, 64)),
+        matmul("(512,512)@(512,512)", (512, 512), (512, 512)),
+        vit_mha("ViT-B/16 MHA core L=197 E=768 H=12", 1, 197, 768, 12),
+        sdpa("SDPA (1,12,197,64)", 1, 12, 197, 64),
+        conv("resnet18 64x56x56 3x3 ->64", 64, 56, 64, 3),
+        conv("resnet18 128x28x28 3x3 ->128", 128, 28, 128, 3),
+        conv("resnet18 256x14x14 3x3 ->256", 256, 14, 256, 3),
+        conv("resnet18 512x7x7 3x3 ->512", 512, 7, 512, 3),
+        conv("1x1 64x56x56 ->256", 64, 56, 256, 1),
+    ]
+
+
+def bind(case):
+    """The kernel callable, made as the runtime makes it."""
+    kernel = get(case.node.op)
+    specs = kernel.infer(case.node, [x.shape for x in case.inputs], [x.dtype for x in case.inputs])
+    outputs = [np.empty(shape, dtype) for shape, dtype in specs]
+    return kernel.make(case.node, case.inputs, outputs)
+
+
+def reference(case):
+    """The GEMMs numpy runs for the same work, each into a preallocated output."""
+    calls = []
+    for a_shape, b_shape in case.gemms:
+        a, b = rand(*a_shape), rand(*b_shape)
+        c = np.empty(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1]), np.float32)
+        calls.append((a, b, c))
+
+    def run():
+        for a, b, c in calls:
+            np.matmul(a, b, out=c)
+
+    return run
+
+
+def flops(case):
+    total = 0
+    for a_shape, b_shape in case.gemms:
+        batch = math.prod(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+        total += 2 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
+    return total
+
+
+def calls_per_sample(fn, sample_s):
+    t0 = time.perf_counter()
+    fn()
+    one = max(time.perf_counter() - t0, 1e-7)
+    return max(1, round(sample_s / one))
+
+
+def sample(fn, calls):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def measure(fn_a, fn_b, runs, sample_s):
+    """Median seconds per call of two callables, sampled alternately after a warm-up."""
+    warm_end = time.perf_counter() + max(0.05, 3 * sample_s)
+    while time.perf_counter() < warm_end:
+        fn_a(), fn_b()
+    calls_a, calls_b = calls_per_sample(fn_a, sample_s), calls_per_sample(fn_b, sample_s)
+    a, b = [], []
+    for _ in range(runs):
+        a.append(sample(fn_a, calls_a))
+        b.append(sample(fn_b, calls_b))
+    return float(np.median(a)), float(np.median(b))
+
+
+def header(args):
+    threads = os.environ.get("OPENBLAS_NUM_THREADS") or f"default ({os.cpu_count()} cores)"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, BLAS threads: {threads}, "
+            f"load average {load}\nmedian of {args.runs} samples per row after warm-up, each sample the mean "
+            f"of back-to-back calls lasting ~{args.sample_ms:g} ms, pmx and numpy sampled alternately; "
+            f"float32; GFLOP/s count 2*M*N*K per GEMM on both sides\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=21, help="samples per row (median is reported)")
+    p.add_argument("--sample-ms", type=float, default=20.0, help="length of one sample")
+    p.add_argument("--only", default="", help="comma-separated groups: linear,matmul,attention,conv")
+    args = p.parse_args()
+    groups = set(filter(None, args.only.split(",")))
+    print(header(args))
+    print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy | pmx/numpy throughput % |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for case in cases():
+        if groups and case.group not in groups:
+            continue
+        with np.errstate(all="ignore"):
+            pmx_s, ref_s = measure(bind(case), reference(case), args.runs, args.sample_ms / 1e3)
+        gflop = flops(case) / 1e9
+        print(f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} | {gflop / pmx_s:.1f} | "
+              f"{gflop / ref_s:.1f} | {100 * ref_s / pmx_s:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

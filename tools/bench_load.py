@@ -1,0 +1,80 @@
+"""Load-time benchmark: how long InferenceSession(path) takes, per model.
+
+    python tools/bench_load.py                       # models under /tmp/pmx_bench
+    python tools/bench_load.py --json now.json       # also save the numbers
+    python tools/bench_load.py --previous before.json  # fill the "previous ms" column
+
+For each <dir>/<model>/model.pmx prints a markdown table: nodes, tensors, the median of
+--repeat constructions in this process (after one warm-up, so imports and page cache are
+excluded), and the first construction in a fresh process (imports excluded, the file's
+pages may still be cached). Run with bytecode enabled (no PYTHONDONTWRITEBYTECODE),
+or every fresh process pays for recompiling the sources.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
+          "efficientnet_b0", "densenet121", "googlenet", "vit_b_16")
+
+# Timed in a child process: the first construction after `import pmx.runtime`.
+_FRESH = """
+import sys, time
+from pmx.runtime import InferenceSession
+t0 = time.perf_counter()
+InferenceSession(sys.argv[1])
+print((time.perf_counter() - t0) * 1e3)
+"""
+
+
+def in_process(path, repeat):
+    from pmx.runtime import InferenceSession
+
+    sess = InferenceSession(path)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        InferenceSession(path)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), len(sess.model.nodes), len(sess.model.tensors)
+
+
+def fresh_process(path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    out = subprocess.run([sys.executable, "-c", _FRESH, path], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.split()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/pmx_bench")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--previous", help="results of an earlier --json run, for the last column")
+    args = ap.parse_args()
+    previous = json.loads(pathlib.Path(args.previous).read_text()) if args.previous else {}
+    results = {}
+    print("| model | nodes | tensors | load ms median | load ms fresh process | previous ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.models.split(","):
+        path = str(pathlib.Path(args.dir) / name / "model.pmx")
+        median, nodes, tensors = in_process(path, args.repeat)
+        fresh = fresh_process(path)
+        results[name] = dict(nodes=nodes, tensors=tensors, median_ms=median, fresh_ms=fresh)
+        prev = previous.get(name, {}).get("median_ms")
+        prev_s = f"{prev:.1f}" if prev is not None else "-"
+        print(f"| {name} | {nodes} | {tensors} | {median:.1f} | {fresh:.1f} | {prev_s} |", flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
