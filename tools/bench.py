@@ -9,9 +9,15 @@ Each model is exported from torch once (pnnx -> .pnnx.param/.bin for pmx and
 .ncnn.param/.bin for ncnn; torch.onnx.export(dynamo=False) for onnxruntime; the traced
 TorchScript module pnnx saves for torch) into --cache. Then every contender runs in a
 fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
-and reports: import time, load time, time to first result (load + first run), steady-state
-latency (median of --runs runs after warm-up) and peak RSS. Outputs are checked against
-torch's. Prints a markdown table with ratios to onnxruntime and writes JSON.
+and reports: import time, load time, time to first result (import of the runtime + load +
+first run; numpy is already imported), steady-state latency (median of --runs runs after
+warm-up) and peak RSS. Outputs are checked against torch's. Prints a markdown table with
+ratios to onnxruntime and writes JSON.
+
+Workers run with bytecode caching on (PYTHONDONTWRITEBYTECODE removed) after one warm-up
+import per contender, as an installed package runs: pip compiles .pyc files at install,
+and measuring source compilation would charge pmx (pure Python) ~80 ms that no user pays.
+--tune compiles the .pmx files with `pmx compile --tune` (kernels timed on this machine).
 """
 
 import argparse
@@ -218,7 +224,7 @@ def make_model(name):
     return m, (1, 3, 224, 224)
 
 
-def prepare(name, cache):
+def prepare(name, cache, tune=False):
     """Export once: pnnx (pmx + ncnn files), ONNX, TorchScript; compile .pmx; torch reference."""
     import contextlib
     import io
@@ -256,13 +262,25 @@ def prepare(name, cache):
     from pmx.compiler.driver import compile_model
 
     t0 = time.perf_counter()
-    r = compile_model(str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"), str(d / "model.pmx"))
+    r = compile_model(str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"), str(d / "model.pmx"), tune=tune)
     return d, dict(compile_s=time.perf_counter() - t0, nodes=r.ops_out, pnnx_ops=r.ops_in)
 
 
-def run_contender(contender, d, runs, threads):
+def worker_env(threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def warm_bytecode(contender, threads):
+    """One import in a throwaway process so the measured workers find .pyc files."""
+    mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
+    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads), capture_output=True, timeout=600)
+
+
+def run_contender(contender, d, runs, threads):
+    env = worker_env(threads)
     p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs),
                         "--threads", str(threads)], capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
@@ -279,8 +297,7 @@ def run_contender(contender, d, runs, threads):
 
 
 def run_batches(contender, d, batches, runs, threads):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads))
+    env = worker_env(threads)
     p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--batches", batches,
                         "--runs", str(runs), "--threads", str(threads)], capture_output=True, text=True, env=env,
                        timeout=3600)
@@ -313,8 +330,9 @@ def fmt(v, digits=1):
 
 
 def table(results):
-    lines = ["| model | runtime | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | peak RSS MB | rel err |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | runtime | import ms | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | "
+             "x ort (first) | peak RSS MB | rel err |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model, per in results.items():
         ort = per.get("onnxruntime", {})
         for c in CONTENDERS:
@@ -322,13 +340,15 @@ def table(results):
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"| {model} | {c} | error: {r['error']} |||||||")
+                lines.append(f"| {model} | {c} | error: {r['error']} |||||||||")
                 continue
             rs = r["steady_ms"] / ort["steady_ms"] if ort.get("steady_ms") else None
             rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
+            rf = r["first_result_ms"] / ort["first_result_ms"] if ort.get("first_result_ms") else None
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
-            lines.append(f"| {model} | {c} | {fmt(r['load_ms'])} | {fmt(r['first_result_ms'])} | {fmt(r['steady_ms'], 2)} | "
-                         f"{fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(r['peak_rss_mb'], 0)} | {err} |")
+            lines.append(f"| {model} | {c} | {fmt(r['import_ms'])} | {fmt(r['load_ms'])} | {fmt(r['first_result_ms'])} | "
+                         f"{fmt(r['steady_ms'], 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
+                         f"{fmt(r['peak_rss_mb'], 0)} | {err} |")
     return "\n".join(lines)
 
 
@@ -343,6 +363,7 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
+    p.add_argument("--tune", action="store_true", help="compile the .pmx files with pmx compile --tune")
     args = p.parse_args()
     if args.worker and args.batches:
         batches = [int(b) for b in args.batches.split(",")]
@@ -358,10 +379,12 @@ def main():
     else:
         names = list(TORCHVISION_CNNS) + ["vit_b_16"]
     contenders = [c for c in args.contenders.split(",") if available(c)]
+    for c in contenders:
+        warm_bytecode(c, args.threads)
     results, meta = {}, {}
     for name in names:
         try:
-            d, info = prepare(name, args.cache)
+            d, info = prepare(name, args.cache, tune=args.tune)
         except Exception as e:  # noqa: BLE001 - report and go on with the next model
             results[name] = {"pmx": {"error": f"prepare: {type(e).__name__}: {str(e)[:100]}"}}
             continue

@@ -19,6 +19,9 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             than per-tap strided views on one core, 2.6-4x on two.
 """
 
+import functools
+import math
+
 import numpy as np
 
 from pmx.runtime import parallel
@@ -110,7 +113,7 @@ def _is_pointwise(x, w, a):
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
     if _variant(node, w) == "depthwise":
-        return scratch_nbytes(*_depthwise_scratch(_Phases(x, w, out, node.attrs), out.dtype))
+        return scratch_nbytes(*_depthwise_scratch(_Phases.of(x, w, out, node.attrs), out.dtype))
     if _is_pointwise(x, w, node.attrs):
         return 0
     return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
@@ -194,30 +197,37 @@ class _Phases:
     For stride s and dilation d along a dim, tap t reads padded rows t*d + s*y: phase
     (t*d) % s at phase row (t*d)//s + y. Each phase holds ceil(P/s) rows of the padded
     size P. Per channel, all phases lie one after another, each flattened, followed by
-    a margin so the last tap's slice of the wide output stays inside the buffer."""
+    a margin so the last tap's slice of the wide output stays inside the buffer.
+    Built once per shape (scratch sizing and make() both ask)."""
 
-    def __init__(self, x, w, out, a):
-        nd = w.ndim - 2
-        self.n, self.c = x.shape[:2]
-        self.k = tuple(w.shape[2:])
-        self.stride, self.dilation = tuple(a["stride"]), tuple(a["dilation"])
-        self.pads = tuple(a["pads"])
-        self.in_spatial, self.out_spatial = tuple(x.shape[2:]), tuple(out.shape[2:])
-        self.padded = tuple(self.in_spatial[i] + self.pads[i] + self.pads[nd + i] for i in range(nd))
-        self.rows = tuple(-(-self.padded[i] // self.stride[i]) for i in range(nd))  # per phase
-        self.phase_size = int(np.prod(self.rows))
-        self.row_strides = tuple(int(np.prod(self.rows[i + 1:])) for i in range(nd))
+    @classmethod
+    def of(cls, x, w, out, a):
+        return _phases_cached(x.shape, w.shape, out.shape, tuple(a["stride"]), tuple(a["dilation"]), tuple(a["pads"]))
+
+    def __init__(self, x_shape, w_shape, out_shape, stride, dilation, pads):
+        nd = len(w_shape) - 2
+        self.n, self.c = x_shape[:2]
+        self.k = tuple(w_shape[2:])
+        self.stride, self.dilation, self.pads = stride, dilation, pads
+        self.in_spatial, self.out_spatial = tuple(x_shape[2:]), tuple(out_shape[2:])
+        self.padded = tuple(self.in_spatial[i] + pads[i] + pads[nd + i] for i in range(nd))
+        self.rows = tuple(-(-self.padded[i] // stride[i]) for i in range(nd))  # per phase
+        self.phase_size = math.prod(self.rows)
+        row_strides = tuple(math.prod(self.rows[i + 1:]) for i in range(nd))
         self.wide = self.out_spatial[:1] + self.rows[1:]
-        self.length = int(np.prod(self.wide))  # wide output elements per channel
-        self.phases = list(np.ndindex(*self.stride))
-        self.taps = []  # (phase index, flat offset within the phase) per kernel tap
+        self.length = math.prod(self.wide)  # wide output elements per channel
+        self.phases = list(np.ndindex(*stride))
+        self.taps = []  # flat offset of each kernel tap's slice in a channel's buffer
         for tap in np.ndindex(*self.k):
-            r = tuple(tap[i] * self.dilation[i] for i in range(nd))
-            phase = self.phases.index(tuple(r[i] % self.stride[i] for i in range(nd)))
-            offset = sum((r[i] // self.stride[i]) * self.row_strides[i] for i in range(nd))
-            self.taps.append((phase * self.phase_size + offset))
-        self.per_channel = len(self.phases) * self.phase_size + max(0, max(self.taps) + self.length - len(
-            self.phases) * self.phase_size)
+            r = tuple(tap[i] * dilation[i] for i in range(nd))
+            phase = self.phases.index(tuple(r[i] % stride[i] for i in range(nd)))
+            offset = sum((r[i] // stride[i]) * row_strides[i] for i in range(nd))
+            self.taps.append(phase * self.phase_size + offset)
+        stored = len(self.phases) * self.phase_size
+        self.per_channel = stored + max(0, max(self.taps) + self.length - stored)
+
+
+_phases_cached = functools.lru_cache(maxsize=256)(_Phases)
 
 
 def _depthwise_scratch(g, dtype):
@@ -226,7 +236,7 @@ def _depthwise_scratch(g, dtype):
 
 def _depthwise(node, x, w, b, out):
     a = node.attrs
-    g = _Phases(x, w, out, a)
+    g = _Phases.of(x, w, out, a)
     nd = len(g.k)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
