@@ -143,25 +143,34 @@ def worth_splitting(elements: int) -> bool:
     return _num_threads > 1 and elements >= SPLIT_MIN_ELEMENTS
 
 
-def matmul(a, b, out, threads=None):
+def matmul(a, b, out, threads=None, post=None):
     """Callable computing np.matmul(a, b, out=out), split over the threads along out's
     columns (or rows, for narrow outputs) when the product is big enough. BLAS itself
     runs single-threaded inside run() (see `blas_single_threaded`), so this is where
-    GEMMs get the other cores. Measured (tools/bench_kernels.py shapes, 2 cores): a
-    two-way split matches OpenBLAS's own two threads on GEMMs of 1 ms and more and
-    loses on narrow ones (N < ~200), hence the shape limits."""
+    GEMMs get the other cores. `post(out_part, rows)` may return a callable to run on
+    each part right after its product (bias, activation: while the part is in cache);
+    rows is the slice of out's rows the part covers. Measured (tools/bench_kernels.py
+    shapes, 2 cores): a two-way split matches OpenBLAS's own two threads on GEMMs of
+    1 ms and more and loses on narrow ones (N < ~200), hence the shape limits."""
     m, n = out.shape[-2], out.shape[-1]
-    k = a.shape[-1]
-    macs = int(np.prod(out.shape, dtype=np.int64)) * k
+    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
     threads = (threads or _num_threads) if macs >= GEMM_SPLIT_MIN_MACS else 1
+    post = post or (lambda part, rows: None)
     if threads > 1 and n >= GEMM_SPLIT_MIN_COLUMNS:
-        parts = [lambda lo=lo, hi=hi: np.matmul(a, b[..., lo:hi], out=out[..., lo:hi])
-                 for lo, hi in ranges(n, threads)]
+        parts = [_then(lambda lo=lo, hi=hi: np.matmul(a, b[..., lo:hi], out=out[..., lo:hi]),
+                       post(out[..., lo:hi], slice(None))) for lo, hi in ranges(n, threads)]
     elif threads > 1 and m >= GEMM_SPLIT_MIN_ROWS and n >= GEMM_SPLIT_MIN_ROW_WIDTH and a.ndim == 2:
-        parts = [lambda lo=lo, hi=hi: np.matmul(a[lo:hi], b, out=out[..., lo:hi, :]) for lo, hi in ranges(m, threads)]
+        parts = [_then(lambda lo=lo, hi=hi: np.matmul(a[lo:hi], b, out=out[lo:hi]), post(out[lo:hi], slice(lo, hi)))
+                 for lo, hi in ranges(m, threads)]
     else:
-        return lambda: np.matmul(a, b, out=out)
+        return _then(lambda: np.matmul(a, b, out=out), post(out, slice(None)))
     return split(parts)
+
+
+def _then(first, second):
+    if second is None:
+        return first
+    return lambda: (first(), second())
 
 
 def ranges(n: int, parts: int):

@@ -3,6 +3,7 @@
 import numpy as np
 
 from pmx.runtime import expr as E
+from pmx.runtime import parallel
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -13,15 +14,39 @@ def view_as(a: np.ndarray, shape) -> np.ndarray:
     return v
 
 
-def epilogue(node, out):
+def epilogue(node, out, threads=None):
     """The fused activation of a conv/linear/matmul node (node.expr over @0 = the GEMM
-    output), applied in place on `out`; None when there is none."""
+    output), applied in place on `out` (split over `threads`, default all, when big);
+    None when there is none."""
     if not node.expr:
         return None
     tree = E.parse(node.expr, 1)
     if node.variant.endswith("numexpr") and E.numexpr_supported(tree):
         return E.compile_numexpr(tree, [out], out)
-    return E.compile_numpy(tree, [out], out)
+    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads)
+
+
+def split_expression(tree, inputs, out, threads):
+    """Callable evaluating `tree` into `out` on numpy, as one slab per thread along the
+    first axis at least `threads` long when the tensor is big enough to pay for the
+    dispatch. Each slab is the same expression over slices of out and of every input
+    not broadcast along that axis (numpy's ufuncs release the GIL, so slabs overlap)."""
+    axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
+    if axis is None or not parallel.worth_splitting(out.size):
+        return E.compile_numpy(tree, inputs, out)
+    parts = [E.compile_numpy(tree, [_slab(x, out, axis, lo, hi) for x in inputs], _slab(out, out, axis, lo, hi))
+             for lo, hi in parallel.ranges(out.shape[axis], threads)]
+    return parallel.split(parts)
+
+
+def _slab(x, out, axis, lo, hi):
+    """Rows lo:hi of x along out's `axis` (x broadcast there, or a scalar: x itself)."""
+    if not isinstance(x, np.ndarray):
+        return x
+    k = axis - (out.ndim - x.ndim)  # x's axis under numpy's right-aligned broadcasting
+    if k < 0 or x.shape[k] == 1:
+        return x
+    return x[(slice(None),) * k + (slice(lo, hi),)]
 
 
 def chain(*fns):

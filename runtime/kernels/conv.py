@@ -129,14 +129,20 @@ def make_conv(node, inputs, outputs):
     return _gemm(node, x, w, b, out)
 
 
-def _bias_and_activation(node, b, out, nd):
-    """Bias add then the fused activation, in place on `out` (all images or one; the
-    channel axis is followed by nd spatial axes)."""
-    bias_step = None
-    if b is not None:
-        bview = b.reshape((-1,) + (1,) * nd)
-        bias_step = lambda: np.add(out, bview, out=out)  # noqa: E731
-    return chain(bias_step, epilogue(node, out))
+def _bias_and_activation(node, b, nd):
+    """post(out_part, rows) for parallel.matmul: bias add then the fused activation, in
+    place on one part of a GEMM's output (rows = its slice of the output channels)."""
+    if b is None and not node.expr:
+        return None
+
+    def post(out, rows):
+        bias_step = None
+        if b is not None:
+            bview = b[rows].reshape(out.shape[:-1] + (1,))
+            bias_step = lambda: np.add(out, bview, out=out)  # noqa: E731
+        return chain(bias_step, epilogue(node, out, threads=1))
+
+    return post
 
 
 # --- gemm ----------------------------------------------------------------------------
@@ -158,9 +164,12 @@ def _gemm(node, x, w, b, out):
     threads = _threads(node)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
+    post = _bias_and_activation(node, b, nd)
+    # one group: plain 2-D GEMMs, which parallel.matmul may also split by rows
+    squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(chain(parallel.matmul(wg, x_g[i], out_g[i], threads), _bias_and_activation(node, b, out[i], nd))
+        return chain(*(parallel.matmul(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post)
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
@@ -170,8 +179,7 @@ def _gemm(node, x, w, b, out):
     for i in range(n):
         windows = _windows(xp[i], k, a["stride"], a["dilation"], out.shape[2:], groups)
         steps.append(_im2col(cols_windows, windows, threads))
-        steps.append(parallel.matmul(wg, cols, out_g[i], threads))
-        steps.append(_bias_and_activation(node, b, out[i], nd))
+        steps.append(parallel.matmul(squeeze(wg), squeeze(cols), squeeze(out_g[i]), threads, post))
     return chain(*steps)
 
 
@@ -256,7 +264,7 @@ def _depthwise(node, x, w, b, out):
             fill(ch),
             _tap_sum(tap_views, tap_weights, wide[:, ch], prod[:, ch]),
             _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None),
-            epilogue(node, out[:, ch])))
+            epilogue(node, out[:, ch], threads=1)))
     return parallel.split(parts)
 
 

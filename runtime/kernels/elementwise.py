@@ -13,6 +13,7 @@ import numpy as np
 from pmx.runtime import expr as E
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.common import split_expression
 
 SINGLE_THREAD = "_1t"
 
@@ -36,24 +37,4 @@ def make_elementwise(node, inputs, outputs):
     if node.variant == "numexpr" and E.numexpr_supported(tree) and inputs:
         return E.compile_numexpr(tree, inputs, out)
     threads = 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
-    axis = _split_axis(out, threads)
-    if axis is None or not parallel.worth_splitting(out.size):
-        return E.compile_numpy(tree, inputs, out)
-    parts = []
-    for lo, hi in parallel.ranges(out.shape[axis], threads):
-        parts.append(E.compile_numpy(tree, [_slab(x, out, axis, lo, hi) for x in inputs], _slab(out, out, axis, lo, hi)))
-    return parallel.split(parts)
-
-
-def _split_axis(out, threads):
-    return next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
-
-
-def _slab(x, out, axis, lo, hi):
-    """Rows lo:hi of x along out's `axis` (x broadcast there, or a scalar: x itself)."""
-    if not isinstance(x, np.ndarray):
-        return x
-    k = axis - (out.ndim - x.ndim)  # x's axis under numpy's right-aligned broadcasting
-    if k < 0 or x.shape[k] == 1:
-        return x
-    return x[(slice(None),) * k + (slice(lo, hi),)]
+    return split_expression(tree, inputs, out, threads)
