@@ -409,6 +409,8 @@ def compile_numpy(tree, inputs, out):
         if t in memo and target is None:
             return memo[t]
         clip = _as_clip(t) if float_dtype is not None else None
+        if clip is not None and result_dtype(_relabel(t), _leaf_dtypes(t, dtypes)).kind != "f":
+            clip = None  # integer max/min: infinite bounds do not exist there
         if clip is not None:
             t_clip = t
             t, bounds = clip

@@ -1,26 +1,32 @@
 """Open a .pmx file: mmap it, verify it completely, and describe it as plain data.
 
-Nothing here trusts the file. The python flatbuffers library does not verify buffers, so
-every vector length and string read from the header is charged against a budget the
-size of the header (a hostile file cannot make the reader loop or allocate more than a
-few times its header size), and every read is confined to the header's bytes. Then,
-before any numpy view is made, every offset and size is checked against the file and
-the data section, every tensor index a node names against the tensor table, every shape
-for sign, rank and overflow, the stored order, arena offsets, alias chains and extents,
-expression strings (parsed by runtime/expr.py, never eval'd, and bounded in expanded
-size) and each node's attributes against its op's shape rule. Any failure raises
-PmxFormatError naming the field and the values found; sizes beyond the configured limits
-raise PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
-(read-only numpy views of the mmap).
+Nothing here trusts the file. The header is read by a small FlatBuffers reader of our
+own (the generated accessors neither check bounds nor run fast: they cost microseconds
+per field, which was most of the load time). It takes each field's vtable slot, type and
+default from the generated code once, at import, then reads one field of all tables of
+a type (all tensors, all nodes, all attributes) with a few numpy calls. Every position
+is checked against the header's bytes before it is read, and every vector and string is
+charged against a budget the size of the header before any of it is read, so a hostile
+file cannot make the reader loop or allocate more than a small multiple of its header
+size. Then, before any numpy view is made, every offset and size is checked against the
+file and the data section, every tensor index a node names against the tensor table,
+every shape for sign, rank and overflow, the stored order, arena offsets, alias chains
+and extents, expression strings (parsed by runtime/expr.py, never eval'd, and bounded
+in expanded size) and each node's attributes against its op's shape rule (run once per
+distinct op, attributes and input shapes). Checks over all tensors run as numpy array
+operations; a failure names the first tensor or node that fails. Any failure raises
+PmxFormatError naming the field and the values found; sizes beyond the configured
+limits raise PmxResourceError before anything is allocated. Weights are then wrapped
+zero-copy (read-only numpy views of the mmap).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import mmap
 import os
-import struct
 from dataclasses import dataclass, field
 from operator import attrgetter
 from types import SimpleNamespace
@@ -43,9 +49,9 @@ MAX_RANK = 32
 MAX_EXPANDED_EXPR = 1 << 16
 
 _KINDS = (fb.TensorKind.Intermediate, fb.TensorKind.Constant, fb.TensorKind.Input, fb.TensorKind.Output)
-# What a damaged FlatBuffer makes the flatbuffers/numpy readers raise.
-_READ_ERRORS = (struct.error, IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowError,
-                KeyError, AttributeError, RecursionError)
+# What reading a damaged header can raise: positions outside it (IndexError, from
+# _Reader), names that are not UTF-8, and numpy refusing a nonsensical size.
+_READ_ERRORS = (IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowError)
 
 
 @dataclass
@@ -132,8 +138,7 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
     except PmxError:
         raise
     except _READ_ERRORS as e:
-        kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
-        _fail(path, f"damaged header (an offset or length points outside it): {kind}: {str(e)[:120]}")
+        _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
     except MemoryError:
         raise PmxResourceError(f"{path}: out of memory while reading the header") from None
     _verify_structure(model, pre, max_arena_bytes)
@@ -182,43 +187,49 @@ def verify_checksums(path, buf, pre):
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
 #
-# flatc's Python accessors cost microseconds per field read, which was most of the load
-# time. Instead, each field's layout is learnt from them once, at import (_field), and a
-# field is then read for all tables of one type (all tensors, all nodes, ...) with a few
-# numpy calls (_Tables), every position checked against the header first (_Reader).
+# _field learns each field's layout from the generated accessors; _Tables reads one field
+# of many tables at once; _Reader checks every position and charges the budget.
 
 
 class _Probe:
-    """Stands in for flatbuffers' Table while one generated accessor runs, noting the
-    vtable slot it asks for and the number type it reads."""
+    """Stands in for flatbuffers' Table (hence the method names) while one generated
+    accessor runs, noting the vtable slot it asks for and the number type it reads."""
 
     Pos = 0
 
     def __init__(self, present):
-        self.present, self.slot, self.flags = present, None, None
+        self.present, self.slot, self.flags, self.scalar = present, None, None, False
 
-    def Offset(self, slot):  # noqa: N802 - flatbuffers' Table interface
+    def Offset(self, slot):
         self.slot = slot
         return 4 if self.present else 0
 
-    def Get(self, flags, off):  # noqa: N802
+    def Get(self, flags, off):
+        self.flags, self.scalar = flags, True
+        return 0
+
+    def GetVectorAsNumpy(self, flags, off):
         self.flags = flags
         return 0
 
-    GetVectorAsNumpy = Get
-
-    def VectorLen(self, off):  # noqa: N802
+    def VectorLen(self, off):
         return 0
 
-    def String(self, off):  # noqa: N802
+    def String(self, off):
         return None
 
 
-@dataclass(frozen=True)
 class _Field:
-    slot: int  # byte offset of the field's entry in its table's vtable
-    dtype: np.dtype | None  # of a scalar or of a vector's elements (None: strings, tables)
-    default: object  # a scalar's value when the table omits it
+    """Where one field of a table type lives (a plain class: a dataclass would cost a
+    millisecond of import time)."""
+
+    __slots__ = ("slot", "dtype", "default", "scalar")
+
+    def __init__(self, slot, dtype, default, scalar):
+        self.slot = slot  # byte offset of the field's entry in its table's vtable
+        self.dtype = dtype  # of a scalar or of a vector's elements (None: strings, tables)
+        self.default = default  # a scalar's value when the table omits it
+        self.scalar = scalar  # stored in the table itself (else the table holds an offset to it)
 
 
 def _field(accessor):
@@ -229,25 +240,34 @@ def _field(accessor):
     default = accessor(SimpleNamespace(_tab=absent))
     accessor(SimpleNamespace(_tab=present))
     dtype = np.dtype(present.flags.packer_type.format) if present.flags else None
-    return _Field(absent.slot, dtype, default)
+    return _Field(absent.slot, dtype, default, present.scalar)
 
 
-def _fields(table, **accessors):
-    return SimpleNamespace(**{key: _field(getattr(table, name)) for key, name in accessors.items()})
+class _Layout:
+    """The fields of one table type that the loader reads (attributes named as given),
+    and what _Tables needs to know about them, worked out once."""
+
+    def __init__(self, table, **accessors):
+        fields = [_field(getattr(table, name)) for name in accessors.values()]
+        vars(self).update(zip(accessors, fields))
+        self.slots = np.arange(4, max(f.slot for f in fields) + 2, 2)  # vtable entries to read
+        vectors = [f for f in fields if not f.scalar]
+        self.span_of = {f.slot: j for j, f in enumerate(vectors)}  # vectors and strings: column in _Tables.start
+        self.span_columns = [(f.slot - 4) // 2 for f in vectors]  # their columns in _Tables.offsets
 
 
-_MODEL = _fields(fb.Model, producer="Producer", tensors="TensorsLength", nodes="NodesLength",
+_MODEL = _Layout(fb.Model, producer="Producer", tensors="TensorsLength", nodes="NodesLength",
                  inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
                  arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source")
-_TENSOR = _fields(fb.Tensor, name="Name", kind="Kind", dtype="Dtype", shape="ShapeAsNumpy",
+_TENSOR = _Layout(fb.Tensor, name="Name", kind="Kind", dtype="Dtype", shape="ShapeAsNumpy",
                   data_offset="DataOffset", data_size="DataSize", arena_offset="ArenaOffset",
                   alias_of="AliasOf", alias_offset="AliasOffset", alias_strides="AliasStridesAsNumpy",
                   dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
-_NODE = _fields(fb.Node, op="Op", name="Name", inputs="InputsAsNumpy", outputs="OutputsAsNumpy",
+_NODE = _Layout(fb.Node, op="Op", name="Name", inputs="InputsAsNumpy", outputs="OutputsAsNumpy",
                 attrs="AttrsLength", expr="Expr", variant="Variant")
-_ATTR = _fields(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
+_ATTR = _Layout(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
                 strings="StringsLength")
-_PASS_STAT = _fields(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
+_PASS_STAT = _Layout(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
 _I32, _U16, _U32 = np.dtype("<i4"), np.dtype("<u2"), np.dtype("<u4")
 
 
@@ -273,15 +293,15 @@ class _Reader:
 
     def count(self, n, elem_bytes, what):
         self.charge(n * elem_bytes, f"{what} ({n} elements)")
-        return n
 
     def gather(self, pos, dtype, what):
-        """The little-endian `dtype` values at byte positions `pos` (an int64 array)."""
+        """The little-endian `dtype` values at byte positions `pos` (an int64 array: every
+        position computed here is one)."""
         size = dtype.itemsize
-        if len(pos) and (pos.min() < 0 or pos.max() > len(self.raw) - size):
-            bad = pos[(pos < 0) | (pos > len(self.raw) - size)][0]
-            raise IndexError(f"{what} at byte {bad} is outside the {len(self.raw)}-byte header")
-        if not (pos % size).any():  # aligned, as flatbuffers writes them: one lookup
+        outside = pos.view(np.uint64) > len(self.raw) - size  # negative ones too: seen unsigned, they are huge
+        if np.count_nonzero(outside):
+            raise IndexError(f"{what} at byte {pos[outside][0]} is outside the {len(self.raw)}-byte header")
+        if not np.count_nonzero(pos % size):  # aligned, as flatbuffers writes them: one lookup
             return self._view(dtype)[pos // size]
         out = np.empty((len(pos), size), np.uint8)  # a hostile file need not align anything
         for b in range(size):
@@ -308,7 +328,7 @@ class _Reader:
     def strings(self, start, length, what):
         self.charge(int(length.sum()), what)
         outside = (length > 0) & ((start < 0) | (start > len(self.raw) - length))
-        if outside.any():
+        if np.count_nonzero(outside):
             raise IndexError(f"{what} at byte {start[outside][0]} runs past the {len(self.raw)}-byte header")
         raw = self.raw
         return [raw[s:s + n].decode() for s, n in zip(start.tolist(), length.tolist())]
@@ -321,57 +341,72 @@ def _split(flat, length):
 
 
 class _Tables:
-    """Tables of one type (`layout`, from _fields) at byte positions `pos` of the header,
+    """Tables of one type (`layout`) at byte positions `pos` of the header,
     read a field at a time for all of them."""
 
     def __init__(self, r, pos, layout, what):
-        self.r, self.pos, self.layout, self.what = r, pos, layout, what
+        self.r, self.pos, self.what, self.span_of = r, pos, what, layout.span_of
         vtable = pos - r.gather(pos, _I32, f"{what} vtable offset")
         vtable_len = r.gather(vtable, _U16, f"{what} vtable length")
         # every vtable entry of every table at once: (tables, fields) offsets, 0 = absent.
         # Unlisted entries read byte 0 instead, which every header has (see _or_zero).
-        slots = np.arange(4, max(f.slot for f in vars(layout).values()) + 2, 2)
-        listed = slots < vtable_len[:, None]
-        entries = r.gather(_or_zero(listed, vtable[:, None] + slots).ravel(), _U16, f"{what} vtable entry")
+        listed = layout.slots < vtable_len[:, None]
+        entries = r.gather(_or_zero(listed, vtable[:, None] + layout.slots).ravel(), _U16, f"{what} vtable entry")
         self.offsets = np.where(listed, entries.reshape(listed.shape), 0)
+        self._read_spans(layout.span_columns)
+
+    def _read_spans(self, columns):
+        """(position of the first element, length) of every vector and string field of
+        every table, (4, 0) where a table omits one: all fields at once, since each numpy
+        call costs about as much for one table as for a thousand."""
+        off = self.offsets[:, columns]
+        present = (off > 0).ravel()
+        at = _or_zero(present, (self.pos[:, None] + off).ravel())
+        target = _or_zero(present, at + self.r.gather(at, _U32, f"{self.what} offset"))
+        length = np.where(present, self.r.gather(target, _U32, f"{self.what} length"), 0)
+        self.start = (target + 4).reshape(off.shape)
+        self.length = length.astype(np.int64).reshape(off.shape)
 
     def __len__(self):
         return len(self.pos)
 
     def subset(self, idx):
         sub = object.__new__(_Tables)
-        sub.r, sub.pos, sub.layout, sub.what, sub.offsets = self.r, self.pos[idx], self.layout, self.what, self.offsets[idx]
+        sub.r, sub.what, sub.span_of = self.r, self.what, self.span_of
+        sub.pos, sub.offsets = self.pos[idx], self.offsets[idx]
+        sub.start, sub.length = self.start[idx], self.length[idx]
         return sub
 
-    def _where(self, field):
-        """(position of the field in each table, whether the table has it)."""
-        off = self.offsets[:, (field.slot - 4) // 2]
-        return self.pos + off, off > 0
-
     def scalars(self, field):
-        at, present = self._where(field)
-        values = self.r.gather(_or_zero(present, at), field.dtype, f"{self.what} field")
+        off = self.offsets[:, (field.slot - 4) // 2]
+        present = off > 0
+        values = self.r.gather(_or_zero(present, self.pos + off), field.dtype, f"{self.what} field")
         return np.where(present, values, field.default).astype(field.dtype)
 
-    def spans(self, field):
-        """(byte position of the first element, length) of each table's vector or string;
-        (4, 0) where the table omits it."""
-        at, present = self._where(field)
-        at = _or_zero(present, at)
-        target = _or_zero(present, at + self.r.gather(at, _U32, f"{self.what} offset"))
-        length = np.where(present, self.r.gather(target, _U32, f"{self.what} length"), 0)
-        return target + 4, length.astype(np.int64)
+    def lengths(self, field):
+        """Each table's length of a vector or string field (0 where omitted)."""
+        return self.length[:, self.span_of[field.slot]]
 
-    def numbers(self, field, what):
-        return self.r.numbers(*self.spans(field), field.dtype, what)
+    def numbers(self, fields, what):
+        """Per field, each table's vector as a tuple of Python numbers. Fields of one
+        element type are read together: a numpy call costs the same for more elements."""
+        return self._per_field(fields, self.r.numbers(*self._spans(fields), fields[0].dtype, what))
 
-    def strings(self, field, what):
-        return self.r.strings(*self.spans(field), what)
+    def strings(self, fields, what):
+        return self._per_field(fields, self.r.strings(*self._spans(fields), what))
+
+    def _spans(self, fields):
+        columns = [self.span_of[f.slot] for f in fields]
+        return self.start[:, columns].T.ravel(), self.length[:, columns].T.ravel()
+
+    def _per_field(self, fields, flat):
+        n = len(self.pos)
+        return [flat[k * n:(k + 1) * n] for k in range(len(fields))]
 
     def _targets(self, field, what):
         """Positions of what a vector of offsets (to tables or strings) points at, all
         tables' vectors one after another, and each vector's length."""
-        start, length = self.spans(field)
+        start, length = self._spans([field])
         self.r.count(int(length.sum()), 4, what)
         pos = self.r.elements(start, length, 4)
         return pos + self.r.gather(pos, _U32, what), length
@@ -399,7 +434,7 @@ def _one_of(values, allowed):
 
 def _check_all(path, bad, message):
     """Fail with message(i) for the first i where the boolean array `bad` holds."""
-    if bad.any():
+    if np.count_nonzero(bad):  # (much cheaper than bad.any() on small arrays)
         _fail(path, message(int(np.argmax(bad))))
 
 
@@ -408,62 +443,49 @@ def _read_header(path, header, pre, size) -> Model:
     m = _Tables(r, r.gather(np.zeros(1, np.int64), _U32, "root offset").astype(np.int64), _MODEL, "model")
     tensors = _read_tensors(r, m.tables(_MODEL.tensors, _TENSOR, "tensors")[0])
     nodes = _read_nodes(r, m.tables(_MODEL.nodes, _NODE, "nodes")[0])
-    [inputs], [outputs], [kept] = (m.numbers(f, f"model {what}") for f, what in
-                                   ((_MODEL.inputs, "inputs"), (_MODEL.outputs, "outputs"), (_MODEL.kept, "kept")))
+    [inputs], [outputs], [kept] = m.numbers((_MODEL.inputs, _MODEL.outputs, _MODEL.kept),
+                                            "model inputs, outputs, kept")
     s = m.tables(_MODEL.pass_stats, _PASS_STAT, "pass_stats")[0]
-    stats = list(zip(s.strings(_PASS_STAT.name, "pass names"), s.scalars(_PASS_STAT.nodes_before).tolist(),
-                     s.scalars(_PASS_STAT.nodes_after).tolist()))
-    [producer], [source] = m.strings(_MODEL.producer, "producer"), m.strings(_MODEL.source, "source")
+    [names] = s.strings((_PASS_STAT.name,), "pass names")
+    stats = list(zip(names, s.scalars(_PASS_STAT.nodes_before).tolist(), s.scalars(_PASS_STAT.nodes_after).tolist()))
+    [producer], [source] = m.strings((_MODEL.producer, _MODEL.source), "producer, source")
     return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), int(m.scalars(_MODEL.arena_size)[0]),
                  {}, stats, producer, source, size, pre)
 
 
 def _read_tensors(r, t):
     path = r.path
-    shape_at, rank = t.spans(_TENSOR.shape)
+    rank, n_strides = t.lengths(_TENSOR.shape), t.lengths(_TENSOR.alias_strides)
+    n_min, n_max = t.lengths(_TENSOR.dim_min), t.lengths(_TENSOR.dim_max)
     _check_all(path, rank > MAX_RANK, lambda i: f"tensor {i} has rank {rank[i]}, more than {MAX_RANK}")
-    shapes = r.numbers(shape_at, rank, _TENSOR.shape.dtype, "tensor shapes")
+    _check_all(path, n_strides > MAX_RANK, lambda i: f"tensor {i} has {n_strides[i]} alias strides, more than {MAX_RANK}")
+    ranged = (n_min > 0) | (n_max > 0)  # graph inputs and outputs with dims that may change
+    _check_all(path, ranged & ((n_min != rank) | (n_max != rank)),
+               lambda i: f"tensor {i} has {n_min[i]}/{n_max[i]} dim ranges for rank {rank[i]}")
     codes = t.scalars(_TENSOR.dtype)
     _check_all(path, ~_one_of(codes, tuple(ENUM_TO_NUMPY)),
                lambda i: f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
-    strides_at, n_strides = t.spans(_TENSOR.alias_strides)
-    _check_all(path, n_strides > MAX_RANK, lambda i: f"tensor {i} has {n_strides[i]} alias strides, more than {MAX_RANK}")
-    strides = r.numbers(strides_at, n_strides, _TENSOR.alias_strides.dtype, "tensor alias_strides")
-    dim_min, dim_max = _read_dim_ranges(r, t, shapes, rank)
-    names = t.strings(_TENSOR.name, "tensor names")
-    columns = (t.scalars(getattr(_TENSOR, k)).tolist()
-               for k in ("kind", "data_offset", "data_size", "arena_offset", "alias_of", "alias_offset"))
-    kinds, data_offsets, data_sizes, arena_offsets, alias_ofs, alias_offsets = columns
-    dtypes = [ENUM_TO_NUMPY[c] for c in codes.tolist()]
-    return [TensorInfo(*row) for row in zip(names, kinds, dtypes, shapes, data_offsets, data_sizes, arena_offsets,
-                                            alias_ofs, alias_offsets, [s or None for s in strides], dim_min, dim_max)]
-
-
-def _read_dim_ranges(r, t, shapes, rank):
-    """dim_min and dim_max per tensor (None for the tensors without: all but the graph's
-    inputs and outputs with dims that may change)."""
-    min_at, n_min = t.spans(_TENSOR.dim_min)
-    max_at, n_max = t.spans(_TENSOR.dim_max)
-    ranged = (n_min > 0) | (n_max > 0)
-    _check_all(r.path, ranged & ((n_min != rank) | (n_max != rank)),
-               lambda i: f"tensor {i} has {n_min[i]}/{n_max[i]} dim ranges for rank {rank[i]}")
-    dim_min = r.numbers(min_at, n_min, _TENSOR.dim_min.dtype, "tensor dim_min")
-    dim_max = r.numbers(max_at, n_max, _TENSOR.dim_max.dtype, "tensor dim_max")
+    vectors = (_TENSOR.shape, _TENSOR.alias_strides, _TENSOR.dim_min, _TENSOR.dim_max)
+    shapes, strides, dim_min, dim_max = t.numbers(vectors, "tensor shapes, alias_strides, dim ranges")
     for i in np.flatnonzero(ranged).tolist():
         for d, lo, hi in zip(shapes[i], dim_min[i], dim_max[i]):
             if lo < 0 or hi < -1 or (hi != -1 and not lo <= d <= hi):
-                _fail(r.path, f"tensor {i} dim range {lo}..{hi} does not contain its planned size {d}")
-    return [lo or None for lo in dim_min], [hi or None for hi in dim_max]
+                _fail(path, f"tensor {i} dim range {lo}..{hi} does not contain its planned size {d}")
+    [names] = t.strings((_TENSOR.name,), "tensor names")
+    dtypes = [ENUM_TO_NUMPY[c] for c in codes.tolist()]
+    kinds, data_offsets, data_sizes, arena_offsets, alias_ofs, alias_offsets = (
+        t.scalars(getattr(_TENSOR, k)).tolist()
+        for k in ("kind", "data_offset", "data_size", "arena_offset", "alias_of", "alias_offset"))
+    strides, dim_min, dim_max = ([v or None for v in col] for col in (strides, dim_min, dim_max))  # () -> None
+    return [TensorInfo(*row) for row in zip(names, kinds, dtypes, shapes, data_offsets, data_sizes,
+                                            arena_offsets, alias_ofs, alias_offsets, strides, dim_min, dim_max)]
 
 
 def _read_nodes(r, n):
-    ops = n.strings(_NODE.op, "node ops")
-    names = n.strings(_NODE.name, "node names")
-    inputs = n.numbers(_NODE.inputs, "node inputs")
-    outputs = n.numbers(_NODE.outputs, "node outputs")
+    ops, names, exprs, variants = n.strings((_NODE.op, _NODE.name, _NODE.expr, _NODE.variant),
+                                            "node ops, names, expressions, variants")
+    inputs, outputs = n.numbers((_NODE.inputs, _NODE.outputs), "node inputs, outputs")
     attrs = _read_attrs(r, *n.tables(_NODE.attrs, _ATTR, "node attrs"))
-    exprs = n.strings(_NODE.expr, "node expressions")
-    variants = n.strings(_NODE.variant, "node variants")
     return [NodeInfo(*row) for row in zip(ops, names, inputs, outputs, attrs, exprs, variants)]
 
 
@@ -475,7 +497,7 @@ _LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
 
 def _read_attrs(r, a, per_node):
     """One dict per node, from all nodes' attribute tables (`per_node` of them each)."""
-    names = a.strings(_ATTR.name, "attribute names")
+    [names] = a.strings((_ATTR.name,), "attribute names")
     kinds = a.scalars(_ATTR.kind)
     owner = np.repeat(np.arange(len(per_node)), per_node)
 
@@ -485,10 +507,12 @@ def _read_attrs(r, a, per_node):
     _check_all(r.path, ~_one_of(kinds, (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS),
                lambda i: f"{where(i)} has unknown kind {kinds[i]}")
     values = [None] * len(a)
-    for group, read in ((_INTS, lambda s: s.numbers(_ATTR.ints, "attribute ints")),
-                        (_FLOATS, lambda s: s.numbers(_ATTR.floats, "attribute floats")),
+    for group, read in ((_INTS, lambda s: s.numbers((_ATTR.ints,), "attribute ints")[0]),
+                        (_FLOATS, lambda s: s.numbers((_ATTR.floats,), "attribute floats")[0]),
                         (_STRINGS, lambda s: s.string_lists(_ATTR.strings, "attribute strings"))):
         idx = np.flatnonzero(_one_of(kinds, group))
+        if not len(idx):
+            continue
         for i, kind, vals in zip(idx.tolist(), kinds[idx].tolist(), read(a.subset(idx))):
             if kind in _LISTS:
                 values[i] = vals
@@ -516,9 +540,9 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
     _check_shape_rules(model)
 
 
-# Byte counts and offsets are compared as int64 after clamping to this: every limit is
-# clamped too, so a clamped value fails exactly the checks its true value fails, and the
-# sum of two never overflows. (No real tensor, arena or file comes near 2 EiB.)
+# Offsets and sizes read from the file are compared as int64 after clamping to this, and
+# every limit and tensor size is kept below it, so a clamped value fails the checks its
+# true value fails and the sum of two never overflows. (Nothing real comes near 2 EiB.)
 _CLAMP = 1 << 61
 
 
@@ -548,7 +572,7 @@ def _check_tensors(model, data_size, max_arena_bytes):
     bound = list(nbytes)
     for i in np.flatnonzero(np.bincount(owner[dims == 0], minlength=n)).tolist():
         bound[i] = math.prod(max(d, 1) for d in shapes[i]) * tensors[i].dtype.itemsize
-    limit = min(max(max_arena_bytes, data_size), _CLAMP)
+    limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
     if max(bound, default=0) > limit:
         i = next(i for i, b in enumerate(bound) if b > limit)
         raise PmxResourceError(f"{path}: {where(i)} of shape {shapes[i]} {tensors[i].dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
@@ -634,6 +658,12 @@ def _check_io(model):
         _fail(path, f"tensors marked as inputs {sorted(marked)} differ from the model inputs {sorted(model.inputs)}")
 
 
+def _label(j, node):
+    """How messages name node j (built only on failure: formatting it for every node
+    would cost more than the checks)."""
+    return f"node {j} ({node.op[:40]!r} {node.name[:40]!r})"
+
+
 def _check_nodes(model):
     """Indices in range, stored order respected (each input is a constant, a model input
     or produced earlier), each tensor produced once, expressions within the grammar."""
@@ -641,35 +671,40 @@ def _check_nodes(model):
     available = {i for i, t in enumerate(tensors) if t.kind == fb.TensorKind.Constant} | set(model.inputs)
     produced = set()
     for j, node in enumerate(model.nodes):
-        where = f"node {j} ({node.op[:40]!r} {node.name[:40]!r})"
         if node.op not in REGISTRY:
-            _fail(path, f"{where}: unknown op {node.op[:40]!r}")
+            _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
         for idx in node.inputs:
             if idx == -1:
                 continue
             if not 0 <= idx < n:
-                _fail(path, f"{where}: input tensor index {idx} out of range (0..{n - 1})")
+                _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
             if idx not in available:
-                _fail(path, f"{where}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
+                _fail(path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
         for idx in node.outputs:
             if not 0 <= idx < n:
-                _fail(path, f"{where}: output tensor index {idx} out of range (0..{n - 1})")
+                _fail(path, f"{_label(j, node)}: output tensor index {idx} out of range (0..{n - 1})")
             t = tensors[idx]
             if t.kind in (fb.TensorKind.Constant, fb.TensorKind.Input) or idx in produced:
-                _fail(path, f"{where}: writes tensor {idx} ({t.name[:40]!r}), which is a constant, an input or already produced")
+                _fail(path, f"{_label(j, node)}: writes tensor {idx} ({t.name[:40]!r}), which is a constant, an input or already produced")
             produced.add(idx)
             available.add(idx)
         if node.expr:
             try:
-                tree = E.parse(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
+                size = _expression_size(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
             except PmxFormatError as e:
-                _fail(path, f"{where}: {e}")
-            size = _expanded_size(E.desugar(tree))
+                _fail(path, f"{_label(j, node)}: {e}")
             if size > MAX_EXPANDED_EXPR:
-                _fail(path, f"{where}: expression expands to more than {MAX_EXPANDED_EXPR} terms ({size})")
+                _fail(path, f"{_label(j, node)}: expression expands to more than {MAX_EXPANDED_EXPR} terms ({size})")
     for idx in model.outputs + model.kept:
         if idx not in available:
             _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
+
+
+@functools.lru_cache(maxsize=4096)
+def _expression_size(text, num_inputs):
+    """_expanded_size of an expression string, memoized as E.parse is: a model repeats
+    the same few activations many times."""
+    return _expanded_size(E.desugar(E.parse(text, num_inputs)))
 
 
 def _expanded_size(tree):
@@ -699,23 +734,42 @@ def _check_shape_rules(model):
     """Run each node's shape rule on its stored input shapes and compare with its stored
     output shapes. Kernels size their scratch buffers (padding, im2col) from attributes;
     this ties the attributes to shapes already checked against the arena, so a damaged
-    padding or stride is refused here instead of becoming a huge allocation at bind."""
+    padding or stride is refused here instead of becoming a huge allocation at bind.
+    A rule reads only the op, attributes, expression, variant and input shapes and
+    dtypes, so a node that repeats all of them (the blocks of a CNN stage, the layers of
+    a transformer) reuses the first one's result."""
     path, tensors = model.path, model.tensors
+    results = {}
     for j, node in enumerate(model.nodes):
-        present = [i for i in node.inputs if i >= 0]
-        try:
-            got = [shape for shape, _ in output_shapes(node, [tensors[i].shape for i in present],
-                                                       [tensors[i].dtype for i in present])]
-        except PmxError as e:
-            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
-        except MemoryError:
-            raise PmxResourceError(f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory") from None
-        except Exception as e:  # noqa: BLE001 - a rule refusing hostile attributes, whatever it raises
-            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}")
+        present = [tensors[i] for i in node.inputs if i >= 0]
+        shapes = [t.shape for t in present]
+        dtypes = [t.dtype for t in present]
+        key = (node.op, node.expr, node.variant, _attrs_key(node.attrs), len(node.inputs), *shapes, *dtypes)
+        got = results.get(key)
+        if got is None:
+            got = results[key] = _rule_shapes(path, j, node, shapes, dtypes)
         want = [tensors[i].shape for i in node.outputs]
         k = min(len(got), len(want))
         if got[:k] != want[:k]:
             _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
+
+
+def _attrs_key(attrs):
+    """`attrs` as a hashable key that tells 1, 1.0 and True apart: equal in Python, not
+    necessarily to a shape rule. (Tuples read from a file hold one type throughout.)"""
+    return tuple((k, v, type(v[0]) if type(v) is tuple and v else type(v)) for k, v in attrs.items())
+
+
+def _rule_shapes(path, j, node, shapes, dtypes):
+    """The output shapes node j's shape rule gives; any failure names the node."""
+    try:
+        return [shape for shape, _ in output_shapes(node, shapes, dtypes)]
+    except PmxError as e:
+        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
+    except MemoryError:
+        raise PmxResourceError(f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory") from None
+    except Exception as e:  # noqa: BLE001 - a rule refusing hostile attributes, whatever it raises
+        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}")
 
 
 def _wrap_constants(model, buf, pre):

@@ -118,22 +118,35 @@ def blas_threads_controlled() -> bool:
     return _find_blas_setter() is not None
 
 
+_runs_inside = 0  # runs (on any thread) currently holding BLAS at one thread
+_runs_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def blas_single_threaded():
-    """BLAS on one thread while a model runs, the configured count again afterwards.
+    """BLAS on one thread while any model runs, the configured count again when the last
+    concurrent run ends (counted, so one thread finishing never hands BLAS threads back
+    in the middle of another's GEMMs: results stay bit-identical across threads).
     pmx splits its GEMMs itself (`matmul`) and runs non-BLAS steps on its own workers;
     OpenBLAS's idle threads spin for a while after each call, and a spinning BLAS thread
     on the core a pmx worker needs doubled the time of the step after a GEMM (measured
-    on MobileNetV2's depthwise layers). Two ctypes calls per run."""
+    on MobileNetV2's depthwise layers)."""
+    global _runs_inside
     setter = _find_blas_setter() if _num_threads > 1 else None
     if setter is None:
         yield
         return
-    setter(1)
+    with _runs_lock:
+        if _runs_inside == 0:
+            setter(1)
+        _runs_inside += 1
     try:
         yield
     finally:
-        setter(_num_threads)
+        with _runs_lock:
+            _runs_inside -= 1
+            if _runs_inside == 0:
+                setter(_num_threads)
 
 
 # --- kernel splits -------------------------------------------------------------------

@@ -2,13 +2,14 @@
 
     python tools/bench_load.py                       # models under /tmp/pmx_bench
     python tools/bench_load.py --json now.json       # also save the numbers
-    python tools/bench_load.py --previous before.json  # fill the "previous ms" column
+    python tools/bench_load.py --previous before.json  # "previous ms": its median
 
 For each <dir>/<model>/model.pmx prints a markdown table: nodes, tensors, the median of
 --repeat constructions in this process (after one warm-up, so imports and page cache are
 excluded), and the first construction in a fresh process (imports excluded, the file's
-pages may still be cached). Run with bytecode enabled (no PYTHONDONTWRITEBYTECODE),
-or every fresh process pays for recompiling the sources.
+pages may still be cached; median over --fresh processes, since one is noisy). Fresh
+processes run with bytecode enabled (without PYTHONDONTWRITEBYTECODE), or each would
+pay for recompiling the sources.
 """
 
 import argparse
@@ -45,11 +46,14 @@ def in_process(path, repeat):
     return statistics.median(times), len(sess.model.nodes), len(sess.model.tensors)
 
 
-def fresh_process(path):
+def fresh_process(path, runs):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    out = subprocess.run([sys.executable, "-c", _FRESH, path], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    return float(out.split()[-1])
+    times = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", _FRESH, path], env=env, check=True,
+                             capture_output=True, text=True).stdout
+        times.append(float(out.split()[-1]))
+    return statistics.median(times)
 
 
 def main():
@@ -57,6 +61,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/pmx_bench")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--repeat", type=int, default=9)
+    ap.add_argument("--fresh", type=int, default=5, help="fresh processes per model")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--previous", help="results of an earlier --json run, for the last column")
     args = ap.parse_args()
@@ -67,7 +72,7 @@ def main():
     for name in args.models.split(","):
         path = str(pathlib.Path(args.dir) / name / "model.pmx")
         median, nodes, tensors = in_process(path, args.repeat)
-        fresh = fresh_process(path)
+        fresh = fresh_process(path, args.fresh)
         results[name] = dict(nodes=nodes, tensors=tensors, median_ms=median, fresh_ms=fresh)
         prev = previous.get(name, {}).get("median_ms")
         prev_s = f"{prev:.1f}" if prev is not None else "-"
