@@ -6,16 +6,27 @@ reaches on the same shapes.
 
 Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
 outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
-views are. The callable is what gets timed. The reference row is np.matmul(a, b, out=c)
-over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
+views are. The callable is what gets timed, as a session's run() calls it: inside
+parallel.blas_single_threaded(), BLAS on one thread and the kernel splitting its work
+over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
+threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
 more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col) the reference is
 the sum of those GEMMs. Both sides count the same FLOPs (2 M N K per GEMM), so bias,
-activation epilogues, softmax and im2col are overhead the pmx side pays.
+activation epilogues, softmax and im2col are overhead the pmx side pays. The attention
+kernel does not include the projections: a compiled nn.MultiheadAttention runs them as
+the linear rows (qkv, out_proj).
 
-Timing: pmx and reference samples alternate (so drifting load from other jobs hits both
-alike); a sample is the mean over enough back-to-back calls to last --sample-ms; the
-table shows the median of --runs samples after a warm-up. BLAS threads are whatever the
-environment gives (OPENBLAS_NUM_THREADS, default = one per core).
+Timing: pmx and reference are sampled in alternating rounds (so drifting load from other
+jobs hits both alike), each round after a warm-up of WARMUP_S (longer than OpenBLAS's idle
+threads spin after a multi-threaded call, so the reference's threads are asleep when pmx
+runs, as in a session); a sample is the mean over enough back-to-back calls to last
+--sample-ms (short, so a stall from another process spoils few samples); the table shows
+the median of --runs samples (--stat min: the fastest sample, for a machine where other
+jobs stall BLAS's threads so often that medians measure the stalls). BLAS threads are
+whatever the environment gives (OPENBLAS_NUM_THREADS, default = one per core). The
+header and footer give the load and Linux's CPU pressure (share of the last 10 s in which
+runnable tasks waited for a core): a table taken under pressure over a few percent is
+noise.
 """
 
 import argparse
@@ -27,8 +38,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pmx.runtime.kernels import get
 from pmx.compiler.canon.activation import gelu_expr
+from pmx.runtime import parallel
+from pmx.runtime.kernels import get
+
+ROUNDS = 3
+WARMUP_S = 0.2
 
 
 @dataclass
@@ -54,12 +69,16 @@ class Case:
 RNG = np.random.default_rng(0)
 
 
-def rand(*shape):
-    return RNG.standard_normal(shape, dtype=np.float32)
+def rand(*shape, scale=1.0):
+    return RNG.standard_normal(shape, dtype=np.float32) * np.float32(scale)
 
 
 def weight(*shape):
-    w = rand(*shape)
+    """Read-only as the mmap's views are; [out, *fan_in] scaled by 1/sqrt(fan-in) as torch
+    initializes layers (a bias keeps unit scale), so outputs stay near unit variance, the
+    range activations and softmax see in a trained model (elementwise timings depend on
+    it: exp and erfc of huge arguments take slower paths)."""
+    w = rand(*shape, scale=1 / math.sqrt(math.prod(shape[1:])))
     w.flags.writeable = False
     return w
 
@@ -68,34 +87,45 @@ def linear(label, x_shape, n_out, expr=""):
     *lead, k = x_shape
     m = math.prod(lead)
     node = Node("linear", expr=expr)
-    return Case("linear", label, node, [rand(*x_shape), weight(n_out, k), weight(n_out)], [((m, k), (k, n_out))])
+    inputs = [rand(*x_shape), weight(n_out, k), weight(n_out)]
+    return Case("linear", label, node, inputs, [((m, k), (k, n_out))])
 
 
 def matmul(label, a_shape, b_shape):
-    return Case("matmul", label, Node("matmul"), [rand(*a_shape), rand(*b_shape)], [(a_shape, b_shape)])
+    inputs = [rand(*a_shape), rand(*b_shape)]
+    return Case("matmul", label, Node("matmul"), inputs, [(a_shape, b_shape)])
 
 
 def vit_mha(label, n, length, embed, heads):
-    """nn.MultiheadAttention(batch_first=True) as compiled: one packed qkv input."""
+    """nn.MultiheadAttention(batch_first=True) as compiled: one packed qkv input, with
+    1/sqrt(head_dim) folded into the q projection."""
     d = embed // heads
-    attrs = dict(heads=heads, seq_axis=1, scale=1.0, causal=0, masks=(), mask_roles=(), weights="none",
-                 masked_rows="nan", packed="qkv")
-    gemms = [((n * heads, length, d), (n * heads, d, length)), ((n * heads, length, length), (n * heads, length, d))]
-    return Case("attention", label, Node("attention", attrs), [rand(n, length, 3 * embed)], gemms)
+    qkv = rand(n, length, 3 * embed)
+    qkv[..., :embed] /= math.sqrt(d)
+    attrs = dict(heads=heads, seq_axis=1, scale=1.0, causal=0, masks=(), mask_roles=(),
+                 weights="none", masked_rows="nan", packed="qkv")
+    gemms = attention_gemms(n * heads, length, d)
+    return Case("attention", label, Node("attention", attrs), [qkv], gemms)
 
 
 def sdpa(label, n, heads, length, d):
     """F.scaled_dot_product_attention on [N, H, L, d] tensors."""
     attrs = dict(heads=0, scale=1.0 / math.sqrt(d), causal=0, masks=(), masked_rows="zero", gqa=0)
-    gemms = [((n * heads, length, d), (n * heads, d, length)), ((n * heads, length, length), (n * heads, length, d))]
     inputs = [rand(n, heads, length, d) for _ in range(3)]
+    gemms = attention_gemms(n * heads, length, d)
     return Case("attention", label, Node("attention", attrs), inputs, gemms)
+
+
+def attention_gemms(batch, length, d):
+    """QK^T and PV."""
+    return [((batch, length, d), (batch, d, length)), ((batch, length, length), (batch, length, d))]
 
 
 def conv(label, cin, size, cout, k, stride=1, pad=None):
     pad = k // 2 if pad is None else pad
     out = (size + 2 * pad - k) // stride + 1
-    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=1, padding_mode="zeros")
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=1,
+                 padding_mode="zeros")
     inputs = [rand(1, cin, size, size), weight(cout, cin, k, k), weight(cout)]
     gemms = [((cout, cin * k * k), (cin * k * k, out * out))]
     return Case("conv", label, Node("conv", attrs, variant="gemm"), inputs, gemms)
@@ -138,7 +168,8 @@ def reference(case):
     calls = []
     for a_shape, b_shape in case.gemms:
         a, b = rand(*a_shape), rand(*b_shape)
-        c = np.empty(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1]), np.float32)
+        batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+        c = np.empty(batch + (a_shape[-2], b_shape[-1]), np.float32)
         calls.append((a, b, c))
 
     def run():
@@ -170,46 +201,72 @@ def sample(fn, calls):
     return (time.perf_counter() - t0) / calls
 
 
-def measure(fn_a, fn_b, runs, sample_s):
-    """Median seconds per call of two callables, sampled alternately after a warm-up."""
-    warm_end = time.perf_counter() + max(0.05, 3 * sample_s)
+def samples(fn, n, sample_s):
+    warm_end = time.perf_counter() + WARMUP_S
     while time.perf_counter() < warm_end:
-        fn_a(), fn_b()
-    calls_a, calls_b = calls_per_sample(fn_a, sample_s), calls_per_sample(fn_b, sample_s)
-    a, b = [], []
-    for _ in range(runs):
-        a.append(sample(fn_a, calls_a))
-        b.append(sample(fn_b, calls_b))
-    return float(np.median(a)), float(np.median(b))
+        fn()
+    calls = calls_per_sample(fn, sample_s)
+    return [sample(fn, calls) for _ in range(n)]
+
+
+def measure(pmx, ref, runs, sample_s, stat=np.median):
+    """Seconds per call of the pmx kernel (BLAS single-threaded, as in a session's run())
+    and of the reference (BLAS on its default threads): `stat` over `runs` samples each."""
+    pmx_samples, ref_samples = [], []
+    for _ in range(ROUNDS):
+        with parallel.blas_single_threaded():
+            pmx_samples += samples(pmx, max(1, runs // ROUNDS), sample_s)
+        ref_samples += samples(ref, max(1, runs // ROUNDS), sample_s)
+    return float(stat(pmx_samples)), float(stat(ref_samples))
+
+
+def machine_load():
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    try:
+        with open("/proc/pressure/cpu") as f:
+            pressure = f.readline().split()[1].removeprefix("avg10=") + "%"
+    except OSError:
+        pressure = "n/a"
+    return f"load average {load}, CPU pressure (10 s) {pressure}"
 
 
 def header(args):
     threads = os.environ.get("OPENBLAS_NUM_THREADS") or f"default ({os.cpu_count()} cores)"
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, BLAS threads: {threads}, "
-            f"load average {load}\nmedian of {args.runs} samples per row after warm-up, each sample the mean "
-            f"of back-to-back calls lasting ~{args.sample_ms:g} ms, pmx and numpy sampled alternately; "
-            f"float32; GFLOP/s count 2*M*N*K per GEMM on both sides\n")
+    return (f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, "
+            f"BLAS threads: {threads}, {machine_load()}\n"
+            f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
+            f"after warm-ups, each sample the mean of back-to-back calls lasting "
+            f"~{args.sample_ms:g} ms; pmx as in a session's run() (BLAS 1 thread, pmx splits over "
+            f"{parallel.num_threads()} threads), numpy with BLAS's own threads; float32; GFLOP/s "
+            f"count 2*M*N*K per GEMM on both sides\n")
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=21, help="samples per row (median is reported)")
-    p.add_argument("--sample-ms", type=float, default=20.0, help="length of one sample")
-    p.add_argument("--only", default="", help="comma-separated groups: linear,matmul,attention,conv")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=99, help="samples per side and row")
+    p.add_argument("--sample-ms", type=float, default=1.0, help="length of one sample")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="statistic over the samples")
+    p.add_argument("--only", default="",
+                   help="comma-separated groups: linear,matmul,attention,conv")
     args = p.parse_args()
     groups = set(filter(None, args.only.split(",")))
     print(header(args))
-    print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy | pmx/numpy throughput % |")
+    print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy "
+          "| pmx/numpy throughput % |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for case in cases():
         if groups and case.group not in groups:
             continue
         with np.errstate(all="ignore"):
-            pmx_s, ref_s = measure(bind(case), reference(case), args.runs, args.sample_ms / 1e3)
+            pmx_s, ref_s = measure(bind(case), reference(case), args.runs, args.sample_ms / 1e3,
+                                   getattr(np, args.stat))
         gflop = flops(case) / 1e9
-        print(f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} | {gflop / pmx_s:.1f} | "
-              f"{gflop / ref_s:.1f} | {100 * ref_s / pmx_s:.0f} |", flush=True)
+        print(f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} "
+              f"| {gflop / pmx_s:.1f} | {gflop / ref_s:.1f} | {100 * ref_s / pmx_s:.0f} |",
+              flush=True)
+    print(f"\nafter: {machine_load()}")
 
 
 if __name__ == "__main__":
