@@ -29,8 +29,7 @@ SPLIT_MIN_ELEMENTS = 1 << 16
 # GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core)
 GEMM_SPLIT_MIN_MACS = 1 << 22
 GEMM_SPLIT_MIN_COLUMNS = 512
-GEMM_SPLIT_MIN_ROWS = 256
-GEMM_SPLIT_MIN_ROW_WIDTH = 196
+GEMM_SPLIT_MIN_ROWS = 64
 
 _BLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
                  "openblas_set_num_threads", "MKL_Set_Num_Threads", "bli_thread_set_num_threads")
@@ -162,9 +161,10 @@ def matmul(a, b, out, threads=None, post=None):
     runs single-threaded inside run() (see `blas_single_threaded`), so this is where
     GEMMs get the other cores. `post(out_part, rows)` may return a callable to run on
     each part right after its product (bias, activation: while the part is in cache);
-    rows is the slice of out's rows the part covers. Measured (tools/bench_kernels.py
-    shapes, 2 cores): a two-way split matches OpenBLAS's own two threads on GEMMs of
-    1 ms and more and loses on narrow ones (N < ~200), hence the shape limits."""
+    rows is the slice of out's rows the part covers. Measured on this 2-core machine
+    with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time
+    of one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms;
+    960x160 @ 160x49: 0.19 -> 0.12 ms) and loses below (a GEMV of 1.3M: 0.08 -> 0.14)."""
     m, n = out.shape[-2], out.shape[-1]
     macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
     threads = (threads or _num_threads) if macs >= GEMM_SPLIT_MIN_MACS else 1
@@ -172,7 +172,7 @@ def matmul(a, b, out, threads=None, post=None):
     if threads > 1 and n >= GEMM_SPLIT_MIN_COLUMNS:
         parts = [_then(lambda lo=lo, hi=hi: np.matmul(a, b[..., lo:hi], out=out[..., lo:hi]),
                        post(out[..., lo:hi], slice(None))) for lo, hi in ranges(n, threads)]
-    elif threads > 1 and m >= GEMM_SPLIT_MIN_ROWS and n >= GEMM_SPLIT_MIN_ROW_WIDTH and a.ndim == 2:
+    elif threads > 1 and m >= GEMM_SPLIT_MIN_ROWS and a.ndim == 2:
         parts = [_then(lambda lo=lo, hi=hi: np.matmul(a[lo:hi], b, out=out[lo:hi]), post(out[lo:hi], slice(lo, hi)))
                  for lo, hi in ranges(m, threads)]
     else:

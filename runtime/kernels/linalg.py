@@ -78,9 +78,8 @@ def _split_plan(a, b, out):
             return (axis, axis, axis), d, False
     if out.shape[-1] >= parallel.GEMM_SPLIT_MIN_COLUMNS:
         return (None, -1, -1), out.shape[-1], True
-    m, n = out.shape[-2:]
-    if m >= parallel.GEMM_SPLIT_MIN_ROWS and n >= parallel.GEMM_SPLIT_MIN_ROW_WIDTH:
-        return (-2, None, -2), m, False
+    if out.shape[-2] >= parallel.GEMM_SPLIT_MIN_ROWS:
+        return (-2, None, -2), out.shape[-2], False
     return None
 
 
