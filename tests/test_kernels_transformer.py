@@ -317,3 +317,23 @@ def test_embedding_out_of_range_raises(bad):
 
     with pytest.raises(PmxInputError, match="out of range"):
         run_kernel("embedding", [np.array([[0, bad]]), arr(0, (7, 3))])
+
+
+@pytest.mark.parametrize("q_batch,k_batch,v_batch,lq,s", [
+    ((1,), (1,), (3,), 5, 4),              # v alone carries the batch
+    ((2, 1), (1, 1), (2, 3), 4, 6),        # batch dims broadcast from different operands
+    ((1, 12), (1, 12), (2, 12), 197, 197),  # big enough for the per-head thread split
+])
+def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s, monkeypatch):
+    """Every batch of the output is written when v has batch dims q and k broadcast over
+    (only the first was, before the fix)."""
+    from pmx.runtime import parallel
+
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    e = ev = 8
+    q, k, v = arr(1, q_batch + (lq, e)), arr(2, k_batch + (s, e)), arr(3, v_batch + (s, ev))
+    attrs = dict(heads=0, scale=1.0 / math.sqrt(e), causal=0, masks=(), masked_rows="zero")
+    got = run_kernel("attention", [q, k, v], attrs)[0]
+    want = F.scaled_dot_product_attention(T(q), T(k), T(v))
+    assert got.shape == tuple(want.shape)
+    close(got, want, scale=float(np.abs(v).max()))
