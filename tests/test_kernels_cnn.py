@@ -300,3 +300,13 @@ def test_batch_norm_matches_torch(n, c, spatial, eps, seed):
     (got,) = run_kernel("batch_norm", [x, scale.astype(np.float32), shift.astype(np.float32)])
     t = [torch.from_numpy(a) for a in (x, mean, var, gamma, beta)]
     assert_close(got, F.batch_norm(t[0], t[1], t[2], t[3], t[4], training=False, eps=eps))
+
+
+def test_conv3d_gemm_split_in_row_bands(two_threads):
+    """A 3-d conv big enough to run as bands of output rows on two threads (each band
+    builds its own im2col columns along the first spatial axis)."""
+    x = signed_input((1, 8, 12, 20, 20), 0)
+    w = signed_input((16, 8, 3, 3, 3), 1)
+    attrs = dict(stride=(1, 1, 1), pads=(1, 1, 1, 1, 1, 1), dilation=(1, 1, 1), groups=1, padding_mode="zeros")
+    (got,) = run_kernel("conv", [x, w], attrs, variant="gemm")
+    assert_close(got, F.conv3d(torch.from_numpy(x), torch.from_numpy(w), padding=1))

@@ -5,7 +5,8 @@ Candidates come from the kernel families (conv: gemm / depthwise lowering, each 
 without the split over threads; elementwise: numpy / numexpr backends, numpy with and
 without the split). Each candidate is bound exactly as the runtime binds it, on private
 buffers of the node's planned shapes (constants are the real weights, other inputs
-seeded random data), warmed up, then timed; the median of TUNE_REPEATS runs decides.
+seeded random data), warmed up, then timed in alternating rounds; the median of
+TUNE_ROUNDS x TUNE_REPEATS runs decides.
 A candidate that raises is skipped. Nodes with one candidate are left to the rule in
 choose_kernels. The threads are the runtime's default (the cores this process may use),
 so tune on the machine the model will run on.
@@ -20,7 +21,8 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
 
-TUNE_REPEATS = 7
+TUNE_ROUNDS = 3
+TUNE_REPEATS = 3
 TUNE_WARMUP = 2
 
 
@@ -42,13 +44,31 @@ def tune(graph) -> bool:
             options = candidates(node)
             if len(options) < 2:
                 continue
-            times = {v: _time_variant(node, v, rng) for v in options}
-            times = {v: t for v, t in times.items() if t is not None}
+            times = _time_candidates(node, options, rng)
             if times:
                 chosen = min(times, key=times.get)
                 report.append((node, node.variant, chosen, times))
                 node.variant = chosen
     return False
+
+
+def _time_candidates(node, options, rng):
+    """{variant: median seconds}. Candidates are timed in alternating rounds, so a burst of
+    load from elsewhere lands on all of them rather than on one."""
+    runs = {v: _bind(node, v, rng) for v in options}
+    runs = {v: r for v, r in runs.items() if r is not None}
+    samples = {v: [] for v in runs}
+    with np.errstate(all="ignore"):
+        for _ in range(TUNE_WARMUP):
+            for run in runs.values():
+                run()
+        for _ in range(TUNE_ROUNDS):
+            for v, run in runs.items():
+                for _ in range(TUNE_REPEATS):
+                    t0 = time.perf_counter()
+                    run()
+                    samples[v].append(time.perf_counter() - t0)
+    return {v: float(np.median(s)) for v, s in samples.items()}
 
 
 def _operands(node, rng):
@@ -66,23 +86,18 @@ def _operands(node, rng):
     return ins, outs
 
 
-def _time_variant(node, variant, rng):
+def _bind(node, variant, rng):
+    """The kernel callable for `node` with `variant`, on private buffers; None when this
+    candidate cannot run here (it raised at bind or on a first call)."""
     before = node.variant
     node.variant = variant
     try:
         ins, outs = _operands(node, rng)
         run = get(node.op).make(node, ins, outs)
-        if run is None:
-            return None
-        with np.errstate(all="ignore"):
-            for _ in range(TUNE_WARMUP):
+        if run is not None:
+            with np.errstate(all="ignore"):
                 run()
-            samples = []
-            for _ in range(TUNE_REPEATS):
-                t0 = time.perf_counter()
-                run()
-                samples.append(time.perf_counter() - t0)
-        return float(np.median(samples))
+        return run
     except Exception:  # noqa: BLE001 - a candidate that cannot run is not chosen
         return None
     finally:

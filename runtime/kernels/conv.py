@@ -173,27 +173,26 @@ def _gemm(node, x, w, b, out):
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
-    windows_shape = (groups, cg) + tuple(k) + tuple(out.shape[2:])
-    cols_windows = view_as(cols, windows_shape)
+    cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
+    macs = cout * cg * int(np.prod(k)) * o
+    bands = parallel.ranges(out.shape[2], threads if macs >= parallel.GEMM_SPLIT_MIN_MACS else 1)
+    row = o // out.shape[2]  # output positions per row of the first spatial axis
     steps = [pad_step]
     for i in range(n):
         windows = _windows(xp[i], k, a["stride"], a["dilation"], out.shape[2:], groups)
-        steps.append(_im2col(cols_windows, windows, threads))
-        steps.append(parallel.matmul(squeeze(wg), squeeze(cols), squeeze(out_g[i]), threads, post))
+        first_axis = (slice(None),) * (2 + nd)  # (G, Cg, *k) come before the output rows
+        steps.append(parallel.split([
+            _im2col_gemm(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)],
+                         squeeze(wg), squeeze(cols[..., lo * row:hi * row]), squeeze(out_g[i][..., lo * row:hi * row]),
+                         post) for lo, hi in bands]))
     return chain(*steps)
 
 
-def _im2col(cols, windows, threads):
-    """np.copyto(cols, windows), split over the threads along the larger of the channel
-    and first kernel axes when the copy is big enough to pay for the dispatch."""
-    if threads == 1 or not parallel.worth_splitting(cols.size):
-        return lambda: np.copyto(cols, windows)
-    axis = 1 if cols.shape[1] >= cols.shape[2] else 2
-    parts = []
-    for lo, hi in parallel.ranges(cols.shape[axis], threads):
-        idx = (slice(None),) * axis + (slice(lo, hi),)
-        parts.append(lambda c=cols[idx], v=windows[idx]: np.copyto(c, v))
-    return parallel.split(parts)
+def _im2col_gemm(cols_windows, windows, w, cols, out, post):
+    """One band of output rows: its im2col columns, their GEMM, then bias and activation.
+    Bands are independent, so a conv is one dispatch to the threads, not three."""
+    gemm = lambda: (np.copyto(cols_windows, windows), np.matmul(w, cols, out=out))  # noqa: E731
+    return chain(gemm, post(out, slice(None)) if post is not None else None)
 
 
 # --- depthwise -----------------------------------------------------------------------
