@@ -156,28 +156,65 @@ def worth_splitting(elements: int) -> bool:
 
 
 def matmul(a, b, out, threads=None, post=None):
-    """Callable computing np.matmul(a, b, out=out), split over the threads along out's
-    columns (or rows, for narrow outputs) when the product is big enough. BLAS itself
-    runs single-threaded inside run() (see `blas_single_threaded`), so this is where
-    GEMMs get the other cores. `post(out_part, rows)` may return a callable to run on
-    each part right after its product (bias, activation: while the part is in cache);
-    rows is the slice of out's rows the part covers. Measured on this 2-core machine
-    with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time
-    of one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms;
-    960x160 @ 160x49: 0.19 -> 0.12 ms) and loses below (a GEMV of 1.3M: 0.08 -> 0.14)."""
-    m, n = out.shape[-2], out.shape[-1]
-    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
-    threads = (threads or _num_threads) if macs >= GEMM_SPLIT_MIN_MACS else 1
-    post = post or (lambda part, rows: None)
-    if threads > 1 and n >= GEMM_SPLIT_MIN_COLUMNS:
-        parts = [_then(lambda lo=lo, hi=hi: np.matmul(a, b[..., lo:hi], out=out[..., lo:hi]),
-                       post(out[..., lo:hi], slice(None))) for lo, hi in ranges(n, threads)]
-    elif threads > 1 and m >= GEMM_SPLIT_MIN_ROWS and a.ndim == 2:
-        parts = [_then(lambda lo=lo, hi=hi: np.matmul(a[lo:hi], b, out=out[lo:hi]), post(out[lo:hi], slice(lo, hi)))
-                 for lo, hi in ranges(m, threads)]
-    else:
-        return _then(lambda: np.matmul(a, b, out=out), post(out, slice(None)))
+    """Callable computing np.matmul(a, b, out=out), split over the threads when the
+    product is big enough: along out's first batch axis longer than 1, else its columns
+    (each thread reads half of b: a linear layer's weights, a conv's im2col columns),
+    else its rows. BLAS itself runs single-threaded inside run() (see
+    `blas_single_threaded`), so this is where GEMMs get the other cores.
+    `post(part, index)` may return a callable to run on each part of out right after its
+    product (bias, activation: while the part is in cache); index is the part's index
+    into out (`part_of` applies it to an operand that broadcasts against out). Measured on
+    this 2-core machine with BLAS on one thread (idle machine): a two-way split takes
+    0.50-0.65x the time of one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49:
+    3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 -> 0.12 ms) and loses below (a GEMV of 1.3M:
+    0.08 -> 0.14)."""
+    threads = threads or _num_threads
+    post = post or (lambda part, index: None)
+    plan = _gemm_split(a, b, out, threads)
+    if plan is None:
+        return _then(lambda: np.matmul(a, b, out=out), post(out, (Ellipsis,)))
+    axes, length = plan
+    parts = []
+    for lo, hi in ranges(length, threads):
+        pa, pb, po = (_along(x, axis, lo, hi) for x, axis in zip((a, b, out), axes))
+        index = (Ellipsis, slice(lo, hi)) + (slice(None),) * (-axes[2] - 1)
+        parts.append(_then(lambda pa=pa, pb=pb, po=po: np.matmul(pa, pb, out=po), post(po, index)))
     return split(parts)
+
+
+def _gemm_split(a, b, out, threads):
+    """((axis of a, of b, of out), length) to split along, axes counted from the end where
+    numpy aligns batch dims (None: that operand is whole in every part); None when the
+    product is too small to pay for the dispatch or has a vector operand."""
+    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
+    if threads < 2 or macs < GEMM_SPLIT_MIN_MACS or min(a.ndim, b.ndim) < 2:
+        return None
+    for i, d in enumerate(out.shape[:-2]):
+        if d > 1:
+            axis = i - out.ndim
+            return (axis, axis, axis), d
+    if out.shape[-1] >= GEMM_SPLIT_MIN_COLUMNS:
+        return (None, -1, -1), out.shape[-1]
+    if out.shape[-2] >= GEMM_SPLIT_MIN_ROWS:
+        return (-2, None, -2), out.shape[-2]
+    return None
+
+
+def _along(x, axis, lo, hi):
+    """x restricted to lo:hi along `axis` (counted from the end); whole when axis is None
+    or x broadcasts along it."""
+    if axis is None or -axis > x.ndim or x.shape[axis] == 1:
+        return x
+    return x[(Ellipsis, slice(lo, hi)) + (slice(None),) * (-axis - 1)]
+
+
+def part_of(x, index):
+    """`x` (broadcasting against a GEMM's out) cut to the part `index` (from matmul's
+    post) selects: axes where x has size 1, or that x lacks, stay whole."""
+    if len(index) == 1:
+        return x
+    axis = -len(index) + 1  # index = (Ellipsis, slice at axis, then whole axes)
+    return _along(x, axis, index[1].start, index[1].stop)
 
 
 def _then(first, second):

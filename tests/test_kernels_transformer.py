@@ -337,3 +337,25 @@ def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s
     want = F.scaled_dot_product_attention(T(q), T(k), T(v))
     assert got.shape == tuple(want.shape)
     close(got, want, scale=float(np.abs(v).max()))
+
+
+@pytest.mark.parametrize("kind", ["linear_columns", "linear_rows", "matmul_batch", "matmul_broadcast_b"])
+def test_gemms_split_over_threads(kind, monkeypatch):
+    """Products past parallel.GEMM_SPLIT_MIN_MACS run in parts on two threads (forced): by
+    batch, by output columns or by rows, each part adding its slice of the bias and
+    applying the activation."""
+    from pmx.runtime import parallel
+
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    if kind.startswith("linear"):
+        rows, fin, fout = (197, 256, 1024) if kind == "linear_columns" else (4096, 256, 64)
+        x, w, b = arr(1, (1, rows, fin)), arr(2, (fout, fin)), arr(3, (fout,))
+        got = run_kernel("linear", [x, w, b], expr="maximum(@0,0)")[0]
+        want = F.relu(F.linear(T(x), T(w), T(b)))
+    else:
+        a = arr(1, (12, 197, 64))
+        bm = arr(2, (12, 64, 197) if kind == "matmul_batch" else (64, 1024))
+        got = run_kernel("matmul", [a, bm])[0]
+        want = torch.matmul(T(a), T(bm))
+    assert got.size * (x.shape[-1] if kind.startswith("linear") else 64) >= parallel.GEMM_SPLIT_MIN_MACS
+    close(got, want, scale=float(np.abs(want.numpy()).max()))

@@ -129,16 +129,17 @@ def make_conv(node, inputs, outputs):
     return _gemm(node, x, w, b, out)
 
 
-def _bias_and_activation(node, b, nd):
-    """post(out_part, rows) for parallel.matmul: bias add then the fused activation, in
-    place on one part of a GEMM's output (rows = its slice of the output channels)."""
+def _bias_and_activation(node, b, gemm_out_shape):
+    """post(part, index) for parallel.matmul: bias add then the fused activation, in
+    place on one part of a GEMM's output ((groups,) channels x positions)."""
     if b is None and not node.expr:
         return None
+    bias = b.reshape(tuple(gemm_out_shape[:-1]) + (1,)) if b is not None else None
 
-    def post(out, rows):
+    def post(out, index):
         bias_step = None
-        if b is not None:
-            bview = b[rows].reshape(out.shape[:-1] + (1,))
+        if bias is not None:
+            bview = parallel.part_of(bias, index)
             bias_step = lambda: np.add(out, bview, out=out)  # noqa: E731
         return chain(bias_step, epilogue(node, out, threads=1))
 
@@ -164,9 +165,9 @@ def _gemm(node, x, w, b, out):
     threads = _threads(node)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
-    post = _bias_and_activation(node, b, nd)
     # one group: plain 2-D GEMMs, which parallel.matmul may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
+    post = _bias_and_activation(node, b, squeeze(out_g[0]).shape)
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
         return chain(*(parallel.matmul(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post)
@@ -192,7 +193,7 @@ def _im2col_gemm(cols_windows, windows, w, cols, out, post):
     """One band of output rows: its im2col columns, their GEMM, then bias and activation.
     Bands are independent, so a conv is one dispatch to the threads, not three."""
     gemm = lambda: (np.copyto(cols_windows, windows), np.matmul(w, cols, out=out))  # noqa: E731
-    return chain(gemm, post(out, slice(None)) if post is not None else None)
+    return chain(gemm, post(out, (Ellipsis,)) if post is not None else None)
 
 
 # --- depthwise -----------------------------------------------------------------------

@@ -5,8 +5,8 @@ transposed weight is a view, BLAS reads it without a copy. node.expr: fused acti
 `matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
 node.expr: fused activation.
 BLAS runs single-threaded inside a session's run() (parallel.blas_single_threaded), so
-both split their GEMMs over the runtime's threads themselves (`_gemm`), each part followed
-by its share of the bias and activation while it is still in cache.
+both split their GEMMs over the runtime's threads themselves (`parallel.matmul`), each part
+followed by its share of the bias and activation while it is still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
 The contraction order is found once in the factory (np.einsum_path) and reused.
 `embedding`: inputs (ids[...] int, weight[V, D]); output [..., D]. Ids outside [0, V) raise
@@ -40,59 +40,12 @@ def make_linear(node, inputs, outputs):
     else:
         x2, out2 = x, out
 
-    def bias_and_activation(part, columns):
-        add_bias = (lambda bias=b[columns]: np.add(part, bias, out=part)) if b is not None else None
+    def bias_and_activation(part, index):
+        bias = parallel.part_of(b, index) if b is not None else None
+        add_bias = (lambda: np.add(part, bias, out=part)) if b is not None else None
         return chain(add_bias, epilogue(node, part, threads=1))
 
-    return _gemm(x2, wt, out2, bias_and_activation)
-
-
-def _gemm(a, b, out, post):
-    """Callable for np.matmul(a, b, out=out), then post(part, columns) on each part of out
-    (columns: the slice of out's last axis the part covers), split over the runtime's
-    threads as `_split_plan` says."""
-    plan = _split_plan(a, b, out)
-    if plan is None:
-        return _gemm_part(a, b, out, post, slice(None))
-    (axis_a, axis_b, axis_out), length, by_columns = plan
-    parts = []
-    for lo, hi in parallel.ranges(length, parallel.num_threads()):
-        columns = slice(lo, hi) if by_columns else slice(None)
-        parts.append(_gemm_part(_part(a, axis_a, lo, hi), _part(b, axis_b, lo, hi),
-                                _part(out, axis_out, lo, hi), post, columns))
-    return parallel.split(parts)
-
-
-def _split_plan(a, b, out):
-    """((axis of a, of b, of out), length, along columns?) to split the product along, or
-    None when it is too small to pay for the dispatch (the runtime's thresholds, as for
-    conv's GEMMs) or has a vector operand. Axes count from the end, where numpy aligns
-    batch dims: the first batch axis of out longer than 1, else out's columns (each
-    thread reads half of b, a linear layer's weights), else its rows."""
-    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
-    if parallel.num_threads() < 2 or macs < parallel.GEMM_SPLIT_MIN_MACS or min(a.ndim, b.ndim) < 2:
-        return None
-    for i, d in enumerate(out.shape[:-2]):
-        if d > 1:
-            axis = i - out.ndim
-            return (axis, axis, axis), d, False
-    if out.shape[-1] >= parallel.GEMM_SPLIT_MIN_COLUMNS:
-        return (None, -1, -1), out.shape[-1], True
-    if out.shape[-2] >= parallel.GEMM_SPLIT_MIN_ROWS:
-        return (-2, None, -2), out.shape[-2], False
-    return None
-
-
-def _part(x, axis, lo, hi):
-    """x restricted to lo:hi along `axis` (counted from the end); whole when axis is None
-    or x broadcasts along it."""
-    if axis is None or -axis > x.ndim or x.shape[axis] == 1:
-        return x
-    return x[(Ellipsis, slice(lo, hi)) + (slice(None),) * (-axis - 1)]
-
-
-def _gemm_part(a, b, out, post, columns):
-    return chain(lambda: np.matmul(a, b, out=out), post(out, columns))
+    return parallel.matmul(x2, wt, out2, post=bias_and_activation)
 
 
 def matmul_infer(node, shapes, dtypes):
@@ -114,7 +67,7 @@ def matmul_infer(node, shapes, dtypes):
 def make_matmul(node, inputs, outputs):
     a, b = inputs
     out = outputs[0]
-    return _gemm(a, b, out, lambda part, columns: epilogue(node, part, threads=1))
+    return parallel.matmul(a, b, out, post=lambda part, index: epilogue(node, part, threads=1))
 
 
 def _einsum_parts(equation, ranks):
