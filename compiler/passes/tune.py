@@ -6,7 +6,8 @@ without the split over threads; elementwise: numpy / numexpr backends, numpy wit
 without the split). Each candidate is bound exactly as the runtime binds it, on private
 buffers of the node's planned shapes (constants are the real weights, other inputs
 seeded random data), warmed up, then timed in alternating rounds; the median of
-TUNE_ROUNDS x TUNE_REPEATS runs decides.
+TUNE_ROUNDS x TUNE_REPEATS runs decides, and the rule's choice stays unless another
+candidate beats it by more than TUNE_MARGIN.
 A candidate that raises is skipped. Nodes with one candidate are left to the rule in
 choose_kernels. The threads are the runtime's default (the cores this process may use),
 so tune on the machine the model will run on.
@@ -21,6 +22,7 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
 
+TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
 TUNE_ROUNDS = 3
 TUNE_REPEATS = 3
 TUNE_WARMUP = 2
@@ -46,10 +48,20 @@ def tune(graph) -> bool:
                 continue
             times = _time_candidates(node, options, rng)
             if times:
-                chosen = min(times, key=times.get)
+                chosen = _choose(times, node.variant)
                 report.append((node, node.variant, chosen, times))
                 node.variant = chosen
     return False
+
+
+def _choose(times, rule):
+    """The fastest candidate, unless the rule's own choice is within TUNE_MARGIN of it: on
+    a shared machine a few percent is noise, and the rule's choice is the measured
+    default."""
+    best = min(times, key=times.get)
+    if rule in times and times[rule] <= times[best] * (1 + TUNE_MARGIN):
+        return rule
+    return best
 
 
 def _time_candidates(node, options, rng):
