@@ -4,9 +4,11 @@
     [y] = sess.run(None, {"in0": x})
 
 Load does no graph work: it verifies and wraps the file (runtime/load.py). Each thread
-that calls run() gets its own binding, built once: an arena, a view of it per tensor, and
+that calls run() gets its own binding, built once: an arena, a view of it per tensor, one
+scratch buffer all nodes share for their temporaries (runtime/kernels/__init__.py), and
 the list of kernel callables (weights shared by all threads, read-only). A run copies
-inputs into their arena slots, calls the list, and copies the requested outputs out.
+inputs into their arena slots, calls the list with BLAS held at one thread (kernels split
+their own work over runtime/parallel.py's workers), and copies the requested outputs out.
 
 What run() accepts (decided here, documented in the README):
   - a dict {input name: value}; every model input must be given, unknown names are refused
@@ -44,7 +46,8 @@ class NodeArg:
 
 
 class _Binding:
-    """One thread's arena, tensor views and kernel callables for one input-shape layout."""
+    """One thread's arena, scratch, tensor views and kernel callables for one input-shape
+    layout. Arena plus scratch count against max_arena_bytes."""
 
     def __init__(self, model, layout, max_arena_bytes):
         self.layout = layout
