@@ -31,8 +31,13 @@ GEMM_SPLIT_MIN_MACS = 1 << 22
 GEMM_SPLIT_MIN_COLUMNS = 512
 GEMM_SPLIT_MIN_ROWS = 64
 
-_BLAS_SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads64_",
-                 "openblas_set_num_threads", "MKL_Set_Num_Threads", "bli_thread_set_num_threads")
+# (setter, getter) entry points per BLAS build
+_BLAS_ENTRY_POINTS = (("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
+                      ("scipy_openblas_set_num_threads", "scipy_openblas_get_num_threads"),
+                      ("openblas_set_num_threads64_", "openblas_get_num_threads64_"),
+                      ("openblas_set_num_threads", "openblas_get_num_threads"),
+                      ("MKL_Set_Num_Threads", "MKL_Get_Max_Threads"),
+                      ("bli_thread_set_num_threads", "bli_thread_get_num_threads"))
 _BLAS_LIB_HINTS = ("openblas", "mkl_rt", "libblis")
 
 
@@ -75,6 +80,7 @@ def configure_numexpr(numexpr) -> None:
 # --- BLAS ----------------------------------------------------------------------------
 
 _blas_setter = None
+_blas_getter = None
 _blas_searched = False
 
 
@@ -88,7 +94,7 @@ def _loaded_libraries():
 
 
 def _find_blas_setter():
-    global _blas_setter, _blas_searched
+    global _blas_setter, _blas_getter, _blas_searched
     if _blas_searched:
         return _blas_setter
     _blas_searched = True
@@ -97,14 +103,21 @@ def _find_blas_setter():
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        for name in _BLAS_SETTERS:
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.argtypes = [ctypes.c_int]
-                fn.restype = None
-                _blas_setter = fn
-                return fn
+        for set_name, get_name in _BLAS_ENTRY_POINTS:
+            setter, getter = getattr(lib, set_name, None), getattr(lib, get_name, None)
+            if setter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                if getter is not None:
+                    getter.argtypes, getter.restype = [], ctypes.c_int
+                _blas_setter, _blas_getter = setter, getter
+                return setter
     return None
+
+
+def blas_threads():
+    """BLAS's current thread count, or None when pmx found no BLAS it can drive."""
+    _find_blas_setter()
+    return _blas_getter() if _blas_getter is not None else None
 
 
 def _set_blas_threads(n):
