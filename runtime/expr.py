@@ -406,9 +406,9 @@ def compile_numpy(tree, inputs, out):
     memo = {}
     dtypes = [x.dtype for x in inputs]
 
-    def value(ref):
+    def shape_of(ref):
         kind, v = ref
-        return inputs[v] if kind == "in" else v if kind == "lit" else _TempShape(*temps[v])
+        return temps[v][0] if kind == "tmp" else np.shape(inputs[v] if kind == "in" else v)
 
     def emit(t, final=False):
         if t[0] == "@":
@@ -424,7 +424,7 @@ def compile_numpy(tree, inputs, out):
         if final:
             target = ("out", None)
         else:
-            shape = np.broadcast_shapes(*[np.shape(value(r)) for r in operands])
+            shape = np.broadcast_shapes(*[shape_of(r) for r in operands])
             dtype = result_dtype(_relabel(t), _leaf_dtypes(t, dtypes))
             if float_dtype is not None and dtype.kind == "f" and dtype.itemsize > float_dtype.itemsize:
                 dtype = float_dtype
@@ -462,13 +462,6 @@ def compile_numpy(tree, inputs, out):
             s()
 
     return run
-
-
-class _TempShape:
-    """Stands in for a temporary while shapes are worked out (np.shape reads .shape)."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = shape, dtype
 
 
 def _assign_buffers(program, temps):
@@ -560,28 +553,22 @@ def _leaf_dtypes(t, dtypes):
     return [dtypes[i] for i in sorted(inputs_used(t))]
 
 
-_numexpr_configured = False
+@functools.cache
+def _numexpr_compiler():
+    """numexpr is imported only when a model uses it (it costs ~10 ms), and given the
+    runtime's thread count then (runtime/parallel.py sets it on later changes)."""
+    import numexpr
+    from numexpr.necompiler import NumExpr, getType
 
+    from pmx.runtime import parallel
 
-def _configure_numexpr_once():
-    """numexpr is imported only when a model uses it (it costs ~10 ms); give it the
-    runtime's thread count then."""
-    global _numexpr_configured
-    if not _numexpr_configured:
-        import numexpr
-
-        from pmx.runtime import parallel
-
-        parallel.configure_numexpr(numexpr)
-        _numexpr_configured = True
+    numexpr.set_num_threads(parallel.num_threads())
+    return NumExpr, getType
 
 
 def compile_numexpr(tree, inputs, out):
     """Return a zero-argument callable running one precompiled numexpr program into out."""
-    from numexpr.necompiler import NumExpr, getType
-
-    _configure_numexpr_once()
-
+    NumExpr, getType = _numexpr_compiler()
     source, constants = to_numexpr(tree)
     names = [f"i{i}" for i in range(len(inputs))]
     args = list(inputs) + list(constants.values())

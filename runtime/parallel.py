@@ -2,7 +2,7 @@
 
 numpy's ufuncs and copies release the GIL, so a kernel that is a sequence of ufunc calls
 (depthwise convolution, im2col copies, big elementwise passes) can run its halves on two
-cores at once. `split(parts)` turns a list of callables, each covering a disjoint slice
+cores at once (kernels/common.gemm splits GEMMs the same way). `split(parts)` turns a list of callables, each covering a disjoint slice
 of the work, into one callable that runs part 0 on the calling thread and the others on
 persistent worker threads. A dispatch costs about 35 us here (thread wake-up and GIL
 hand-off), so kernels split only work measured to take well over that
@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 
-import numpy as np
-
 # below this many elements touched, a split's dispatch costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
-# GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core)
-GEMM_SPLIT_MIN_MACS = 1 << 22
-GEMM_SPLIT_MIN_COLUMNS = 512
-GEMM_SPLIT_MIN_ROWS = 64
 
 # (setter, getter) entry points per BLAS build
 _BLAS_ENTRY_POINTS = (("scipy_openblas_set_num_threads64_", "scipy_openblas_get_num_threads64_"),
@@ -72,17 +67,7 @@ def set_num_threads(n: int) -> None:
         numexpr.set_num_threads(n)
 
 
-def configure_numexpr(numexpr) -> None:
-    """Called by runtime/expr.py when it first imports numexpr."""
-    numexpr.set_num_threads(_num_threads)
-
-
 # --- BLAS ----------------------------------------------------------------------------
-
-_blas_setter = None
-_blas_getter = None
-_blas_searched = False
-
 
 def _loaded_libraries():
     try:
@@ -93,11 +78,10 @@ def _loaded_libraries():
     return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS))
 
 
-def _find_blas_setter():
-    global _blas_setter, _blas_getter, _blas_searched
-    if _blas_searched:
-        return _blas_setter
-    _blas_searched = True
+@functools.cache
+def _blas():
+    """(setter, getter or None) of the first loaded BLAS with a known entry point, or
+    (None, None). Looked up once: numpy loads its BLAS when it is imported."""
     for path in _loaded_libraries():
         try:
             lib = ctypes.CDLL(path)
@@ -109,25 +93,24 @@ def _find_blas_setter():
                 setter.argtypes, setter.restype = [ctypes.c_int], None
                 if getter is not None:
                     getter.argtypes, getter.restype = [], ctypes.c_int
-                _blas_setter, _blas_getter = setter, getter
-                return setter
-    return None
+                return setter, getter
+    return None, None
 
 
 def blas_threads():
     """BLAS's current thread count, or None when pmx found no BLAS it can drive."""
-    _find_blas_setter()
-    return _blas_getter() if _blas_getter is not None else None
+    getter = _blas()[1]
+    return getter() if getter is not None else None
 
 
 def _set_blas_threads(n):
-    setter = _find_blas_setter()
+    setter = _blas()[0]
     if setter is not None:
         setter(n)
 
 
 def blas_threads_controlled() -> bool:
-    return _find_blas_setter() is not None
+    return _blas()[0] is not None
 
 
 _runs_inside = 0  # runs (on any thread) currently holding BLAS at one thread
@@ -139,12 +122,12 @@ def blas_single_threaded():
     """BLAS on one thread while any model runs, the configured count again when the last
     concurrent run ends (counted, so one thread finishing never hands BLAS threads back
     in the middle of another's GEMMs: results stay bit-identical across threads).
-    pmx splits its GEMMs itself (`matmul`) and runs non-BLAS steps on its own workers;
+    pmx splits its GEMMs itself (kernels/common.gemm) and runs non-BLAS steps on its own workers;
     OpenBLAS's idle threads spin for a while after each call, and a spinning BLAS thread
     on the core a pmx worker needs doubled the time of the step after a GEMM (measured
     on MobileNetV2's depthwise layers)."""
     global _runs_inside
-    setter = _find_blas_setter() if _num_threads > 1 else None
+    setter = _blas()[0] if _num_threads > 1 else None
     if setter is None:
         yield
         return
@@ -166,74 +149,6 @@ def blas_single_threaded():
 
 def worth_splitting(elements: int) -> bool:
     return _num_threads > 1 and elements >= SPLIT_MIN_ELEMENTS
-
-
-def matmul(a, b, out, threads=None, post=None):
-    """Callable computing np.matmul(a, b, out=out), split over the threads when the
-    product is big enough: along out's first batch axis longer than 1, else its columns
-    (each thread reads half of b: a linear layer's weights, a conv's im2col columns),
-    else its rows. BLAS itself runs single-threaded inside run() (see
-    `blas_single_threaded`), so this is where GEMMs get the other cores.
-    `post(part, index)` may return a callable to run on each part of out right after its
-    product (bias, activation: while the part is in cache); index is the part's index
-    into out (`part_of` applies it to an operand that broadcasts against out). Measured on
-    this 2-core machine with BLAS on one thread (idle machine): a two-way split takes
-    0.50-0.65x the time of one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49:
-    3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 -> 0.12 ms) and loses below (a GEMV of 1.3M:
-    0.08 -> 0.14)."""
-    threads = threads or _num_threads
-    post = post or (lambda part, index: None)
-    plan = _gemm_split(a, b, out, threads)
-    if plan is None:
-        return _then(lambda: np.matmul(a, b, out=out), post(out, (Ellipsis,)))
-    axes, length = plan
-    parts = []
-    for lo, hi in ranges(length, threads):
-        pa, pb, po = (_along(x, axis, lo, hi) for x, axis in zip((a, b, out), axes))
-        index = (Ellipsis, slice(lo, hi)) + (slice(None),) * (-axes[2] - 1)
-        parts.append(_then(lambda pa=pa, pb=pb, po=po: np.matmul(pa, pb, out=po), post(po, index)))
-    return split(parts)
-
-
-def _gemm_split(a, b, out, threads):
-    """((axis of a, of b, of out), length) to split along, axes counted from the end where
-    numpy aligns batch dims (None: that operand is whole in every part); None when the
-    product is too small to pay for the dispatch or has a vector operand."""
-    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
-    if threads < 2 or macs < GEMM_SPLIT_MIN_MACS or min(a.ndim, b.ndim) < 2:
-        return None
-    for i, d in enumerate(out.shape[:-2]):
-        if d > 1:
-            axis = i - out.ndim
-            return (axis, axis, axis), d
-    if out.shape[-1] >= GEMM_SPLIT_MIN_COLUMNS:
-        return (None, -1, -1), out.shape[-1]
-    if out.shape[-2] >= GEMM_SPLIT_MIN_ROWS:
-        return (-2, None, -2), out.shape[-2]
-    return None
-
-
-def _along(x, axis, lo, hi):
-    """x restricted to lo:hi along `axis` (counted from the end); whole when axis is None
-    or x broadcasts along it."""
-    if axis is None or -axis > x.ndim or x.shape[axis] == 1:
-        return x
-    return x[(Ellipsis, slice(lo, hi)) + (slice(None),) * (-axis - 1)]
-
-
-def part_of(x, index):
-    """`x` (broadcasting against a GEMM's out) cut to the part `index` (from matmul's
-    post) selects: axes where x has size 1, or that x lacks, stay whole."""
-    if len(index) == 1:
-        return x
-    axis = -len(index) + 1  # index = (Ellipsis, slice at axis, then whole axes)
-    return _along(x, axis, index[1].start, index[1].stop)
-
-
-def _then(first, second):
-    if second is None:
-        return first
-    return lambda: (first(), second())
 
 
 def ranges(n: int, parts: int):

@@ -341,10 +341,11 @@ def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s
 
 @pytest.mark.parametrize("kind", ["linear_columns", "linear_rows", "matmul_batch", "matmul_broadcast_b"])
 def test_gemms_split_over_threads(kind, monkeypatch):
-    """Products past parallel.GEMM_SPLIT_MIN_MACS run in parts on two threads (forced): by
+    """Products past common.GEMM_SPLIT_MIN_MACS run in parts on two threads (forced): by
     batch, by output columns or by rows, each part adding its slice of the bias and
     applying the activation."""
     from pmx.runtime import parallel
+    from pmx.runtime.kernels import common
 
     monkeypatch.setattr(parallel, "_num_threads", 2)
     if kind.startswith("linear"):
@@ -357,5 +358,5 @@ def test_gemms_split_over_threads(kind, monkeypatch):
         bm = arr(2, (12, 64, 197) if kind == "matmul_batch" else (64, 1024))
         got = run_kernel("matmul", [a, bm])[0]
         want = torch.matmul(T(a), T(bm))
-    assert got.size * (x.shape[-1] if kind.startswith("linear") else 64) >= parallel.GEMM_SPLIT_MIN_MACS
+    assert got.size * (x.shape[-1] if kind.startswith("linear") else 64) >= common.GEMM_SPLIT_MIN_MACS
     close(got, want, scale=float(np.abs(want.numpy()).max()))

@@ -1,4 +1,5 @@
-"""runtime/parallel.py: thread count, BLAS control, and the split primitive kernels use."""
+"""runtime/parallel.py (thread count, BLAS control, the split primitive) and the GEMM
+splitter kernels build on it (kernels/common.gemm)."""
 
 import threading
 
@@ -71,7 +72,9 @@ def test_blas_held_at_one_thread_only_while_runs_are_inside():
 
 
 def test_gemm_split_matches_numpy(monkeypatch):
-    """parallel.matmul by batch, columns and rows, with post() seeing each part and its index."""
+    """kernels/common.gemm by batch, columns and rows, with post() seeing each part."""
+    from pmx.runtime.kernels import common
+
     monkeypatch.setattr(parallel, "_num_threads", 2)
     rng = np.random.default_rng(0)
     cases = [((6, 200, 64), (6, 64, 200)), ((300, 256), (256, 1024)), ((1024, 512), (512, 64))]
@@ -79,9 +82,9 @@ def test_gemm_split_matches_numpy(monkeypatch):
         a = rng.standard_normal(a_shape).astype(np.float32)
         b = rng.standard_normal(b_shape).astype(np.float32)
         out = np.empty(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1]), np.float32)
-        assert out.size * a_shape[-1] >= parallel.GEMM_SPLIT_MIN_MACS
+        assert out.size * a_shape[-1] >= common.GEMM_SPLIT_MIN_MACS
         seen = []
-        parallel.matmul(a, b, out, post=lambda part, index: (lambda: seen.append(part.shape)))()
+        common.gemm(a, b, out, post=lambda part, cut: (lambda: seen.append(part.shape)))()
         np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
         assert len(seen) == 2 and sum(int(np.prod(s)) for s in seen) == out.size, f"parts {seen} do not tile {out.shape}"
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, view_as
+from pmx.runtime.kernels.common import along, chain, view_as
 
 
 def _unpack_shapes(attrs, shapes):
@@ -176,24 +176,6 @@ class _Block:
     weights: np.ndarray | None  # the attention-weights output, if any
 
 
-def _cut(a, ndim, r0, r1):
-    """`a` (broadcasting against an array of `ndim` dims) restricted to rows r0:r1 of that
-    array's axis 0; operands that broadcast along it are used whole."""
-    axis = a.ndim - ndim
-    if axis < 0 or a.shape[axis] == 1:
-        return a
-    index = (slice(None),) * axis + (slice(r0, r1),)
-    return a[index]
-
-
-def _query_rows(a, lo, hi):
-    """`a` (broadcasting against the scores or the output, [..., L, *]) restricted to
-    query rows lo:hi; operands that broadcast along them are used whole."""
-    if a is None or a.ndim < 2 or a.shape[-2] == 1:
-        return a
-    return a[..., lo:hi, :]
-
-
 def _thread_axis(b, mean_weights):
     """The axis of the scores (counted from the end) along which block `b` is shared out
     to the threads: its first batch axis longer than 1 (heads, usually), where k and v
@@ -210,14 +192,11 @@ def _thread_axis(b, mean_weights):
 def _block_part(b, axis, lo, hi):
     """Block `b` restricted to lo:hi along `axis` of its scores (see `_thread_axis`);
     operands that broadcast along it are used whole."""
-    if axis == -2:
-        def cut(a):
-            return _query_rows(a, lo, hi)
-        kt, v = b.kt, b.v
-    else:
-        def cut(a):
-            return None if a is None else _cut(a, -axis, lo, hi)
-        kt, v = cut(b.kt), cut(b.v)
+    def cut(a):
+        return along(a, axis, lo, hi)
+
+    # query rows: k and v are whole (their axis -2 is not the query axis)
+    kt, v = (b.kt, b.v) if axis == -2 else (cut(b.kt), cut(b.v))
     masks = tuple((cut(m), mode) for m, mode in b.masks)
     return _Block(cut(b.q), cut(b.q_scaled), kt, v, cut(b.out), cut(b.scores), cut(b.row_max),
                   cut(b.row_sum), masks, cut(b.weights))
@@ -404,7 +383,7 @@ def _slice(b, nd, r0, r1):
     """Block `b` restricted to rows r0:r1 of the scores' axis 0 (`nd` dims), its scores in
     the first r1 - r0 rows of the scratch slab."""
     def cut(a, ndim=nd):
-        return None if a is None else _cut(a, ndim, r0, r1)
+        return along(a, -ndim, r0, r1)
 
     n = r1 - r0
     weights = None if b.weights is None else cut(b.weights, b.weights.ndim)  # its axis 0 is N

@@ -27,10 +27,15 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
+    GEMM_SPLIT_MIN_MACS,
+    SINGLE_THREAD,
     chain,
     conv_out_size,
     epilogue,
     fill_border,
+    gemm,
+    gemm_post,
+    node_threads,
     padded_buffer,
     view_as,
 )
@@ -80,9 +85,6 @@ def _is_depthwise(w_shape, groups):
     return groups > 1 and w_shape[1] == 1 and w_shape[0] == groups
 
 
-SINGLE_THREAD = "_1t"  # variant suffix: this node's work is not split over the threads
-
-
 def variants(node, w_shape):
     """The lowerings `pmx compile --tune` times for a conv with this weight shape."""
     groups = int(node.attrs.get("groups", 1))
@@ -99,10 +101,6 @@ def _variant(node, w):
     if lowering == "gemm" or (lowering == "depthwise" and depthwise):
         return lowering
     return "depthwise" if depthwise else "gemm"
-
-
-def _threads(node):
-    return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
 
 
 def _is_pointwise(x, w, a):
@@ -129,23 +127,6 @@ def make_conv(node, inputs, outputs):
     return _gemm(node, x, w, b, out)
 
 
-def _bias_and_activation(node, b, gemm_out_shape):
-    """post(part, index) for parallel.matmul: bias add then the fused activation, in
-    place on one part of a GEMM's output ((groups,) channels x positions)."""
-    if b is None and not node.expr:
-        return None
-    bias = b.reshape(tuple(gemm_out_shape[:-1]) + (1,)) if b is not None else None
-
-    def post(out, index):
-        bias_step = None
-        if bias is not None:
-            bview = parallel.part_of(bias, index)
-            bias_step = lambda: np.add(out, bview, out=out)  # noqa: E731
-        return chain(bias_step, epilogue(node, out, threads=1))
-
-    return post
-
-
 # --- gemm ----------------------------------------------------------------------------
 
 
@@ -162,21 +143,21 @@ def _gemm(node, x, w, b, out):
     cout, cg = w.shape[0], w.shape[1]
     k = w.shape[2:]
     o = int(np.prod(out.shape[2:]))
-    threads = _threads(node)
+    threads = node_threads(node)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
-    # one group: plain 2-D GEMMs, which parallel.matmul may also split by rows
+    # one group: plain 2-D GEMMs, which gemm() may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
-    post = _bias_and_activation(node, b, squeeze(out_g[0]).shape)
+    post = gemm_post(node, None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,)))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(parallel.matmul(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post)
+        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post)
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * int(np.prod(k)) * o
-    bands = parallel.ranges(out.shape[2], threads if macs >= parallel.GEMM_SPLIT_MIN_MACS else 1)
+    bands = parallel.ranges(out.shape[2], threads if macs >= GEMM_SPLIT_MIN_MACS else 1)
     row = o // out.shape[2]  # output positions per row of the first spatial axis
     steps = [pad_step]
     for i in range(n):
@@ -192,8 +173,8 @@ def _gemm(node, x, w, b, out):
 def _im2col_gemm(cols_windows, windows, w, cols, out, post):
     """One band of output rows: its im2col columns, their GEMM, then bias and activation.
     Bands are independent, so a conv is one dispatch to the threads, not three."""
-    gemm = lambda: (np.copyto(cols_windows, windows), np.matmul(w, cols, out=out))  # noqa: E731
-    return chain(gemm, post(out, (Ellipsis,)) if post is not None else None)
+    im2col_then_gemm = lambda: (np.copyto(cols_windows, windows), np.matmul(w, cols, out=out))  # noqa: E731
+    return chain(im2col_then_gemm, post(out, None) if post is not None else None)
 
 
 # --- depthwise -----------------------------------------------------------------------
@@ -245,7 +226,6 @@ def _depthwise_scratch(g, dtype):
 def _depthwise(node, x, w, b, out):
     a = node.attrs
     g = _Phases.of(x, w, out, a)
-    nd = len(g.k)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
     wide, prod = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, out.dtype))
@@ -255,7 +235,7 @@ def _depthwise(node, x, w, b, out):
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
     fill = _phase_fill(x, buf, g, a)
     parts = []
-    threads = _threads(node) if parallel.worth_splitting(out.size * len(taps)) else 1
+    threads = node_threads(node) if parallel.worth_splitting(out.size * len(taps)) else 1
     for lo, hi in parallel.ranges(g.c, threads):
         ch = slice(lo, hi)
         tap_views = [buf[:, ch, t:t + g.length] for t in taps]

@@ -11,11 +11,8 @@ not broadcast along that axis). Suffix "_1t" keeps a numpy node on one thread.
 import numpy as np
 
 from pmx.runtime import expr as E
-from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import split_expression
-
-SINGLE_THREAD = "_1t"
+from pmx.runtime.kernels.common import SINGLE_THREAD, node_threads, split_expression
 
 
 def variants(node):
@@ -36,5 +33,4 @@ def make_elementwise(node, inputs, outputs):
     out = outputs[0]
     if node.variant == "numexpr" and E.numexpr_supported(tree) and inputs:
         return E.compile_numexpr(tree, inputs, out)
-    threads = 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
-    return split_expression(tree, inputs, out, threads)
+    return split_expression(tree, inputs, out, node_threads(node))

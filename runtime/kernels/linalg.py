@@ -5,7 +5,7 @@ transposed weight is a view, BLAS reads it without a copy. node.expr: fused acti
 `matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
 node.expr: fused activation.
 BLAS runs single-threaded inside a session's run() (parallel.blas_single_threaded), so
-both split their GEMMs over the runtime's threads themselves (`parallel.matmul`), each part
+both split their GEMMs over the runtime's threads themselves (`common.gemm`), each part
 followed by its share of the bias and activation while it is still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
 The contraction order is found once in the factory (np.einsum_path) and reused.
@@ -16,10 +16,9 @@ so a bad id cannot silently read another row. padding_idx only matters for train
 
 import numpy as np
 
-from pmx.runtime import parallel
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, epilogue, view_as
+from pmx.runtime.kernels.common import gemm, gemm_post, view_as
 
 
 def linear_infer(node, shapes, dtypes):
@@ -40,12 +39,7 @@ def make_linear(node, inputs, outputs):
     else:
         x2, out2 = x, out
 
-    def bias_and_activation(part, index):
-        bias = parallel.part_of(b, index) if b is not None else None
-        add_bias = (lambda: np.add(part, bias, out=part)) if b is not None else None
-        return chain(add_bias, epilogue(node, part, threads=1))
-
-    return parallel.matmul(x2, wt, out2, post=bias_and_activation)
+    return gemm(x2, wt, out2, post=gemm_post(node, b))
 
 
 def matmul_infer(node, shapes, dtypes):
@@ -67,7 +61,7 @@ def matmul_infer(node, shapes, dtypes):
 def make_matmul(node, inputs, outputs):
     a, b = inputs
     out = outputs[0]
-    return parallel.matmul(a, b, out, post=lambda part, index: epilogue(node, part, threads=1))
+    return gemm(a, b, out, post=gemm_post(node, None))
 
 
 def _einsum_parts(equation, ranks):
