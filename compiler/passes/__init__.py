@@ -15,6 +15,7 @@ from pmx.compiler.passes.infer_shapes import infer_shapes
 from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
 from pmx.compiler.passes.order import order
 from pmx.compiler.passes.plan_memory import plan_memory
+from pmx.compiler.passes.prepack_weights import prepack_weights
 from pmx.compiler.passes.tune import tune
 from pmx.compiler.passes.write_inplace import write_inplace
 
@@ -45,6 +46,10 @@ PIPELINE = [
     # after choose_kernels, on the final node set, before placement (it uses private
     # buffers, so aliases do not matter).
     ("tune", tune),
+    # Rewrites nodes whose chosen kernel wants another weight layout (Winograd); after
+    # the final kernel choice, before placement (it swaps constants, not activations).
+    # Skipped, a conv keeps its variant and runs as the im2col GEMM.
+    ("prepack_weights", prepack_weights),
     # Fixes the execution order the file stores; lifetimes (in-place, planning) use it.
     ("order", order),
     # Aliases from here on only change where tensors live, never the node list.
@@ -61,7 +66,7 @@ PIPELINE = [
 ]
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
-OPTIONAL = {"tune", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
+OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}

@@ -1,8 +1,9 @@
 """tune (`pmx compile --tune`): time each node's candidate kernels on this machine and
 store the fastest as the node's variant.
 
-Candidates come from the kernel families (conv: gemm / depthwise lowering, each with and
-without the split over threads; elementwise: numpy / numexpr backends, numpy with and
+Candidates come from the kernel families (conv: gemm / depthwise / Winograd lowering,
+each with and without the split over threads; Winograd timed on the weights
+prepack_weights will store; elementwise: numpy / numexpr backends, numpy with and
 without the split). Each candidate is bound exactly as the runtime binds it, on private
 buffers of the node's planned shapes (constants are the real weights, other inputs
 seeded random data), warmed up, then timed in alternating rounds; the median of
@@ -19,8 +20,11 @@ import time
 
 import numpy as np
 
+from pmx.compiler.passes.prepack_weights import WINOGRAD, winograd_applies
 from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
+from pmx.runtime.kernels.common import SINGLE_THREAD
+from pmx.runtime.kernels.winograd import transform_weights
 
 TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
 TUNE_ROUNDS = 3
@@ -30,7 +34,10 @@ TUNE_WARMUP = 2
 
 def candidates(node):
     if node.op == "conv" and len(node.inputs) > 1 and node.inputs[1] is not None:
-        return conv.variants(node, node.inputs[1].shape)
+        found = conv.variants(node, node.inputs[1].shape)
+        if winograd_applies(node):
+            found += [WINOGRAD, WINOGRAD + SINGLE_THREAD]
+        return found
     if node.op == "elementwise":
         return elementwise.variants(node)
     return []
@@ -105,7 +112,10 @@ def _bind(node, variant, rng):
     node.variant = variant
     try:
         ins, outs = _operands(node, rng)
-        run = get(node.op).make(node, ins, outs)
+        op = node.op
+        if op == "conv" and variant.startswith(WINOGRAD):  # as prepack_weights will store it
+            op, ins[1] = "conv_winograd", transform_weights(ins[1])
+        run = get(op).make(node, ins, outs)
         if run is not None:
             with np.errstate(all="ignore"):
                 run()

@@ -138,4 +138,5 @@ from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects
     reduce,
     resample,
     shape,
+    winograd,
 )
