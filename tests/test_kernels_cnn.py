@@ -188,6 +188,87 @@ def test_depthwise_conv3d_matches_torch():
     (got,) = run_kernel("conv", [x, w], attrs, variant="depthwise")
     assert_close(got, want)
 
+
+@st.composite
+def depthwise_block_case(draw):
+    """Depthwise convs with the im2col block shrunk to a few channels, so a channel range
+    runs as several blocks (a last one shorter) and every block reads its own slice."""
+    nd = draw(st.sampled_from([1, 2, 2]))
+    c = draw(st.integers(2, 9))
+    k = tuple(draw(st.integers(1, 5)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    pads = tuple(draw(st.integers(0, 2)) for _ in range(2 * nd))
+    size = tuple(max(draw(st.integers(1, 12)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i])
+                 for i in range(nd))
+    return dict(nd=nd, c=c, k=k, stride=stride, dilation=dilation, pads=pads, size=size,
+                batch=draw(st.integers(1, 3)), block=draw(st.integers(1, 4)), bias=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@FAST
+@given(depthwise_block_case())
+def test_depthwise_channel_blocks_match_torch(c):
+    from pmx.runtime.kernels import conv
+
+    nd = c["nd"]
+    x = signed_input((c["batch"], c["c"]) + c["size"], c["seed"])
+    w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
+    b = signed_input((c["c"],), c["seed"] + 2) if c["bias"] else None
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
+    out_spatial = tuple(conv.conv_out_size(c["size"][i], c["k"][i], c["stride"][i], c["dilation"][i], c["pads"][i],
+                                           c["pads"][nd + i]) for i in range(nd))
+    g = conv._Phases.of(x, w, np.empty((c["batch"], c["c"]) + out_spatial), attrs)
+    before = conv.DEPTHWISE_BLOCK_BYTES
+    conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
+    try:
+        (got,) = run_kernel("conv", [x, w] + ([b] if b is not None else []), attrs, variant="depthwise_1t")
+    finally:
+        conv.DEPTHWISE_BLOCK_BYTES = before
+    pad = []
+    for i in reversed(range(nd)):
+        pad += [c["pads"][i], c["pads"][nd + i]]
+    xt = F.pad(torch.from_numpy(x), pad)
+    fn = F.conv1d if nd == 1 else F.conv2d
+    bt = None if b is None else torch.from_numpy(b)
+    want = fn(xt, torch.from_numpy(w), bt, c["stride"], 0, c["dilation"], c["c"])
+    assert_close(got, want)
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.booleans(),
+       st.sampled_from(["", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]), st.integers(0, 2**32 - 1))
+def test_conv_1x1_on_one_position_matches_torch(nd, batch, cin, cout, bias, act, seed):
+    """Squeeze-and-excitation convs (1x1 kernel, one position): the np.dot path, for one
+    image and for a batch, in 1-d, 2-d and 3-d."""
+    x = signed_input((batch, cin) + (1,) * nd, seed)
+    w = signed_input((cout, cin) + (1,) * nd, seed + 1)
+    b = signed_input((cout,), seed + 2) if bias else None
+    attrs = dict(stride=(1,) * nd, pads=(0,) * (2 * nd), dilation=(1,) * nd, groups=1, padding_mode="zeros")
+    fn = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    pre = fn(torch.from_numpy(x), torch.from_numpy(w), None if b is None else torch.from_numpy(b))
+    for variant in ("gemm", "gemm_1t"):
+        (got,) = run_kernel("conv", [x, w] + ([b] if bias else []), attrs, expr=act, variant=variant)
+        assert_close(got, activation(pre, act), pre)
+
+
+def test_conv_1x1_on_one_position_into_a_concat_slice():
+    """A batch's output that is a channel slice of a concat buffer is not C-contiguous:
+    the product must land in the slice, the neighbouring channels untouched."""
+    from helpers import KernelNode
+    from pmx.runtime.kernels import get
+
+    x = signed_input((3, 6, 1, 1), 0)
+    w = signed_input((4, 6, 1, 1), 1)
+    b = signed_input((4,), 2)
+    attrs = dict(stride=(1, 1), pads=(0,) * 4, dilation=(1, 1), groups=1, padding_mode="zeros")
+    concat = np.full((3, 10, 1, 1), 7.0, np.float32)
+    out = concat[:, 3:7]
+    assert not out.flags.c_contiguous
+    get("conv").make(KernelNode("conv", attrs, variant="gemm"), [x, w, b], [out])()
+    assert_close(out, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)))
+    assert (concat[:, :3] == 7).all() and (concat[:, 7:] == 7).all()
+
 # --- pooling --------------------------------------------------------------------------------
 
 
@@ -267,6 +348,56 @@ def test_adaptive_pool_corners(size, out):
     assert_close(got, F.adaptive_avg_pool2d(xt, out))
     (got,) = run_kernel("adaptive_max_pool", [x], dict(output_size=out))
     assert_close(got, F.adaptive_max_pool2d(xt, out))
+
+
+@FAST
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.lists(st.integers(1, 60), min_size=3, max_size=3),
+       st.sampled_from([np.float32, np.float64]), st.booleans(), st.integers(0, 2**32 - 1))
+def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, seed):
+    """Adaptive pooling to one value per channel (squeeze-and-excitation, classifier
+    heads): the GEMV / maximum.reduce path over a contiguous input, and the general
+    reduction over a strided one."""
+    from helpers import KernelNode
+    from pmx.runtime.kernels import get
+
+    size = tuple(sizes[:nd]) if nd < 3 else tuple(s % 9 + 1 for s in sizes)
+    x = signed_input((batch, channels) + size, seed).astype(dtype)
+    src = x
+    if strided:  # every other channel of a wider tensor
+        wide = np.zeros((batch, 2 * channels) + size, dtype)
+        wide[:, ::2] = x
+        src = wide[:, ::2]
+    xt = torch.from_numpy(x)
+    avg = (F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d)[nd - 1]
+    mx = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[nd - 1]
+    for op, ref in (("adaptive_avg_pool", avg), ("adaptive_max_pool", mx)):
+        out = np.full((batch, channels) + (1,) * nd, np.nan, dtype)
+        get(op).make(KernelNode(op, dict(output_size=(1,) * nd)), [src], [out])()
+        assert_close(out, ref(xt, (1,) * nd))
+
+
+@FAST
+@given(st.sampled_from(["reduce_mean", "reduce_sum", "reduce_max", "reduce_min"]), st.integers(1, 3),
+       st.integers(1, 40), st.integers(1, 40), st.sampled_from([np.float32, np.float64, np.int32]), st.booleans(),
+       st.integers(0, 2**32 - 1))
+def test_trailing_reductions_match_torch(op, batch, channels, side, dtype, keep, seed):
+    """x.mean([2, 3]) and friends (ShuffleNet's head): reductions over the trailing axes
+    of a contiguous tensor run as one GEMV / ufunc.reduce over its (rows, positions) view."""
+    x = signed_input((batch, channels, side, side + 1), seed)
+    x = (x * 100).astype(dtype) if dtype == np.int32 else x.astype(dtype)
+    if dtype == np.int32 and op in ("reduce_mean", "reduce_sum"):
+        return  # torch.mean refuses integers; integer sums go to int64 (not this path)
+    fn = {"reduce_mean": torch.mean, "reduce_sum": torch.sum, "reduce_max": torch.amax, "reduce_min": torch.amin}[op]
+    for axes in ((2, 3), (3,), (1, 2, 3)):
+        (got,) = run_kernel(op, [x], dict(axes=axes, keepdim=keep))
+        want = fn(torch.from_numpy(x).double() if dtype != np.int32 else torch.from_numpy(x), axes, keepdim=keep)
+        want = want.numpy().astype(dtype)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if op == "reduce_sum":  # a sum is only as exact as eps * sum|x|
+            scale = np.abs(x.astype(np.float64)).sum(axis=axes).max()
+            assert np.abs(got.astype(np.float64) - want).max() <= TOL * scale
+        else:
+            assert_close(got, want)
 
 
 # --- linear and batch norm ------------------------------------------------------------------

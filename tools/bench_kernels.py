@@ -11,7 +11,8 @@ parallel.blas_single_threaded(), BLAS on one thread and the kernel splitting its
 over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
 more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col) the reference is
-the sum of those GEMMs. Both sides count the same FLOPs (2 M N K per GEMM), so bias,
+the sum of those GEMMs; a depthwise conv's reference is the batched GEMV (C, 1, k*k) @
+(C, k*k, positions) its lowering runs. Both sides count the same FLOPs (2 M N K per GEMM), so bias,
 activation epilogues, softmax and im2col are overhead the pmx side pays. The attention
 kernel does not include the projections: a compiled nn.MultiheadAttention runs them as
 the linear rows (qkv, out_proj).
@@ -59,7 +60,7 @@ class Node:
 
 @dataclass
 class Case:
-    group: str  # linear | matmul | attention | conv
+    group: str  # linear | matmul | attention | conv | depthwise
     label: str
     node: Node
     inputs: list  # arrays; weights are made read-only
@@ -131,6 +132,19 @@ def conv(label, cin, size, cout, k, stride=1, pad=None):
     return Case("conv", label, Node("conv", attrs, variant="gemm"), inputs, gemms)
 
 
+def depthwise(label, c, size, k, stride=1):
+    """A depthwise conv (groups = channels) as MobileNets and EfficientNet have them. Its
+    GEMMs are the C GEMVs (1, k*k) @ (k*k, out positions) the depthwise lowering runs
+    (over slightly wider rows: see runtime/kernels/conv.py)."""
+    pad = k // 2
+    out = (size + 2 * pad - k) // stride + 1
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=c,
+                 padding_mode="zeros")
+    inputs = [rand(1, c, size, size), weight(c, 1, k, k), weight(c)]
+    gemms = [((c, 1, k * k), (c, k * k, out * out))]
+    return Case("depthwise", label, Node("conv", attrs, variant="depthwise"), inputs, gemms)
+
+
 def cases():
     gelu = gelu_expr()
     return [
@@ -152,6 +166,15 @@ def cases():
         conv("resnet18 256x14x14 3x3 ->256", 256, 14, 256, 3),
         conv("resnet18 512x7x7 3x3 ->512", 512, 7, 512, 3),
         conv("1x1 64x56x56 ->256", 64, 56, 256, 1),
+        depthwise("mobilenet_v2 32x112x112 3x3", 32, 112, 3),
+        depthwise("mobilenet_v2 96x112x112 3x3 s2", 96, 112, 3, 2),
+        depthwise("mobilenet_v2 144x56x56 3x3", 144, 56, 3),
+        depthwise("mobilenet_v2 384x14x14 3x3", 384, 14, 3),
+        depthwise("mobilenet_v2 960x7x7 3x3", 960, 7, 3),
+        depthwise("mobilenet_v3_small 240x14x14 5x5", 240, 14, 5),
+        depthwise("mobilenet_v3_small 576x7x7 5x5", 576, 7, 5),
+        depthwise("efficientnet_b0 240x28x28 5x5 s2", 240, 28, 5, 2),
+        depthwise("efficientnet_b0 1152x7x7 5x5", 1152, 7, 5),
     ]
 
 
@@ -249,7 +272,7 @@ def main():
     p.add_argument("--stat", choices=("median", "min"), default="median",
                    help="statistic over the samples")
     p.add_argument("--only", default="",
-                   help="comma-separated groups: linear,matmul,attention,conv")
+                   help="comma-separated groups: linear,matmul,attention,conv,depthwise")
     args = p.parse_args()
     groups = set(filter(None, args.only.split(",")))
     print(header(args))

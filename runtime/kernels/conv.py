@@ -9,17 +9,47 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             padded input into shared scratch (split over the cores when large), then one
             GEMM per group; bias and activation follow on the image's output while it is
             still in cache. 1x1 stride-1 unpadded convs are a plain GEMM on the input.
-  depthwise (groups == Cin == Cout) per-tap multiply-add over "flat" views: the padded
+  depthwise (groups == Cin == Cout) im2col + batched GEMV over "flat" views: the padded
             input is stored split into stride phases (one phase when stride is 1), each
             flattened per channel, so every tap is one contiguous slice at a fixed offset
-            and each ufunc call runs over a whole channel instead of one output row. The
-            output is computed "wide" (rows as long as the phase rows, the extra columns
-            discarded when it is copied out with the bias). Channels are split over the
-            cores. Measured on MobileNetV2's shapes (tools/bench_conv.py): 1.6-2.5x faster
-            than per-tap strided views on one core, 2.6-4x on two.
+            and the taps reading one phase form a regular grid: one strided np.copyto per
+            grid builds a block of channels' im2col columns (C, taps, L) with copies that
+            run over whole channels, then one np.matmul (C, 1, taps) @ (C, taps, L) runs
+            the C GEMVs. The output is computed "wide" (rows as long as the phase rows, the
+            extra columns discarded when it is copied out with the bias). Channels are
+            split over the cores, and within a core taken in blocks of
+            DEPTHWISE_BLOCK_BYTES of columns, so the columns are still in L2 when the GEMVs
+            read them (blocks of 256 KiB to 4 MiB measured alike within noise; unblocked
+            columns, up to 15 MB on MobileNetV2, were 1.2-2.8x slower). Scratch:
+            the wide output plus one block of columns per core; the weights are used as
+            they are, a (C, 1, taps) view.
+            This replaced a per-tap multiply-add (two ufunc passes per tap over the wide
+            output): a GEMV reads each column once and accumulates in registers. ms per
+            call, float32, one image, bias, no activation, interleaved medians of 9
+            (2-core AMD EPYC VM shared with other jobs, load ~1):
+
+                                     1 thread                 2 threads
+            C x H x W    k  s   per-tap  gemv   gemm     per-tap  gemv   gemm
+            240x14x14    5  1    0.90    0.37   0.78      0.94    0.37   0.79
+            576x7x7      5  1    0.78    0.43   0.89      0.86    0.37   0.91
+            1152x7x7     5  1    1.63    0.87   1.80      1.44    0.69   1.95
+            672x14x14    5  1    2.83    1.09   2.88      1.69    0.75   3.24
+            240x28x28    5  2    1.00    0.53   0.94      0.90    0.44   0.89
+            144x56x56    5  2    2.13    1.07   1.80      1.34    0.67   1.89
+            384x14x14    3  1    0.59    0.31   0.51      0.36    0.20   0.51
+            960x7x7      3  1    0.49    0.34   0.61      0.48    0.31   0.61
+            192x28x28    3  1    0.97    0.50   0.69      0.87    0.44   0.70
+            144x56x56    3  1    1.39    1.18   1.86      0.86    0.67   1.90
+            32x112x112   3  1    1.12    1.03   1.31      0.65    0.54   1.34
+            16x112x112   3  1    0.55    0.50   0.50      0.49    0.41   0.50
+            96x112x112   3  2    1.54    1.46   2.17      0.88    0.82   2.30
+
+            Large maps gain least: there the input and column copies run at memory
+            speed (96x112x112 stride 2: ~40% of the time is the phase split).
 """
 
 import functools
+import itertools
 import math
 
 import numpy as np
@@ -111,7 +141,7 @@ def _is_pointwise(x, w, a):
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
     if _variant(node, w) == "depthwise":
-        return scratch_nbytes(*_depthwise_scratch(_Phases.of(x, w, out, node.attrs), out.dtype))
+        return scratch_nbytes(*_depthwise_scratch(node, _Phases.of(x, w, out, node.attrs), out.dtype))
     if _is_pointwise(x, w, node.attrs):
         return 0
     return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
@@ -144,6 +174,8 @@ def _gemm(node, x, w, b, out):
     k = w.shape[2:]
     o = int(np.prod(out.shape[2:]))
     threads = node_threads(node)
+    if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < GEMM_SPLIT_MIN_MACS):
+        return _gemv(node, x, w, b, out)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
@@ -170,6 +202,31 @@ def _gemm(node, x, w, b, out):
     return chain(*steps)
 
 
+def _gemv(node, x, w, b, out):
+    """A 1x1 conv on one position per image (squeeze-and-excitation blocks): one np.dot
+    of the (Cout, Cin) weights with the input vector (a batch: the (N, Cin) inputs with the
+    transposed weights), then bias and activation, in one callable. The general path's
+    matmul over (Cin, 1) columns and its chained bias/activation closures cost 0.7-1.4 us
+    more per call (one thread, interleaved medians: MobileNetV3's 576->144 + relu 11.0 ->
+    10.3 us, 144->576 + hardsigmoid 15.2 -> 13.8, 16->8 + relu 4.9 -> 4.2); most of what
+    is left is the activation (numpy's np.clip wrapper alone takes ~2.3 us of a clip)."""
+    n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
+    w2 = w.reshape(cout, cin)
+    if n == 1:
+        a, m, o = w2, view_as(x, (cin,)), view_as(out, (cout,))
+    else:
+        a, m, o = view_as(x, (n, cin)), w2.T, view_as(out, (n, cout))
+    # np.dot only writes C-contiguous outputs (a batch's slice of a concat is not)
+    dot, add = np.dot if o.flags.c_contiguous else np.matmul, np.add
+    if b is None:
+        product = lambda: dot(a, m, out=o)  # noqa: E731
+    else:
+        def product():
+            dot(a, m, out=o)
+            add(o, b, out=o)
+    return chain(product, epilogue(node, out, threads=1))
+
+
 def _im2col_gemm(cols_windows, windows, w, cols, out, post):
     """One band of output rows: its im2col columns, their GEMM, then bias and activation.
     Bands are independent, so a conv is one dispatch to the threads, not three."""
@@ -179,6 +236,19 @@ def _im2col_gemm(cols_windows, windows, w, cols, out, post):
 
 # --- depthwise -----------------------------------------------------------------------
 
+# Channels per im2col block: a block's columns (channels x taps x wide length) stay in
+# L2 between their copy and their GEMVs. See the module docstring for the measurements.
+DEPTHWISE_BLOCK_BYTES = 1 << 20
+# Split channels over the cores only from this many im2col column elements (N x C x taps
+# x wide length) up. Below, the dispatch costs more than the second core saves; ms, one
+# thread / two, interleaved medians of 15 (load ~1.3 from other jobs):
+#   128x7x7 3x3 (72K) 0.052/0.100, 64x14x14 3x3 (129K) 0.054/0.104, 232x7x7 3x3 (131K)
+#   0.095/0.103, 256x7x7 3x3 (145K) 0.094/0.127, 116x28x28 3x3 s2 (219K) 0.166/0.211,
+#   48x14x14 5x5 (302K) 0.082/0.120, 58x28x28 3x3 (438K) 0.157/0.150, 464x7x7 3x3 (263K)
+#   0.172/0.131, 88x28x28 3x3 (665K) 0.227/0.205, 144x14x14 5x5 (907K) 0.227/0.172,
+#   and in the module docstring's table (0.8M-7M elements) 1.0-1.8x faster on two.
+DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 19
+
 
 class _Phases:
     """Geometry of the phase-split padded input (see the module docstring).
@@ -187,6 +257,10 @@ class _Phases:
     (t*d) % s at phase row (t*d)//s + y. Each phase holds ceil(P/s) rows of the padded
     size P. Per channel, all phases lie one after another, each flattened, followed by
     a margin so the last tap's slice of the wide output stays inside the buffer.
+    The taps reading one phase form a regular grid (along a dim, every s/gcd(s, d)-th
+    tap, at phase rows d/gcd(s, d) apart), so one strided view copies a whole grid's
+    columns: `grids` holds (first buffer offset, buffer step per dim, first tap per dim,
+    tap step per dim, taps per dim) for each.
     Built once per shape (scratch sizing and make() both ask)."""
 
     @classmethod
@@ -214,13 +288,45 @@ class _Phases:
             self.taps.append(phase * self.phase_size + offset)
         stored = len(self.phases) * self.phase_size
         self.per_channel = stored + max(0, max(self.taps) + self.length - stored)
+        self.grids = []
+        runs = [_tap_runs(self.k[i], stride[i], dilation[i]) for i in range(nd)]
+        for combo in itertools.product(*runs):
+            phase = self.phases.index(tuple(r[0] for r in combo))
+            first = tuple(r[1] for r in combo)
+            offset = phase * self.phase_size + sum((first[i] * dilation[i] // stride[i]) * row_strides[i]
+                                                   for i in range(nd))
+            steps = tuple((combo[i][2] * dilation[i] // stride[i]) * row_strides[i] for i in range(nd))
+            self.grids.append((offset, steps, first, tuple(r[2] for r in combo), tuple(r[3] for r in combo)))
+
+
+def _tap_runs(k, s, d):
+    """Per phase of one dim: (phase, first tap, tap step, taps) of the taps reading it."""
+    runs = []
+    for p in range(s):
+        taps = [t for t in range(k) if t * d % s == p]
+        if taps:
+            runs.append((p, taps[0], s // math.gcd(s, d), len(taps)))
+    return runs
 
 
 _phases_cached = functools.lru_cache(maxsize=256)(_Phases)
 
 
-def _depthwise_scratch(g, dtype):
-    return [((g.n, g.c, g.length), dtype)] * 2  # wide output, product of one tap
+def _depthwise_plan(node, g, dtype):
+    """(channel range per thread, channels per im2col block), as make() and the scratch
+    sizing both need them."""
+    elements = g.n * g.c * g.length * len(g.taps)
+    split = parallel.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
+    threads = node_threads(node) if split else 1
+    parts = parallel.ranges(g.c, threads)
+    per_channel = max(1, len(g.taps) * g.length * np.dtype(dtype).itemsize)
+    block = max(1, min(max(hi - lo for lo, hi in parts), DEPTHWISE_BLOCK_BYTES // per_channel))
+    return parts, block
+
+
+def _depthwise_scratch(node, g, dtype):
+    parts, block = _depthwise_plan(node, g, dtype)
+    return [((g.n, g.c, 1, g.length), dtype), ((len(parts), block, len(g.taps), g.length), dtype)]
 
 
 def _depthwise(node, x, w, b, out):
@@ -228,34 +334,51 @@ def _depthwise(node, x, w, b, out):
     g = _Phases.of(x, w, out, a)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
-    wide, prod = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, out.dtype))
-    weights = w.reshape(g.c, -1)
-    taps = g.taps
+    parts, block = _depthwise_plan(node, g, out.dtype)
+    wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(node, g, out.dtype))
+    # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
+    weights = w.reshape(g.c, 1, -1)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
     fill = _phase_fill(x, buf, g, a)
-    parts = []
-    threads = node_threads(node) if parallel.worth_splitting(out.size * len(taps)) else 1
-    for lo, hi in parallel.ranges(g.c, threads):
+    steps = []
+    for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
-        tap_views = [buf[:, ch, t:t + g.length] for t in taps]
-        tap_weights = [np.ascontiguousarray(weights[ch, j]).reshape(-1, 1) for j in range(len(taps))]
-        parts.append(chain(
+        blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
+        steps.append(chain(
             fill(ch),
-            _tap_sum(tap_views, tap_weights, wide[:, ch], prod[:, ch]),
+            _im2col_gemv(buf, g, weights, part_cols, wide, blocks),
             _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None),
             epilogue(node, out[:, ch], threads=1)))
-    return parallel.split(parts)
+    return parallel.split(steps)
 
 
-def _tap_sum(views, weights, acc, tmp):
-    (x0, w0), rest = (views[0], weights[0]), list(zip(views[1:], weights[1:]))
+def _im2col_gemv(buf, g, weights, cols, wide, blocks):
+    """Per block of channels and per image: the block's im2col columns (C, taps, wide
+    length), one strided copy per tap grid, then C GEMVs (1, taps) @ (taps, length) as one
+    batched np.matmul into the wide output."""
+    item = buf.itemsize
+    cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
+    work = []
+    for c0, c1 in blocks:
+        n_ch = c1 - c0
+        for i in range(g.n):
+            copies = []
+            for offset, steps, first, tap_step, counts in g.grids:
+                src = np.lib.stride_tricks.as_strided(
+                    buf[i, c0:c1, offset:], (n_ch,) + counts + (g.length,),
+                    (buf.strides[1],) + tuple(s * item for s in steps) + (item,), writeable=False)
+                dst = cols_k[(slice(0, n_ch),) + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in
+                                                     zip(first, tap_step, counts)) + (slice(None),)]
+                copies.append((dst, src))
+            work.append((tuple(copies), weights[c0:c1], cols[:n_ch], wide[i, c0:c1]))
+    copyto, matmul = np.copyto, np.matmul
 
     def run():
-        np.multiply(x0, w0, out=acc)
-        for xv, wv in rest:
-            np.multiply(xv, wv, out=tmp)
-            np.add(acc, tmp, out=acc)
+        for copies, wb, cb, ob in work:
+            for dst, src in copies:
+                copyto(dst, src)
+            matmul(wb, cb, out=ob)
 
     return run
 

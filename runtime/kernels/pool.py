@@ -12,6 +12,7 @@ import numpy as np
 
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import padded_buffer
+from pmx.runtime.kernels.reduce import trailing_reduction
 
 
 def _pool_len(n, k, s, d, pb, pe, ceil_mode):
@@ -137,7 +138,9 @@ def _make_adaptive(reduce_fn, node, inputs, outputs):
     in_sp, out_sp = x.shape[lead:], out.shape[lead:]
     axes = tuple(range(lead, x.ndim))
     if all(o == 1 for o in out_sp):
-        return lambda: reduce_fn(x, axis=axes, keepdims=True, out=out)
+        # one call over the (channels, positions) matrix (squeeze-and-excitation, heads)
+        kind = "mean" if reduce_fn is np.mean else "max"
+        return trailing_reduction(kind, x, out, lead) or (lambda: reduce_fn(x, axis=axes, keepdims=True, out=out))
     if all(n % o == 0 for n, o in zip(in_sp, out_sp)):
         split = tuple(x.shape[:lead])
         for n, o in zip(in_sp, out_sp):

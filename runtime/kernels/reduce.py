@@ -4,6 +4,8 @@
 empty = all), keepdim. `softmax`, `log_softmax`: attrs axis.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime.kernels import register
@@ -27,11 +29,46 @@ def _axes(axes, ndim):
     return tuple(sorted(a % ndim for a in axes))
 
 
-def _make_reduce(fn):
+# Longest rows reduced by a GEMV: BLAS sums a row in a few float32 accumulators, whose
+# rounding grows with the length faster than np.add.reduce's pairwise summation does.
+ROWS_GEMV_MAX_LENGTH = 1 << 16
+
+
+def trailing_reduction(kind, x, out, lead):
+    """Callable reducing all axes of `x` from `lead` on into `out` ("mean", "sum", "max"
+    or "min"), as one call on x seen as a (rows, positions) matrix: sum and mean as a
+    GEMV with a vector of ones (1/positions), max and min as np.maximum/minimum.reduce
+    along the rows. None when that does not apply (non-contiguous operands, another
+    output dtype, rows longer than ROWS_GEMV_MAX_LENGTH for a GEMV, integer sums, empty
+    rows); the caller then reduces with np.mean & co. np.mean/np.max over several axes
+    go through Python-level wrappers and numpy's generic reduction: measured on one
+    thread (us per call), 1x576x7x7 to 1x576x1x1 mean 25 -> 3.6, 1x240x14x14 22 -> 3.8,
+    1x1152x7x7 44 -> 6.4, 1x32x112x112 92 -> 33."""
+    if not (x.flags.c_contiguous and out.flags.c_contiguous) or x.dtype != out.dtype:
+        return None
+    rows, positions = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
+    if positions == 0 or rows * positions == 0:
+        return None
+    x2, o1 = view_as(x, (rows, positions)), view_as(out, (rows,))
+    if kind in ("max", "min"):
+        fn = np.maximum if kind == "max" else np.minimum
+        return lambda: fn.reduce(x2, axis=1, out=o1)
+    if x.dtype not in (np.float32, np.float64) or positions > ROWS_GEMV_MAX_LENGTH:
+        return None  # float16 would round 1/positions; integers sum in int64
+    weights = np.full(positions, 1.0 / positions if kind == "mean" else 1.0, x.dtype)
+    return lambda: np.dot(x2, weights, out=o1)
+
+
+def _make_reduce(fn, kind=None):
     def make(node, inputs, outputs):
         x, out = inputs[0], outputs[0]
         axes = _axes(node.attrs.get("axes"), x.ndim)
         keep = node.attrs.get("keepdim", False)
+        lead = x.ndim - len(axes)
+        if kind is not None and axes == tuple(range(lead, x.ndim)):
+            fast = trailing_reduction(kind, x, out, lead)
+            if fast is not None:
+                return fast
         target = out
         if not keep:  # reduce with keepdims into a view of out: same bytes, no copy
             target = out.reshape(tuple(1 if i in axes else d for i, d in enumerate(x.shape)))
@@ -43,9 +80,10 @@ def _make_reduce(fn):
     return make
 
 
-for _name, _fn in (("reduce_mean", np.mean), ("reduce_sum", np.sum), ("reduce_max", np.max),
-                   ("reduce_min", np.min), ("reduce_prod", np.prod)):
-    register(_name, infer=reduce_infer)(_make_reduce(_fn))
+for _name, _fn, _kind in (("reduce_mean", np.mean, "mean"), ("reduce_sum", np.sum, "sum"),
+                          ("reduce_max", np.max, "max"), ("reduce_min", np.min, "min"),
+                          ("reduce_prod", np.prod, None)):
+    register(_name, infer=reduce_infer)(_make_reduce(_fn, _kind))
 
 
 def same_as_input(node, shapes, dtypes):
