@@ -441,3 +441,29 @@ def test_conv3d_gemm_split_in_row_bands(two_threads):
     attrs = dict(stride=(1, 1, 1), pads=(1, 1, 1, 1, 1, 1), dilation=(1, 1, 1), groups=1, padding_mode="zeros")
     (got,) = run_kernel("conv", [x, w], attrs, variant="gemm")
     assert_close(got, F.conv3d(torch.from_numpy(x), torch.from_numpy(w), padding=1))
+
+
+@pytest.mark.parametrize("case", ["split_2d_ceil", "split_3d", "unbatched_2d", "int32_dilated"])
+def test_max_pool_phase_paths(case, two_threads):
+    """The phase-split max pool beyond the property test's small float shapes: big enough
+    to split channels over two threads (2-d with ceil_mode, 3-d), an unbatched input (no
+    channel axis: strided views), and integers (the padding is the dtype's minimum)."""
+    from pmx.runtime import parallel
+
+    if case == "split_2d_ceil":
+        x, k, s, p, d, ceil = signed_input((2, 64, 45, 45), 0), (3, 3), (2, 2), (1, 1), (1, 1), True
+        assert parallel.worth_splitting(2 * 64 * 23 * 23 * 9)
+        want = F.max_pool2d(torch.from_numpy(x), k, s, p, d, ceil_mode=ceil)
+    elif case == "split_3d":
+        x, k, s, p, d, ceil = signed_input((1, 32, 12, 20, 20), 1), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1), False
+        want = F.max_pool3d(torch.from_numpy(x), k, s, p, d)
+    elif case == "unbatched_2d":
+        x, k, s, p, d, ceil = signed_input((5, 9, 8), 2), (3, 2), (2, 1), (1, 1), (1, 1), True
+        want = F.max_pool2d(torch.from_numpy(x), k, s, p, d, ceil_mode=ceil)
+    else:
+        x = (signed_input((2, 3, 11, 10), 3) * 1000).astype(np.int32) - 2000
+        k, s, p, d, ceil = (3, 3), (2, 1), (1, 1), (2, 2), False
+        want = F.max_pool2d(torch.from_numpy(x).double(), k, s, p, d).numpy().astype(np.int32)
+    attrs = dict(kernel=k, stride=s, pads=p + p, dilation=d, ceil_mode=ceil)
+    (got,) = run_kernel("max_pool", [x], attrs)
+    np.testing.assert_array_equal(got, _np(want))

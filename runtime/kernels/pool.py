@@ -10,8 +10,10 @@ import math
 
 import numpy as np
 
-from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import padded_buffer
+from pmx.runtime import parallel
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.common import chain, padded_buffer, view_as
+from pmx.runtime.kernels.conv import _phase_fill, _phases_cached
 from pmx.runtime.kernels.reduce import trailing_reduction
 
 
@@ -42,11 +44,7 @@ def _taps(x, out, a, fill):
     nd = len(a["kernel"])
     k, s = a["kernel"], a["stride"]
     d = a.get("dilation") or (1,) * nd
-    pads = list(a["pads"])
-    for i in range(nd):  # ceil_mode windows may run past the explicit padding
-        need = (out.shape[-nd + i] - 1) * s[i] + d[i] * (k[i] - 1) + 1
-        have = x.shape[-nd + i] + pads[i] + pads[nd + i]
-        pads[nd + i] += max(0, need - have)
+    pads = _ceil_pads(x, out, a)
     if any(pads):
         buf, interior = padded_buffer(x.shape, pads, x.dtype, fill)
         copy_in = lambda: np.copyto(interior, x)  # noqa: E731
@@ -59,21 +57,75 @@ def _taps(x, out, a, fill):
     return copy_in, views
 
 
-@register("max_pool", infer=pool_infer)
-def make_max_pool(node, inputs, outputs):
+def _max_pool_scratch(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
+    if x.ndim != len(node.attrs["kernel"]) + 2:
+        return 0
+    g = _max_pool_phases(x, out, node.attrs)
+    return scratch_nbytes(((g.n, g.c, g.length), out.dtype))
+
+
+def _max_pool_phases(x, out, a):
+    nd = len(a["kernel"])
+    return _phases_cached(x.shape, x.shape[:2] + tuple(a["kernel"]), out.shape, tuple(a["stride"]),
+                          tuple(a.get("dilation") or (1,) * nd), _ceil_pads(x, out, a))
+
+
+@register("max_pool", infer=pool_infer, scratch=_max_pool_scratch)
+def make_max_pool(node, inputs, outputs):
+    """Maxima over the taps of the phase-split padded input (the depthwise conv's layout,
+    kernels/conv.py): every tap is a contiguous slice of each channel's buffer, so each
+    np.maximum runs over whole channels instead of strided output rows (a 3x3 stride-2
+    pool on 64x112x112 took 1.57 ms as strided views). Channels split over the cores."""
+    x, out = inputs[0], outputs[0]
+    if x.ndim != len(node.attrs["kernel"]) + 2:
+        return _max_pool_views(node, x, out)
     fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    copy_in, views = _taps(x, out, node.attrs, fill)
-    first, rest = views[0], views[1:]
+    g = _max_pool_phases(x, out, node.attrs)
+    buf = np.full((g.n, g.c, g.per_channel), fill, x.dtype)  # persistent: the padding stays `fill`
+    wide = scratch_array((g.n, g.c, g.length), out.dtype)
+    valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
+    wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
+    fill_phases = _phase_fill(x, buf, g, {"padding_mode": "zeros"})  # zeros: pads keep `fill`
+    threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.taps)) else 1
+    parts = []
+    for lo, hi in parallel.ranges(g.c, threads):
+        ch = slice(lo, hi)
+        taps = [buf[:, ch, t:t + g.length] for t in g.taps]
+        parts.append(chain(fill_phases(ch), _maximum_of(taps, wide[:, ch]),
+                           lambda d=out[:, ch], s=wide_valid[:, ch]: np.copyto(d, s)))
+    return parallel.split(parts)
+
+
+def _maximum_of(taps, acc):
+    first, rest = taps[0], taps[1:]
 
     def run():
-        if copy_in is not None:
-            copy_in()
-        np.copyto(out, first)
-        for v in rest:
-            np.maximum(out, v, out=out)
+        np.copyto(acc, first)
+        for t in rest:
+            np.maximum(acc, t, out=acc)
 
     return run
+
+
+def _ceil_pads(x, out, a):
+    """The explicit pads, with the ends grown where ceil_mode windows run past them."""
+    nd = len(a["kernel"])
+    k, s = a["kernel"], a["stride"]
+    d = a.get("dilation") or (1,) * nd
+    pads = list(a["pads"])
+    for i in range(nd):
+        need = (out.shape[-nd + i] - 1) * s[i] + d[i] * (k[i] - 1) + 1
+        have = x.shape[-nd + i] + pads[i] + pads[nd + i]
+        pads[nd + i] += max(0, need - have)
+    return tuple(pads)
+
+
+def _max_pool_views(node, x, out):
+    """Unbatched inputs (no channel axis to split): maxima over strided views."""
+    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
+    copy_in, views = _taps(x, out, node.attrs, fill)
+    return chain(copy_in, _maximum_of(views, out))
 
 
 def _avg_divisor(x, out, a):
