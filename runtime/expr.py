@@ -385,7 +385,14 @@ def _torch_float(result, args):
 
 def result_dtype(tree, input_dtypes):
     """dtype the expression produces for the given input dtypes (numpy promotion with
-    weak literals, true division and integer pow as torch does)."""
+    weak literals, true division and integer pow as torch does). Memoized: it evaluates
+    the tree on samples (~20-30 us), and the loader's shape-rule check asks for every
+    elementwise node, most of which share an expression and dtypes."""
+    return _result_dtype(tree, tuple(np.dtype(d) for d in input_dtypes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _result_dtype(tree, input_dtypes):
     samples = [np.ones((1,), dtype=d) for d in input_dtypes]
 
     def ev(t):

