@@ -53,13 +53,16 @@ def num_threads() -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads for BLAS, numexpr (if loaded later, it picks this up) and kernel splits."""
-    global _num_threads
+    """Threads for BLAS, numexpr (if loaded later, it picks this up) and kernel splits.
+    BLAS gets the count when a run first needs BLAS control (or blas_threads() asks):
+    finding the BLAS library reads /proc/self/maps (~0.8 ms), which session creation
+    need not pay."""
+    global _num_threads, _blas_pending
     n = int(n)
     if n < 1:
         raise ValueError(f"num_threads must be >= 1, got {n}")
     _num_threads = n
-    _set_blas_threads(n)
+    _blas_pending = True
     import sys
 
     numexpr = sys.modules.get("numexpr")
@@ -105,14 +108,21 @@ def _blas():
 
 def blas_threads():
     """BLAS's current thread count, or None when pmx found no BLAS it can drive."""
+    _apply_blas_threads()
     getter = _blas()[1]
     return getter() if getter is not None else None
 
 
-def _set_blas_threads(n):
-    setter = _blas()[0]
-    if setter is not None:
-        setter(n)
+_blas_pending = False  # set_num_threads was called and BLAS has not been told yet
+
+
+def _apply_blas_threads():
+    global _blas_pending
+    if _blas_pending:
+        _blas_pending = False
+        setter = _blas()[0]
+        if setter is not None:
+            setter(_num_threads)
 
 
 def blas_threads_controlled() -> bool:
@@ -133,6 +143,9 @@ def blas_single_threaded():
     on the core a pmx worker needs doubled the time of the step after a GEMM (measured
     on MobileNetV2's depthwise layers)."""
     global _runs_inside
+    with _runs_lock:
+        if _runs_inside == 0:
+            _apply_blas_threads()
     setter = _blas()[0] if _num_threads > 1 else None
     if setter is None:
         yield

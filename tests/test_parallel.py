@@ -71,6 +71,25 @@ def test_blas_held_at_one_thread_only_while_runs_are_inside():
         parallel.set_num_threads(before)
 
 
+@pytest.mark.skipif(not parallel.blas_threads_controlled(), reason="no BLAS pmx can drive in this process")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blas_gets_the_thread_count_at_the_first_run_not_at_load(threads):
+    """set_num_threads (InferenceSession(num_threads=)) leaves finding BLAS to the first
+    run; that run, with one configured thread or more, leaves BLAS at the count."""
+    before = parallel.num_threads()
+    try:
+        parallel._blas()[0](3)  # whatever BLAS had
+        parallel._blas.cache_clear()
+        parallel.set_num_threads(threads)
+        assert parallel._blas.cache_info().currsize == 0, "set_num_threads looked BLAS up"
+        with parallel.blas_single_threaded():
+            pass
+        assert parallel._blas()[1]() == threads
+    finally:
+        parallel.set_num_threads(before)
+        parallel.blas_threads()
+
+
 def test_gemm_split_matches_numpy(monkeypatch):
     """kernels/common.gemm by batch, columns and rows, with post() seeing each part."""
     from pmx.runtime.kernels import common
