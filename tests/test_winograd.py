@@ -104,6 +104,18 @@ def test_winograd_big_enough_to_split_by_itself(two_threads):
     assert_close(got, want, pre)
 
 
+def test_winograd_batch_in_chunks(monkeypatch):
+    """A batch whose scratch would pass CHUNK_SCRATCH_BYTES runs in chunks of images (two,
+    two, then one here), the chunks of one size sharing a phase buffer."""
+    x, w, b = signed_input((5, 6, 9, 7), 0), signed_input((4, 6, 3, 3), 1), signed_input((4,), 2)
+    per_image = winograd.winograd_scratch(None, [x[:1]], [np.empty((1, 4, 9, 7), np.float32)])
+    monkeypatch.setattr(winograd, "CHUNK_SCRATCH_BYTES", 2 * per_image + 100)
+    assert winograd._chunk(x.shape, (5, 4, 9, 7), np.float32) == 2
+    want, pre = torch_reference(x, w, b, (1, 1, 1, 1), "maximum(@0,0)")
+    for _ in range(2):
+        assert_close(run_winograd(x, w, b, (1, 1, 1, 1), "maximum(@0,0)", "winograd"), want, pre)
+
+
 def test_winograd_runs_twice_with_new_inputs():
     """The padded phases persist between runs: their borders must stay zero while the
     interior is overwritten."""

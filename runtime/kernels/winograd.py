@@ -77,8 +77,23 @@ class _Geometry:
         self.margin = self.cols + 1  # the largest shift a transform term reads past span
 
 
+# Images are transformed and multiplied in chunks whose scratch (rows combined, V, M)
+# stays under this: the GEMM columns span a chunk's images (wider GEMMs for small maps),
+# but a whole batch of 32 at 56x56 would need ~280 MB.
+CHUNK_SCRATCH_BYTES = 32 << 20
+
+
+def _chunk(x_shape, out_shape, dtype):
+    """Images per chunk: as many as fit CHUNK_SCRATCH_BYTES, at least one."""
+    one = _Geometry((1,) + tuple(x_shape[1:]), (1,) + tuple(out_shape[1:]))
+    per_image = scratch_nbytes(*_scratch_shapes(one, dtype))
+    return max(1, min(x_shape[0], CHUNK_SCRATCH_BYTES // per_image))
+
+
 def winograd_scratch(node, inputs, outputs):
-    return scratch_nbytes(*_scratch_shapes(_Geometry(inputs[0].shape, outputs[0].shape), outputs[0].dtype))
+    x, out = inputs[0], outputs[0]
+    n = _chunk(x.shape, out.shape, out.dtype)
+    return scratch_nbytes(*_scratch_shapes(_Geometry((n,) + x.shape[1:], (n,) + out.shape[1:]), out.dtype))
 
 
 def _scratch_shapes(g, dtype):
@@ -91,10 +106,29 @@ def _scratch_shapes(g, dtype):
 def make_conv_winograd(node, inputs, outputs):
     x, u, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 else None
+    n = _chunk(x.shape, out.shape, out.dtype)
+    full = _Geometry((n,) + x.shape[1:], (n,) + out.shape[1:])
+    # one scratch carve for the largest chunk; a smaller last chunk uses the front of it
+    buffers = [scratch_array((int(np.prod(shape)),), dtype) for shape, dtype in _scratch_shapes(full, out.dtype)]
+    phases = {}  # chunk size -> its phase buffer, shared by the chunks of that size
+    steps = []
+    for i0 in range(0, x.shape[0], n):
+        i1 = min(x.shape[0], i0 + n)
+        steps.append(_images(node, x[i0:i1], u, bias, out[i0:i1], buffers, phases))
+    return chain(*steps)
+
+
+def _images(node, x, u, bias, out, buffers, phase_buffers):
+    """The conv of one chunk of images: two dispatches (input transform by channels,
+    then GEMMs and output by output channels)."""
     g = _Geometry(x.shape, out.shape)
-    # persistent (not scratch): the padding between the copied-in pixels stays zero
-    phases = np.zeros((2, 2, g.span + g.margin), x.dtype)
-    rows_combined, v, m = (scratch_array(shape, dtype) for shape, dtype in _scratch_shapes(g, out.dtype))
+    # persistent (not scratch): the padding between the copied-in pixels stays zero (every
+    # chunk of a size writes the same interior positions)
+    if g.n not in phase_buffers:
+        phase_buffers[g.n] = np.zeros((2, 2, g.span + g.margin), x.dtype)
+    phases = phase_buffers[g.n]
+    rows_combined, v, m = (buf[:int(np.prod(shape))].reshape(shape)
+                           for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
     threads = 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
     if 16 * g.k * g.c * g.columns < SPLIT_MIN_MACS:
         threads = 1
