@@ -28,25 +28,9 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime import load, parallel
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
+from test_pmx_fuzz import Views
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn"
-
-
-class Views(nn.Module):
-    """Reshape/flatten views, concat slices, pooling (a bool attribute), linear, GELU (an
-    erf expression), softmax."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 4 * 4, 16)
-        self.fc2 = nn.Linear(32, 6)
-
-    def forward(self, x):
-        y = F.max_pool2d(F.relu(self.conv(x)), 2, ceil_mode=True)
-        z = self.fc(torch.flatten(y, 1))
-        w = torch.cat([F.gelu(z), torch.sigmoid(z)], dim=1)
-        return F.softmax(self.fc2(w).reshape(2, 3), dim=1)
 
 
 class Dynamic(nn.Module):
