@@ -214,6 +214,23 @@ def test_rule_picks_winograd_and_prepack_stores_transformed_weights(exporter, tm
     assert rel_error(got[0], plain) <= 1e-5
 
 
+def test_winograd_follows_dynamic_image_sizes(exporter, tmp_path):
+    """Dims 2 and 3 dynamic: conv_winograd's shape rule re-plans odd, tiny and larger
+    images (tile counts change, down to a single output)."""
+    module = ResidualPair().eval()
+    prefix = exporter("winograd_pair", module, (_rand(1, 64, 16, 16),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "d.pmx"),
+                  dynamic={"in0": {2: (1, -1), 3: (1, -1)}})
+    assert sum(op == "conv_winograd" for _, op, _ in _ops(tmp_path / "d.pmx")) == 2
+    sess = InferenceSession(str(tmp_path / "d.pmx"))
+    for seed, shape in enumerate([(2, 64, 9, 13), (1, 64, 1, 1), (1, 64, 40, 33)]):
+        x = _rand(*shape, seed=seed)
+        with torch.no_grad():
+            want = module(x).numpy()
+        (got,) = sess.run(None, {"in0": x.numpy()})
+        assert got.shape == want.shape and rel_error(got, want) <= 1e-4, shape
+
+
 def test_tune_times_winograd_for_3x3_convs(exporter, tmp_path):
     module = ResidualPair().eval()
     inputs = (_rand(1, 64, 16, 16),)
