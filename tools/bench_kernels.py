@@ -10,7 +10,8 @@ views are. The callable is what gets timed, as a session's run() calls it: insid
 parallel.blas_single_threaded(), BLAS on one thread and the kernel splitting its work
 over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
-more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col) the reference is
+more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col, also for the
+Winograd rows, which count the direct conv's FLOPs) the reference is
 the sum of those GEMMs; a depthwise conv's reference is the batched GEMV (C, 1, k*k) @
 (C, k*k, positions) its lowering runs. Both sides count the same FLOPs (2 M N K per GEMM), so bias,
 activation epilogues, softmax and im2col are overhead the pmx side pays. The attention
@@ -42,6 +43,7 @@ import numpy as np
 from pmx.compiler.canon.activation import gelu_expr
 from pmx.runtime import parallel
 from pmx.runtime.kernels import get
+from pmx.runtime.kernels.winograd import transform_weights
 
 ROUNDS = 3
 WARMUP_S = 0.2
@@ -132,6 +134,18 @@ def conv(label, cin, size, cout, k, stride=1, pad=None):
     return Case("conv", label, Node("conv", attrs, variant="gemm"), inputs, gemms)
 
 
+def winograd(label, cin, size, cout):
+    """The same 3x3 conv as Winograd F(2x2, 3x3) (conv_winograd, weights transformed as
+    prepack_weights stores them). Its reference is the direct conv's im2col GEMM, so the
+    row says how it compares with the GEMM the direct lowering needs (over 100%: faster)."""
+    attrs = dict(pads=(1,) * 4)
+    u = transform_weights(weight(cout, cin, 3, 3))
+    u.flags.writeable = False
+    inputs = [rand(1, cin, size, size), u, weight(cout)]
+    gemms = [((cout, cin * 9), (cin * 9, size * size))]
+    return Case("conv", label, Node("conv_winograd", attrs, variant="winograd"), inputs, gemms)
+
+
 def depthwise(label, c, size, k, stride=1):
     """A depthwise conv (groups = channels) as MobileNets and EfficientNet have them. Its
     GEMMs are the C GEMVs (1, k*k) @ (k*k, out positions) the depthwise lowering runs
@@ -165,6 +179,10 @@ def cases():
         conv("resnet18 128x28x28 3x3 ->128", 128, 28, 128, 3),
         conv("resnet18 256x14x14 3x3 ->256", 256, 14, 256, 3),
         conv("resnet18 512x7x7 3x3 ->512", 512, 7, 512, 3),
+        winograd("winograd 64x56x56 3x3 ->64", 64, 56, 64),
+        winograd("winograd 128x28x28 3x3 ->128", 128, 28, 128),
+        winograd("winograd 256x14x14 3x3 ->256", 256, 14, 256),
+        winograd("winograd densenet 128x28x28 3x3 ->32", 128, 28, 32),
         conv("1x1 64x56x56 ->256", 64, 56, 256, 1),
         depthwise("mobilenet_v2 32x112x112 3x3", 32, 112, 3),
         depthwise("mobilenet_v2 96x112x112 3x3 s2", 96, 112, 3, 2),
