@@ -8,7 +8,7 @@ without the split). Each candidate is bound exactly as the runtime binds it, on 
 buffers of the node's planned shapes (constants are the real weights, other inputs
 seeded random data), warmed up, then timed in alternating rounds; the median of
 TUNE_ROUNDS x TUNE_REPEATS runs decides, and the rule's choice stays unless another
-candidate beats it by more than TUNE_MARGIN.
+candidate beats it by more than TUNE_MARGIN, overall and in every round.
 A candidate that raises is skipped. Nodes with one candidate are left to the rule in
 choose_kernels. The threads are the runtime's default (the cores this process may use),
 so tune on the machine the model will run on.
@@ -53,41 +53,56 @@ def tune(graph) -> bool:
             options = candidates(node)
             if len(options) < 2:
                 continue
-            times = _time_candidates(node, options, rng)
+            times, rounds = _time_candidates(node, options, rng)
             if times:
-                chosen = _choose(times, node.variant)
+                chosen = _choose(times, node.variant, rounds)
                 report.append((node, node.variant, chosen, times))
                 node.variant = chosen
     return False
 
 
-def _choose(times, rule):
-    """The fastest candidate, unless the rule's own choice is within TUNE_MARGIN of it: on
-    a shared machine a few percent is noise, and the rule's choice is the measured
-    default."""
+def _choose(times, rule, rounds=None):
+    """The fastest candidate, unless the rule's own choice is within TUNE_MARGIN of it
+    overall or in any one round (`rounds`: per candidate, its median in each round): on a
+    shared machine a burst of load can make one candidate look faster for a while, and
+    the rule's choice is the measured default. A candidate replaces it only by winning
+    by the margin every time it was compared."""
     best = min(times, key=times.get)
-    if rule in times and times[rule] <= times[best] * (1 + TUNE_MARGIN):
+    if rule not in times or best == rule:
+        return best
+
+    def beats(t_best, t_rule):
+        return t_best * (1 + TUNE_MARGIN) < t_rule
+
+    if not beats(times[best], times[rule]):
+        return rule
+    if rounds and not all(beats(b, r) for b, r in zip(rounds[best], rounds[rule])):
         return rule
     return best
 
 
 def _time_candidates(node, options, rng):
-    """{variant: median seconds}. Candidates are timed in alternating rounds, so a burst of
-    load from elsewhere lands on all of them rather than on one."""
+    """({variant: median seconds}, {variant: [median seconds of each round]}). Candidates
+    are timed in alternating rounds, so a burst of load from elsewhere lands on all of
+    them rather than on one."""
     runs = {v: _bind(node, v, rng) for v in options}
     runs = {v: r for v, r in runs.items() if r is not None}
     samples = {v: [] for v in runs}
+    rounds = {v: [] for v in runs}
     with np.errstate(all="ignore"):
         for _ in range(TUNE_WARMUP):
             for run in runs.values():
                 run()
         for _ in range(TUNE_ROUNDS):
             for v, run in runs.items():
+                this_round = []
                 for _ in range(TUNE_REPEATS):
                     t0 = time.perf_counter()
                     run()
-                    samples[v].append(time.perf_counter() - t0)
-    return {v: float(np.median(s)) for v, s in samples.items()}
+                    this_round.append(time.perf_counter() - t0)
+                samples[v] += this_round
+                rounds[v].append(float(np.median(this_round)))
+    return {v: float(np.median(s)) for v, s in samples.items()}, rounds
 
 
 def _operands(node, rng):
