@@ -16,8 +16,7 @@ offset and size is checked against the file and the data section, every tensor i
 node names against the tensor table, every shape for sign, rank and overflow, the stored
 order, arena offsets, alias chains and extents, expression strings (parsed by
 runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
-against its op's shape rule (run once per distinct op, attributes and input shapes;
-InferenceSession runs this last check before its first binding instead, see there). A
+against its op's shape rule (run once per distinct op, attributes and input shapes). A
 failure names the first tensor or node that fails. Any failure raises PmxFormatError
 naming the field and the values found; sizes beyond the configured limits raise
 PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
@@ -821,11 +820,8 @@ def check_shape_rules(model):
     output shapes. Kernels size their scratch buffers (padding, im2col) from attributes;
     this ties the attributes to shapes already checked against the arena, so a damaged
     padding or stride is refused here instead of becoming a huge allocation at bind.
-    It needs a model the rest of the verifier passed (open_model runs it last unless
-    told not to). Of all checks it alone runs per-op code (the rules): it is most of the
-    verification time, and what it guards is binding, so InferenceSession runs it just
-    before its first binding rather than at load.
-    A rule reads only the op, attributes, expression, variant and input shapes and
+    It needs a model the rest of the verifier passed (open_model runs it last). Of all
+    checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only the op, attributes, expression, variant and input shapes and
     dtypes, so a node that repeats all of them (the blocks of a CNN stage, the layers of
     a transformer) reuses the first one's result. Nodes are first told apart by op and
     inputs, each input as a small int standing for its (shape, dtype); only nodes that
@@ -886,8 +882,3 @@ def _wrap_constants(model, buf, pre):
     base, constant = pre["data_offset"], fb.TensorKind.Constant
     model.constants.update((i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
                            for i, t in enumerate(model.tensors) if t.kind == constant)
-
-
-def resolve_alias(model, i):
-    """(root tensor index, byte offset into the root) of tensor i (resolved at load)."""
-    return model.roots[i]

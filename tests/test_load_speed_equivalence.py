@@ -341,7 +341,7 @@ def test_maps_scan_finds_what_splitting_every_line_finds(monkeypatch, hints):
         assert len(parallel._loaded_libraries()) > 3  # the comparison saw real libraries
 
 
-# --- the shape-rule check, run before the first binding ----------------------------------
+# --- the shape-rule check, at load ----------------------------------------------------------
 
 
 def _with_conv_stride(data, stride):
