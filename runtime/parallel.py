@@ -2,14 +2,14 @@
 
 numpy's ufuncs and copies release the GIL, so a kernel that is a sequence of ufunc calls
 (depthwise convolution, im2col copies, big elementwise passes) can run its halves on two
-cores at once (kernels/common.gemm splits GEMMs the same way). `split(parts)` turns a list of callables, each covering a disjoint slice
-of the work, into one callable that runs part 0 on the calling thread and the others on
-persistent worker threads. A dispatch costs about 35 us here (thread wake-up and GIL
+cores at once (kernels/common.gemm splits GEMMs the same way). `split(parts)` turns a
+list of callables, each covering a disjoint slice of the work, into one callable that
+runs part 0 on the calling thread and the others on persistent worker threads. A dispatch costs about 35 us here (thread wake-up and GIL
 hand-off), so kernels split only work measured to take well over that
 (`worth_splitting`).
 
 The thread count is process-wide, as BLAS's and numexpr's are: set_num_threads(n) sets
-all three (InferenceSession(..., num_threads=n) calls it). The default is the number of
+all three, BLAS's when the next run starts (InferenceSession(..., num_threads=n) calls it). The default is the number of
 cores this process may run on. BLAS is found among the libraries loaded in this process
 (numpy's bundled OpenBLAS, or MKL) and driven through its own C entry point; when none
 is found, BLAS keeps its own default and `blas_threads_controlled()` says False.
@@ -81,9 +81,9 @@ def _loaded_libraries():
             text = f.read().decode(errors="surrogateescape")
     except OSError:
         return []
-    lines = [line for line in text.splitlines() if any(h in line.lower() for h in _BLAS_LIB_HINTS)]
     # fields: address perms offset dev inode path
-    paths = {line.split(None, 5)[5].strip() for line in lines if len(line.split(None, 5)) == 6 and "/" in line}
+    fields = [line.split(None, 5) for line in text.splitlines() if any(h in line.lower() for h in _BLAS_LIB_HINTS)]
+    paths = {f[5].strip() for f in fields if len(f) == 6 and "/" in f[5]}
     return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS))
 
 
@@ -146,14 +146,14 @@ def blas_single_threaded():
     with _runs_lock:
         if _runs_inside == 0:
             _apply_blas_threads()
-    setter = _blas()[0] if _num_threads > 1 else None
+        setter = _blas()[0] if _num_threads > 1 else None
+        if setter is not None:
+            if _runs_inside == 0:
+                setter(1)
+            _runs_inside += 1
     if setter is None:
         yield
         return
-    with _runs_lock:
-        if _runs_inside == 0:
-            setter(1)
-        _runs_inside += 1
     try:
         yield
     finally:
