@@ -218,7 +218,7 @@ def test_depthwise_channel_blocks_match_torch(c):
     attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
     out_spatial = tuple(conv.conv_out_size(c["size"][i], c["k"][i], c["stride"][i], c["dilation"][i], c["pads"][i],
                                            c["pads"][nd + i]) for i in range(nd))
-    g = conv._Phases.of(x, w, np.empty((c["batch"], c["c"]) + out_spatial), attrs)
+    g = conv._phases(x, w, np.empty((c["batch"], c["c"]) + out_spatial), attrs)
     before = conv.DEPTHWISE_BLOCK_BYTES
     conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
     try:

@@ -1,5 +1,9 @@
 """Helpers shared by kernel families."""
 
+import functools
+import itertools
+import math
+
 import numpy as np
 
 from pmx.runtime import expr as E
@@ -197,3 +201,114 @@ def fill_border(buf, pads, sizes, mode):
 
 def conv_out_size(n, k, s, d, pb, pe):
     return (n + pb + pe - d * (k - 1) - 1) // s + 1
+
+
+# --- phase-split padded input ----------------------------------------------------------
+
+
+class Phases:
+    """Geometry of an input padded and split into stride phases, flattened per channel,
+    so that every kernel tap is one contiguous slice of each channel's buffer at a fixed
+    offset and a kernel computes a "wide" output (rows as long as the phase rows, the
+    extra columns discarded). The depthwise conv (kernels/conv.py) and max pooling
+    (kernels/pool.py) run on it.
+
+    For stride s and dilation d along a dim, tap t reads padded rows t*d + s*y: phase
+    (t*d) % s at phase row (t*d)//s + y. Each phase holds ceil(P/s) rows of the padded
+    size P. Per channel, all phases lie one after another, each flattened, followed by
+    a margin so the last tap's slice of the wide output stays inside the buffer.
+    The taps reading one phase form a regular grid (along a dim, every s/gcd(s, d)-th
+    tap, at phase rows d/gcd(s, d) apart), so one strided view copies a whole grid's
+    columns: `grids` holds (first buffer offset, buffer step per dim, first tap per dim,
+    tap step per dim, taps per dim) for each.
+    Built once per shape by `phases` (scratch sizing and make() both ask)."""
+
+    def __init__(self, x_shape, kernel, out_shape, stride, dilation, pads):
+        nd = len(kernel)
+        self.n, self.c = x_shape[:2]
+        self.k = tuple(kernel)
+        self.stride, self.dilation, self.pads = stride, dilation, pads
+        self.in_spatial, self.out_spatial = tuple(x_shape[2:]), tuple(out_shape[2:])
+        self.padded = tuple(self.in_spatial[i] + pads[i] + pads[nd + i] for i in range(nd))
+        self.rows = tuple(-(-self.padded[i] // stride[i]) for i in range(nd))  # per phase
+        self.phase_size = math.prod(self.rows)
+        row_strides = tuple(math.prod(self.rows[i + 1:]) for i in range(nd))
+        self.wide = self.out_spatial[:1] + self.rows[1:]
+        self.length = math.prod(self.wide)  # wide output elements per channel
+        self.phases = list(np.ndindex(*stride))
+        self.taps = []  # flat offset of each kernel tap's slice in a channel's buffer
+        for tap in np.ndindex(*self.k):
+            r = tuple(tap[i] * dilation[i] for i in range(nd))
+            phase = self.phases.index(tuple(r[i] % stride[i] for i in range(nd)))
+            offset = sum((r[i] // stride[i]) * row_strides[i] for i in range(nd))
+            self.taps.append(phase * self.phase_size + offset)
+        stored = len(self.phases) * self.phase_size
+        self.per_channel = stored + max(0, max(self.taps) + self.length - stored)
+        self.grids = []
+        runs = [_tap_runs(self.k[i], stride[i], dilation[i]) for i in range(nd)]
+        for combo in itertools.product(*runs):
+            phase = self.phases.index(tuple(r[0] for r in combo))
+            first = tuple(r[1] for r in combo)
+            offset = phase * self.phase_size + sum((first[i] * dilation[i] // stride[i]) * row_strides[i]
+                                                   for i in range(nd))
+            steps = tuple((combo[i][2] * dilation[i] // stride[i]) * row_strides[i] for i in range(nd))
+            self.grids.append((offset, steps, first, tuple(r[2] for r in combo), tuple(r[3] for r in combo)))
+
+
+def _tap_runs(k, s, d):
+    """Per phase of one dim: (phase, first tap, tap step, taps) of the taps reading it."""
+    runs = []
+    for p in range(s):
+        taps = [t for t in range(k) if t * d % s == p]
+        if taps:
+            runs.append((p, taps[0], s // math.gcd(s, d), len(taps)))
+    return runs
+
+
+@functools.lru_cache(maxsize=256)
+def _phases_cached(x_shape, kernel, out_shape, stride, dilation, pads):
+    return Phases(x_shape, kernel, out_shape, stride, dilation, pads)
+
+
+def phases(x_shape, kernel, out_shape, stride, dilation, pads):
+    """The Phases of this geometry (memoized)."""
+    return _phases_cached(tuple(x_shape), tuple(kernel), tuple(out_shape), tuple(stride), tuple(dilation),
+                          tuple(pads))
+
+
+def phase_fill(x, buf, g, mode="zeros"):
+    """fill(channel slice) -> callable copying the input into the phase buffer `buf`
+    (g: its Phases). With "zeros" each phase takes its rows straight from x and the
+    padding keeps whatever `buf` was created with (zeros for a conv, the lowest value for
+    max pooling); other padding modes build the padded input first (one per-node buffer)
+    and split that."""
+    nd = len(g.k)
+    phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
+                   for p in range(len(g.phases))]
+    if mode == "zeros":
+        src, begins = x, g.pads[:nd]
+    else:
+        padded, interior = padded_buffer(x.shape, g.pads, x.dtype, 0)
+        src, begins = padded, (0,) * nd
+    pairs = []
+    for phase, dst in zip(g.phases, phase_views):
+        d_idx, s_idx = [], []
+        for i in range(nd):
+            # padded row p = phase + stride*q lies in src at p - begin; keep q whose row exists
+            r, s, begin, size = phase[i], g.stride[i], begins[i], src.shape[2 + i]
+            q0 = max(0, -(-(begin - r) // s))
+            q1 = min(g.rows[i], (begin + size - 1 - r) // s + 1)
+            d_idx.append(slice(q0, max(q0, q1)))
+            s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
+        pairs.append((dst, tuple(d_idx), tuple(s_idx)))
+
+    def fill(ch):
+        copies = [(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
+        steps = [lambda d=d, s=s: np.copyto(d, s) for d, s in copies]
+        if src is not x:
+            interior_ch, x_ch = interior[:, ch], x[:, ch]
+            border = fill_border(padded[:, ch], g.pads, g.in_spatial, mode)
+            steps = [lambda: np.copyto(interior_ch, x_ch), border] + steps
+        return chain(*steps)
+
+    return fill

@@ -48,10 +48,6 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             speed (96x112x112 stride 2: ~40% of the time is the phase split).
 """
 
-import functools
-import itertools
-import math
-
 import numpy as np
 
 from pmx.runtime import parallel
@@ -67,6 +63,8 @@ from pmx.runtime.kernels.common import (
     gemm_post,
     node_threads,
     padded_buffer,
+    phase_fill,
+    phases,
     view_as,
 )
 
@@ -141,7 +139,7 @@ def _is_pointwise(x, w, a):
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
     if _variant(node, w) == "depthwise":
-        return scratch_nbytes(*_depthwise_scratch(node, _Phases.of(x, w, out, node.attrs), out.dtype))
+        return scratch_nbytes(*_depthwise_scratch(node, _phases(x, w, out, node.attrs), out.dtype))
     if _is_pointwise(x, w, node.attrs):
         return 0
     return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
@@ -250,66 +248,8 @@ DEPTHWISE_BLOCK_BYTES = 1 << 20
 DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 19
 
 
-class _Phases:
-    """Geometry of the phase-split padded input (see the module docstring).
-
-    For stride s and dilation d along a dim, tap t reads padded rows t*d + s*y: phase
-    (t*d) % s at phase row (t*d)//s + y. Each phase holds ceil(P/s) rows of the padded
-    size P. Per channel, all phases lie one after another, each flattened, followed by
-    a margin so the last tap's slice of the wide output stays inside the buffer.
-    The taps reading one phase form a regular grid (along a dim, every s/gcd(s, d)-th
-    tap, at phase rows d/gcd(s, d) apart), so one strided view copies a whole grid's
-    columns: `grids` holds (first buffer offset, buffer step per dim, first tap per dim,
-    tap step per dim, taps per dim) for each.
-    Built once per shape (scratch sizing and make() both ask)."""
-
-    @classmethod
-    def of(cls, x, w, out, a):
-        return _phases_cached(x.shape, w.shape, out.shape, tuple(a["stride"]), tuple(a["dilation"]), tuple(a["pads"]))
-
-    def __init__(self, x_shape, w_shape, out_shape, stride, dilation, pads):
-        nd = len(w_shape) - 2
-        self.n, self.c = x_shape[:2]
-        self.k = tuple(w_shape[2:])
-        self.stride, self.dilation, self.pads = stride, dilation, pads
-        self.in_spatial, self.out_spatial = tuple(x_shape[2:]), tuple(out_shape[2:])
-        self.padded = tuple(self.in_spatial[i] + pads[i] + pads[nd + i] for i in range(nd))
-        self.rows = tuple(-(-self.padded[i] // stride[i]) for i in range(nd))  # per phase
-        self.phase_size = math.prod(self.rows)
-        row_strides = tuple(math.prod(self.rows[i + 1:]) for i in range(nd))
-        self.wide = self.out_spatial[:1] + self.rows[1:]
-        self.length = math.prod(self.wide)  # wide output elements per channel
-        self.phases = list(np.ndindex(*stride))
-        self.taps = []  # flat offset of each kernel tap's slice in a channel's buffer
-        for tap in np.ndindex(*self.k):
-            r = tuple(tap[i] * dilation[i] for i in range(nd))
-            phase = self.phases.index(tuple(r[i] % stride[i] for i in range(nd)))
-            offset = sum((r[i] // stride[i]) * row_strides[i] for i in range(nd))
-            self.taps.append(phase * self.phase_size + offset)
-        stored = len(self.phases) * self.phase_size
-        self.per_channel = stored + max(0, max(self.taps) + self.length - stored)
-        self.grids = []
-        runs = [_tap_runs(self.k[i], stride[i], dilation[i]) for i in range(nd)]
-        for combo in itertools.product(*runs):
-            phase = self.phases.index(tuple(r[0] for r in combo))
-            first = tuple(r[1] for r in combo)
-            offset = phase * self.phase_size + sum((first[i] * dilation[i] // stride[i]) * row_strides[i]
-                                                   for i in range(nd))
-            steps = tuple((combo[i][2] * dilation[i] // stride[i]) * row_strides[i] for i in range(nd))
-            self.grids.append((offset, steps, first, tuple(r[2] for r in combo), tuple(r[3] for r in combo)))
-
-
-def _tap_runs(k, s, d):
-    """Per phase of one dim: (phase, first tap, tap step, taps) of the taps reading it."""
-    runs = []
-    for p in range(s):
-        taps = [t for t in range(k) if t * d % s == p]
-        if taps:
-            runs.append((p, taps[0], s // math.gcd(s, d), len(taps)))
-    return runs
-
-
-_phases_cached = functools.lru_cache(maxsize=256)(_Phases)
+def _phases(x, w, out, a):
+    return phases(x.shape, w.shape[2:], out.shape, a["stride"], a["dilation"], a["pads"])
 
 
 def _depthwise_plan(node, g, dtype):
@@ -331,7 +271,7 @@ def _depthwise_scratch(node, g, dtype):
 
 def _depthwise(node, x, w, b, out):
     a = node.attrs
-    g = _Phases.of(x, w, out, a)
+    g = _phases(x, w, out, a)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
@@ -340,7 +280,7 @@ def _depthwise(node, x, w, b, out):
     weights = w.reshape(g.c, 1, -1)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
-    fill = _phase_fill(x, buf, g, a)
+    fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
@@ -388,42 +328,3 @@ def _copy_out(wide_valid, out, b):
         return lambda: np.copyto(out, wide_valid)
     bview = b.reshape((-1,) + (1,) * (out.ndim - 2))
     return lambda: np.add(wide_valid, bview, out=out)
-
-
-def _phase_fill(x, buf, g, a):
-    """fill(channel slice) -> callable copying the input into the phase buffers. With
-    zero padding each phase takes its rows straight from x; other padding modes build
-    the padded input first (one per-node buffer) and split that."""
-    nd = len(g.k)
-    phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
-                   for p in range(len(g.phases))]
-    if a.get("padding_mode", "zeros") == "zeros":
-        src, begins = x, g.pads[:nd]
-    else:
-        padded, interior = padded_buffer(x.shape, g.pads, x.dtype, 0)
-        border = _border_step(padded, a, g.in_spatial)
-        src, begins = padded, (0,) * nd
-    pairs = []
-    for phase, dst in zip(g.phases, phase_views):
-        d_idx, s_idx = [], []
-        for i in range(nd):
-            # padded row p = phase + stride*q lies in src at p - begin; keep q whose row exists
-            r, s, begin, size = phase[i], g.stride[i], begins[i], src.shape[2 + i]
-            q0 = max(0, -(-(begin - r) // s))
-            q1 = min(g.rows[i], (begin + size - 1 - r) // s + 1)
-            d_idx.append(slice(q0, max(q0, q1)))
-            s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
-        pairs.append((dst, tuple(d_idx), tuple(s_idx)))
-
-    def fill(ch):
-        copies = [(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
-        steps = [lambda d=d, s=s: np.copyto(d, s) for d, s in copies]
-        if src is not x:
-            interior_ch, x_ch = interior[:, ch], x[:, ch]
-            steps = [lambda: np.copyto(interior_ch, x_ch), border_ch(ch)] + steps
-        return chain(*steps)
-
-    def border_ch(ch):
-        return None if border is None else fill_border(padded[:, ch], g.pads, g.in_spatial, a["padding_mode"])
-
-    return fill

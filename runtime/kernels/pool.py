@@ -12,8 +12,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, padded_buffer, view_as
-from pmx.runtime.kernels.conv import _phase_fill, _phases_cached
+from pmx.runtime.kernels.common import chain, padded_buffer, phase_fill, phases, view_as
 from pmx.runtime.kernels.reduce import trailing_reduction
 
 
@@ -67,26 +66,29 @@ def _max_pool_scratch(node, inputs, outputs):
 
 def _max_pool_phases(x, out, a):
     nd = len(a["kernel"])
-    return _phases_cached(x.shape, x.shape[:2] + tuple(a["kernel"]), out.shape, tuple(a["stride"]),
-                          tuple(a.get("dilation") or (1,) * nd), _ceil_pads(x, out, a))
+    return phases(x.shape, a["kernel"], out.shape, a["stride"], a.get("dilation") or (1,) * nd, _ceil_pads(x, out, a))
+
+
+def _lowest(dtype):
+    """The padding value of max pooling."""
+    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
 @register("max_pool", infer=pool_infer, scratch=_max_pool_scratch)
 def make_max_pool(node, inputs, outputs):
-    """Maxima over the taps of the phase-split padded input (the depthwise conv's layout,
-    kernels/conv.py): every tap is a contiguous slice of each channel's buffer, so each
+    """Maxima over the taps of the phase-split padded input (common.Phases, the depthwise
+    conv's layout): every tap is a contiguous slice of each channel's buffer, so each
     np.maximum runs over whole channels instead of strided output rows (a 3x3 stride-2
     pool on 64x112x112 took 1.57 ms as strided views). Channels split over the cores."""
     x, out = inputs[0], outputs[0]
     if x.ndim != len(node.attrs["kernel"]) + 2:
         return _max_pool_views(node, x, out)
-    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
     g = _max_pool_phases(x, out, node.attrs)
-    buf = np.full((g.n, g.c, g.per_channel), fill, x.dtype)  # persistent: the padding stays `fill`
+    buf = np.full((g.n, g.c, g.per_channel), _lowest(x.dtype), x.dtype)  # persistent: the padding stays
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
-    fill_phases = _phase_fill(x, buf, g, {"padding_mode": "zeros"})  # zeros: pads keep `fill`
+    fill_phases = phase_fill(x, buf, g)  # copies the interior only: the padding keeps its value
     threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.taps)) else 1
     parts = []
     for lo, hi in parallel.ranges(g.c, threads):
@@ -123,8 +125,7 @@ def _ceil_pads(x, out, a):
 
 def _max_pool_views(node, x, out):
     """Unbatched inputs (no channel axis to split): maxima over strided views."""
-    fill = -np.inf if x.dtype.kind == "f" else np.iinfo(x.dtype).min
-    copy_in, views = _taps(x, out, node.attrs, fill)
+    copy_in, views = _taps(x, out, node.attrs, _lowest(x.dtype))
     return chain(copy_in, _maximum_of(views, out))
 
 
