@@ -29,14 +29,25 @@ def winograd_applies(node) -> bool:
             and len(node.inputs) <= 3 and all(p >= 0 for p in a["pads"]))
 
 
+def packed(node, variant, weight):
+    """(op, weight array) the runtime runs `node` with under `variant`: conv_winograd and
+    the transformed weight for a Winograd conv, else the node's op and `weight` as they
+    are. prepack_weights stores this; --tune times candidates with it."""
+    if node.op == "conv" and variant.startswith(WINOGRAD) and winograd_applies(node):
+        return "conv_winograd", transform_weights(weight)
+    return node.op, weight
+
+
 def prepack_weights(graph) -> bool:
     changed = False
     for node in graph.nodes:
-        if node.op == "conv" and node.variant.startswith(WINOGRAD) and winograd_applies(node):
-            w = node.inputs[1]
-            u = transform_weights(w.data)
-            graph.set_input(node, 1, Value(f"{node.name}.weight_winograd", u.shape, w.dtype, data=u))
-            node.op = "conv_winograd"
+        if not winograd_applies(node):
+            continue
+        w = node.inputs[1]
+        op, data = packed(node, node.variant, w.data)
+        if op != node.op:  # the variant is Winograd
+            graph.set_input(node, 1, Value(f"{node.name}.weight_winograd", data.shape, w.dtype, data=data))
+            node.op = op
             node.attrs = {"pads": tuple(node.attrs["pads"])}
             changed = True
     return changed

@@ -20,11 +20,10 @@ import time
 
 import numpy as np
 
-from pmx.compiler.passes.prepack_weights import WINOGRAD, winograd_applies
+from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
 from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
 from pmx.runtime.kernels.common import SINGLE_THREAD
-from pmx.runtime.kernels.winograd import transform_weights
 
 TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
 TUNE_ROUNDS = 3
@@ -128,8 +127,8 @@ def _bind(node, variant, rng):
     try:
         ins, outs = _operands(node, rng)
         op = node.op
-        if op == "conv" and variant.startswith(WINOGRAD):  # as prepack_weights will store it
-            op, ins[1] = "conv_winograd", transform_weights(ins[1])
+        if len(ins) > 1 and ins[1] is not None:  # the weight as prepack_weights will store it
+            op, ins[1] = packed(node, variant, ins[1])
         run = get(op).make(node, ins, outs)
         if run is not None:
             with np.errstate(all="ignore"):
