@@ -543,7 +543,10 @@ def _as_clip(t):
 
 # np.clip is a Python wrapper around this ufunc that costs ~2-3 us per call, most of a
 # small relu (squeeze-and-excitation vectors); the ufunc itself is not public API.
-_CLIP = getattr(getattr(np, "_core", None) and np._core.umath, "clip", None) or np.clip
+try:
+    from numpy._core.umath import clip as _CLIP
+except ImportError:  # another numpy layout: the public wrapper
+    _CLIP = np.clip
 
 
 def _clip_step(x, bounds, target):

@@ -38,7 +38,6 @@ def make_linear(node, inputs, outputs):
         x2, out2 = view_as(x, (int(np.prod(x.shape[:-1])), x.shape[-1])), view_as(out, (int(np.prod(out.shape[:-1])), out.shape[-1]))
     else:
         x2, out2 = x, out
-
     return gemm(x2, wt, out2, post=gemm_post(node, b))
 
 
