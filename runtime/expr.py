@@ -598,7 +598,7 @@ def _numexpr_compiler():
 
     from pmx.runtime import parallel
 
-    numexpr.set_num_threads(parallel.num_threads())
+    numexpr.set_num_threads(parallel.numexpr_threads())
     return NumExpr, getType
 
 

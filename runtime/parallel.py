@@ -4,9 +4,10 @@ numpy's ufuncs and copies release the GIL, so a kernel that is a sequence of ufu
 (depthwise convolution, im2col copies, big elementwise passes) can run its halves on two
 cores at once (kernels/common.gemm splits GEMMs the same way). `split(parts)` turns a
 list of callables, each covering a disjoint slice of the work, into one callable that
-runs part 0 on the calling thread and the others on persistent worker threads. A dispatch costs about 35 us here (thread wake-up and GIL
-hand-off), so kernels split only work measured to take well over that
-(`worth_splitting`).
+runs part 0 on the calling thread and the others on persistent worker threads, which
+spin for parts while runs are inside (`running()`; see the workers section). A dispatch
+then costs about 5-40 us here (GIL hand-off), so kernels split only work measured to
+take well over that (`worth_splitting`).
 
 The thread count is process-wide, as BLAS's and numexpr's are: set_num_threads(n) sets
 all three, BLAS's when the next run starts (InferenceSession(..., num_threads=n) calls it). The default is the number of
@@ -21,6 +22,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import sys
 import threading
 
 # below this many elements touched, a split's dispatch costs more than the second core saves
@@ -63,8 +65,18 @@ def set_num_threads(n: int) -> None:
         raise ValueError(f"num_threads must be >= 1, got {n}")
     _num_threads = n
     _blas_pending = True
-    import sys
 
+    if not _runs_holding_workers:
+        _set_numexpr_threads(n)
+
+
+def numexpr_threads() -> int:
+    """The thread count numexpr should have now: 1 inside runs (see running())."""
+    return 1 if _runs_holding_workers else _num_threads
+
+
+def _set_numexpr_threads(n):
+    """numexpr's thread count, if a model has imported numexpr."""
     numexpr = sys.modules.get("numexpr")
     if numexpr is not None:
         numexpr.set_num_threads(n)
@@ -203,36 +215,170 @@ def split(parts):
     return run
 
 
-class _Worker:
-    """A daemon thread running one callable per start()/wait() pair."""
+# --- workers ---------------------------------------------------------------------------
+#
+# A worker that sleeps between parts pays the kernel's wake-up, and on a VM whose idle
+# vCPU halts that is the vCPU's too: a split of two no-op parts cost 24 us hot, 117 us
+# after 5 ms of the caller's own work and 162 us after 20 ms (this 2-core Firecracker
+# VM). Inside run() a split comes every 0.1-1 ms, so most paid the slow case: two halves
+# of a 960x160 @ 160x49 GEMM took 240 us after other work against 196 us for the whole
+# on one thread. So inside runs (`running()`) workers wait for parts spinning on a libc
+# spinlock through ctypes, which releases the GIL while it spins: the same split took
+# 4-12 us hot and 12-40 us after 20 ms, and the halved GEMM 154 us. Outside runs they
+# sleep, burning no CPU between runs (as onnxruntime's spinning pool does, a run keeps
+# one core per extra thread busy). Without pthread spinlocks (not glibc/Linux) workers
+# always sleep.
+
+
+def _spinlock_functions():
+    """(lock, unlock, init) of libc's pthread spinlocks taking an address, or None."""
+    try:
+        libc = ctypes.CDLL(None)
+        fns = libc.pthread_spin_lock, libc.pthread_spin_unlock, libc.pthread_spin_init
+    except (OSError, AttributeError):
+        return None
+    for f in fns:
+        f.argtypes, f.restype = [ctypes.c_void_p] + ([ctypes.c_int] if f is fns[2] else []), ctypes.c_int
+    return fns
+
+
+class _Spinlock:
+    """A pthread spinlock, created held. wait() spins (GIL released) until another
+    thread's post(), and takes it again for the next round."""
+
+    def __init__(self, fns):
+        lock, unlock, init = fns
+        self._cell = ctypes.c_int(0)
+        address = ctypes.addressof(self._cell)
+        init(address, 0)
+        lock(address)
+        self.wait = functools.partial(lock, address)
+        self.post = functools.partial(unlock, address)
+
+
+class _Signal:
+    """The sleeping stand-in for _Spinlock: a raw lock created held."""
 
     def __init__(self):
-        self._go = threading.Semaphore(0)
-        self._done = threading.Semaphore(0)
-        self._fn = None
-        self._error = None
-        self._lock = threading.Lock()  # one caller at a time (sessions run on many threads)
+        lock = threading.Lock()
+        lock.acquire()
+        self.wait, self.post = lock.acquire, lock.release
+
+
+_PARK = object()  # the part that sends an awake worker back to sleep
+
+
+class _Worker:
+    """A daemon thread running one callable per start()/wait() pair. While `awake` it
+    waits for parts on `_go` (a spinlock, so it spins); otherwise it sleeps on `_wake`.
+    running() wakes it when the first run enters and parks it when the last leaves;
+    start() wakes a parked worker for one part (a split outside any run) or, inside
+    runs, until the last run leaves."""
+
+    def __init__(self):
+        spin = _spin()
+        self._go, self._done = (_Spinlock(spin), _Spinlock(spin)) if spin else (_Signal(), _Signal())
+        self._wake = _Signal()
+        self._fn = self._error = None
+        self.awake = False
+        self._one_part = False  # woken for one split outside a run: sleep again after it
+        self.lock = threading.Lock()  # one caller at a time (sessions run on many threads)
         threading.Thread(target=self._loop, daemon=True, name="pmx-worker").start()
 
     def _loop(self):
         while True:
-            self._go.acquire()
-            try:
-                self._fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._error = e
-            self._done.release()
+            self._wake.wait()
+            while True:
+                self._go.wait()
+                fn = self._fn
+                if fn is not _PARK:
+                    try:
+                        fn()
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        self._error = e
+                self._done.post()
+                if fn is _PARK:
+                    break
 
     def start(self, fn):
-        self._lock.acquire()
+        self.lock.acquire()
+        if not self.awake:
+            self.unpark()
+            self._one_part = _runs_holding_workers == 0
         self._fn, self._error = fn, None
-        self._go.release()
+        self._go.post()
 
     def wait(self):
-        self._done.acquire()
+        self._done.wait()
         error, self._fn, self._error = self._error, None, None
-        self._lock.release()
+        if self._one_part:
+            self.park()
+        self.lock.release()
         return error
+
+    def unpark(self):
+        """(caller holds self.lock)"""
+        self._wake.post()
+        self.awake, self._one_part = True, False
+
+    def park(self):
+        """(caller holds self.lock) Sends the worker back to sleep once it has taken the
+        message, so a later unpark() cannot race with it."""
+        self._fn = _PARK
+        self._go.post()
+        self._done.wait()
+        self._fn, self.awake, self._one_part = None, False, False
+
+
+@functools.cache
+def _spin():
+    return None if os.environ.get("PMX_NO_SPIN") else _spinlock_functions()
+
+
+_runs_holding_workers = 0  # runs (on any thread) inside running()
+
+
+@contextlib.contextmanager
+def running():
+    """What a session's run() holds: BLAS on one thread (blas_single_threaded), numexpr
+    on one thread, and pmx's workers spinning for parts (see the note above
+    _spinlock_functions), until the last concurrent run leaves. numexpr's own pool
+    would share a core with a spinning worker (the scheduler slices them by the
+    millisecond), so numexpr programs are split over pmx's threads like numpy ones."""
+    global _runs_holding_workers
+    with blas_single_threaded():
+        with _workers_lock:
+            _runs_holding_workers += 1
+            first = _runs_holding_workers == 1
+            workers = list(_workers) if first and _spin() and _num_threads > 1 else []
+            if first:
+                _set_numexpr_threads(1)
+        for w in workers:
+            with w.lock:
+                if not w.awake:
+                    w.unpark()
+        try:
+            yield
+        finally:
+            with _workers_lock:
+                _runs_holding_workers -= 1
+                workers = list(_workers) if _runs_holding_workers == 0 else []
+                if not _runs_holding_workers:
+                    _set_numexpr_threads(_num_threads)
+            for w in workers:
+                with w.lock:
+                    if w.awake:
+                        w.park()
+
+
+def _forget_workers():
+    """In a forked child the workers' threads do not exist: start afresh."""
+    global _workers, _runs_holding_workers
+    _workers, _runs_holding_workers = [], 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _get_workers(n):

@@ -313,7 +313,7 @@ class InferenceSession:
         steps = self._steps_for(binding, wanted)
         step = None
         try:
-            with np.errstate(all="ignore"), parallel.blas_single_threaded():
+            with np.errstate(all="ignore"), parallel.running():
                 for step in steps:
                     step()
         except PmxError:
@@ -343,7 +343,7 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"), parallel.blas_single_threaded():
+        with np.errstate(all="ignore"), parallel.running():
             for _ in range(repeat):
                 for j, step in enumerate(binding.steps):
                     if step is None:

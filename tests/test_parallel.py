@@ -43,6 +43,73 @@ def test_split_runs_every_part_and_raises_after_all_finish():
     ok()  # the workers are free again after a failure
 
 
+@pytest.fixture(params=["spin", "sleep"])
+def worker_mode(request, monkeypatch):
+    """Workers that spin on libc spinlocks inside runs, and the sleeping kind used where
+    there are none (PMX_NO_SPIN=1 or not glibc): fresh workers of that kind."""
+    if request.param == "spin" and parallel._spinlock_functions() is None:
+        pytest.skip("no pthread spinlocks in this libc")
+    if request.param == "sleep":
+        monkeypatch.setenv("PMX_NO_SPIN", "1")
+    parallel._spin.cache_clear()
+    monkeypatch.setattr(parallel, "_workers", [])
+    monkeypatch.setattr(parallel, "_num_threads", 3)
+    yield request.param
+    parallel._spin.cache_clear()
+
+
+def test_workers_spin_only_while_runs_are_inside(worker_mode):
+    """A split outside any run wakes its workers for that one split; inside running()
+    they stay awake (spinning ones from the run's start, sleeping ones from their first
+    part) until the last of two overlapping runs leaves; every part runs exactly once
+    either way, and an error still surfaces after all parts."""
+    done = []
+    split = parallel.split([lambda i=i: done.append(i) for i in range(3)])
+    split()
+    assert sorted(done) == [0, 1, 2]
+    workers = parallel._get_workers(2)
+    assert not any(w.awake for w in workers), "a split outside a run left a worker awake"
+    with parallel.running():
+        assert all(w.awake for w in workers) == (worker_mode == "spin")
+        with parallel.running():
+            for _ in range(50):
+                split()
+        assert all(w.awake for w in workers), "parked while a run was inside"
+        failing = parallel.split([lambda: None, lambda: 1 / 0])
+        with pytest.raises(ZeroDivisionError):
+            failing()
+        split()
+    assert not any(w.awake for w in workers)
+    assert sorted(done) == sorted(list(range(3)) * 52)
+
+
+def test_runs_on_two_threads_share_the_workers(worker_mode):
+    """Two threads inside running() at once, each splitting work: the worker lock hands
+    the workers to one split at a time and every result is right."""
+    a = np.arange(4096, dtype=np.float64).reshape(64, 64)
+    errors = []
+
+    def job(seed):
+        out = np.empty_like(a)
+        split = parallel.split([lambda lo=lo, hi=hi: np.multiply(a[lo:hi], seed, out=out[lo:hi])
+                                for lo, hi in parallel.ranges(64, 3)])
+        with parallel.running():
+            for _ in range(200):
+                out.fill(0)
+                split()
+                if not np.array_equal(out, a * seed):
+                    errors.append(seed)
+
+    threads = [threading.Thread(target=job, args=(s,)) for s in (2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors
+    assert not any(w.awake for w in parallel._workers)
+
+
 def test_num_threads_is_validated():
     with pytest.raises(ValueError):
         parallel.set_num_threads(0)

@@ -255,7 +255,7 @@ def measure(pmx, ref, runs, sample_s, stat=np.median):
     and of the reference (BLAS on its default threads): `stat` over `runs` samples each."""
     pmx_samples, ref_samples = [], []
     for _ in range(ROUNDS):
-        with parallel.blas_single_threaded():
+        with parallel.running():
             pmx_samples += samples(pmx, max(1, runs // ROUNDS), sample_s)
         ref_samples += samples(ref, max(1, runs // ROUNDS), sample_s)
     return float(stat(pmx_samples)), float(stat(ref_samples))

@@ -47,7 +47,7 @@ def tune(graph) -> bool:
         return False
     report = graph.tune_report = []
     rng = np.random.default_rng(0)
-    with parallel.blas_single_threaded():
+    with parallel.running():
         for node in graph.nodes:
             options = candidates(node)
             if len(options) < 2:

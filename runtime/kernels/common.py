@@ -33,21 +33,23 @@ def epilogue(node, out, threads=None):
     if not node.expr:
         return None
     tree = E.parse(node.expr, 1)
-    if node.variant.endswith("numexpr") and E.numexpr_supported(tree):
-        return E.compile_numexpr(tree, [out], out)
-    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads)
+    backend = E.compile_numexpr if node.variant.endswith("numexpr") and E.numexpr_supported(tree) else None
+    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads, backend)
 
 
-def split_expression(tree, inputs, out, threads):
-    """Callable evaluating `tree` into `out` on numpy, as one slab per thread along the
-    first axis at least `threads` long when the tensor is big enough to pay for the
-    dispatch. Each slab is the same expression over slices of out and of every input
-    not broadcast along that axis (numpy's ufuncs release the GIL, so slabs overlap)."""
+def split_expression(tree, inputs, out, threads, backend=None):
+    """Callable evaluating `tree` into `out` with `backend` (E.compile_numpy, or
+    E.compile_numexpr), as one slab per thread along the first axis at least `threads`
+    long when the tensor is big enough to pay for the dispatch. Each slab is the same
+    expression over slices of out and of every input not broadcast along that axis
+    (numpy's ufuncs and numexpr release the GIL, so slabs overlap; numexpr itself runs
+    on one thread inside runs, see parallel.running)."""
+    backend = backend or E.compile_numpy
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None or not parallel.worth_splitting(out.size):
-        return E.compile_numpy(tree, inputs, out)
+        return backend(tree, inputs, out)
     axis -= out.ndim
-    parts = [E.compile_numpy(tree, [along(x, axis, lo, hi) for x in inputs], along(out, axis, lo, hi))
+    parts = [backend(tree, [along(x, axis, lo, hi) for x in inputs], along(out, axis, lo, hi))
              for lo, hi in parallel.ranges(out.shape[axis], threads)]
     return parallel.split(parts)
 

@@ -31,6 +31,5 @@ def elementwise_infer(node, shapes, dtypes):
 def make_elementwise(node, inputs, outputs):
     tree = E.parse(node.expr, len(inputs))
     out = outputs[0]
-    if node.variant == "numexpr" and E.numexpr_supported(tree) and inputs:
-        return E.compile_numexpr(tree, inputs, out)
-    return split_expression(tree, inputs, out, node_threads(node))
+    backend = E.compile_numexpr if node.variant == "numexpr" and E.numexpr_supported(tree) and inputs else None
+    return split_expression(tree, inputs, out, node_threads(node), backend)
