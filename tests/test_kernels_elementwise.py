@@ -331,3 +331,30 @@ def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
         want = F.relu6(torch.from_numpy(a) * torch.from_numpy(b) + torch.from_numpy(c)).numpy()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         assert rel_error(np.nan_to_num(got), np.nan_to_num(want)) <= TOL
+
+
+def test_numexpr_split_over_pmx_threads_inside_runs(monkeypatch):
+    """numexpr runs on one thread inside runs (its own pool would share a core with a
+    spinning pmx worker) and gets its threads back after; a numexpr node past
+    SPLIT_MIN_ELEMENTS is split into slabs over pmx's threads instead, and each slab
+    reads only its share of the inputs that are not broadcast."""
+    import numexpr
+
+    from pmx.runtime import parallel
+
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((1, 96, 40, 40)).astype(np.float32)
+    b = rng.standard_normal((96, 1, 1)).astype(np.float32)
+    expr = "where(gt(@0,0),@0,mul(@0,@1))"  # a per-channel PReLU, which the rule gives numexpr
+    pieces = []
+    real_split = parallel.split
+    monkeypatch.setattr(parallel, "split", lambda parts: pieces.append(len(parts)) or real_split(parts))
+    (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr")
+    assert pieces == [2], "the numexpr node was not split over the two threads"
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    assert rel_error(got, torch.where(ta > 0, ta, ta * tb).numpy()) <= TOL
+    numexpr.set_num_threads(2)
+    with parallel.running():
+        assert numexpr.get_num_threads() == 1
+    assert numexpr.get_num_threads() == 2
