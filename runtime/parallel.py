@@ -47,7 +47,8 @@ def _default_threads() -> int:
 
 _num_threads = _default_threads()
 _workers: list = []
-_workers_lock = threading.Lock()
+_runs_inside = 0  # runs (on any thread) inside running()
+_lock = threading.Lock()  # guards _workers and _runs_inside
 
 
 def num_threads() -> int:
@@ -66,13 +67,13 @@ def set_num_threads(n: int) -> None:
     _num_threads = n
     _blas_pending = True
 
-    if not _runs_holding_workers:
+    if not _runs_inside:
         _set_numexpr_threads(n)
 
 
 def numexpr_threads() -> int:
     """The thread count numexpr should have now: 1 inside runs (see running())."""
-    return 1 if _runs_holding_workers else _num_threads
+    return 1 if _runs_inside else _num_threads
 
 
 def _set_numexpr_threads(n):
@@ -141,40 +142,6 @@ def blas_threads_controlled() -> bool:
     return _blas()[0] is not None
 
 
-_runs_inside = 0  # runs (on any thread) currently holding BLAS at one thread
-_runs_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def blas_single_threaded():
-    """BLAS on one thread while any model runs, the configured count again when the last
-    concurrent run ends (counted, so one thread finishing never hands BLAS threads back
-    in the middle of another's GEMMs: results stay bit-identical across threads).
-    pmx splits its GEMMs itself (kernels/common.gemm) and runs non-BLAS steps on its own workers;
-    OpenBLAS's idle threads spin for a while after each call, and a spinning BLAS thread
-    on the core a pmx worker needs doubled the time of the step after a GEMM (measured
-    on MobileNetV2's depthwise layers)."""
-    global _runs_inside
-    with _runs_lock:
-        if _runs_inside == 0:
-            _apply_blas_threads()
-        setter = _blas()[0] if _num_threads > 1 else None
-        if setter is not None:
-            if _runs_inside == 0:
-                setter(1)
-            _runs_inside += 1
-    if setter is None:
-        yield
-        return
-    try:
-        yield
-    finally:
-        with _runs_lock:
-            _runs_inside -= 1
-            if _runs_inside == 0:
-                setter(_num_threads)
-
-
 # --- kernel splits -------------------------------------------------------------------
 
 
@@ -230,8 +197,13 @@ def split(parts):
 # always sleep.
 
 
-def _spinlock_functions():
-    """(lock, unlock, init) of libc's pthread spinlocks taking an address, or None."""
+@functools.cache
+def _spin():
+    """(lock, unlock, init) of libc's pthread spinlocks taking an address, or None
+    (PMX_NO_SPIN set, or no such functions: not glibc/Linux). Read when the first
+    worker is made."""
+    if os.environ.get("PMX_NO_SPIN"):
+        return None
     try:
         libc = ctypes.CDLL(None)
         fns = libc.pthread_spin_lock, libc.pthread_spin_unlock, libc.pthread_spin_init
@@ -304,7 +276,7 @@ class _Worker:
         self.lock.acquire()
         if not self.awake:
             self.unpark()
-            self._one_part = _runs_holding_workers == 0
+            self._one_part = _runs_inside == 0
         self._fn, self._error = fn, None
         self._go.post()
 
@@ -330,51 +302,63 @@ class _Worker:
         self._fn, self.awake, self._one_part = None, False, False
 
 
-@functools.cache
-def _spin():
-    return None if os.environ.get("PMX_NO_SPIN") else _spinlock_functions()
-
-
-_runs_holding_workers = 0  # runs (on any thread) inside running()
-
-
 @contextlib.contextmanager
 def running():
-    """What a session's run() holds: BLAS on one thread (blas_single_threaded), numexpr
-    on one thread, and pmx's workers spinning for parts (see the note above
-    _spinlock_functions), until the last concurrent run leaves. numexpr's own pool
-    would share a core with a spinning worker (the scheduler slices them by the
-    millisecond), so numexpr programs are split over pmx's threads like numpy ones."""
-    global _runs_holding_workers
-    with blas_single_threaded():
-        with _workers_lock:
-            _runs_holding_workers += 1
-            first = _runs_holding_workers == 1
-            workers = list(_workers) if first and _spin() and _num_threads > 1 else []
-            if first:
-                _set_numexpr_threads(1)
+    """What a session's run() holds, from the first concurrent run's start to the last
+    one's end (counted, so one thread finishing never hands BLAS threads back in the
+    middle of another's GEMMs: results stay bit-identical across threads):
+    - BLAS on one thread. pmx splits its GEMMs itself (kernels/common.gemm); OpenBLAS's
+      idle threads spin for a while after each call, and a spinning BLAS thread on the
+      core a pmx worker needs doubled the time of the step after a GEMM (measured on
+      MobileNetV2's depthwise layers).
+    - numexpr on one thread: its own pool would share a core with a spinning worker
+      (the scheduler slices them by the millisecond), so numexpr programs are split over
+      pmx's threads like numpy ones.
+    - pmx's workers awake, spinning for parts (see the note above _spin)."""
+    global _runs_inside
+    with _lock:
+        _runs_inside += 1
+        workers = _enter_first_run() if _runs_inside == 1 else []
+    for w in workers:
+        with w.lock:
+            if not w.awake:
+                w.unpark()
+    try:
+        yield
+    finally:
+        with _lock:
+            _runs_inside -= 1
+            workers = _leave_last_run() if _runs_inside == 0 else []
         for w in workers:
             with w.lock:
-                if not w.awake:
-                    w.unpark()
-        try:
-            yield
-        finally:
-            with _workers_lock:
-                _runs_holding_workers -= 1
-                workers = list(_workers) if _runs_holding_workers == 0 else []
-                if not _runs_holding_workers:
-                    _set_numexpr_threads(_num_threads)
-            for w in workers:
-                with w.lock:
-                    if w.awake:
-                        w.park()
+                if w.awake:
+                    w.park()
+
+
+def _enter_first_run():
+    """(caller holds _lock) BLAS and numexpr to one thread; the workers to wake."""
+    _apply_blas_threads()
+    setter = _blas()[0]
+    if setter is not None and _num_threads > 1:
+        setter(1)
+    _set_numexpr_threads(1)
+    return list(_workers) if _spin() and _num_threads > 1 else []
+
+
+def _leave_last_run():
+    """(caller holds _lock) BLAS and numexpr back to the configured count; the workers
+    to park."""
+    setter = _blas()[0]
+    if setter is not None and _num_threads > 1:
+        setter(_num_threads)
+    _set_numexpr_threads(_num_threads)
+    return list(_workers)
 
 
 def _forget_workers():
     """In a forked child the workers' threads do not exist: start afresh."""
-    global _workers, _runs_holding_workers
-    _workers, _runs_holding_workers = [], 0
+    global _workers, _runs_inside
+    _workers, _runs_inside = [], 0
 
 
 if hasattr(os, "register_at_fork"):
@@ -382,7 +366,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def _get_workers(n):
-    with _workers_lock:
+    with _lock:
         while len(_workers) < n:
             _workers.append(_Worker())
         return _workers[:n]

@@ -47,7 +47,7 @@ def test_split_runs_every_part_and_raises_after_all_finish():
 def worker_mode(request, monkeypatch):
     """Workers that spin on libc spinlocks inside runs, and the sleeping kind used where
     there are none (PMX_NO_SPIN=1 or not glibc): fresh workers of that kind."""
-    if request.param == "spin" and parallel._spinlock_functions() is None:
+    if request.param == "spin" and parallel._spin() is None:
         pytest.skip("no pthread spinlocks in this libc")
     if request.param == "sleep":
         monkeypatch.setenv("PMX_NO_SPIN", "1")
@@ -128,9 +128,9 @@ def test_blas_held_at_one_thread_only_while_runs_are_inside():
     parallel.set_num_threads(2)
     try:
         assert parallel.blas_threads() == 2
-        with parallel.blas_single_threaded():
+        with parallel.running():
             assert parallel.blas_threads() == 1
-            with parallel.blas_single_threaded():  # a second run, on another thread in real use
+            with parallel.running():  # a second run, on another thread in real use
                 assert parallel.blas_threads() == 1
             assert parallel.blas_threads() == 1, "restored while a run was still inside"
         assert parallel.blas_threads() == 2
@@ -149,7 +149,7 @@ def test_blas_gets_the_thread_count_at_the_first_run_not_at_load(threads):
         parallel._blas.cache_clear()
         parallel.set_num_threads(threads)
         assert parallel._blas.cache_info().currsize == 0, "set_num_threads looked BLAS up"
-        with parallel.blas_single_threaded():
+        with parallel.running():
             pass
         assert parallel._blas()[1]() == threads
     finally:

@@ -7,7 +7,7 @@ reaches on the same shapes.
 Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
 outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
 views are. The callable is what gets timed, as a session's run() calls it: inside
-parallel.blas_single_threaded(), BLAS on one thread and the kernel splitting its work
+parallel.running(), BLAS on one thread and the kernel splitting its work
 over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
 more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col, also for the

@@ -205,7 +205,7 @@ def _block_part(b, axis, lo, hi):
 def _over_threads(b, attend, mean_weights):
     """attend(part of block b) for each thread's share, when the block is big enough to
     pay for the dispatch. BLAS runs single-threaded inside a session's run()
-    (parallel.blas_single_threaded), so this is how both GEMMs and the softmax between
+    (parallel.running), so this is how both GEMMs and the softmax between
     them get the other cores."""
     axis = _thread_axis(b, mean_weights)
     parts = parallel.num_threads() if parallel.worth_splitting(b.scores.size) else 1

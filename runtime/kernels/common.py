@@ -75,7 +75,7 @@ def gemm(a, b, out, threads=None, post=None):
     product is big enough: along out's first batch axis longer than 1, else its columns
     (each thread reads half of b: a linear layer's weights, a conv's im2col columns),
     else its rows. BLAS itself runs single-threaded inside run()
-    (parallel.blas_single_threaded), so this is where GEMMs get the other cores.
+    (parallel.running), so this is where GEMMs get the other cores.
     `post(part, cut)` may return a callable to run on each part of out right after its
     product (bias, activation: while the part is in cache); cut = (axis, lo, hi) says
     which part, or is None for the whole (`along(x, *cut)` cuts an operand that

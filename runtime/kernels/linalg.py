@@ -4,7 +4,7 @@
 transposed weight is a view, BLAS reads it without a copy. node.expr: fused activation.
 `matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
 node.expr: fused activation.
-BLAS runs single-threaded inside a session's run() (parallel.blas_single_threaded), so
+BLAS runs single-threaded inside a session's run() (parallel.running), so
 both split their GEMMs over the runtime's threads themselves (`common.gemm`), each part
 followed by its share of the bias and activation while it is still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
