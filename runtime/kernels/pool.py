@@ -13,7 +13,7 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import chain, padded_buffer, phase_fill, phases, view_as
-from pmx.runtime.kernels.reduce import trailing_reduction
+from pmx.runtime.kernels.reduce import reduction
 
 
 def _pool_len(n, k, s, d, pb, pe, ceil_mode):
@@ -191,9 +191,8 @@ def _make_adaptive(reduce_fn, node, inputs, outputs):
     in_sp, out_sp = x.shape[lead:], out.shape[lead:]
     axes = tuple(range(lead, x.ndim))
     if all(o == 1 for o in out_sp):
-        # one call over the (channels, positions) matrix (squeeze-and-excitation, heads)
-        kind = "mean" if reduce_fn is np.mean else "max"
-        return trailing_reduction(kind, x, out, lead) or (lambda: reduce_fn(x, axis=axes, keepdims=True, out=out))
+        # global pooling (squeeze-and-excitation, heads): the reduce ops' kernel
+        return reduction(reduce_fn, "mean" if reduce_fn is np.mean else "max", x, out, axes)
     if all(n % o == 0 for n, o in zip(in_sp, out_sp)):
         split = tuple(x.shape[:lead])
         for n, o in zip(in_sp, out_sp):

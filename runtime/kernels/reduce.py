@@ -37,7 +37,7 @@ def _axes(axes, ndim):
 ROWS_GEMV_MAX_LENGTH = 1 << 12
 
 
-def trailing_reduction(kind, x, out, lead):
+def _trailing_reduction(kind, x, out, lead):
     """Callable reducing all axes of `x` from `lead` on into `out` ("mean", "sum", "max"
     or "min"), as one call on x seen as a (rows, positions) matrix: sum and mean as a
     GEMV with a vector of ones (1/positions), max and min as np.maximum/minimum.reduce
@@ -62,30 +62,34 @@ def trailing_reduction(kind, x, out, lead):
     return lambda: np.dot(x2, weights, out=o1)
 
 
+def reduction(fn, kind, x, out, axes):
+    """Callable reducing `axes` of x into `out` (the reduced shape, kept dims or not)
+    with fn (np.mean & co; `kind` "mean", "sum", "max", "min" or None): one GEMV or ufunc
+    reduce for trailing axes (_trailing_reduction), else fn, with float16/32 sums and
+    means accumulated in float64. The reduce ops and global adaptive pooling use it."""
+    lead = x.ndim - len(axes)
+    if kind is not None and axes == tuple(range(lead, x.ndim)):
+        fast = _trailing_reduction(kind, x, out, lead)
+        if fast is not None:
+            return fast
+    kept_shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+    if kind in ("mean", "sum") and x.dtype in (np.float16, np.float32):
+        # accumulated in a float64 buffer, then rounded once: a float32 mean of many
+        # signed values near zero (a whole tensor's) was off by 5e-5 of itself, and
+        # numpy reducing into a float32 `out` rounds its partial sums to float32
+        acc = np.empty(kept_shape, np.float64)
+        acc_as_out = acc.reshape(out.shape)
+        return lambda: (fn(x, axis=axes, keepdims=True, out=acc), np.copyto(out, acc_as_out, casting="same_kind"))
+    target = out.reshape(kept_shape)  # reduce with keepdims into a view of out: no copy
+    if not np.shares_memory(target, out):
+        return lambda: np.copyto(out, fn(x, axis=axes))
+    return lambda: fn(x, axis=axes, keepdims=True, out=target)
+
+
 def _make_reduce(fn, kind=None):
     def make(node, inputs, outputs):
-        x, out = inputs[0], outputs[0]
-        axes = _axes(node.attrs.get("axes"), x.ndim)
-        keep = node.attrs.get("keepdim", False)
-        lead = x.ndim - len(axes)
-        if kind is not None and axes == tuple(range(lead, x.ndim)):
-            fast = trailing_reduction(kind, x, out, lead)
-            if fast is not None:
-                return fast
-        kept_shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
-        if kind in ("mean", "sum") and x.dtype in (np.float16, np.float32):
-            # accumulated in a float64 buffer, then rounded once: a float32 mean of many
-            # signed values near zero (a whole tensor's) was off by 5e-5 of itself, and
-            # numpy reducing into a float32 `out` rounds its partial sums to float32
-            acc = np.empty(kept_shape, np.float64)
-            acc_as_out = acc.reshape(out.shape)
-            return lambda: (fn(x, axis=axes, keepdims=True, out=acc), np.copyto(out, acc_as_out, casting="same_kind"))
-        target = out
-        if not keep:  # reduce with keepdims into a view of out: same bytes, no copy
-            target = out.reshape(kept_shape)
-            if not np.shares_memory(target, out):
-                return lambda: np.copyto(out, fn(x, axis=axes))
-        return lambda: fn(x, axis=axes, keepdims=True, out=target)
+        x = inputs[0]
+        return reduction(fn, kind, x, outputs[0], _axes(node.attrs.get("axes"), x.ndim))
 
     return make
 
