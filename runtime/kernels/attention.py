@@ -39,7 +39,7 @@ ns per score on this machine's numpy, is most of what separates this kernel from
 throughput of its two GEMMs alone.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -380,13 +380,11 @@ def make_attention(node, inputs, outputs):
 
 
 def _slice(b, nd, r0, r1):
-    """Block `b` restricted to rows r0:r1 of the scores' axis 0 (`nd` dims), its scores in
-    the first r1 - r0 rows of the scratch slab."""
-    def cut(a, ndim=nd):
-        return along(a, -ndim, r0, r1)
-
+    """Block `b` restricted to rows r0:r1 of the scores' axis 0 (`nd` dims), as
+    `_block_part` cuts it, but with its scores in the first r1 - r0 rows of the scratch
+    slab and the weights output cut along its own axis 0 (N, when the weights are
+    averaged over the heads)."""
     n = r1 - r0
-    weights = None if b.weights is None else cut(b.weights, b.weights.ndim)  # its axis 0 is N
-    masks = tuple((cut(m), mode) for m, mode in b.masks)
-    return _Block(cut(b.q), cut(b.q_scaled), cut(b.kt), cut(b.v), cut(b.out), b.scores[:n],
-                  b.row_max[:n], b.row_sum[:n], masks, weights)
+    weights = None if b.weights is None else along(b.weights, -b.weights.ndim, r0, r1)
+    return replace(_block_part(b, -nd, r0, r1), scores=b.scores[:n], row_max=b.row_max[:n],
+                   row_sum=b.row_sum[:n], weights=weights)

@@ -186,7 +186,6 @@ def _output_part(node, u, bias, out, g, v, m, k0, k1):
     for a in range(2):
         steps += _combine_out(mf[a, 0], mf[a, 1], mf[a, 2], mf[a, 3])
     part = out[:, k0:k1]
-    ho, wo = out.shape[2:]
     for a in range(2):
         for c in range(2):
             dst = part[:, :, a::2, c::2]
