@@ -358,3 +358,45 @@ def test_numexpr_split_over_pmx_threads_inside_runs(monkeypatch):
     with parallel.running():
         assert numexpr.get_num_threads() == 1
     assert numexpr.get_num_threads() == 2
+
+
+# The numpy backend's own forms of GELU (table of the normal CDF) and SiLU (one divide):
+# the canonical spellings must keep reaching them, and they must hold on strided views,
+# in place, on both sides of the table and on NaN/inf.
+_SPECIAL = [("F.gelu", "gelu", lambda x: 0.5 * x * torch.special.erfc(-x / math.sqrt(2))),
+            ("F.silu", "silu", F.silu)]
+
+
+@pytest.mark.parametrize("op,kind,fn", _SPECIAL, ids=[s[1] for s in _SPECIAL])
+def test_special_forms_are_reached_from_canonical_spelling(op, kind, fn):
+    from pmx.runtime import expr as E
+
+    x = np.zeros((2, 3), np.float32)
+    expr, _ = canon(op, {}, x)
+    found = E._activation_operand(E.parse(expr, 1), [x], x)
+    assert found is not None and found[0] == kind and found[1] is x
+
+
+@pytest.mark.parametrize("op,kind,fn", _SPECIAL, ids=[s[1] for s in _SPECIAL])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "in_place"])
+@given(seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1.0, 4.0, 12.0]))
+def test_special_forms_elementwise_accuracy(op, kind, fn, layout, seed, scale):
+    from pmx.runtime import expr as E
+
+    rng = np.random.default_rng(seed)
+    base = np.asarray(rng.standard_normal((6, 40)) * scale, np.float32)
+    edges = [-8.0001, -8.0, -7.9999, 5.9995, 6.0, 100.0, -30.0, 0.0, -0.0, 1e-30, np.inf, -np.inf, np.nan]
+    base[0, :len(edges)] = edges
+    x = base[:, ::2] if layout == "strided" else base  # a column slice: neither C nor F contiguous
+    expr, _ = canon(op, {}, x)
+    out = x if layout == "in_place" else np.empty_like(x)
+    want = fn(torch.from_numpy(x.copy()).double()).float().numpy()
+    with np.errstate(all="ignore"):
+        E.compile_numpy(E.parse(expr, 1), [x], out)()
+    assert np.array_equal(np.isnan(out), np.isnan(want))
+    exact = ~np.isfinite(want) | (want == 0)
+    assert np.array_equal(out[exact & ~np.isnan(want)], want[exact & ~np.isnan(want)])
+    finite = ~exact
+    # elementwise relative error: the tails (GELU(-7.9) ~ 1e-14) count as much as the middle
+    err = np.abs(out[finite].astype(np.float64) - want[finite]) / np.abs(want[finite].astype(np.float64))
+    assert err.max() <= TOL, f"{kind}: rel error {err.max():.3g} at x={x[finite][err.argmax()]}"
