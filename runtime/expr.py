@@ -579,7 +579,8 @@ def _gelu_table_step(x, out):
     step = np.float32(2.0 ** -GELU_TABLE_BITS)
     lo, hi = np.float32(GELU_TABLE_LO), np.float32(GELU_TABLE_HI) - step
     inv_step = np.float32(1 / step)
-    xc, grid, phi, dphi = (np.empty_like(out) for _ in range(4))
+    xc, grid, phi = (np.empty_like(out) for _ in range(3))
+    dphi = xc  # xc is dead once the offset is computed
     index = np.empty(out.shape, np.int32)
     below = np.empty(out.shape, bool)
 
