@@ -222,10 +222,16 @@ def _erfc(z):
 def desugar(tree):
     """Rewrite spellings to the primitive set (erf and erfc to float32 accuracy, relative
     error < 4e-7 everywhere: a Taylor series near 0, erfc's Chebyshev fit elsewhere; pnnx's
-    binary max/min are elementwise maximum/minimum)."""
+    binary max/min are elementwise maximum/minimum), and SiLU, x * sigmoid(x), to
+    x / (1 + exp(-x)): four numpy passes instead of five (the reciprocal and the multiply
+    become one divide; EfficientNet has one after every conv). For x << 0, exp(-x)
+    overflows to inf and x / inf is -0."""
     if tree[0] in ("@", "#"):
         return tree
     name, args = tree[0], [desugar(a) for a in tree[1:]]
+    if name == "mul" and ("sigmoid", args[0]) == args[1] or name == "mul" and ("sigmoid", args[1]) == args[0]:
+        x = args[0] if args[1] == ("sigmoid", args[0]) else args[1]
+        return ("div", x, ("add", ("exp", ("neg", x)), _c(1.0)))
     if name == "max":
         name = "maximum"
     elif name == "min":
@@ -424,9 +430,10 @@ def compile_numpy(tree, inputs, out):
     ufuncs. Temporaries are allocated once here, never on the hot path; equal subtrees
     are computed once; a temporary whose last reader has run is reused by later steps of
     the same shape and dtype (exact GELU's ~30 steps on a ViT MLP tensor needed 73 MB
-    of temporaries without reuse, 4 buffers with it). A step never writes into a buffer
-    one of its own operands still occupies (custom steps such as where are not in-place
-    safe)."""
+    of temporaries without reuse, 4 buffers with it). A ufunc or clip step may write
+    into the buffer of an operand it reads for the last time (same shape and dtype:
+    elementwise, so in place is safe; SiLU's four steps need one buffer, not two);
+    custom steps such as where are not in-place safe and never do."""
     special = _special_numpy_step(tree, inputs, out)
     if special is not None:
         return special
@@ -496,50 +503,28 @@ def compile_numpy(tree, inputs, out):
 
 
 def _special_numpy_step(tree, inputs, out):
-    """A faster numpy form of two activations that dominate where they occur, or None:
-    exact GELU (ViT's MLPs: ~30 ufunc passes plus an exp per element in the generic form)
-    and SiLU (EfficientNet's every conv)."""
-    operand = _activation_operand(tree, inputs, out)
-    if operand is None:
+    """The table form of exact GELU (ViT's MLPs: the generic erfc form is ~30 ufunc
+    passes plus an exp per element) when `tree` is GELU over one float32 input of out's
+    shape, else None. Its gathers and float64 tail have no place in the generic program
+    of ufunc steps, hence a step of its own."""
+    x = _gelu_operand(tree, inputs)
+    if x is None or out.dtype != np.float32 or x.dtype != np.float32 or x.shape != out.shape:
         return None
-    kind, x = operand
-    return _gelu_table_step(x, out) if kind == "gelu" else _silu_step(x, out)
+    return _gelu_table_step(x, out)
 
 
-def _activation_operand(tree, inputs, out):
-    """("gelu" | "silu", input array) when tree is GELU as canonicalization writes it,
-    mul(mul(@i,0.5),erfc(mul(@i,-1/sqrt(2)))), or SiLU, mul(@i,sigmoid(@i)), over one
-    float32 input of out's shape; else None."""
-    if tree[0] != "mul" or out.dtype != np.float32:
+def _gelu_operand(tree, inputs):
+    """The input array when tree is GELU as canonicalization writes it,
+    mul(mul(@i,0.5),erfc(mul(@i,-1/sqrt(2)))), else None."""
+    if tree[0] != "mul":
         return None
     a, b = tree[1], tree[2]
-    if b[0] == "sigmoid" and a[0] == "@" and b[1] == a:
-        kind, leaf = "silu", a
-    elif (a[0] == "mul" and a[1][0] == "@" and a[2] == ("#", 0.5) and b[0] == "erfc" and b[1][0] == "mul"
-          and b[1][1] == a[1] and b[1][2][0] == "#" and isinstance(b[1][2][1], float)
-          and abs(b[1][2][1] + math.sqrt(0.5)) < 1e-12):
-        kind, leaf = "gelu", a[1]
-    else:
+    if not (a[0] == "mul" and a[1][0] == "@" and a[2] == ("#", 0.5) and b[0] == "erfc" and b[1][0] == "mul"
+            and b[1][1] == a[1] and b[1][2][0] == "#" and isinstance(b[1][2][1], float)
+            and abs(b[1][2][1] + math.sqrt(0.5)) < 1e-12):
         return None
-    x = inputs[leaf[1]]
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != out.shape:
-        return None
-    return kind, x
-
-
-def _silu_step(x, out):
-    """x / (1 + exp(-x)): four passes where x * sigmoid(x) takes five (the reciprocal and
-    the multiply become one divide). Large |x| behave: exp(-x) overflows to inf for
-    x << 0 and x / inf is -0; for x >> 0 it is x / 1."""
-    tmp = np.empty_like(out)
-
-    def run():
-        np.negative(x, out=tmp)
-        np.exp(tmp, out=tmp)
-        np.add(tmp, 1, out=tmp)
-        np.divide(x, tmp, out=out)
-
-    return run
+    x = inputs[a[1][1]]
+    return x if isinstance(x, np.ndarray) else None
 
 
 # Exact GELU, x * Phi(x) (Phi the normal CDF), by a table: Phi at the multiples of
@@ -563,8 +548,9 @@ def _gelu_tables():
 
 
 def _erfc_float64(z):
-    """erfc in float64, vectorized (Numerical Recipes' erfcc as in _erfc_abs: relative
-    error < 1.2e-7)."""
+    """erfc of a float64 array: the fit _erfc_abs writes as a tree (relative error
+    < 1.2e-7), evaluated directly. The tail's size changes from run to run, and compiling
+    the tree for each size cost ~2 ms per call (14K elements)."""
     a = np.abs(z)
     t = 1.0 / (1.0 + 0.5 * a)
     poly = np.zeros_like(t)
@@ -617,9 +603,12 @@ def _assign_buffers(program, temps):
             if kind == "tmp":
                 last_read[v] = k
     free, buffers, dying = {}, {}, {}
-    for k, (_, operands, target, _) in enumerate(program):
+    for k, (t, operands, target, bounds) in enumerate(program):
         for v in dying.pop(k - 1, ()):  # read for the last time by an earlier step
             free.setdefault(_key(temps[v]), []).append(buffers[v])
+        if bounds is not None or isinstance(NUMPY_FUNCS[t[0]], np.ufunc):  # in place is safe
+            for v in dying.pop(k, ()):  # read for the last time by this step
+                free.setdefault(_key(temps[v]), []).append(buffers[v])
         kind, v = target
         if kind == "tmp":
             pool = free.get(_key(temps[v]))

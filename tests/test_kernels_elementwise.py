@@ -360,9 +360,9 @@ def test_numexpr_split_over_pmx_threads_inside_runs(monkeypatch):
     assert numexpr.get_num_threads() == 2
 
 
-# The numpy backend's own forms of GELU (table of the normal CDF) and SiLU (one divide):
-# the canonical spellings must keep reaching them, and they must hold on strided views,
-# in place, on both sides of the table and on NaN/inf.
+# The numpy backend's table form of GELU and desugar's one-divide form of SiLU: the
+# canonical spellings must keep reaching them, and they must hold on strided views, in
+# place, on both sides of the table and on NaN/inf.
 _SPECIAL = [("F.gelu", "gelu", lambda x: 0.5 * x * torch.special.erfc(-x / math.sqrt(2))),
             ("F.silu", "silu", F.silu)]
 
@@ -373,8 +373,11 @@ def test_special_forms_are_reached_from_canonical_spelling(op, kind, fn):
 
     x = np.zeros((2, 3), np.float32)
     expr, _ = canon(op, {}, x)
-    found = E._activation_operand(E.parse(expr, 1), [x], x)
-    assert found is not None and found[0] == kind and found[1] is x
+    tree = E.parse(expr, 1)
+    if kind == "gelu":
+        assert E._gelu_operand(tree, [x]) is x
+    else:
+        assert E.desugar(tree) == ("div", ("@", 0), ("add", ("exp", ("neg", ("@", 0))), ("#", 1.0)))
 
 
 @pytest.mark.parametrize("op,kind,fn", _SPECIAL, ids=[s[1] for s in _SPECIAL])
@@ -400,3 +403,26 @@ def test_special_forms_elementwise_accuracy(op, kind, fn, layout, seed, scale):
     # elementwise relative error: the tails (GELU(-7.9) ~ 1e-14) count as much as the middle
     err = np.abs(out[finite].astype(np.float64) - want[finite]) / np.abs(want[finite].astype(np.float64))
     assert err.max() <= TOL, f"{kind}: rel error {err.max():.3g} at x={x[finite][err.argmax()]}"
+
+
+@pytest.mark.parametrize("expr,want", [
+    ("mul(@0,sigmoid(@0))", lambda x: x / (1 + np.exp(-x))),
+    ("mul(@0,div(minimum(maximum(add(@0,3),0),6),6))", lambda x: x * np.clip(x + 3, 0, 6) / 6),
+])
+def test_numpy_backend_writes_dying_operands_in_place(monkeypatch, expr, want):
+    """A chain of ufunc steps over one tensor needs one temporary: each step may write
+    into the buffer of the operand it reads for the last time."""
+    from pmx.runtime import expr as E
+
+    x = np.linspace(-8, 8, 1001, dtype=np.float32)
+    out = np.empty_like(x)
+    made, empty = [], np.empty
+    monkeypatch.setattr(np, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    run = E.compile_numpy(E.parse(expr, 1), [x], out)
+    monkeypatch.undo()
+    run()
+    # the backend's temporaries: np.empty(shape, dtype) of x's shape and dtype
+    temporaries = [a for a in made if len(a) == 2 and tuple(np.atleast_1d(a[0])) == x.shape
+                   and np.dtype(a[1]) == x.dtype]
+    assert len(temporaries) == 1, f"{expr}: {len(temporaries)} temporaries"
+    np.testing.assert_allclose(out, want(x.astype(np.float64)), rtol=1e-6, atol=1e-7)
