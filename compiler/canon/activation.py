@@ -29,6 +29,20 @@ def gelu_expr(approximate="none"):
     return f"mul(mul(@0,0.5),erfc(mul(@0,{_f(-1 / math.sqrt(2))})))"
 
 
+# x - tanh(x) = x^3 (1/3 - 2/15 x^2 + 17/315 x^4 - ...): the series for |x| < 0.5, where
+# the subtraction cancels (at x = 0.1 it kept 2 significant digits fewer than float32
+# holds: relative error 1.0e-5); truncated after x^13, it is within 1.2e-6 at 0.5
+_TANHSHRINK_SERIES = (1 / 3, -2 / 15, 17 / 315, -62 / 2835, 1382 / 155925, -21844 / 6081075)
+
+
+def tanhshrink_expr():
+    x2 = "mul(@0,@0)"
+    poly = _f(_TANHSHRINK_SERIES[-1])
+    for c in reversed(_TANHSHRINK_SERIES[:-1]):
+        poly = f"add({_f(c)},mul({x2},{poly}))"
+    return f"where(lt(abs(@0),0.5),mul(mul(@0,{x2}),{poly}),sub(@0,tanh(@0)))"
+
+
 def softplus_expr(beta=1.0, threshold=20.0):
     return (f"where(gt(mul(@0,{_f(beta)}),{_f(threshold)}),@0,"
             f"div(log1p(exp(mul(@0,{_f(beta)}))),{_f(beta)}))")
@@ -67,7 +81,7 @@ _SIMPLE = {
     ("F.mish", "nn.Mish"): lambda n: "mul(@0,tanh(" + softplus_expr().replace("@0", "@0") + "))",
     ("F.softsign", "nn.Softsign"): lambda n: "div(@0,add(abs(@0),1))",
     ("F.logsigmoid", "nn.LogSigmoid"): lambda n: "neg(" + softplus_expr().replace("@0", "neg(@0)") + ")",
-    ("F.tanhshrink", "nn.Tanhshrink"): lambda n: "sub(@0,tanh(@0))",
+    ("F.tanhshrink", "nn.Tanhshrink"): lambda n: tanhshrink_expr(),
 }
 
 # torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
