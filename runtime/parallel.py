@@ -255,7 +255,10 @@ class _Worker:
         self.awake = False
         self._one_part = False  # woken for one split outside a run: sleep again after it
         self.lock = threading.Lock()  # one caller at a time (sessions run on many threads)
-        threading.Thread(target=self._loop, daemon=True, name="pmx-worker").start()
+        self.cpu = None  # the core _place_workers pinned it to (None: any allowed core)
+        thread = threading.Thread(target=self._loop, daemon=True, name="pmx-worker")
+        thread.start()
+        self.native_id = thread.native_id
 
     def _loop(self):
         while True:
@@ -342,7 +345,51 @@ def _enter_first_run():
     if setter is not None and _num_threads > 1:
         setter(1)
     _set_numexpr_threads(1)
-    return list(_workers) if _spin() and _num_threads > 1 else []
+    if not (_spin() and _num_threads > 1):
+        return []
+    _place_workers(_workers)
+    return list(_workers)
+
+
+# --- where spinning workers run ------------------------------------------------------
+#
+# A woken worker that Linux places on the caller's core spins there, and the caller waits
+# for the scheduler tick (4 ms here) to get its core back; the load balancer moves one of
+# them after a tick or two. That happened in the first run of most fresh processes on
+# this 2-core VM: empty splits took 4-8 ms instead of 0.01-0.04 ms, and SqueezeNet's first
+# run spent 33-36 ms in its kernels against 16-18 ms (the same run with workers that
+# sleep: 18 ms). So when a run enters, each spinning worker is pinned to a core other than
+# the caller's, the caller itself left free (pmx does not own its threads).
+
+
+@functools.cache
+def _sched_getcpu():
+    """libc's sched_getcpu (the calling thread's core), or None where it is missing."""
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return None
+    getcpu.argtypes, getcpu.restype = [], ctypes.c_int
+    return getcpu
+
+
+def _place_workers(workers):
+    """(caller holds _lock) Pin each worker to its own core among those this thread may
+    use, skipping the one it runs on; workers beyond the free cores may run anywhere."""
+    getcpu = _sched_getcpu()
+    if getcpu is None or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = os.sched_getaffinity(0)
+    here = getcpu()
+    free = sorted(allowed - {here}) if here in allowed else []
+    for k, w in enumerate(workers):
+        cpu = free[k] if k < len(free) else None
+        if cpu != w.cpu:
+            try:
+                os.sched_setaffinity(w.native_id, {cpu} if cpu is not None else allowed)
+            except OSError:  # the thread is gone (forked child) or the core was taken away
+                cpu = None
+            w.cpu = cpu
 
 
 def _leave_last_run():

