@@ -34,7 +34,6 @@ import mmap
 import operator
 import os
 import struct
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +43,7 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels import REGISTRY, output_shapes
+from pmx.runtime.record import Record
 from pmx.schema import pmx_generated as fb
 
 # Refuse files whose arena or tensors exceed this before allocating anything; raise it
@@ -61,20 +61,18 @@ _KINDS = (fb.TensorKind.Intermediate, fb.TensorKind.Constant, fb.TensorKind.Inpu
 _READ_ERRORS = (IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowError, struct.error)
 
 
-@dataclass
-class TensorInfo:
-    name: str
-    kind: int
-    dtype: np.dtype
-    shape: tuple
-    data_offset: int
-    data_size: int
-    arena_offset: int
-    alias_of: int
-    alias_offset: int
-    alias_strides: tuple | None
-    dim_min: tuple | None = None  # graph inputs/outputs with dims that may change
-    dim_max: tuple | None = None  # -1 = unbounded
+class TensorInfo(Record):
+    __slots__ = ("name", "kind", "dtype", "shape", "data_offset", "data_size", "arena_offset", "alias_of",
+                 "alias_offset", "alias_strides", "dim_min", "dim_max")
+
+    def __init__(self, name, kind, dtype, shape, data_offset, data_size, arena_offset, alias_of, alias_offset,
+                 alias_strides, dim_min=None, dim_max=None):
+        self.name, self.kind, self.dtype, self.shape = name, kind, dtype, shape
+        self.data_offset, self.data_size, self.arena_offset = data_offset, data_size, arena_offset
+        self.alias_of, self.alias_offset, self.alias_strides = alias_of, alias_offset, alias_strides
+        # graph inputs/outputs with dims that may change: per dim its least and greatest
+        # size (-1 = unbounded); None for fixed shapes
+        self.dim_min, self.dim_max = dim_min, dim_max
 
     @property
     def nbytes(self):
@@ -84,35 +82,27 @@ class TensorInfo:
         return n
 
 
-@dataclass
-class NodeInfo:
-    op: str
-    name: str
-    inputs: tuple
-    outputs: tuple
-    attrs: dict
-    expr: str
-    variant: str
+class NodeInfo(Record):
+    __slots__ = ("op", "name", "inputs", "outputs", "attrs", "expr", "variant")
+
+    def __init__(self, op, name, inputs, outputs, attrs, expr, variant):
+        self.op, self.name, self.inputs, self.outputs = op, name, inputs, outputs
+        self.attrs, self.expr, self.variant = attrs, expr, variant
 
 
-@dataclass
-class Model:
-    path: str
-    tensors: list
-    nodes: list
-    inputs: list
-    outputs: list
-    kept: list
-    arena_size: int
-    constants: dict  # tensor index -> read-only ndarray over the mmap
-    pass_stats: list
-    producer: str
-    source: str
-    file_size: int
-    preamble: dict
-    _map: object = None
-    # tensor index -> (root tensor index, byte offset into the root), filled by the verifier
-    roots: list = field(default_factory=list)
+class Model(Record):
+    __slots__ = ("path", "tensors", "nodes", "inputs", "outputs", "kept", "arena_size", "constants",
+                 "pass_stats", "producer", "source", "file_size", "preamble", "_map", "roots")
+
+    def __init__(self, path, tensors, nodes, inputs, outputs, kept, arena_size, constants, pass_stats,
+                 producer, source, file_size, preamble, _map=None, roots=None):
+        self.path, self.tensors, self.nodes = path, tensors, nodes
+        self.inputs, self.outputs, self.kept, self.arena_size = inputs, outputs, kept, arena_size
+        self.constants = constants  # tensor index -> read-only ndarray over the mmap
+        self.pass_stats, self.producer, self.source = pass_stats, producer, source
+        self.file_size, self.preamble, self._map = file_size, preamble, _map
+        # tensor index -> (root tensor index, byte offset into the root), filled by the verifier
+        self.roots = [] if roots is None else roots
 
 
 def _fail(path, msg):

@@ -15,22 +15,23 @@ concat kernel, which copies only inputs not already in their slice, copies them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from pmx.runtime.kernels import output_shapes
 from pmx.runtime.errors import PmxInputError
+from pmx.runtime.record import Record
 from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans
 from pmx.schema.pmx_generated import TensorKind
 
 
-@dataclass
-class Layout:
-    shapes: list                      # per tensor
-    offsets: dict                     # root tensor index -> arena offset
-    views: dict                       # tensor index -> (root index, byte offset, strides | None)
-    arena_size: int
+class Layout(Record):
+    __slots__ = ("shapes", "offsets", "views", "arena_size")
+
+    def __init__(self, shapes, offsets, views, arena_size):
+        self.shapes = shapes  # per tensor
+        self.offsets = offsets  # root tensor index -> arena offset
+        self.views = views  # tensor index -> (root index, byte offset, strides | None)
+        self.arena_size = arena_size
 
 
 def compiled_layout(model) -> Layout:

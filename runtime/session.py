@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,17 +31,19 @@ from pmx.runtime import kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model
+from pmx.runtime.record import FrozenRecord
 from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
 from pmx.schema import pmx_generated as fb
 
 
-@dataclass(frozen=True)
-class NodeArg:
+class NodeArg(FrozenRecord):
     """Same fields as onnxruntime.NodeArg: name, shape (None for dynamic dims), type."""
 
-    name: str
-    shape: list
-    type: str
+    __slots__ = ("name", "shape", "type")
+
+    def __init__(self, name, shape, type):  # noqa: A002 - onnxruntime's field name
+        for f, v in (("name", name), ("shape", shape), ("type", type)):
+            object.__setattr__(self, f, v)
 
 
 class _Binding:

@@ -9,7 +9,6 @@ vtables overlap fields; the checks' messages on models damaged where a shortcut 
 look away; the collector's state; the old line-by-line maps scan. No timing is asserted.
 """
 
-import dataclasses
 import gc
 import os
 import pathlib
@@ -120,8 +119,8 @@ def assert_same(model, ref):
         got = getattr(model, key)
         assert got == want, key
     for got, want in zip(model.tensors, ref["tensors"]):
-        for f in dataclasses.fields(load.TensorInfo):
-            assert type(getattr(got, f.name)) is type(getattr(want, f.name)), (f.name, got, want)
+        for f in load.TensorInfo.__slots__:
+            assert type(getattr(got, f)) is type(getattr(want, f)), (f, got, want)
     for got, want in zip(model.nodes, ref["nodes"]):
         # 1 == 1.0 == True: compare the types too (a shape rule may not treat them alike)
         assert [(k, type(v)) for k, v in got.attrs.items()] == [(k, type(v)) for k, v in want.attrs.items()]
@@ -237,7 +236,7 @@ def cnn_model(files, tmp_path):
 
 
 def _with_nodes(model, nodes):
-    return dataclasses.replace(model, nodes=nodes)
+    return model.replace(nodes=nodes)
 
 
 def test_check_nodes_names_each_fault(cnn_model):
@@ -249,7 +248,7 @@ def test_check_nodes_names_each_fault(cnn_model):
     n = len(m.tensors)
 
     def replaced(j, **kw):
-        return nodes[:j] + [dataclasses.replace(nodes[j], **kw)] + nodes[j + 1:]
+        return nodes[:j] + [nodes[j].replace(**kw)] + nodes[j + 1:]
 
     cases = [
         (replaced(0, inputs=(n,) + nodes[0].inputs[1:]), f"input tensor index {n} out of range"),
@@ -279,7 +278,7 @@ def test_shape_rule_cache_checks_nodes_that_differ_only_in_attributes(cnn_model)
     conv = m.nodes[j]
     load.check_shape_rules(_with_nodes(m, m.nodes + [conv]))  # the same node twice: fine
     stride = tuple(s + 1 for s in conv.attrs["stride"])
-    other = dataclasses.replace(conv, attrs={**conv.attrs, "stride": stride}, name="other")
+    other = conv.replace(attrs={**conv.attrs, "stride": stride}, name="other")
     with pytest.raises(PmxFormatError, match="'other'.*give output shapes"):
         load.check_shape_rules(_with_nodes(m, m.nodes + [other]))
     # and the other order: the damaged node first, the good one reusing nothing of it
@@ -383,7 +382,7 @@ def test_shape_rules_refuse_a_damaged_file_at_load(files, tmp_path, monkeypatch)
         return lambda *a: touched.append(op) or make(*a)
 
     for op, k in list(kernels.REGISTRY.items()):
-        monkeypatch.setitem(kernels.REGISTRY, op, dataclasses.replace(k, make=recorded(op, k.make)))
+        monkeypatch.setitem(kernels.REGISTRY, op, k.replace(make=recorded(op, k.make)))
     real_empty = session._aligned_empty
     monkeypatch.setattr(session, "_aligned_empty", lambda n, *a: touched.append(n) or real_empty(n, *a))
     with pytest.raises(PmxFormatError, match=message):

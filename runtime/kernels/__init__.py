@@ -26,25 +26,24 @@ Family files are imported explicitly below; registering a name twice is an error
 
 import contextlib
 import threading
-from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.record import Record
 
 
-@dataclass(frozen=True)
-class Kernel:
-    op: str
-    make: Callable
-    infer: Callable
-    # the op's output may overwrite its first input when that input dies here
-    inplace: bool = False
-    # output is a reinterpretation of input 0's bytes (reshape-like): plannable as alias
-    view: bool = False
-    # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
-    scratch: Callable | None = None
+class Kernel(Record):
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch")
+
+    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None):
+        self.op, self.make, self.infer = op, make, infer
+        # the op's output may overwrite its first input when that input dies here
+        self.inplace = inplace
+        # output is a reinterpretation of input 0's bytes (reshape-like): plannable as alias
+        self.view = view
+        # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
+        self.scratch = scratch
 
 
 REGISTRY: dict[str, Kernel] = {}

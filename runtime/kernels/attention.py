@@ -39,13 +39,12 @@ ns per score on this machine's numpy, is most of what separates this kernel from
 throughput of its two GEMMs alone.
 """
 
-from dataclasses import dataclass, replace
-
 import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import along, chain, view_as
+from pmx.runtime.record import Record
 
 
 def _unpack_shapes(attrs, shapes):
@@ -159,21 +158,23 @@ def _viewed(a, shape):
 SCRATCH_ELEMENTS = 1 << 20
 
 
-@dataclass(frozen=True)
-class _Block:
+class _Block(Record):
     """The arrays one block of attention reads and writes: views of the node's operands,
     of the scores scratch and of the outputs."""
 
-    q: np.ndarray  # [..., L, E]
-    q_scaled: np.ndarray | None  # scratch for q * scale; None when the scale is 1
-    kt: np.ndarray  # k transposed, [..., E, S]
-    v: np.ndarray  # [..., S, Ev]
-    out: np.ndarray  # [..., L, Ev]
-    scores: np.ndarray  # [..., L, S]
-    row_max: np.ndarray  # [..., L, 1]
-    row_sum: np.ndarray  # [..., L, 1]
-    masks: tuple  # ((mask broadcasting against the scores, mode), ...)
-    weights: np.ndarray | None  # the attention-weights output, if any
+    __slots__ = ("q", "q_scaled", "kt", "v", "out", "scores", "row_max", "row_sum", "masks", "weights")
+
+    def __init__(self, q, q_scaled, kt, v, out, scores, row_max, row_sum, masks, weights):
+        self.q = q  # [..., L, E]
+        self.q_scaled = q_scaled  # scratch for q * scale; None when the scale is 1
+        self.kt = kt  # k transposed, [..., E, S]
+        self.v = v  # [..., S, Ev]
+        self.out = out  # [..., L, Ev]
+        self.scores = scores  # [..., L, S]
+        self.row_max = row_max  # [..., L, 1]
+        self.row_sum = row_sum  # [..., L, 1]
+        self.masks = masks  # ((mask broadcasting against the scores, mode), ...)
+        self.weights = weights  # the attention-weights output, if any
 
 
 def _thread_axis(b, mean_weights):
@@ -386,5 +387,5 @@ def _slice(b, nd, r0, r1):
     averaged over the heads)."""
     n = r1 - r0
     weights = None if b.weights is None else along(b.weights, -b.weights.ndim, r0, r1)
-    return replace(_block_part(b, -nd, r0, r1), scores=b.scores[:n], row_max=b.row_max[:n],
-                   row_sum=b.row_sum[:n], weights=weights)
+    return _block_part(b, -nd, r0, r1).replace(scores=b.scores[:n], row_max=b.row_max[:n],
+                                               row_sum=b.row_sum[:n], weights=weights)
