@@ -11,8 +11,12 @@ TorchScript module pnnx saves for torch) into --cache. Then every contender runs
 fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
 and reports: import time, load time, time to first result (import of the runtime + load +
 first run; numpy is already imported), steady-state latency (median of --runs runs after
-warm-up) and peak RSS. Outputs are checked against torch's. Prints a markdown table with
-ratios to onnxruntime and writes JSON. The models are torchvision's untrained ones with
+warm-up) and peak RSS. Each contender runs in --rounds such processes (default 3), the
+contenders taking turns in an order rotated every round, and each number is the median
+over its rounds: on a shared VM a burst of load from elsewhere lasting one process had
+moved single samples by 1.5-2.5x (pmx on ResNet-18: 75, 46 and 29 ms in three runs).
+Outputs are checked against torch's. Prints a markdown table with ratios to onnxruntime
+and writes JSON (with every round's sample). The models are torchvision's untrained ones with
 seeded random values where those hold constants (randomize_untrained): ViT's zero
 classifier head made its output exactly zero, so its check could not fail.
 
@@ -344,6 +348,33 @@ def run_contender(contender, d, runs, threads):
     return result
 
 
+METRICS = ("import_ms", "load_ms", "first_result_ms", "steady_ms", "peak_rss_mb")
+
+
+def run_rounds(contenders, d, runs, threads, rounds):
+    """Every contender in `rounds` fresh processes, taking turns (round r starts with
+    contender r), so no contender always runs right after the same other one."""
+    samples = {c: [] for c in contenders}
+    for r in range(rounds):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            samples[c].append(run_contender(c, d, runs, threads))
+    return {c: median_of_rounds(s) for c, s in samples.items()}
+
+
+def median_of_rounds(samples):
+    """Per metric the median over the rounds; the worst output error of any round. A
+    round that failed makes the contender's entry that failure."""
+    failed = [s for s in samples if "error" in s]
+    if failed:
+        return dict(failed[0], failed_rounds=len(failed), rounds=len(samples))
+    out = {k: float(np.median([s[k] for s in samples])) for k in METRICS if all(s.get(k) is not None for s in samples)}
+    errs = [s["rel_err"] for s in samples if s.get("rel_err") is not None]
+    out["rel_err"] = max(errs) if errs else None
+    out["rounds"] = samples
+    return out
+
+
 def run_batches(contender, d, batches, runs, threads):
     env = worker_env(threads)
     p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--batches", batches,
@@ -394,9 +425,9 @@ def table(results):
             rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
             rf = r["first_result_ms"] / ort["first_result_ms"] if ort.get("first_result_ms") else None
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
-            lines.append(f"| {model} | {c} | {fmt(r['import_ms'])} | {fmt(r['load_ms'])} | {fmt(r['first_result_ms'])} | "
-                         f"{fmt(r['steady_ms'], 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
-                         f"{fmt(r['peak_rss_mb'], 0)} | {err} |")
+            lines.append(f"| {model} | {c} | {fmt(r.get('import_ms'))} | {fmt(r.get('load_ms'))} | {fmt(r.get('first_result_ms'))} | "
+                         f"{fmt(r.get('steady_ms'), 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
+                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} |")
     return "\n".join(lines)
 
 
@@ -407,6 +438,7 @@ def main():
     p.add_argument("--builtin", action="store_true", help="only the small built-in models (no torchvision)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per contender; medians are reported")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
@@ -441,9 +473,10 @@ def main():
             results[name] = {c: run_batches(c, d, args.batches, args.runs, args.threads)
                              for c in contenders if c in ("pmx", "onnxruntime")}
         else:
-            results[name] = {c: run_contender(c, d, args.runs, args.threads) for c in contenders}
+            results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
-    print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads\n")
+    print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
+          + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, results=results), indent=1))
