@@ -379,7 +379,10 @@ def _place_workers(workers):
     getcpu = _sched_getcpu()
     if getcpu is None or not hasattr(os, "sched_setaffinity"):
         return
-    allowed = os.sched_getaffinity(0)
+    try:
+        allowed = os.sched_getaffinity(0)
+    except OSError:  # a sandbox that refuses the call: leave placement to the scheduler
+        return
     here = getcpu()
     free = sorted(allowed - {here}) if here in allowed else []
     for k, w in enumerate(workers):
