@@ -35,7 +35,7 @@ def _compile(args):
     if args.tune:
         from pmx.compiler.passes.tune import format_report
 
-        changed = sum(1 for _, rule, chosen, _ in r.tuned if rule != chosen)
+        changed = sum(1 for _, rule, chosen, *_ in r.tuned if rule != chosen)
         print(f"  tuned      {len(r.tuned)} nodes timed, {changed} changed from the rule's choice (ms per candidate):")
         for line in format_report(r.tuned, limit=None if args.verbose else 10):
             print(line)

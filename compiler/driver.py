@@ -26,7 +26,8 @@ class CompileResult:
     pass_stats: list = field(default_factory=list)
     dynamic: dict = field(default_factory=dict)   # input name -> [(min, max) per dim]
     notes: list = field(default_factory=list)     # e.g. which input dims are fixed and why
-    tuned: list = field(default_factory=list)     # --tune: (node, rule's variant, chosen, {variant: s})
+    # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
+    tuned: list = field(default_factory=list)
 
 
 def default_output(param_path):

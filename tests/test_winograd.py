@@ -238,7 +238,7 @@ def test_tune_times_winograd_for_3x3_convs(exporter, tmp_path):
     compare_with_torch(prefix, module, inputs, tmp_path / "t.pmx", tune=True)
     r = compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "t2.pmx"), tune=True)
     stored = {name: (op, variant) for name, op, variant in _ops(tmp_path / "t2.pmx")}
-    tuned_3x3 = [(node, chosen, times) for node, _, chosen, times in r.tuned if "winograd" in times]
+    tuned_3x3 = [(node, chosen, times) for node, _, chosen, times, _ in r.tuned if "winograd" in times]
     assert len(tuned_3x3) == 3, "every 3x3 stride-1 conv (a, b, small; not down) has Winograd candidates"
     for node, chosen, times in tuned_3x3:
         assert {"gemm", "gemm_1t", "winograd", "winograd_1t"} == set(times), times

@@ -55,7 +55,7 @@ def tune(graph) -> bool:
             times, rounds = _time_candidates(node, options, rng)
             if times:
                 chosen = _choose(times, node.variant, rounds)
-                report.append((node, node.variant, chosen, times))
+                report.append((node, node.variant, chosen, times, rounds))
                 node.variant = chosen
     return False
 
@@ -143,7 +143,7 @@ def _bind(node, variant, rng):
 def format_report(report, limit=None):
     """Rows 'node  op  rule -> chosen  candidate ms ...' for the CLI, biggest gains first."""
     rows = []
-    for node, rule, chosen, times in report:
+    for node, rule, chosen, times, _ in report:
         gain = times.get(rule, times[chosen]) - times[chosen]
         cands = "  ".join(f"{v}={t * 1e3:.3f}" for v, t in sorted(times.items(), key=lambda kv: kv[1]))
         rows.append((gain, f"  {node.name[:32]:32} {node.op:12} {rule or '-':>10} -> {chosen:12} {cands}"))
