@@ -13,7 +13,7 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import chain, padded_buffer, phase_fill, phases, view_as
-from pmx.runtime.kernels.reduce import reduction
+from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
 
 def _pool_len(n, k, s, d, pb, pe, ceil_mode):
@@ -184,15 +184,16 @@ def _bins(n, o):
     return [(math.floor(i * n / o), math.ceil((i + 1) * n / o)) for i in range(o)]
 
 
-def _make_adaptive(reduce_fn, node, inputs, outputs):
+def _make_adaptive(kind, node, inputs, outputs):
     x, out = inputs[0], outputs[0]
+    reduce_fn = REDUCERS[kind]
     nd = len(node.attrs["output_size"])
     lead = x.ndim - nd
     in_sp, out_sp = x.shape[lead:], out.shape[lead:]
     axes = tuple(range(lead, x.ndim))
     if all(o == 1 for o in out_sp):
         # global pooling (squeeze-and-excitation, heads): the reduce ops' kernel
-        return reduction(reduce_fn, "mean" if reduce_fn is np.mean else "max", x, out, axes)
+        return reduction(kind, x, out, axes)
     if all(n % o == 0 for n, o in zip(in_sp, out_sp)):
         split = tuple(x.shape[:lead])
         for n, o in zip(in_sp, out_sp):
@@ -213,9 +214,9 @@ def _make_adaptive(reduce_fn, node, inputs, outputs):
 
 @register("adaptive_avg_pool", infer=adaptive_infer)
 def make_adaptive_avg_pool(node, inputs, outputs):
-    return _make_adaptive(np.mean, node, inputs, outputs)
+    return _make_adaptive("mean", node, inputs, outputs)
 
 
 @register("adaptive_max_pool", infer=adaptive_infer)
 def make_adaptive_max_pool(node, inputs, outputs):
-    return _make_adaptive(np.max, node, inputs, outputs)
+    return _make_adaptive("max", node, inputs, outputs)

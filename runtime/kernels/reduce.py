@@ -62,13 +62,17 @@ def _trailing_reduction(kind, x, out, lead):
     return lambda: np.dot(x2, weights, out=o1)
 
 
-def reduction(fn, kind, x, out, axes):
-    """Callable reducing `axes` of x into `out` (the reduced shape, kept dims or not)
-    with fn (np.mean & co; `kind` "mean", "sum", "max", "min" or None): one GEMV or ufunc
-    reduce for trailing axes (_trailing_reduction), else fn, with float16/32 sums and
-    means accumulated in float64. The reduce ops and global adaptive pooling use it."""
+REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def reduction(kind, x, out, axes):
+    """Callable reducing `axes` of x into `out` (the reduced shape, kept dims or not),
+    `kind` one of REDUCERS: one GEMV or ufunc reduce for trailing axes
+    (_trailing_reduction), else np.mean & co, with float16/32 sums and means accumulated
+    in float64. The reduce ops and global adaptive pooling use it."""
+    fn = REDUCERS[kind]
     lead = x.ndim - len(axes)
-    if kind is not None and axes == tuple(range(lead, x.ndim)):
+    if kind != "prod" and axes == tuple(range(lead, x.ndim)):
         fast = _trailing_reduction(kind, x, out, lead)
         if fast is not None:
             return fast
@@ -86,18 +90,16 @@ def reduction(fn, kind, x, out, axes):
     return lambda: fn(x, axis=axes, keepdims=True, out=target)
 
 
-def _make_reduce(fn, kind=None):
+def _make_reduce(kind):
     def make(node, inputs, outputs):
         x = inputs[0]
-        return reduction(fn, kind, x, outputs[0], _axes(node.attrs.get("axes"), x.ndim))
+        return reduction(kind, x, outputs[0], _axes(node.attrs.get("axes"), x.ndim))
 
     return make
 
 
-for _name, _fn, _kind in (("reduce_mean", np.mean, "mean"), ("reduce_sum", np.sum, "sum"),
-                          ("reduce_max", np.max, "max"), ("reduce_min", np.min, "min"),
-                          ("reduce_prod", np.prod, None)):
-    register(_name, infer=reduce_infer)(_make_reduce(_fn, _kind))
+for _kind in REDUCERS:
+    register(f"reduce_{_kind}", infer=reduce_infer)(_make_reduce(_kind))
 
 
 def same_as_input(node, shapes, dtypes):
