@@ -229,9 +229,11 @@ def desugar(tree):
     if tree[0] in ("@", "#"):
         return tree
     name, args = tree[0], [desugar(a) for a in tree[1:]]
-    if name == "mul" and ("sigmoid", args[0]) == args[1] or name == "mul" and ("sigmoid", args[1]) == args[0]:
-        x = args[0] if args[1] == ("sigmoid", args[0]) else args[1]
-        return ("div", x, ("add", ("exp", ("neg", x)), _c(1.0)))
+    if name == "mul":
+        a, b = args
+        x = a if b == ("sigmoid", a) else b if a == ("sigmoid", b) else None
+        if x is not None:
+            return ("div", x, ("add", ("exp", ("neg", x)), _c(1.0)))
     if name == "max":
         name = "maximum"
     elif name == "min":

@@ -33,8 +33,14 @@ def epilogue(node, out, threads=None):
     if not node.expr:
         return None
     tree = E.parse(node.expr, 1)
-    backend = E.compile_numexpr if node.variant.endswith("numexpr") and E.numexpr_supported(tree) else None
-    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads, backend)
+    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads,
+                            expression_backend(node, tree))
+
+
+def expression_backend(node, tree):
+    """E.compile_numexpr when the node's variant asks for numexpr and numexpr can run the
+    tree, else None (numpy: split_expression's default)."""
+    return E.compile_numexpr if node.variant.endswith("numexpr") and E.numexpr_supported(tree) else None
 
 
 def split_expression(tree, inputs, out, threads, backend=None):

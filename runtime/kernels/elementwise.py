@@ -2,17 +2,18 @@
 
 Canonical op `elementwise`: any number of inputs (broadcast), node.expr holds the
 expression (runtime/expr.py grammar), node.variant "numexpr" or "numpy" says which
-backend runs it; the compiler chooses per node. numexpr runs its own threads; the numpy
-backend splits big tensors into one slab per thread along the first axis long enough
-(each slab is the same expression over slices of the output and of every input that is
-not broadcast along that axis). Suffix "_1t" keeps a numpy node on one thread.
+backend runs it; the compiler chooses per node. Either backend splits big tensors into
+one slab per thread along the first axis long enough (each slab is the same expression
+over slices of the output and of every input that is not broadcast along that axis;
+numexpr itself runs on one thread inside runs, see parallel.running). Suffix "_1t" keeps
+a numpy node on one thread.
 """
 
 import numpy as np
 
 from pmx.runtime import expr as E
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import SINGLE_THREAD, node_threads, split_expression
+from pmx.runtime.kernels.common import SINGLE_THREAD, expression_backend, node_threads, split_expression
 
 
 def variants(node):
@@ -31,5 +32,5 @@ def elementwise_infer(node, shapes, dtypes):
 def make_elementwise(node, inputs, outputs):
     tree = E.parse(node.expr, len(inputs))
     out = outputs[0]
-    backend = E.compile_numexpr if node.variant == "numexpr" and E.numexpr_supported(tree) and inputs else None
+    backend = expression_backend(node, tree) if inputs else None  # numexpr needs an input
     return split_expression(tree, inputs, out, node_threads(node), backend)
