@@ -10,10 +10,11 @@ then costs about 5-40 us here (GIL hand-off), so kernels split only work measure
 take well over that (`worth_splitting`).
 
 The thread count is process-wide, as BLAS's and numexpr's are: set_num_threads(n) sets
-all three, BLAS's when the next run starts (InferenceSession(..., num_threads=n) calls it). The default is the number of
-cores this process may run on. BLAS is found among the libraries loaded in this process
-(numpy's bundled OpenBLAS, or MKL) and driven through its own C entry point; when none
-is found, BLAS keeps its own default and `blas_threads_controlled()` says False.
+all three, BLAS's when the next run starts (InferenceSession(..., num_threads=n) calls
+it). The default is the number of cores this process may run on. BLAS is found among
+the libraries loaded in this process (numpy's bundled OpenBLAS, or MKL) and driven
+through its own C entry point; when none is found, BLAS keeps its own default and
+`blas_threads_controlled()` says False.
 """
 
 from __future__ import annotations
@@ -198,16 +199,23 @@ def split(parts):
 
 
 @functools.cache
-def _spin():
-    """(lock, unlock, init) of libc's pthread spinlocks taking an address, or None
-    (PMX_NO_SPIN set, or no such functions: not glibc/Linux). Read when the first
-    worker is made."""
-    if os.environ.get("PMX_NO_SPIN"):
-        return None
+def _libc_functions(*names):
+    """The C library's functions `names` (through ctypes), or None where one is missing
+    (not glibc/Linux)."""
     try:
         libc = ctypes.CDLL(None)
-        fns = libc.pthread_spin_lock, libc.pthread_spin_unlock, libc.pthread_spin_init
+        return tuple(getattr(libc, name) for name in names)
     except (OSError, AttributeError):
+        return None
+
+
+@functools.cache
+def _spin():
+    """(lock, unlock, init) of libc's pthread spinlocks taking an address, or None
+    (PMX_NO_SPIN set, or no such functions). Read when the first worker is made."""
+    fns = None if os.environ.get("PMX_NO_SPIN") else _libc_functions("pthread_spin_lock", "pthread_spin_unlock",
+                                                                      "pthread_spin_init")
+    if fns is None:
         return None
     for f in fns:
         f.argtypes, f.restype = [ctypes.c_void_p] + ([ctypes.c_int] if f is fns[2] else []), ctypes.c_int
@@ -365,10 +373,10 @@ def _enter_first_run():
 @functools.cache
 def _sched_getcpu():
     """libc's sched_getcpu (the calling thread's core), or None where it is missing."""
-    try:
-        getcpu = ctypes.CDLL(None).sched_getcpu
-    except (OSError, AttributeError):
+    found = _libc_functions("sched_getcpu")
+    if found is None:
         return None
+    [getcpu] = found
     getcpu.argtypes, getcpu.restype = [], ctypes.c_int
     return getcpu
 
