@@ -139,7 +139,8 @@ def _is_pointwise(x, w, a):
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
     if _variant(node, w) == "depthwise":
-        return scratch_nbytes(*_depthwise_scratch(node, _phases(x, w, out, node.attrs), out.dtype))
+        g = _phases(x, w, out, node.attrs)
+        return scratch_nbytes(*_depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype))
     if _is_pointwise(x, w, node.attrs):
         return 0
     return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
@@ -264,8 +265,8 @@ def _depthwise_plan(node, g, dtype):
     return parts, block
 
 
-def _depthwise_scratch(node, g, dtype):
-    parts, block = _depthwise_plan(node, g, dtype)
+def _depthwise_scratch(g, parts, block, dtype):
+    """(wide output, one block of im2col columns per thread), as (shape, dtype) pairs."""
     return [((g.n, g.c, 1, g.length), dtype), ((len(parts), block, len(g.taps), g.length), dtype)]
 
 
@@ -275,7 +276,7 @@ def _depthwise(node, x, w, b, out):
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
-    wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(node, g, out.dtype))
+    wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
     weights = w.reshape(g.c, 1, -1)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
