@@ -507,14 +507,8 @@ def _read_tensors(r, positions):
     T = _TENSOR
     t = r.tables(T, positions, "tensors")
     kinds, codes = t.columns[T.kind], t.columns[T.dtype]
-    shapes = r.numbers(t, T.shape, "tensor shapes")
-    if max(map(len, shapes), default=0) > MAX_RANK:
-        i = next(i for i, v in enumerate(shapes) if len(v) > MAX_RANK)
-        _fail(path, f"tensor {i} has rank {len(shapes[i])}, more than {MAX_RANK}")
-    strides = r.numbers(t, T.alias_strides, "tensor alias_strides")
-    if max(map(len, strides), default=0) > MAX_RANK:
-        i = next(i for i, v in enumerate(strides) if len(v) > MAX_RANK)
-        _fail(path, f"tensor {i} has {len(strides[i])} alias strides, more than {MAX_RANK}")
+    shapes = _at_most_max_rank(path, r.numbers(t, T.shape, "tensor shapes"), "rank {}")
+    strides = _at_most_max_rank(path, r.numbers(t, T.alias_strides, "tensor alias_strides"), "{} alias strides")
     dim_min, dim_max = (r.numbers(t, k, "tensor dim ranges") for k in (T.dim_min, T.dim_max))
     for i in [i for i, (lo, hi) in enumerate(zip(dim_min, dim_max)) if lo or hi]:
         # graph inputs and outputs with dims that may change
@@ -532,6 +526,14 @@ def _read_tensors(r, positions):
     c = t.columns
     return list(map(TensorInfo, r.strings(t, T.name, "tensor names"), kinds, dtypes, shapes, c[T.data_offset],
                     c[T.data_size], c[T.arena_offset], c[T.alias_of], c[T.alias_offset], strides, dim_min, dim_max))
+
+
+def _at_most_max_rank(path, vectors, has):
+    """`vectors` (one per tensor), after failing on the first longer than MAX_RANK."""
+    if max(map(len, vectors), default=0) > MAX_RANK:
+        i = next(i for i, v in enumerate(vectors) if len(v) > MAX_RANK)
+        _fail(path, f"tensor {i} has {has.format(len(vectors[i]))}, more than {MAX_RANK}")
+    return vectors
 
 
 def _read_nodes(r, positions):

@@ -225,6 +225,22 @@ def test_damaged_headers_name_what_is_wrong(files, tmp_path):
         assert re.search(message, str(e.value)), str(e.value)
 
 
+def test_vectors_longer_than_max_rank_are_refused(files, tmp_path):
+    """A shape vector longer than MAX_RANK (read from the file, within the header) names
+    the tensor and its rank (alias_strides go through the same check)."""
+    data = files["cnn"]
+    pre, header = header_of(data)
+    m = fb.Model.GetRootAs(header, 0)
+    too_long = load.MAX_RANK + 1
+    # a tensor whose longer shape still lies inside the header (else the reader stops first)
+    i, shape_at = next((i, at) for i in range(m.TensorsLength())
+                       for at in [_field_target(header, m.Tensors(i)._tab.Pos, "shape")]
+                       if at + 4 + 8 * too_long <= len(header))
+    bad = _patch(data, shape_at, "<I", too_long)
+    with pytest.raises(PmxFormatError, match=f"tensor {i} has rank {too_long}, more than {load.MAX_RANK}"):
+        InferenceSession(str(_write(tmp_path, bad)))
+
+
 # --- checks whose fast paths must not look away ------------------------------------------
 
 
