@@ -8,6 +8,7 @@ from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import TUNE_MARGIN, _choose, candidates
 from pmx.runtime import InferenceSession
+from pmx.runtime.kernels.common import SINGLE_THREAD
 
 
 class TunedBlocks(torch.nn.Module):
@@ -38,6 +39,8 @@ def test_tune_stores_the_fastest_candidate(exporter, tmp_path):
     assert {"conv", "elementwise"} <= ops, f"expected conv and elementwise nodes among the tuned, got {ops}"
     for node, rule, chosen, times, rounds in r.tuned:
         assert set(times) == set(candidates(node)) == set(rounds), f"{node.name}: a candidate failed to run"
+        # threading is the kernels' rule: timed alone, splits misjudge (tune.py's docstring)
+        assert not any(v.endswith(SINGLE_THREAD) for v in times), f"{node.name}: timed {sorted(times)}"
         best = min(times, key=times.get)
         # the rule's choice stays unless the fastest beats it by the margin overall and
         # in every round (test_choose_* below)

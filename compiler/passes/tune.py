@@ -2,9 +2,8 @@
 store the fastest as the node's variant.
 
 Candidates come from the kernel families (conv: gemm / depthwise / Winograd lowering,
-each with and without the split over threads; Winograd timed on the weights
-prepack_weights will store; elementwise: numpy / numexpr backends, numpy with and
-without the split). Each candidate is bound exactly as the runtime binds it, on private
+Winograd timed on the weights prepack_weights will store; elementwise: numpy / numexpr
+backends). Each candidate is bound exactly as the runtime binds it, on private
 buffers of the node's planned shapes (constants are the real weights, other inputs
 seeded random data), warmed up, then timed in alternating rounds; the median of
 TUNE_ROUNDS x TUNE_REPEATS runs decides, and the rule's choice stays unless another
@@ -14,6 +13,23 @@ choose_kernels. The threads are the runtime's default (the cores this process ma
 so tune on the machine the model will run on.
 
 Without --tune this pass does nothing: the rule in choose_kernels picks.
+
+Whether a node splits over the threads is not a candidate: the kernels' size thresholds
+decide (GEMM_SPLIT_MIN_MACS, DEPTHWISE_SPLIT_MIN_ELEMENTS). Timed alone, a node's split
+often looked slower than one thread (ShuffleNetV2's 24->58 1x1 conv at 56x56: 0.283 ms
+split against 0.206), while inside the model the same split was faster (0.181 ms): there
+its input was just written by a split producer, half in each core's cache. Tune chose
+one thread for 36 of ShuffleNetV2's 56 nodes and 11 of SqueezeNet's 26, and whole runs
+got slower. Steady-state ms, medians over 4-5 fresh processes taking turns (2 threads):
+
+    model                tuned, with 1-thread candidates   tuned, lowerings only
+    shufflenet_v2_x1_0   6.78                              6.20
+    squeezenet1_1        8.65                              7.99
+    mobilenet_v3_small   5.66                              5.51
+    efficientnet_b0      25.44                             24.28
+    densenet121          62.03                             61.00
+    googlenet            27.05                             26.75
+    resnet18             28.58                             28.02
 """
 
 import time
@@ -23,7 +39,6 @@ import numpy as np
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
 from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
-from pmx.runtime.kernels.common import SINGLE_THREAD
 
 TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
 TUNE_ROUNDS = 3
@@ -35,7 +50,7 @@ def candidates(node):
     if node.op == "conv" and len(node.inputs) > 1 and node.inputs[1] is not None:
         found = conv.variants(node, node.inputs[1].shape)
         if winograd_applies(node):
-            found += [WINOGRAD, WINOGRAD + SINGLE_THREAD]
+            found += [WINOGRAD]
         return found
     if node.op == "elementwise":
         return elementwise.variants(node)

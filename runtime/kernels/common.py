@@ -18,7 +18,9 @@ def view_as(a: np.ndarray, shape) -> np.ndarray:
     return v
 
 
-SINGLE_THREAD = "_1t"  # variant suffix: the node's work is not split over the threads
+# Variant suffix: the node's work is not split over the threads. `pmx compile --tune`
+# no longer writes it (compiler/passes/tune.py says why); files that have it run as stored.
+SINGLE_THREAD = "_1t"
 
 
 def node_threads(node):
@@ -71,7 +73,7 @@ def along(x, axis, lo, hi):
 
 
 # GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core)
-GEMM_SPLIT_MIN_MACS = 1 << 22
+GEMM_SPLIT_MIN_MACS = 3 << 19
 GEMM_SPLIT_MIN_COLUMNS = 512
 GEMM_SPLIT_MIN_ROWS = 64
 
@@ -88,7 +90,12 @@ def gemm(a, b, out, threads=None, post=None):
     broadcasts against out). Measured on this 2-core machine with BLAS on one thread
     (idle machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
     multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 ->
-    0.12 ms) and loses below (a GEMV of 1.3M: 0.08 -> 0.14)."""
+    0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
+    (GEMM_SPLIT_MIN_MACS, was 4M) splits lost when timed alone but won inside models, per
+    node, 1x1 convs with bias (medians of 4x40 runs): ShuffleNetV2 116->116 at 14x14
+    (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
+    576->96 at 7x7 (2.7M) 0.088 -> 0.066, 48->288 at 14x14 + hardswish 0.128 -> 0.114;
+    at 1.1M (24->58 at 28x28) it lost: 0.057 -> 0.067."""
     threads = threads or parallel.num_threads()
     post = post or (lambda part, cut: None)
     plan = _gemm_split(a, b, out, threads)

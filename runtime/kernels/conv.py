@@ -116,8 +116,7 @@ def _is_depthwise(w_shape, groups):
 def variants(node, w_shape):
     """The lowerings `pmx compile --tune` times for a conv with this weight shape."""
     groups = int(node.attrs.get("groups", 1))
-    base = ["gemm", "depthwise"] if _is_depthwise(w_shape, groups) else ["gemm"]
-    return [v + suffix for v in base for suffix in ("", SINGLE_THREAD)]
+    return ["gemm", "depthwise"] if _is_depthwise(w_shape, groups) else ["gemm"]
 
 
 def _variant(node, w):
@@ -239,14 +238,14 @@ def _im2col_gemm(cols_windows, windows, w, cols, out, post):
 # L2 between their copy and their GEMVs. See the module docstring for the measurements.
 DEPTHWISE_BLOCK_BYTES = 1 << 20
 # Split channels over the cores only from this many im2col column elements (N x C x taps
-# x wide length) up. Below, the dispatch costs more than the second core saves; ms, one
-# thread / two, interleaved medians of 15 (load ~1.3 from other jobs):
-#   128x7x7 3x3 (72K) 0.052/0.100, 64x14x14 3x3 (129K) 0.054/0.104, 232x7x7 3x3 (131K)
-#   0.095/0.103, 256x7x7 3x3 (145K) 0.094/0.127, 116x28x28 3x3 s2 (219K) 0.166/0.211,
-#   48x14x14 5x5 (302K) 0.082/0.120, 58x28x28 3x3 (438K) 0.157/0.150, 464x7x7 3x3 (263K)
-#   0.172/0.131, 88x28x28 3x3 (665K) 0.227/0.205, 144x14x14 5x5 (907K) 0.227/0.172,
-#   and in the module docstring's table (0.8M-7M elements) 1.0-1.8x faster on two.
-DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 19
+# x wide length) up. Timed alone, splits lost below ~400K (232x7x7 3x3, 131K: 0.095 ms on
+# one thread, 0.103 on two), but inside models, where the input was just written by a
+# split producer and the workers are pinned off the caller's core, they won from 128K
+# (per-node medians of 4x40 runs, threshold 512K -> 128K): ShuffleNetV2 232x7x7 3x3
+# (131K) 0.083 -> 0.072 ms, 116x14x14 3x3 (234K) 0.087 -> 0.074, 58x28x28 3x3 (438K)
+# 0.143 -> 0.108; MobileNetV3-small 16x112x112 3x3 s2 0.268 -> 0.171, 288x14x14 5x5 s2
+# 0.297 -> 0.202. The module docstring's table (0.8M-7M elements): 1.0-1.8x on two.
+DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 17  # was 1 << 19
 
 
 def _phases(x, w, out, a):

@@ -6,21 +6,21 @@ backend runs it; the compiler chooses per node. Either backend splits big tensor
 one slab per thread along the first axis long enough (each slab is the same expression
 over slices of the output and of every input that is not broadcast along that axis;
 numexpr itself runs on one thread inside runs, see parallel.running). Suffix "_1t" keeps
-a numpy node on one thread.
+a numpy node on one thread (`pmx compile --tune` wrote it before it left threading to
+the rule; such files still run as stored).
 """
 
 import numpy as np
 
 from pmx.runtime import expr as E
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import SINGLE_THREAD, expression_backend, node_threads, split_expression
+from pmx.runtime.kernels.common import expression_backend, node_threads, split_expression
 
 
 def variants(node):
     """The backends `pmx compile --tune` times for this node."""
     tree = E.parse(node.expr, len(node.inputs))
-    found = ["numpy", "numpy" + SINGLE_THREAD]
-    return found + ["numexpr"] if node.inputs and E.numexpr_supported(tree) else found
+    return ["numpy", "numexpr"] if node.inputs and E.numexpr_supported(tree) else ["numpy"]
 
 
 def elementwise_infer(node, shapes, dtypes):
