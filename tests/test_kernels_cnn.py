@@ -178,6 +178,61 @@ def test_conv_large_enough_to_split(kind, two_threads):
         assert_close(got, F.relu(want), want)
 
 
+@st.composite
+def flat_depthwise_case(draw):
+    """Depthwise convs the flat lowering takes (stride 1, zero padding, at most 3 taps
+    wide, output rows as wide as the input's): every split of the row padding, so taps
+    wrap past either row end; any height, vertical padding and dilation."""
+    kw = draw(st.integers(1, 3))
+    left = draw(st.integers(0, kw - 1))
+    kh, dh = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    top, bottom = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    height = max(draw(st.integers(1, 10)), dh * (kh - 1) + 1 - top - bottom)
+    return dict(batch=draw(st.integers(1, 3)), c=draw(st.integers(1, 12)), size=(height, draw(st.integers(1, 10))),
+                k=(kh, kw), dilation=(dh, 1), pads=(top, left, bottom, kw - 1 - left),
+                block=draw(st.integers(1, 5)), bias=draw(st.booleans()),
+                act=draw(st.sampled_from(["", "maximum(@0,0)"])), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@FAST
+@given(flat_depthwise_case())
+def test_flat_depthwise_matches_torch(c):
+    """The flat lowering zeroes the columns a tap reads across a row's end; blocks of a
+    few channels, so the zeroed views of every block are exercised. Two runs with
+    different inputs, as a session makes: the columns are scratch, dirty from the run
+    before, so the zeroing must happen on every run."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import conv, get
+
+    w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
+    b = signed_input((c["c"],), c["seed"] + 2) if c["bias"] else None
+    attrs = dict(stride=(1, 1), pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
+    top, left, bottom, right = c["pads"]
+
+    def torch_conv(x):
+        xt = F.pad(torch.from_numpy(x), (left, right, top, bottom))
+        return F.conv2d(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), 1, 0, c["dilation"],
+                        c["c"])
+
+    x = signed_input((c["batch"], c["c"]) + c["size"], c["seed"])
+    out = np.full(tuple(torch_conv(x).shape), np.nan, np.float32)
+    g = conv._depthwise_geometry(x, w, out, attrs)
+    assert isinstance(g, conv._Flat)
+    before = conv.DEPTHWISE_BLOCK_BYTES
+    conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
+    try:
+        run = get("conv").make(KernelNode("conv", attrs, c["act"], "depthwise"),
+                               [x, w] + ([b] if b is not None else []), [out])
+    finally:
+        conv.DEPTHWISE_BLOCK_BYTES = before
+    for seed in (c["seed"], c["seed"] + 3):
+        x[...] = signed_input(x.shape, seed) + 1  # all nonzero: a missed zero shows
+        run()
+        pre = torch_conv(x)
+        assert_close(out, activation(pre, c["act"]), pre)
+
+
 def test_depthwise_conv3d_matches_torch():
     """The phase-split depthwise lowering is written for any number of spatial dims."""
     x = signed_input((2, 5, 7, 8, 9), 0)
@@ -218,7 +273,7 @@ def test_depthwise_channel_blocks_match_torch(c):
     attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
     out_spatial = tuple(conv.conv_out_size(c["size"][i], c["k"][i], c["stride"][i], c["dilation"][i], c["pads"][i],
                                            c["pads"][nd + i]) for i in range(nd))
-    g = conv._phases(x, w, np.empty((c["batch"], c["c"]) + out_spatial), attrs)
+    g = conv._depthwise_geometry(x, w, np.empty((c["batch"], c["c"]) + out_spatial, np.float32), attrs)
     before = conv.DEPTHWISE_BLOCK_BYTES
     conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
     try:

@@ -23,6 +23,9 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             columns, up to 15 MB on MobileNetV2, were 1.2-2.8x slower). Scratch:
             the wide output plus one block of columns per core; the weights are used as
             they are, a (C, 1, taps) view.
+            Stride-1 convs at most 3 wide that keep the row width (3x3 "same") skip the
+            padded rows: see _Flat ("flat": the input flattened per channel, taps reading
+            across a row's end zeroed in the columns, the GEMVs writing the output directly).
             This replaced a per-tap multiply-add (two ufunc passes per tap over the wide
             output): a GEMV reads each column once and accumulates in registers. ms per
             call, float32, one image, bias, no activation, interleaved medians of 9
@@ -138,7 +141,7 @@ def _is_pointwise(x, w, a):
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
     if _variant(node, w) == "depthwise":
-        g = _phases(x, w, out, node.attrs)
+        g = _depthwise_geometry(x, w, out, node.attrs)
         return scratch_nbytes(*_depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype))
     if _is_pointwise(x, w, node.attrs):
         return 0
@@ -265,13 +268,69 @@ def _depthwise_plan(node, g, dtype):
 
 
 def _depthwise_scratch(g, parts, block, dtype):
-    """(wide output, one block of im2col columns per thread), as (shape, dtype) pairs."""
-    return [((g.n, g.c, 1, g.length), dtype), ((len(parts), block, len(g.taps), g.length), dtype)]
+    """(wide output unless flat, one block of im2col columns per thread), as (shape, dtype)
+    pairs."""
+    cols = ((len(parts), block, len(g.taps), g.length), dtype)
+    return [cols] if isinstance(g, _Flat) else [((g.n, g.c, 1, g.length), dtype), cols]
+
+
+class _Flat:
+    """Geometry of the "flat" depthwise path: stride 1, zero padding, at most 3 taps wide
+    without dilation along the rows, output rows as wide as the input's (so a tap's
+    window is one contiguous slice of a channel's flattened input), C-contiguous input
+    and output. Each channel's input is stored flattened at `base` in a zeroed buffer of
+    `per_channel` elements: tap (ky, kx) reads the slice at `taps[ky * kw + kx]`, and
+    output (y, x) is column y * W + x. A tap that reaches past a row's end reads the
+    neighbouring row instead of padding: `wrapped` lists, per kx, the columns x in
+    [lo, hi) whose values must be zeroed after each im2col copy.
+    Against the phase path it skips the copy into padded rows and the copy out of the
+    wide output, both strided with short rows. 3x3, bias, us, phase -> flat, medians of
+    5x100 calls, one thread / two:
+
+        58x28x28    142 -> 124 /  97 ->  83     960x7x7     333 -> 243 / 194 -> 156
+        116x14x14    87 ->  68 /  63 ->  51     576x14x14   443 -> 341 / 237 -> 184
+        232x7x7      82 ->  61 /  62 ->  61     144x56x56  1324 -> 1166 / 571 -> 508
+
+    In models (2 threads, same-process A/B of whole runs, medians): MobileNetV2 12.57 ->
+    12.16 ms, EfficientNet-B0 23.80 -> 23.35, MobileNetV3-small and ShuffleNetV2 level
+    within noise. 5x5 kernels lost in a prototype (576x7x7: 0.40 -> 0.49 ms, one thread):
+    four of five taps need zeroing there, so they keep the phase path."""
+
+    def __init__(self, x_shape, kernel, out_shape, dilation, pads):
+        self.n, self.c, height, self.width = x_shape
+        kh, self.kw = kernel
+        pt, pl = pads[0], pads[1]
+        self.k = (kh, self.kw)
+        self.length = out_shape[2] * self.width
+        self.base = pt * self.width + pl
+        self.taps = [ky * dilation[0] * self.width + kx for ky in range(kh) for kx in range(self.kw)]
+        self.per_channel = max(self.base + height * self.width, max(self.taps) + self.length)
+        self.row_step = dilation[0] * self.width
+        self.wrapped = []
+        for kx in range(self.kw):
+            shift = kx - pl
+            self.wrapped.append((0, -shift) if shift < 0 else (self.width - shift, self.width) if shift > 0 else None)
+
+    @staticmethod
+    def applies(x, w, out, a):
+        pads, nd = a["pads"], x.ndim - 2
+        return (nd == 2 and tuple(a["stride"]) == (1, 1) and a.get("padding_mode", "zeros") == "zeros"
+                and w.shape[3] <= 3 and a["dilation"][1] == 1 and out.shape[3] == x.shape[3]
+                and pads[1] + pads[3] == w.shape[3] - 1 and x.flags.c_contiguous and out.flags.c_contiguous)
+
+
+def _depthwise_geometry(x, w, out, a):
+    """_Flat where it applies, else the stride phases."""
+    if _Flat.applies(x, w, out, a):
+        return _Flat(x.shape, w.shape[2:], out.shape, a["dilation"], a["pads"])
+    return _phases(x, w, out, a)
 
 
 def _depthwise(node, x, w, b, out):
     a = node.attrs
-    g = _phases(x, w, out, a)
+    g = _depthwise_geometry(x, w, out, a)
+    if isinstance(g, _Flat):
+        return _depthwise_flat(node, g, x, w, b, out)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
@@ -328,3 +387,69 @@ def _copy_out(wide_valid, out, b):
         return lambda: np.copyto(out, wide_valid)
     bview = b.reshape((-1,) + (1,) * (out.ndim - 2))
     return lambda: np.add(wide_valid, bview, out=out)
+
+
+def _depthwise_flat(node, g, x, w, b, out):
+    """The _Flat path: per channel range, copy the input into its flattened buffer, then
+    per block of channels one strided copy of all taps' slices (C, kh, kw, length), zero
+    the wrapped columns, and C GEMVs straight into the output; bias and activation follow
+    in place."""
+    buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)  # persistent: the margins stay zero
+    parts, block = _depthwise_plan(node, g, out.dtype)
+    (cols_shape, dtype), = _depthwise_scratch(g, parts, block, out.dtype)
+    cols = scratch_array(cols_shape, dtype)
+    weights = w.reshape(g.c, 1, -1)
+    x_flat, out_flat = view_as(x, (g.n, g.c, -1)), view_as(out, (g.n, g.c, 1, g.length))
+    inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
+    steps = []
+    for (lo, hi), part_cols in zip(parts, cols):
+        ch = slice(lo, hi)
+        copy_in = lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s)  # noqa: E731
+        blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
+        bias = None
+        if b is not None:
+            o, bv = out[:, ch], b[ch].reshape(-1, 1, 1)
+            bias = lambda o=o, bv=bv: np.add(o, bv, out=o)  # noqa: E731
+        steps.append(chain(copy_in, _flat_im2col_gemv(buf, g, weights, part_cols, out_flat, blocks), bias,
+                           epilogue(node, out[:, ch], threads=1)))
+    return parallel.split(steps)
+
+
+def _flat_im2col_gemv(buf, g, weights, cols, out_flat, blocks):
+    item = buf.itemsize
+    cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
+    work = []
+    for c0, c1 in blocks:
+        n_ch = c1 - c0
+        rows = cols_k[:n_ch]
+        zeros = _wrapped_columns(rows, g)
+        for i in range(g.n):
+            src = np.lib.stride_tricks.as_strided(buf[i, c0:c1], (n_ch,) + g.k + (g.length,),
+                                                  (buf.strides[1], g.row_step * item, item, item), writeable=False)
+            work.append((rows, src, zeros, weights[c0:c1], cols[:n_ch], out_flat[i, c0:c1]))
+    copyto, matmul = np.copyto, np.matmul
+
+    def run():
+        for dst, src, zeros, wb, cb, ob in work:
+            copyto(dst, src)
+            for z in zeros:
+                z.fill(0)
+            matmul(wb, cb, out=ob)
+
+    return run
+
+
+def _wrapped_columns(rows, g):
+    """Views of the im2col columns `rows` (C, kh, kw, length) that read across a row's end
+    and must be zero. Two spans of one width (3 wide, padding 1 each side) are one strided
+    view: each fill() costs ~1.5 us, a fifth of a small part's time (ShuffleNetV2's
+    116x14x14 on two threads)."""
+    n_ch, kh = rows.shape[:2]
+    spans = [(kx, lo, hi) for kx, span in enumerate(g.wrapped) if span for lo, hi in [span]]
+    if len(spans) == 2 and spans[0][2] - spans[0][1] == spans[1][2] - spans[1][1]:
+        (k0, lo0, hi0), (k1, lo1, _) = spans
+        item = rows.itemsize
+        step = ((k1 - k0) * g.length + lo1 - lo0) * item
+        return (np.lib.stride_tricks.as_strided(rows[:, :, k0, lo0:], (n_ch, kh, 2, g.length // g.width, hi0 - lo0),
+                                                rows.strides[:2] + (step, g.width * item, item)),)
+    return tuple(view_as(rows[:, :, kx], (n_ch, kh, -1, g.width))[..., lo:hi] for kx, lo, hi in spans)
