@@ -9,6 +9,7 @@ F.relu may become nn.ReLU, x.view may become Tensor.reshape, ...).
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -458,3 +459,26 @@ def test_used_pool_indices_are_refused(exporter, tmp_path):
     prefix = exporter("pool_indices", PoolIndices(), (_rand(1, 2, 6, 6),))
     with pytest.raises(PmxCompileError, match=r"max_pool2d.*return_indices"):
         compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
+
+
+def test_channel_shuffle_is_one_node_at_any_batch(exporter, tmp_path):
+    """nn.ChannelShuffle, and the hand-written view/transpose/view pnnx also recognizes,
+    compile to one channel_shuffle node each (no reshape + transpose + reshape: each node
+    costs load time), and the file runs at other batch sizes than the exported one."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    torch.manual_seed(0)
+    module = randomize_bn(ShuffleUnit()).eval()
+    prefix = exporter("shuffle_unit", module, (_rand(1, 16, 8, 8),))
+    out = tmp_path / "s.pmx"
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out), verify=True)
+    sess = InferenceSession(str(out), verify=True)
+    ops = [n.op for n in sess.model.nodes]
+    assert ops.count("channel_shuffle") == 2 and "transpose" not in ops and "reshape" not in ops, ops
+    for batch in (1, 3):
+        x = _rand(batch, 16, 8, 8, seed=batch)
+        with torch.no_grad():
+            want = module(x).numpy()
+        (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

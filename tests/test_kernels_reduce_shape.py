@@ -261,6 +261,37 @@ def test_transpose_concat_split(x, data):
     close(parts[1], y)
 
 
+@given(batch=st.integers(1, 3), groups=st.integers(1, 4), per_group=st.integers(1, 4),
+       spatial=st.lists(st.integers(1, 5), min_size=0, max_size=3), seed=st.integers(0, 2**32 - 1))
+def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
+    """channel_shuffle on contiguous operands, and into a channel slice of a wider buffer
+    (a concat slice: strided across images, the fallback copy)."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import get
+
+    shape = (batch, groups * per_group) + tuple(spatial)
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    want = torch.nn.functional.channel_shuffle(torch.from_numpy(x.reshape(shape + (1,) * (3 - len(shape)))), groups)
+    want = want.reshape(shape)
+    (got,) = run_kernel("channel_shuffle", [x], dict(groups=groups))
+    close(got, want)
+    wide = np.full((batch, shape[1] + 2) + shape[2:], np.nan, np.float32)
+    out = wide[:, 1:-1]
+    get("channel_shuffle").make(KernelNode("channel_shuffle", dict(groups=groups)), [x], [out])()
+    close(out, want)
+    assert np.isnan(wide[:, [0, -1]]).all(), "wrote outside its slice"
+
+
+def test_channel_shuffle_refuses_groups_that_do_not_divide():
+    from pmx.runtime.kernels import output_shapes
+
+    from helpers import KernelNode
+
+    with pytest.raises(Exception, match="must divide the channels"):
+        output_shapes(KernelNode("channel_shuffle", dict(groups=3)), [(1, 8, 2, 2)], [np.float32])
+
+
 def test_constant_inputs_fold_away():
     """Every op of these families on constant inputs becomes a constant (fold_constants runs
     the same kernels), so models whose shape/index arithmetic pnnx left unfolded lose it."""

@@ -6,6 +6,8 @@
 `slice`    attrs axes, starts, ends, steps (Python slice semantics, so negative and
            out-of-range bounds clip as torch does), squeeze (axes removed by select).
 `transpose` attrs perm.
+`channel_shuffle` attrs groups: (N, g, C/g, ...) -> (N, C/g, g, ...) over the channels,
+           torch.nn.ChannelShuffle; one strided copy.
 `copy`     identity copy (used where an output must not alias its input).
 """
 
@@ -193,3 +195,26 @@ def make_transpose(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     src = x.transpose(node.attrs["perm"])
     return lambda: np.copyto(out, src)
+
+
+def channel_shuffle_infer(node, shapes, dtypes):
+    shape, g = tuple(shapes[0]), node.attrs["groups"]
+    if len(shape) < 2 or not isinstance(g, int) or g < 1 or shape[1] % g:
+        raise ValueError(f"groups={g!r} must divide the channels (axis 1) of input {shape}")
+    return [(shape, dtypes[0])]
+
+
+@register("channel_shuffle", infer=channel_shuffle_infer)
+def make_channel_shuffle(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    g = node.attrs["groups"]
+    n, c = x.shape[:2]
+    grouped, swapped = (n, g, c // g, -1), (n, c // g, g, -1)
+    if x.flags.c_contiguous and out.flags.c_contiguous:
+        src, dst = view_as(x, grouped).transpose(0, 2, 1, 3), view_as(out, swapped)
+        return lambda: np.copyto(dst, src)
+
+    def run():  # a strided operand (a slice of a concat buffer): numpy's reshape copies
+        np.copyto(out, x.reshape(grouped).transpose(0, 2, 1, 3).reshape(out.shape))
+
+    return run
