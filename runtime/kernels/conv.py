@@ -298,16 +298,15 @@ class _Flat:
 
     def __init__(self, x_shape, kernel, out_shape, dilation, pads):
         self.n, self.c, height, self.width = x_shape
-        kh, self.kw = kernel
+        kh, kw = self.k = tuple(kernel)
         pt, pl = pads[0], pads[1]
-        self.k = (kh, self.kw)
         self.length = out_shape[2] * self.width
         self.base = pt * self.width + pl
-        self.taps = [ky * dilation[0] * self.width + kx for ky in range(kh) for kx in range(self.kw)]
+        self.taps = [ky * dilation[0] * self.width + kx for ky in range(kh) for kx in range(kw)]
         self.per_channel = max(self.base + height * self.width, max(self.taps) + self.length)
         self.row_step = dilation[0] * self.width
         self.wrapped = []
-        for kx in range(self.kw):
+        for kx in range(kw):
             shift = kx - pl
             self.wrapped.append((0, -shift) if shift < 0 else (self.width - shift, self.width) if shift > 0 else None)
 
@@ -416,6 +415,9 @@ def _depthwise_flat(node, g, x, w, b, out):
 
 
 def _flat_im2col_gemv(buf, g, weights, cols, out_flat, blocks):
+    """Per block of channels and per image: all taps' columns in one strided copy from
+    the flattened buffer, the wrapped columns zeroed, then the block's GEMVs into the
+    output."""
     item = buf.itemsize
     cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
     work = []
