@@ -304,7 +304,9 @@ class _Flat:
         self.base = pt * self.width + pl
         self.taps = [ky * dilation[0] * self.width + kx for ky in range(kh) for kx in range(kw)]
         self.per_channel = max(self.base + height * self.width, max(self.taps) + self.length)
-        self.row_step = dilation[0] * self.width
+        # all taps as one grid, in Phases.grids' format: (buffer offset, buffer step per
+        # tap dim, first tap, tap step, taps per dim)
+        self.grids = [(0, (dilation[0] * self.width, 1), (0, 0), (1, 1), (kh, kw))]
         self.wrapped = []
         for kx in range(kw):
             shift = kx - pl
@@ -328,38 +330,45 @@ def _depthwise_geometry(x, w, out, a):
 def _depthwise(node, x, w, b, out):
     a = node.attrs
     g = _depthwise_geometry(x, w, out, a)
-    if isinstance(g, _Flat):
-        return _depthwise_flat(node, g, x, w, b, out)
     # persistent (not scratch): the padding and margin must stay zero between runs
     buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
-    wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))
+    *wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
     weights = w.reshape(g.c, 1, -1)
-    valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
-    wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
-    fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
+    if isinstance(g, _Flat):
+        # the input flattened per channel; the GEMVs write the output itself
+        x_flat = view_as(x, (g.n, g.c, -1))
+        inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
+        fill = lambda ch: lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s)  # noqa: E731
+        target = view_as(out, (g.n, g.c, 1, g.length))
+        finish = lambda ch: _add_bias(out[:, ch], b[ch] if b is not None else None)  # noqa: E731
+    else:
+        target = wide[0]
+        valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
+        wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
+        fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
+        finish = lambda ch: _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None)  # noqa: E731
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
         blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
-        steps.append(chain(
-            fill(ch),
-            _im2col_gemv(buf, g, weights, part_cols, wide, blocks),
-            _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None),
-            epilogue(node, out[:, ch], threads=1)))
+        steps.append(chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch),
+                           epilogue(node, out[:, ch], threads=1)))
     return parallel.split(steps)
 
 
-def _im2col_gemv(buf, g, weights, cols, wide, blocks):
-    """Per block of channels and per image: the block's im2col columns (C, taps, wide
-    length), one strided copy per tap grid, then C GEMVs (1, taps) @ (taps, length) as one
-    batched np.matmul into the wide output."""
+def _im2col_gemv(buf, g, weights, cols, target, blocks):
+    """Per block of channels and per image: the block's im2col columns (C, taps, length),
+    one strided copy per tap grid (on the flat path, the columns that read across a row's
+    end then zeroed), then C GEMVs (1, taps) @ (taps, length) as one batched np.matmul
+    into `target` (the wide output, or on the flat path the output)."""
     item = buf.itemsize
     cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
     work = []
     for c0, c1 in blocks:
         n_ch = c1 - c0
+        zeros = _wrapped_columns(cols_k[:n_ch], g) if isinstance(g, _Flat) else ()
         for i in range(g.n):
             copies = []
             for offset, steps, first, tap_step, counts in g.grids:
@@ -369,13 +378,15 @@ def _im2col_gemv(buf, g, weights, cols, wide, blocks):
                 dst = cols_k[(slice(0, n_ch),) + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in
                                                      zip(first, tap_step, counts)) + (slice(None),)]
                 copies.append((dst, src))
-            work.append((tuple(copies), weights[c0:c1], cols[:n_ch], wide[i, c0:c1]))
+            work.append((tuple(copies), zeros, weights[c0:c1], cols[:n_ch], target[i, c0:c1]))
     copyto, matmul = np.copyto, np.matmul
 
     def run():
-        for copies, wb, cb, ob in work:
+        for copies, zeros, wb, cb, ob in work:
             for dst, src in copies:
                 copyto(dst, src)
+            for z in zeros:
+                z.fill(0)
             matmul(wb, cb, out=ob)
 
     return run
@@ -388,57 +399,9 @@ def _copy_out(wide_valid, out, b):
     return lambda: np.add(wide_valid, bview, out=out)
 
 
-def _depthwise_flat(node, g, x, w, b, out):
-    """The _Flat path: per channel range, copy the input into its flattened buffer, then
-    per block of channels one strided copy of all taps' slices (C, kh, kw, length), zero
-    the wrapped columns, and C GEMVs straight into the output; bias and activation follow
-    in place."""
-    buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)  # persistent: the margins stay zero
-    parts, block = _depthwise_plan(node, g, out.dtype)
-    (cols_shape, dtype), = _depthwise_scratch(g, parts, block, out.dtype)
-    cols = scratch_array(cols_shape, dtype)
-    weights = w.reshape(g.c, 1, -1)
-    x_flat, out_flat = view_as(x, (g.n, g.c, -1)), view_as(out, (g.n, g.c, 1, g.length))
-    inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
-    steps = []
-    for (lo, hi), part_cols in zip(parts, cols):
-        ch = slice(lo, hi)
-        copy_in = lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s)  # noqa: E731
-        blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
-        bias = None
-        if b is not None:
-            o, bv = out[:, ch], b[ch].reshape(-1, 1, 1)
-            bias = lambda o=o, bv=bv: np.add(o, bv, out=o)  # noqa: E731
-        steps.append(chain(copy_in, _flat_im2col_gemv(buf, g, weights, part_cols, out_flat, blocks), bias,
-                           epilogue(node, out[:, ch], threads=1)))
-    return parallel.split(steps)
-
-
-def _flat_im2col_gemv(buf, g, weights, cols, out_flat, blocks):
-    """Per block of channels and per image: all taps' columns in one strided copy from
-    the flattened buffer, the wrapped columns zeroed, then the block's GEMVs into the
-    output."""
-    item = buf.itemsize
-    cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
-    work = []
-    for c0, c1 in blocks:
-        n_ch = c1 - c0
-        rows = cols_k[:n_ch]
-        zeros = _wrapped_columns(rows, g)
-        for i in range(g.n):
-            src = np.lib.stride_tricks.as_strided(buf[i, c0:c1], (n_ch,) + g.k + (g.length,),
-                                                  (buf.strides[1], g.row_step * item, item, item), writeable=False)
-            work.append((rows, src, zeros, weights[c0:c1], cols[:n_ch], out_flat[i, c0:c1]))
-    copyto, matmul = np.copyto, np.matmul
-
-    def run():
-        for dst, src, zeros, wb, cb, ob in work:
-            copyto(dst, src)
-            for z in zeros:
-                z.fill(0)
-            matmul(wb, cb, out=ob)
-
-    return run
+def _add_bias(out, b):
+    """The flat path's bias, in place (None without one)."""
+    return None if b is None else _copy_out(out, out, b)
 
 
 def _wrapped_columns(rows, g):
