@@ -813,9 +813,10 @@ def check_shape_rules(model):
     this ties the attributes to shapes already checked against the arena, so a damaged
     padding or stride is refused here instead of becoming a huge allocation at bind.
     It needs a model the rest of the verifier passed (open_model runs it last). Of all
-    checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only the op, attributes, expression, variant and input shapes and
-    dtypes, so a node that repeats all of them (the blocks of a CNN stage, the layers of
-    a transformer) reuses the first one's result. Nodes are first told apart by op and
+    checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only
+    the op, attributes, expression, variant and input shapes and dtypes, so a node that
+    repeats all of them (the blocks of a CNN stage, the layers of a transformer) reuses
+    the first one's result. Nodes are first told apart by op and
     inputs, each input as a small int standing for its (shape, dtype); only nodes that
     match there compare expression, variant and attributes, since building and hashing
     that key for every node cost more than the rules it saved on CNNs, where most nodes

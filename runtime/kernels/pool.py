@@ -84,7 +84,7 @@ def make_max_pool(node, inputs, outputs):
     if x.ndim != len(node.attrs["kernel"]) + 2:
         return _max_pool_views(node, x, out)
     g = _max_pool_phases(x, out, node.attrs)
-    buf = np.full((g.n, g.c, g.per_channel), _lowest(x.dtype), x.dtype)  # persistent: the padding stays
+    buf = np.full((g.n, g.c, g.per_channel), _lowest(x.dtype), x.dtype)  # persistent: the padding stays lowest
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
