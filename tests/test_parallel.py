@@ -181,21 +181,27 @@ def test_blas_gets_the_thread_count_at_the_first_run_not_at_load(threads):
 
 
 def test_gemm_split_matches_numpy(monkeypatch):
-    """kernels/common.gemm by batch, columns and rows, with post() seeing each part."""
+    """kernels/common.gemm by batch, columns and rows (rows first when asked: 1x1 convs),
+    with post() seeing each part."""
     from pmx.runtime.kernels import common
 
     monkeypatch.setattr(parallel, "_num_threads", 2)
     rng = np.random.default_rng(0)
-    cases = [((6, 200, 64), (6, 64, 200)), ((300, 256), (256, 1024)), ((1024, 512), (512, 64))]
-    for a_shape, b_shape in cases:
+    # (a, b, part shape with columns first, part shape with rows first)
+    cases = [((6, 200, 64), (6, 64, 200), (3, 200, 200), (3, 200, 200)),
+             ((300, 256), (256, 1024), (300, 512), (150, 1024)),
+             ((1024, 512), (512, 64), (512, 64), (512, 64)),
+             ((32, 512), (512, 4096), (32, 2048), (32, 2048))]
+    for a_shape, b_shape, *parts in cases:
         a = rng.standard_normal(a_shape).astype(np.float32)
         b = rng.standard_normal(b_shape).astype(np.float32)
-        out = np.empty(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1]), np.float32)
-        assert out.size * a_shape[-1] >= common.GEMM_SPLIT_MIN_MACS
-        seen = []
-        common.gemm(a, b, out, post=lambda part, cut: (lambda: seen.append(part.shape)))()
-        np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
-        assert len(seen) == 2 and sum(int(np.prod(s)) for s in seen) == out.size, f"parts {seen} do not tile {out.shape}"
+        for rows_first, part in zip((False, True), parts):
+            out = np.empty(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1]), np.float32)
+            assert out.size * a_shape[-1] >= common.GEMM_SPLIT_MIN_MACS
+            seen = []
+            common.gemm(a, b, out, post=lambda part, cut: (lambda: seen.append(part.shape)), rows_first=rows_first)()
+            np.testing.assert_allclose(out, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+            assert seen == [part, part], f"rows_first={rows_first}: parts {seen} of {out.shape}, expected two {part}"
 
 
 def _example_model(tmp_path):

@@ -184,7 +184,7 @@ def _gemm(node, x, w, b, out):
     post = gemm_post(node, None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,)))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post)
+        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post, rows_first=True)
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
