@@ -155,21 +155,31 @@ def two_threads():
     parallel.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3"])
+@pytest.mark.parametrize("kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3",
+                                  "gemm_3x3_small_map"])
 def test_conv_large_enough_to_split(kind, two_threads):
     """Shapes past parallel.SPLIT_MIN_ELEMENTS, so the channel-split depthwise parts and the
-    split im2col copy run on two threads (the property test's shapes are too small)."""
+    split im2col copy run on two threads (the property test's shapes are too small). The
+    3x3 GEMM runs as bands of output rows on a 48x48 map, and on a 14x14 map as banded
+    im2col copies followed by a GEMM split by output channels."""
     from pmx.runtime import parallel
+    from pmx.runtime.kernels import conv
 
-    c, size, batch = 64, 48, 2
+    c, batch = 64, 2
+    size = 14 if kind == "gemm_3x3_small_map" else 48
     stride, dilation, mode, groups = {
         "depthwise_s1": (1, 1, "zeros", c), "depthwise_s2_dilated": (2, 2, "zeros", c),
-        "depthwise_reflect_s2": (2, 1, "reflect", c), "gemm_3x3": (1, 1, "zeros", 1)}[kind]
+        "depthwise_reflect_s2": (2, 1, "reflect", c), "gemm_3x3": (1, 1, "zeros", 1),
+        "gemm_3x3_small_map": (1, 1, "zeros", 1)}[kind]
+    if groups == 1:
+        assert c * c * 9 * size * size >= conv.GEMM_SPLIT_MIN_MACS
+        assert conv._split_by_channels(2, groups, c, size * size) == (kind == "gemm_3x3_small_map")
+    else:
+        assert parallel.worth_splitting(batch * c * (size // stride) ** 2)
     x = signed_input((batch, c, size, size), 0)
     w = signed_input((c, c // groups, 3, 3), 1)
     b = signed_input((c,), 2)
     pads = (dilation, dilation, dilation, dilation)
-    assert parallel.worth_splitting(batch * c * (size // stride) ** 2)
     attrs = dict(stride=(stride, stride), pads=pads, dilation=(dilation, dilation), groups=groups, padding_mode=mode)
     xt = F.pad(torch.from_numpy(x), (dilation,) * 4, mode="constant" if mode == "zeros" else mode)
     want = F.conv2d(xt, torch.from_numpy(w), torch.from_numpy(b), stride, 0, dilation, groups)

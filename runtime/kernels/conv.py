@@ -56,7 +56,9 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
+    GEMM_SPLIT_MIN_COLUMNS,
     GEMM_SPLIT_MIN_MACS,
+    GEMM_SPLIT_MIN_ROWS,
     SINGLE_THREAD,
     chain,
     conv_out_size,
@@ -190,17 +192,39 @@ def _gemm(node, x, w, b, out):
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * int(np.prod(k)) * o
-    bands = parallel.ranges(out.shape[2], threads if macs >= GEMM_SPLIT_MIN_MACS else 1)
+    threads = threads if macs >= GEMM_SPLIT_MIN_MACS else 1
+    bands = parallel.ranges(out.shape[2], threads)
     row = o // out.shape[2]  # output positions per row of the first spatial axis
+    first_axis = (slice(None),) * (2 + nd)  # (G, Cg, *k) come before the output rows
     steps = [pad_step]
     for i in range(n):
         windows = _windows(xp[i], k, a["stride"], a["dilation"], out.shape[2:], groups)
-        first_axis = (slice(None),) * (2 + nd)  # (G, Cg, *k) come before the output rows
+        band_views = [(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)])
+                      for lo, hi in bands]
+        if _split_by_channels(threads, groups, cout, o):
+            steps.append(parallel.split([lambda d=d, s=s: np.copyto(d, s) for d, s in band_views]))
+            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, post, rows_first=True))
+            continue
         steps.append(parallel.split([
-            _im2col_gemm(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)],
-                         squeeze(wg), squeeze(cols[..., lo * row:hi * row]), squeeze(out_g[i][..., lo * row:hi * row]),
-                         post) for lo, hi in bands]))
+            _im2col_gemm(dst, src, squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
+                         squeeze(out_g[i][..., lo * row:hi * row]), post)
+            for (dst, src), (lo, hi) in zip(band_views, bands)]))
     return chain(*steps)
+
+
+def _split_by_channels(threads, groups, cout, positions):
+    """Whether a split im2col conv builds its columns in bands of output rows, then splits
+    its GEMM by output channels (two dispatches), rather than giving each thread a band's
+    columns and their GEMM (one). Bands leave each thread positions/threads GEMM columns:
+    on small maps that is a narrow, slow GEMM (7x7: 24 and 25 columns), and the kernels
+    after it split by channel. Per node inside models, 2 threads, bands -> channels
+    (medians of 8x10 runs): ResNet-18 512->512 3x3 at 7x7 2.62 -> 2.03 ms, 256->512 s2 at
+    14x14 1.42 -> 1.13; GoogLeNet 192->384 at 7x7 0.83 -> 0.68; SqueezeNet 64->256 at
+    13x13 0.65 -> 0.57. Big maps keep bands (stems at 112x112: 2.39 -> 2.50, 0.44 -> 0.48),
+    and so do convs with too few channels for gemm() to split (DenseNet's 128->32 at 7x7:
+    0.107 -> 0.132 with the GEMM on one thread)."""
+    return (threads > 1 and groups == 1 and cout >= GEMM_SPLIT_MIN_ROWS
+            and positions // threads < GEMM_SPLIT_MIN_COLUMNS)
 
 
 def _gemv(node, x, w, b, out):
