@@ -102,10 +102,16 @@ def _loaded_libraries():
 
 
 @functools.cache
+def blas_libraries():
+    """_loaded_libraries(), read once: numpy loads its BLAS when it is imported."""
+    return _loaded_libraries()
+
+
+@functools.cache
 def _blas():
     """(setter, getter or None) of the first loaded BLAS with a known entry point, or
-    (None, None). Looked up once: numpy loads its BLAS when it is imported."""
-    for path in _loaded_libraries():
+    (None, None). Looked up once."""
+    for path in blas_libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:

@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
+from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
-from pmx.runtime import parallel
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -78,7 +78,29 @@ GEMM_SPLIT_MIN_COLUMNS = 512
 GEMM_SPLIT_MIN_ROWS = 64
 
 
-def gemm(a, b, out, threads=None, post=None, rows_first=False):
+def product(a, b, out, bias=None):
+    """Callable computing out = a @ b + bias (bias broadcast against out, or None). With a
+    bias, BLAS accumulates onto it where it can (blas.sgemm_accumulate: the bias copied
+    into out, then sgemm with beta = 1), else np.matmul and an add. Which one is decided
+    on the first call, not here: finding BLAS's entry point reads the process's memory
+    map (~0.6 ms), which load time would pay; the first run reads it anyway to set BLAS's
+    threads."""
+    if bias is None:
+        return lambda: np.matmul(a, b, out=out)
+    step = None
+
+    def run():
+        nonlocal step
+        if step is None:  # two threads racing here both pick the same step
+            accumulate = blas.sgemm_accumulate(a, b, out)
+            step = ((lambda: (np.matmul(a, b, out=out), np.add(out, bias, out=out))) if accumulate is None
+                    else (lambda: (np.copyto(out, bias), accumulate())))
+        step()
+
+    return run
+
+
+def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None):
     """Callable computing np.matmul(a, b, out=out), split over the threads when the
     product is big enough: along out's first batch axis longer than 1, else its columns
     (each thread reads half of b: a linear layer's weights), else its rows; with
@@ -90,8 +112,9 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False):
     DenseNet 64->128 at 56x56 0.559 -> 0.440. Linear layers keep columns: ViT-B/16's
     3072->768 lost 6.6 -> 7.4 ms with rows. BLAS itself runs single-threaded inside run()
     (parallel.running), so this is where GEMMs get the other cores.
-    `post(part, cut)` may return a callable to run on each part of out right after its
-    product (bias, activation: while the part is in cache); cut = (axis, lo, hi) says
+    `bias` (broadcast against out, or None) is added to each part with its product
+    (`product`). `post(part, cut)` may return a callable to run on each part of out right
+    after that (the activation: while the part is in cache); cut = (axis, lo, hi) says
     which part, or is None for the whole (`along(x, *cut)` cuts an operand that
     broadcasts against out). Measured on this 2-core machine with BLAS on one thread
     (idle machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
@@ -106,13 +129,14 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False):
     post = post or (lambda part, cut: None)
     plan = _gemm_split(a, b, out, threads, rows_first)
     if plan is None:
-        return chain(lambda: np.matmul(a, b, out=out), post(out, None))
+        return chain(product(a, b, out, bias), post(out, None))
     (axis_a, axis_b, axis_out), length = plan
     parts = []
     for lo, hi in parallel.ranges(length, threads):
         pa, pb, po = (x if axis is None else along(x, axis, lo, hi) for x, axis in
                       ((a, axis_a), (b, axis_b), (out, axis_out)))
-        parts.append(chain(lambda pa=pa, pb=pb, po=po: np.matmul(pa, pb, out=po), post(po, (axis_out, lo, hi))))
+        cut = (axis_out, lo, hi)
+        parts.append(chain(product(pa, pb, po, None if bias is None else along(bias, *cut)), post(po, cut)))
     return parallel.split(parts)
 
 
@@ -132,21 +156,12 @@ def _gemm_split(a, b, out, threads, rows_first=False):
     return (rows or columns) if rows_first else (columns or rows)
 
 
-def gemm_post(node, bias):
-    """post(part, cut) for `gemm`: add the part's share of `bias` (shaped to broadcast
-    against the GEMM's out), then the node's fused activation, in place; None when the
-    node has neither."""
-    if bias is None and not node.expr:
+def gemm_post(node):
+    """post(part, cut) for `gemm`: the node's fused activation, in place on the part;
+    None when the node has none."""
+    if not node.expr:
         return None
-
-    def post(part, cut):
-        add_bias = None
-        if bias is not None:
-            share = bias if cut is None else along(bias, *cut)
-            add_bias = lambda: np.add(part, share, out=part)  # noqa: E731
-        return chain(add_bias, epilogue(node, part, threads=1))
-
-    return post
+    return lambda part, cut: epilogue(node, part, threads=1)
 
 
 def chain(*fns):

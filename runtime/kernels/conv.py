@@ -7,8 +7,9 @@ attrs stride, pads (begins then ends per spatial dim), dilation, groups, padding
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
   gemm      per image: the im2col copy, made by one np.copyto from a strided view of the
             padded input into shared scratch (split over the cores when large), then one
-            GEMM per group; bias and activation follow on the image's output while it is
-            still in cache. 1x1 stride-1 unpadded convs are a plain GEMM on the input.
+            GEMM per group (onto the bias, runtime/blas.py); the activation follows on the
+            image's output while it is still in cache. 1x1 stride-1 unpadded convs are a
+            plain GEMM on the input.
   depthwise (groups == Cin == Cout) im2col + batched GEMV over "flat" views: the padded
             input is stored split into stride phases (one phase when stride is 1), each
             flattened per channel, so every tap is one contiguous slice at a fixed offset
@@ -70,6 +71,7 @@ from pmx.runtime.kernels.common import (
     padded_buffer,
     phase_fill,
     phases,
+    product,
     view_as,
 )
 
@@ -183,10 +185,11 @@ def _gemm(node, x, w, b, out):
     out_g = view_as(out, (n, groups, cout // groups, o))
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
-    post = gemm_post(node, None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,)))
+    post = gemm_post(node)
+    bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post, rows_first=True)
+        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post, rows_first=True, bias=bias)
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
@@ -203,11 +206,11 @@ def _gemm(node, x, w, b, out):
                       for lo, hi in bands]
         if _split_by_channels(threads, groups, cout, o):
             steps.append(parallel.split([lambda d=d, s=s: np.copyto(d, s) for d, s in band_views]))
-            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, post, rows_first=True))
+            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, post, rows_first=True, bias=bias))
             continue
         steps.append(parallel.split([
             _im2col_gemm(dst, src, squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
-                         squeeze(out_g[i][..., lo * row:hi * row]), post)
+                         squeeze(out_g[i][..., lo * row:hi * row]), bias, post)
             for (dst, src), (lo, hi) in zip(band_views, bands)]))
     return chain(*steps)
 
@@ -252,11 +255,11 @@ def _gemv(node, x, w, b, out):
     return chain(product, epilogue(node, out, threads=1))
 
 
-def _im2col_gemm(cols_windows, windows, w, cols, out, post):
-    """One band of output rows: its im2col columns, their GEMM, then bias and activation.
-    Bands are independent, so a conv is one dispatch to the threads, not three."""
-    im2col_then_gemm = lambda: (np.copyto(cols_windows, windows), np.matmul(w, cols, out=out))  # noqa: E731
-    return chain(im2col_then_gemm, post(out, None) if post is not None else None)
+def _im2col_gemm(cols_windows, windows, w, cols, out, bias, post):
+    """One band of output rows: its im2col columns, their GEMM with the bias, then the
+    activation. Bands are independent, so a conv is one dispatch to the threads, not three."""
+    return chain(lambda: np.copyto(cols_windows, windows), product(w, cols, out, bias),
+                 post(out, None) if post is not None else None)
 
 
 # --- depthwise -----------------------------------------------------------------------

@@ -6,7 +6,8 @@ transposed weight is a view, BLAS reads it without a copy. node.expr: fused acti
 node.expr: fused activation.
 BLAS runs single-threaded inside a session's run() (parallel.running), so
 both split their GEMMs over the runtime's threads themselves (`common.gemm`), each part
-followed by its share of the bias and activation while it is still in cache.
+with its share of the bias (BLAS accumulating onto it: runtime/blas.py) and followed by
+the activation while it is still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
 The contraction order is found once in the factory (np.einsum_path) and reused.
 `embedding`: inputs (ids[...] int, weight[V, D]); output [..., D]. Ids outside [0, V) raise
@@ -38,7 +39,7 @@ def make_linear(node, inputs, outputs):
         x2, out2 = view_as(x, (int(np.prod(x.shape[:-1])), x.shape[-1])), view_as(out, (int(np.prod(out.shape[:-1])), out.shape[-1]))
     else:
         x2, out2 = x, out
-    return gemm(x2, wt, out2, post=gemm_post(node, b))
+    return gemm(x2, wt, out2, post=gemm_post(node), bias=b)
 
 
 def matmul_infer(node, shapes, dtypes):
@@ -60,7 +61,7 @@ def matmul_infer(node, shapes, dtypes):
 def make_matmul(node, inputs, outputs):
     a, b = inputs
     out = outputs[0]
-    return gemm(a, b, out, post=gemm_post(node, None))
+    return gemm(a, b, out, post=gemm_post(node))
 
 
 def _einsum_parts(equation, ranks):
