@@ -394,8 +394,33 @@ def available(contender):
         return False
 
 
+def cpu_description():
+    """CPU model and last-level cache, so tables from different machines are not
+    compared as if they came from one (the cloud VMs this ran on differed run to run)."""
+    first_cpu = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                first_cpu[key.strip()] = value.strip()
+    except OSError:
+        return platform.processor()
+    text = first_cpu.get("model name", platform.processor())
+    if "cpu family" in first_cpu:
+        text += f" (family {first_cpu['cpu family']} model {first_cpu.get('model', '?')})"
+    try:
+        with open("/sys/devices/system/cpu/cpu0/cache/index3/size") as f:
+            text += f", L3 {f.read().strip()}"
+    except OSError:
+        pass
+    return text
+
+
 def versions():
-    out = {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus"}
+    out = {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+           "cpu": cpu_description()}
     for mod in ("numpy", "numexpr", "torch", "onnxruntime", "ncnn"):
         try:
             out[mod] = __import__(mod).__version__
