@@ -439,47 +439,15 @@ def compile_numpy(tree, inputs, out):
     special = _special_numpy_step(tree, inputs, out)
     if special is not None:
         return special
-    tree = desugar(tree)
-    float_dtype = out.dtype if out.dtype.kind in "fc" else None
-    program = []  # (tree, operand refs, target ref, clip bounds or None)
-    temps = []  # (shape, dtype) per temporary
-    memo = {}
-    dtypes = [x.dtype for x in inputs]
-
-    def shape_of(ref):
-        kind, v = ref
-        return temps[v][0] if kind == "tmp" else np.shape(inputs[v] if kind == "in" else v)
-
-    def emit(t, final=False):
-        if t[0] == "@":
-            return ("in", t[1])
-        if t[0] == "#":
-            return ("lit", _literal(t[1], float_dtype))
-        if t in memo and not final:
-            return memo[t]
-        clip = _as_clip(t) if float_dtype is not None else None
-        if clip is not None and result_dtype(_relabel(t), _leaf_dtypes(t, dtypes)).kind != "f":
-            clip = None  # integer max/min: infinite bounds do not exist there
-        operands = [emit(a) for a in (clip[0] if clip else t)[1:]]
-        if final:
-            target = ("out", None)
-        else:
-            shape = np.broadcast_shapes(*[shape_of(r) for r in operands])
-            dtype = result_dtype(_relabel(t), _leaf_dtypes(t, dtypes))
-            if float_dtype is not None and dtype.kind == "f" and dtype.itemsize > float_dtype.itemsize:
-                dtype = float_dtype
-            target = ("tmp", len(temps))
-            temps.append((shape, dtype))
-            memo[t] = target
-        program.append((t, operands, target, clip[1] if clip else None))
-        return target
-
-    result = emit(tree, final=not _needs_temp(tree, inputs, out))
-    buffers = _assign_buffers(program, temps)
+    tree = _desugared(tree)
+    program, slot_shapes, slot_of, result = _numpy_plan(
+        tree, tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
+        not _needs_temp(tree, inputs, out))
+    slots = [np.empty(shape, dtype) for shape, dtype in slot_shapes]
 
     def array(ref):
         kind, v = ref
-        return out if kind == "out" else inputs[v] if kind == "in" else v if kind == "lit" else buffers[v]
+        return out if kind == "out" else inputs[v] if kind == "in" else v if kind == "lit" else slots[slot_of[v]]
 
     steps = []
     for t, operands, target, bounds in program:
@@ -502,6 +470,58 @@ def compile_numpy(tree, inputs, out):
             s()
 
     return run
+
+
+@functools.lru_cache(maxsize=1024)
+def _desugared(tree):
+    """desugar(tree), memoized: trees are immutable tuples."""
+    return desugar(tree)
+
+
+@functools.lru_cache(maxsize=1024)
+def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out):
+    """The part of compile_numpy that depends on shapes and dtypes, not on the arrays:
+    (program, temporary buffer slots as (shape, dtype), slot of each temporary, result
+    ref). Memoized: a model binds the same activation for every conv and every split
+    part of it (SiLU after each of EfficientNet-B0's 81 convs), and planning it cost
+    about half of binding that model. The program's literal operands are read-only
+    arrays shared by the callables built from it."""
+    float_dtype = out_dtype if out_dtype.kind in "fc" else None
+    program = []  # (tree, operand refs, target ref, clip bounds or None)
+    temps = []  # (shape, dtype) per temporary
+    memo = {}
+
+    def shape_of(ref):
+        kind, v = ref
+        return temps[v][0] if kind == "tmp" else input_shapes[v] if kind == "in" else np.shape(v)
+
+    def emit(t, final=False):
+        if t[0] == "@":
+            return ("in", t[1])
+        if t[0] == "#":
+            return ("lit", _literal(t[1], float_dtype))
+        if t in memo and not final:
+            return memo[t]
+        clip = _as_clip(t) if float_dtype is not None else None
+        if clip is not None and result_dtype(_relabel(t), _leaf_dtypes(t, input_dtypes)).kind != "f":
+            clip = None  # integer max/min: infinite bounds do not exist there
+        operands = [emit(a) for a in (clip[0] if clip else t)[1:]]
+        if final:
+            target = ("out", None)
+        else:
+            shape = np.broadcast_shapes(*[shape_of(r) for r in operands])
+            dtype = result_dtype(_relabel(t), _leaf_dtypes(t, input_dtypes))
+            if float_dtype is not None and dtype.kind == "f" and dtype.itemsize > float_dtype.itemsize:
+                dtype = float_dtype
+            target = ("tmp", len(temps))
+            temps.append((shape, dtype))
+            memo[t] = target
+        program.append((t, operands, target, clip[1] if clip else None))
+        return target
+
+    result = emit(tree, final=final_into_out)
+    slot_shapes, slot_of = _buffer_slots(program, temps)
+    return program, slot_shapes, slot_of, result
 
 
 def _special_numpy_step(tree, inputs, out):
@@ -597,26 +617,31 @@ def _gelu_table_step(x, out):
     return run
 
 
-def _assign_buffers(program, temps):
-    """One array per temporary, shared by temporaries whose lifetimes do not overlap."""
+def _buffer_slots(program, temps):
+    """(slots as (shape, dtype), slot of each temporary): temporaries whose lifetimes do
+    not overlap share a slot."""
     last_read = {}
     for k, (_, operands, _, _) in enumerate(program):
         for kind, v in operands:
             if kind == "tmp":
                 last_read[v] = k
-    free, buffers, dying = {}, {}, {}
+    free, slot_of, dying, slots = {}, {}, {}, []
     for k, (t, operands, target, bounds) in enumerate(program):
         for v in dying.pop(k - 1, ()):  # read for the last time by an earlier step
-            free.setdefault(_key(temps[v]), []).append(buffers[v])
+            free.setdefault(_key(temps[v]), []).append(slot_of[v])
         if bounds is not None or isinstance(NUMPY_FUNCS[t[0]], np.ufunc):  # in place is safe
             for v in dying.pop(k, ()):  # read for the last time by this step
-                free.setdefault(_key(temps[v]), []).append(buffers[v])
+                free.setdefault(_key(temps[v]), []).append(slot_of[v])
         kind, v = target
         if kind == "tmp":
             pool = free.get(_key(temps[v]))
-            buffers[v] = pool.pop() if pool else np.empty(*temps[v])
+            if pool:
+                slot_of[v] = pool.pop()
+            else:
+                slot_of[v] = len(slots)
+                slots.append(temps[v])
             dying.setdefault(last_read.get(v, k), []).append(v)
-    return buffers
+    return slots, slot_of
 
 
 def _key(temp):

@@ -15,6 +15,8 @@ concat kernel, which copies only inputs not already in their slice, copies them.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from pmx.runtime.kernels import output_shapes
@@ -113,4 +115,4 @@ def format_ranges(ranges):
 
 
 def _nbytes(shape, dtype):
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return math.prod(shape) * np.dtype(dtype).itemsize

@@ -22,6 +22,7 @@ What run() accepts (decided here, documented in the README):
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
@@ -30,7 +31,7 @@ import numpy as np
 from pmx.runtime import kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
-from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, open_model
+from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.record import FrozenRecord
 from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
 from pmx.schema import pmx_generated as fb
@@ -90,7 +91,7 @@ class _Binding:
                 return np.ndarray(shape, t.dtype, buffer=self.arena, offset=start, strides=strides)
         else:
             start = layout.offsets[i]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * t.dtype.itemsize
+        nbytes = math.prod(shape) * t.dtype.itemsize
         return self.arena[start:start + nbytes].view(t.dtype).reshape(shape)
 
 
@@ -186,7 +187,8 @@ class InferenceSession:
             return b
         layout = self._layout(key)
         try:
-            b = _Binding(self._model, layout, self._max_arena_bytes)
+            with collector_paused():
+                b = _Binding(self._model, layout, self._max_arena_bytes)
         except PmxError:
             raise
         except MemoryError:

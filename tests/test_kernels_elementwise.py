@@ -430,3 +430,32 @@ def test_numpy_backend_writes_dying_operands_in_place(monkeypatch, expr, want):
                    and np.dtype(a[1]) == x.dtype]
     assert len(temporaries) == 1, f"{expr}: {len(temporaries)} temporaries"
     np.testing.assert_allclose(out, want(x.astype(np.float64)), rtol=1e-6, atol=1e-7)
+
+
+def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
+    """compile_numpy memoizes an expression's plan per shapes and dtypes (binding
+    EfficientNet-B0 compiles SiLU for every conv and every split part of it), but each
+    callable gets temporaries of its own: split parts run at the same time, so their
+    steps interleave. The steps of two callables are run interleaved here."""
+    from pmx.runtime import expr as E
+
+    rng = np.random.default_rng(0)
+    xs = [np.asarray(rng.standard_normal((64, 100)) * 4, np.float32) for _ in range(2)]
+    outs = [np.empty_like(x) for x in xs]
+    tree = E.parse("mul(@0,sigmoid(@0))", 1)  # SiLU: four steps through one temporary
+    E._numpy_plan.cache_clear()
+    made, empty = [], np.empty
+    monkeypatch.setattr(np, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    runs = [E.compile_numpy(tree, [x], out) for x, out in zip(xs, outs)]
+    monkeypatch.undo()
+    assert E._numpy_plan.cache_info().hits == 1, "the second callable did not reuse the plan"
+    temporaries = [a for a in made if len(a) == 2 and tuple(np.atleast_1d(a[0])) == xs[0].shape]
+    assert len(temporaries) == 2, f"{len(temporaries)} temporaries for two callables"
+    steps = [next(c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, list)) for run in runs]
+    assert len(steps[0]) > 1
+    with np.errstate(over="ignore"):
+        for pair in zip(*steps):
+            for step in pair:
+                step()
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)

@@ -25,6 +25,7 @@ Family files are imported explicitly below; registering a name twice is an error
 """
 
 import contextlib
+import math
 import threading
 
 import numpy as np
@@ -71,7 +72,7 @@ def _aligned(nbytes):
 
 def scratch_nbytes(*arrays):
     """Bytes `scratch_array` takes for these (shape, dtype) requests, in order."""
-    return sum(_aligned(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize) for shape, dtype in arrays)
+    return sum(_aligned(math.prod(shape) * np.dtype(dtype).itemsize) for shape, dtype in arrays)
 
 
 def node_scratch_nbytes(node, inputs, outputs) -> int:
@@ -94,7 +95,7 @@ def scratch_array(shape, dtype):
     """A temporary valid only inside this node's callable (the next node reuses the
     bytes). Outside a scratch scope, or past the declared size, it is a plain array."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     buf = getattr(_scratch, "buffer", None)
     if buf is None or _scratch.used + nbytes > buf.size:
         return np.empty(shape, dtype)

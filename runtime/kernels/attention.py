@@ -39,6 +39,8 @@ ns per score on this machine's numpy, is most of what separates this kernel from
 throughput of its two GEMMs alone.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime import parallel
@@ -67,7 +69,7 @@ def _check_masks(node, masks, scores):
     n, h, lq, s = scores if len(scores) == 4 else (None, None, None, None)
     tile = bool(node.attrs.get("tile_masks"))
     for m, role in zip(masks, roles):
-        size = int(np.prod(m))
+        size = math.prod(m)
         if node.attrs.get("heads"):
             full = n * h * lq * s
             ok = size == n * s if role == "key_padding" else (
@@ -330,7 +332,7 @@ def _layout(attrs, inputs, out):
     full = tuple(batch) + (qh.shape[-2], kh.shape[-2])
     if len(full) == 2:
         return views, full, 1, full
-    chunk = max(1, min(full[0], SCRATCH_ELEMENTS // max(int(np.prod(full[1:])), 1)))
+    chunk = max(1, min(full[0], SCRATCH_ELEMENTS // max(math.prod(full[1:]), 1)))
     return views, full, chunk, (chunk,) + full[1:]
 
 

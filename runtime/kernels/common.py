@@ -144,7 +144,7 @@ def _gemm_split(a, b, out, threads, rows_first=False):
     """((axis of a, of b, of out), length) to split along, axes counted from the end
     (None: that operand is whole in every part); None when the product is too small to
     pay for the dispatch or has a vector operand."""
-    macs = int(np.prod(out.shape, dtype=np.int64)) * a.shape[-1]
+    macs = math.prod(out.shape) * a.shape[-1]
     if threads < 2 or macs < GEMM_SPLIT_MIN_MACS or min(a.ndim, b.ndim) < 2:
         return None
     for i, d in enumerate(out.shape[:-2]):

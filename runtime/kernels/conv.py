@@ -52,6 +52,8 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             speed (96x112x112 stride 2: ~40% of the time is the phase split).
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime import parallel
@@ -167,8 +169,8 @@ def make_conv(node, inputs, outputs):
 
 def _cols_shape(x, w, out):
     groups = x.shape[1] // w.shape[1]
-    kk = int(np.prod(w.shape[2:]))
-    return (groups, w.shape[1] * kk, int(np.prod(out.shape[2:])))
+    kk = math.prod(w.shape[2:])
+    return (groups, w.shape[1] * kk, math.prod(out.shape[2:]))
 
 
 def _gemm(node, x, w, b, out):
@@ -177,7 +179,7 @@ def _gemm(node, x, w, b, out):
     groups = x.shape[1] // w.shape[1]
     cout, cg = w.shape[0], w.shape[1]
     k = w.shape[2:]
-    o = int(np.prod(out.shape[2:]))
+    o = math.prod(out.shape[2:])
     threads = node_threads(node)
     if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < GEMM_SPLIT_MIN_MACS):
         return _gemv(node, x, w, b, out)
@@ -194,7 +196,7 @@ def _gemm(node, x, w, b, out):
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
-    macs = cout * cg * int(np.prod(k)) * o
+    macs = cout * cg * math.prod(k) * o
     threads = threads if macs >= GEMM_SPLIT_MIN_MACS else 1
     bands = parallel.ranges(out.shape[2], threads)
     row = o // out.shape[2]  # output positions per row of the first spatial axis

@@ -11,6 +11,8 @@ Taps whose positions fall into the cropped padding are clipped to the output win
 the factory, so no padded scratch output is needed.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime.kernels import register
@@ -59,9 +61,9 @@ def make_conv_transpose(node, inputs, outputs):
     cin_g, cout_g = cin // groups, w.shape[1]
     cout = cout_g * groups
     k = w.shape[2:]
-    kk = int(np.prod(k))
+    kk = math.prod(k)
     in_sp, out_sp = x.shape[2:], out.shape[2:]
-    length = int(np.prod(in_sp))
+    length = math.prod(in_sp)
     # (G, Cout_g * kk, Cin_g): a transposed view of the weight; BLAS takes it as is
     wt = None
     if w.flags.c_contiguous:

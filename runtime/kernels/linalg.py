@@ -15,6 +15,8 @@ PmxInputError at run time (torch raises IndexError); they are never clipped or w
 so a bad id cannot silently read another row. padding_idx only matters for training.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime.errors import PmxInputError
@@ -36,7 +38,7 @@ def make_linear(node, inputs, outputs):
     wt = w.T
     if x.ndim > 2 and x.flags.c_contiguous and out.flags.c_contiguous:
         # one GEMM over all leading dims instead of a batch of small ones
-        x2, out2 = view_as(x, (int(np.prod(x.shape[:-1])), x.shape[-1])), view_as(out, (int(np.prod(out.shape[:-1])), out.shape[-1]))
+        x2, out2 = view_as(x, (math.prod(x.shape[:-1]), x.shape[-1])), view_as(out, (math.prod(out.shape[:-1]), out.shape[-1]))
     else:
         x2, out2 = x, out
     return gemm(x2, wt, out2, post=gemm_post(node), bias=b)

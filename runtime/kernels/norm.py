@@ -14,6 +14,8 @@ Statistics are two-pass (mean, then mean of squared deviations) with numpy's pai
 sums, which keeps float32 within torch's Welford results for long rows.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime.kernels import register
@@ -108,8 +110,8 @@ def make_layer_norm(node, inputs, outputs):
     bias = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
     k = int(node.attrs["axes"])
-    inner = int(np.prod(x.shape[x.ndim - k:]))
-    rows = int(np.prod(x.shape[:x.ndim - k]))
+    inner = math.prod(x.shape[x.ndim - k:])
+    rows = math.prod(x.shape[:x.ndim - k])
     x2, pre = _rows(x, (rows, inner), out.dtype, writes=False)
     out2, post = _rows(out, (rows, inner), out.dtype, writes=True)
     norm = _normalize_rows(x2, out2, float(node.attrs.get("eps", 1e-5)), bool(node.attrs.get("rms", 0)))
@@ -124,7 +126,7 @@ def make_group_norm(node, inputs, outputs):
     out = outputs[0]
     g = int(node.attrs["groups"])
     n, c = x.shape[0], x.shape[1]
-    spatial = int(np.prod(x.shape[2:]))
+    spatial = math.prod(x.shape[2:])
     x2, pre = _rows(x, (n * g, (c // g) * spatial), out.dtype, writes=False)
     out2, post = _rows(out, (n * g, (c // g) * spatial), out.dtype, writes=True)
     norm = _normalize_rows(x2, out2, float(node.attrs.get("eps", 1e-5)))

@@ -188,7 +188,7 @@ def _statistic(sqrt):
         x, out = inputs[0], outputs[0]
         axes = _axes(node.attrs.get("axes"), x.ndim)
         target = _keepdims_target(x, out, axes)
-        count = int(np.prod([x.shape[a] for a in axes]))
+        count = math.prod([x.shape[a] for a in axes])
         divisor = count - node.attrs.get("correction", 1.0)
         mean = np.empty(target.shape, out.dtype)
         dev = np.empty(x.shape, out.dtype)

@@ -11,6 +11,8 @@
 `copy`     identity copy (used where an output must not alias its input).
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime.kernels import register
@@ -21,7 +23,7 @@ def _resolve_shape(shape, numel):
     shape = list(shape)
     if -1 in shape:
         i = shape.index(-1)
-        rest = int(np.prod([d for j, d in enumerate(shape) if j != i]))
+        rest = math.prod([d for j, d in enumerate(shape) if j != i])
         shape[i] = numel // rest if rest else 0
     return tuple(shape)
 
@@ -31,14 +33,14 @@ def resolve_dyn_shape(dyn_shape, in_shape):
     literal, -1 inferred from the element count, -2-k copy input dim k (written by the
     compiler's mark_dynamic_dims pass so frozen targets follow dynamic dims)."""
     out = [in_shape[-2 - d] if d <= -2 else d for d in dyn_shape]
-    total = int(np.prod(in_shape, dtype=np.int64))
+    total = math.prod(in_shape)
     if -1 in out:
         i = out.index(-1)
-        rest = int(np.prod([d for j, d in enumerate(out) if j != i], dtype=np.int64))
+        rest = math.prod([d for j, d in enumerate(out) if j != i])
         if rest == 0 or total % rest:
             raise ValueError(f"cannot reshape {tuple(in_shape)} to {tuple(out)}")
         out[i] = total // rest
-    if int(np.prod(out, dtype=np.int64)) != total:
+    if math.prod(out) != total:
         raise ValueError(f"cannot reshape {tuple(in_shape)} ({total} elements) to {tuple(out)}")
     return tuple(out)
 
@@ -46,9 +48,9 @@ def resolve_dyn_shape(dyn_shape, in_shape):
 def reshape_infer(node, shapes, dtypes):
     if "dyn_shape" in node.attrs:
         return [(resolve_dyn_shape(node.attrs["dyn_shape"], shapes[0]), dtypes[0])]
-    numel = int(np.prod(shapes[0]))
+    numel = math.prod(shapes[0])
     shape = _resolve_shape(node.attrs["shape"], numel)
-    if int(np.prod(shape)) != numel:
+    if math.prod(shape) != numel:
         raise ValueError(f"cannot reshape {tuple(shapes[0])} to {shape}")
     return [(shape, dtypes[0])]
 

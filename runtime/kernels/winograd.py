@@ -26,6 +26,8 @@ on 7x7 outputs (few tiles: the GEMMs are narrow) and on few input channels (the
 transforms cost more than the GEMM saves). choose_kernels' rule picks accordingly.
 """
 
+import math
+
 import numpy as np
 
 from pmx.runtime import parallel
@@ -109,7 +111,7 @@ def make_conv_winograd(node, inputs, outputs):
     n = _chunk(x.shape, out.shape, out.dtype)
     full = _Geometry((n,) + x.shape[1:], (n,) + out.shape[1:])
     # one scratch carve for the largest chunk; a smaller last chunk uses the front of it
-    buffers = [scratch_array((int(np.prod(shape)),), dtype) for shape, dtype in _scratch_shapes(full, out.dtype)]
+    buffers = [scratch_array((math.prod(shape),), dtype) for shape, dtype in _scratch_shapes(full, out.dtype)]
     phases = {}  # chunk size -> its phase buffer, shared by the chunks of that size
     steps = []
     for i0 in range(0, x.shape[0], n):
@@ -127,7 +129,7 @@ def _images(node, x, u, bias, out, buffers, phase_buffers):
     if g.n not in phase_buffers:
         phase_buffers[g.n] = np.zeros((2, 2, g.span + g.margin), x.dtype)
     phases = phase_buffers[g.n]
-    rows_combined, v, m = (buf[:int(np.prod(shape))].reshape(shape)
+    rows_combined, v, m = (buf[:math.prod(shape)].reshape(shape)
                            for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
     threads = node_threads(node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
     transform_in = [_input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
