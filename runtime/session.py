@@ -69,9 +69,10 @@ class _Binding:
             raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
         self.scratch = _aligned_empty(scratch_size)
+        persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
         for node, (ins, outs) in zip(model.nodes, operands):
             try:
-                with kernels.scratch_scope(self.scratch):
+                with kernels.scratch_scope(self.scratch, persistent):
                     fn = kernels.get(node.op).make(node, ins, outs)
             except PmxError:
                 raise

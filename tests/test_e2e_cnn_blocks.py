@@ -313,6 +313,34 @@ class Activations(nn.Module):
         return fs + tuple(m(x * 3) for m in self.mods)
 
 
+class SharedPadding(nn.Module):
+    """Convs, depthwise convs, Winograd convs and max pools with one geometry each, run one
+    after another on different tensors. Nodes of a binding with the same geometry share
+    their padded input buffers (kernels.persistent_buffer), so each must rewrite what it
+    reads, and a reflect- or replicate-padded node must not leave its border in the
+    buffer of a zero-padded one. The inputs sit far from zero, so a border that is not
+    zero shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.z1, self.z2 = nn.Conv2d(6, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.r = nn.Conv2d(6, 6, 3, padding=1, padding_mode="reflect")
+        # stride 2: the phase layout, which a replicate-padded node fills border and all
+        self.dz1, self.dz2 = (nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6) for _ in range(2))
+        self.dr = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6, padding_mode="replicate")
+        self.expand = nn.Conv2d(6, 64, 1)
+        self.w1, self.w2 = nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1)  # Winograd
+
+    def forward(self, x):
+        a = self.z2(self.r(self.z1(x)) + 3)
+        r = self.dr(a)
+        b = self.dz1(a) + self.dz2(a + r.mean(dim=(2, 3), keepdim=True))  # dz2 runs after dr
+        w = self.expand(F.interpolate(b, scale_factor=2.0))
+        w = self.w2(self.w1(w) + 3) + w
+        p = F.max_pool2d(w, 3, 2, 1) + F.max_pool2d(-w, 3, 2, 1)
+        return a, r, b, w, p
+
+
 class Pools(nn.Module):
     def __init__(self):
         super().__init__()
@@ -418,6 +446,7 @@ CASES = [
      {"F.relu", "F.relu6", "nn.ReLU6", "F.hardtanh", "F.leaky_relu", "nn.LeakyReLU", "F.sigmoid", "F.silu",
       "F.hardswish", "F.hardsigmoid", "F.tanh", "F.gelu", "F.elu", "nn.ReLU", "nn.ReLU6", "nn.GELU", "nn.ELU",
       "nn.Tanh", "nn.Sigmoid", "nn.SiLU", "nn.Hardswish", "nn.Hardsigmoid", "nn.Hardtanh"}),
+    ("shared_padding", SharedPadding, lambda: (_rand(1, 6, 12, 12, low=2.0, high=4.0),), {"nn.Conv2d", "F.max_pool2d"}),
     ("pools", Pools, lambda: (_rand(1, 3, 11, 13),), {"F.max_pool2d", "F.avg_pool2d", "nn.MaxPool2d", "nn.AvgPool2d"}),
     ("pools_b2", Pools, lambda: (_rand(2, 2, 8, 9, seed=5),), {"F.max_pool2d"}),
     ("adaptive_pools", AdaptivePools, lambda: (_rand(1, 3, 7, 7),),

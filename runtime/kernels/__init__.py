@@ -81,14 +81,35 @@ def node_scratch_nbytes(node, inputs, outputs) -> int:
 
 
 @contextlib.contextmanager
-def scratch_scope(buffer):
+def scratch_scope(buffer, persistent=None):
     """While make() runs inside this scope, scratch_array carves arrays out of `buffer`
-    (a uint8 array, 64-byte aligned), starting at its beginning for every node."""
-    _scratch.buffer, _scratch.used = buffer, 0
+    (a uint8 array, 64-byte aligned), starting at its beginning for every node, and
+    persistent_buffer shares buffers through the dict `persistent` (one per binding)."""
+    _scratch.buffer, _scratch.used, _scratch.persistent = buffer, 0, persistent
     try:
         yield
     finally:
-        _scratch.buffer = None
+        _scratch.buffer = _scratch.persistent = None
+
+
+def persistent_buffer(key, shape, dtype, fill=0):
+    """A buffer created full of `fill` whose contents last from run to run: a padded input
+    whose border stays `fill` while each run writes its interior. Nodes of one binding
+    asking with equal keys get the same buffer, so `key` must name everything that
+    decides which positions a node writes (its input geometry, pads, padding mode): two
+    such nodes write the same positions and leave the same ones alone, and nodes run
+    one after another. DenseNet-121 held 61 of these (23.6 MB) in 7 shapes (6.3 MB).
+    Outside a scratch scope with a dict, a buffer of its own."""
+    dtype = np.dtype(dtype)
+    shared = getattr(_scratch, "persistent", None)
+    full_key = (key, tuple(shape), dtype.str, fill)
+    buf = shared.get(full_key) if shared is not None else None
+    if buf is None:
+        # np.zeros gets already-zero pages from the OS: no fill pass, no first touch here
+        buf = np.zeros(shape, dtype) if fill == 0 else np.full(shape, fill, dtype)
+        if shared is not None:
+            shared[full_key] = buf
+    return buf
 
 
 def scratch_array(shape, dtype):

@@ -8,6 +8,7 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
+from pmx.runtime.kernels import persistent_buffer
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -180,15 +181,20 @@ def chain(*fns):
     return run
 
 
-def padded_buffer(x_shape, pads, dtype, fill):
+def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):
     """A buffer for the padded input with its borders set once to `fill`, and the view of
-    its interior that receives the input on each run. pads = begins + ends per spatial dim."""
+    its interior that receives the input on each run. pads = begins + ends per spatial dim.
+    With `shared_as` (what else decides the positions its node writes, such as a padding
+    mode that rewrites the border), nodes of one binding with the same geometry share it
+    (kernels.persistent_buffer)."""
     nd = len(pads) // 2
     lead = tuple(x_shape[:-nd])
     spatial = x_shape[-nd:]
     shape = lead + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(spatial))
-    # np.zeros gets already-zero pages from the OS: no fill pass at bind, no first touch
-    buf = np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
+    if shared_as is not None:
+        buf = persistent_buffer(("padded", tuple(x_shape), tuple(pads), shared_as), shape, dtype, fill)
+    else:  # np.zeros gets already-zero pages from the OS: no fill pass at bind, no first touch
+        buf = np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
     return buf, interior
 

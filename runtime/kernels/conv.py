@@ -57,7 +57,7 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
     GEMM_SPLIT_MIN_MACS,
@@ -96,7 +96,8 @@ def _padded_input(x, a, nd):
     pads = tuple(a["pads"])
     if not any(pads):
         return None, x
-    buf, interior = padded_buffer(x.shape, pads, x.dtype, 0)
+    mode = a.get("padding_mode", "zeros")
+    buf, interior = padded_buffer(x.shape, pads, x.dtype, 0, shared_as=("conv input", mode))
     return chain(lambda: np.copyto(interior, x), _border_step(buf, a, x.shape[-nd:])), buf
 
 
@@ -360,7 +361,9 @@ def _depthwise(node, x, w, b, out):
     a = node.attrs
     g = _depthwise_geometry(x, w, out, a)
     # persistent (not scratch): the padding and margin must stay zero between runs
-    buf = np.zeros((g.n, g.c, g.per_channel), x.dtype)
+    buf = persistent_buffer(("depthwise", x.shape, out.shape, tuple(w.shape[2:]), tuple(a["stride"]),
+                             tuple(a["dilation"]), tuple(a["pads"]), a.get("padding_mode", "zeros")),
+                            (g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
     *wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights

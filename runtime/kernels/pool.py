@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import chain, padded_buffer, phase_fill, phases, view_as
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
@@ -84,7 +84,11 @@ def make_max_pool(node, inputs, outputs):
     if x.ndim != len(node.attrs["kernel"]) + 2:
         return _max_pool_views(node, x, out)
     g = _max_pool_phases(x, out, node.attrs)
-    buf = np.full((g.n, g.c, g.per_channel), _lowest(x.dtype), x.dtype)  # persistent: the padding stays lowest
+    # persistent: the padding stays lowest
+    a = node.attrs
+    buf = persistent_buffer(("max_pool", x.shape, out.shape, tuple(a["kernel"]), tuple(a["stride"]),
+                             tuple(a.get("dilation") or ()), _ceil_pads(x, out, a)),
+                            (g.n, g.c, g.per_channel), x.dtype, _lowest(x.dtype))
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]

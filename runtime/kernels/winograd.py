@@ -31,7 +31,7 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import chain, epilogue, node_threads
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
@@ -127,7 +127,8 @@ def _images(node, x, u, bias, out, buffers, phase_buffers):
     # persistent (not scratch): the padding between the copied-in pixels stays zero (every
     # chunk of a size writes the same interior positions)
     if g.n not in phase_buffers:
-        phase_buffers[g.n] = np.zeros((2, 2, g.span + g.margin), x.dtype)
+        phase_buffers[g.n] = persistent_buffer(("winograd", x.shape, out.shape, tuple(node.attrs["pads"])),
+                                               (2, 2, g.span + g.margin), x.dtype)
     phases = phase_buffers[g.n]
     rows_combined, v, m = (buf[:math.prod(shape)].reshape(shape)
                            for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
