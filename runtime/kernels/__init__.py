@@ -99,9 +99,9 @@ def persistent_buffer(key, shape, dtype, fill=0):
     decides which positions a node writes (its input geometry, pads, padding mode): two
     such nodes write the same positions and leave the same ones alone, and nodes run
     one after another. DenseNet-121 held 61 of these (23.6 MB) in 7 shapes (6.3 MB).
-    Outside a scratch scope with a dict, a buffer of its own."""
+    With key None, or outside a scratch scope with a dict, a buffer of its own."""
     dtype = np.dtype(dtype)
-    shared = getattr(_scratch, "persistent", None)
+    shared = getattr(_scratch, "persistent", None) if key is not None else None
     full_key = (key, tuple(shape), dtype.str, fill)
     buf = shared.get(full_key) if shared is not None else None
     if buf is None:

@@ -191,10 +191,8 @@ def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):
     lead = tuple(x_shape[:-nd])
     spatial = x_shape[-nd:]
     shape = lead + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(spatial))
-    if shared_as is not None:
-        buf = persistent_buffer(("padded", tuple(x_shape), tuple(pads), shared_as), shape, dtype, fill)
-    else:  # np.zeros gets already-zero pages from the OS: no fill pass at bind, no first touch
-        buf = np.zeros(shape, dtype=dtype) if fill == 0 else np.full(shape, fill, dtype=dtype)
+    key = None if shared_as is None else ("padded", tuple(x_shape), tuple(pads), shared_as)
+    buf = persistent_buffer(key, shape, dtype, fill)
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
     return buf, interior
 

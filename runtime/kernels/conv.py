@@ -361,8 +361,10 @@ def _depthwise(node, x, w, b, out):
     a = node.attrs
     g = _depthwise_geometry(x, w, out, a)
     # persistent (not scratch): the padding and margin must stay zero between runs
-    buf = persistent_buffer(("depthwise", x.shape, out.shape, tuple(w.shape[2:]), tuple(a["stride"]),
-                             tuple(a["dilation"]), tuple(a["pads"]), a.get("padding_mode", "zeros")),
+    # (shared with depthwise convs of the same geometry, layout and padding mode)
+    buf = persistent_buffer(("depthwise", type(g).__name__, x.shape, out.shape, tuple(w.shape[2:]),
+                             tuple(a["stride"]), tuple(a["dilation"]), tuple(a["pads"]),
+                             a.get("padding_mode", "zeros")),
                             (g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
     *wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))

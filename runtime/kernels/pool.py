@@ -84,10 +84,8 @@ def make_max_pool(node, inputs, outputs):
     if x.ndim != len(node.attrs["kernel"]) + 2:
         return _max_pool_views(node, x, out)
     g = _max_pool_phases(x, out, node.attrs)
-    # persistent: the padding stays lowest
-    a = node.attrs
-    buf = persistent_buffer(("max_pool", x.shape, out.shape, tuple(a["kernel"]), tuple(a["stride"]),
-                             tuple(a.get("dilation") or ()), _ceil_pads(x, out, a)),
+    # persistent: the padding stays lowest (shared with max pools of the same geometry)
+    buf = persistent_buffer(("max_pool", x.shape, out.shape, g.k, g.stride, g.dilation, g.pads),
                             (g.n, g.c, g.per_channel), x.dtype, _lowest(x.dtype))
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
