@@ -22,8 +22,8 @@ from pmx.schema import pmx_generated as fb
 PRODUCER = "pmx 0.1.0"
 
 
-def _attr(builder, name, value):
-    name_off = builder.CreateString(name)
+def _attr_fields(name, value):
+    """(kind, ints, floats, strings) that store `value`; None for the vectors not used."""
     kind, ints, floats, strings = 0, None, None, None  # 0 = AttrKind None
     if value is None:
         pass
@@ -46,9 +46,56 @@ def _attr(builder, name, value):
             raise PmxCompileError(f"attribute {name}={value!r} cannot be stored (mixed or nested list)")
     else:
         raise PmxCompileError(f"attribute {name}={value!r} of type {type(value).__name__} cannot be stored")
-    str_offs = [builder.CreateString(s) for s in strings] if strings is not None else None
-    ints_off = builder.CreateNumpyVector(np.array(ints, np.int64)) if ints is not None else None
-    floats_off = builder.CreateNumpyVector(np.array(floats, np.float64)) if floats is not None else None
+    return kind, ints, floats, strings
+
+
+class _SharedParts:
+    """Writes each string, number vector, attribute table and attribute vector once and
+    lets every table that holds an equal one point at it (FlatBuffers allows any number of
+    references to one object). A CNN repeats a few attribute sets, ops, activations and
+    shapes across hundreds of nodes and tensors, and the loader reads each distinct
+    position once (runtime/load.py), so sharing shrinks both the header and its reading."""
+
+    def __init__(self, builder):
+        self.b = builder
+        self._vectors, self._attrs, self._attr_vectors = {}, {}, {}
+
+    def string(self, text):
+        return self.b.CreateSharedString(text)
+
+    def numbers(self, values, dtype=np.int32):
+        arr = np.asarray(values, dtype=dtype)
+        key = (arr.dtype.str, arr.tobytes())  # bytes: -0.0 and 0.0 stay apart
+        off = self._vectors.get(key)
+        if off is None:
+            off = self._vectors[key] = self.b.CreateNumpyVector(arr)
+        return off
+
+    def attr(self, name, value):
+        # the key is what is stored, so 1, 1.0 and True stay apart (their kinds differ)
+        kind, ints, floats, strings = fields = _attr_fields(name, value)
+        key = (name, kind, None if ints is None else np.array(ints, np.int64).tobytes(),
+               None if floats is None else np.array(floats, np.float64).tobytes(),
+               None if strings is None else tuple(strings))
+        off = self._attrs.get(key)
+        if off is None:
+            off = self._attrs[key] = _attr(self, name, *fields)
+        return off
+
+    def attr_vector(self, attrs):
+        offs = tuple(self.attr(k, attrs[k]) for k in sorted(attrs))
+        off = self._attr_vectors.get(offs)
+        if off is None:
+            off = self._attr_vectors[offs] = _table_vector(self.b, fb.NodeStartAttrsVector, offs)
+        return off
+
+
+def _attr(shared, name, kind, ints, floats, strings):
+    builder = shared.b
+    name_off = shared.string(name)
+    str_offs = [shared.string(s) for s in strings] if strings is not None else None
+    ints_off = shared.numbers(ints, np.int64) if ints is not None else None
+    floats_off = shared.numbers(floats, np.float64) if floats is not None else None
     strings_off = _string_vector(builder, fb.AttrStartStringsVector, str_offs) if str_offs is not None else None
     fb.AttrStart(builder)
     fb.AttrAddName(builder, name_off)
@@ -71,10 +118,6 @@ def _string_vector(builder, start_fn, offsets):
 
 def _table_vector(builder, start_fn, offsets):
     return _string_vector(builder, start_fn, offsets)
-
-
-def _int_vector(builder, values, dtype=np.int32):
-    return builder.CreateNumpyVector(np.asarray(values, dtype=dtype))
 
 
 def _unique_names(values):
@@ -126,15 +169,16 @@ def build(graph):
 
     ranges = _dim_ranges(graph)
     b = flatbuffers.Builder(1024)
+    shared = _SharedParts(b)
     tensor_offs = []
     for v, name in zip(values, names):
         name_off = b.CreateString(name)
-        shape_off = _int_vector(b, v.shape, np.int64)
+        shape_off = shared.numbers(v.shape, np.int64)
         rng = ranges.get(v.uid)
-        dim_min_off = _int_vector(b, [lo for lo, _ in rng], np.int64) if rng else None
-        dim_max_off = _int_vector(b, [hi for _, hi in rng], np.int64) if rng else None
+        dim_min_off = shared.numbers([lo for lo, _ in rng], np.int64) if rng else None
+        dim_max_off = shared.numbers([hi for _, hi in rng], np.int64) if rng else None
         alias = graph.aliases.get(v.uid) if not v.is_constant else None
-        strides_off = _int_vector(b, alias[2], np.int64) if alias is not None and alias[2] is not None else None
+        strides_off = shared.numbers(alias[2], np.int64) if alias is not None and alias[2] is not None else None
         fb.TensorStart(b)
         fb.TensorAddName(b, name_off)
         kind = (fb.TensorKind.Constant if v.is_constant else fb.TensorKind.Input if v.uid in input_ids
@@ -162,14 +206,13 @@ def build(graph):
 
     node_offs = []
     for node in graph.nodes:
-        op_off = b.CreateString(node.op)
+        op_off = shared.string(node.op)
         name_off = b.CreateString(node.name)
-        attr_offs = [_attr(b, k, node.attrs[k]) for k in sorted(node.attrs)]
-        attrs_off = _table_vector(b, fb.NodeStartAttrsVector, attr_offs)
-        ins_off = _int_vector(b, [index[v.uid] if v is not None else -1 for v in node.inputs])
-        outs_off = _int_vector(b, [index[v.uid] for v in node.outputs])
-        expr_off = b.CreateString(node.expr) if node.expr else None
-        variant_off = b.CreateString(node.variant) if node.variant else None
+        attrs_off = shared.attr_vector(node.attrs)
+        ins_off = shared.numbers([index[v.uid] if v is not None else -1 for v in node.inputs])
+        outs_off = shared.numbers([index[v.uid] for v in node.outputs])
+        expr_off = shared.string(node.expr) if node.expr else None
+        variant_off = shared.string(node.variant) if node.variant else None
         fb.NodeStart(b)
         fb.NodeAddOp(b, op_off)
         fb.NodeAddName(b, name_off)
@@ -196,9 +239,9 @@ def build(graph):
     tensors_off = _table_vector(b, fb.ModelStartTensorsVector, tensor_offs)
     nodes_off = _table_vector(b, fb.ModelStartNodesVector, node_offs)
     stats_off = _table_vector(b, fb.ModelStartPassStatsVector, stat_offs)
-    inputs_off = _int_vector(b, [index[v.uid] for v in graph.inputs])
-    outputs_off = _int_vector(b, [index[v.uid] for v in graph.outputs])
-    kept_off = _int_vector(b, [index[v.uid] for v in getattr(graph, "kept", [])])
+    inputs_off = shared.numbers([index[v.uid] for v in graph.inputs])
+    outputs_off = shared.numbers([index[v.uid] for v in graph.outputs])
+    kept_off = shared.numbers([index[v.uid] for v in getattr(graph, "kept", [])])
     fb.ModelStart(b)
     fb.ModelAddProducer(b, producer_off)
     fb.ModelAddTensors(b, tensors_off)

@@ -401,16 +401,16 @@ class _Reader:
         *t.columns, t.at = zip(*rows) if rows else [()] * (len(layout.fields) + 1)
         return t
 
-    def _spans(self, t, k, column, elem_bytes, what):
-        """Which tables hold string or vector field k (uoffsets `column`; 0 = absent),
-        where each one's data starts and its length; charged against the budget."""
+    def _spans(self, t, k, column):
+        """Which tables hold string or vector field k (uoffsets `column`; 0 = absent) and
+        where each one's data starts."""
         held = list(itertools.compress(range(len(column)), column))
         if len(held) == len(column):
             starts = [p + at[k] + u + 4 for p, at, u in zip(t.pos, t.at, column)]
         else:
             pos, at = t.pos, t.at
             starts = [pos[i] + at[i][k] + column[i] + 4 for i in held]
-        return held, starts, self._lengths(starts, elem_bytes, what)
+        return held, starts
 
     def _lengths(self, starts, elem_bytes, what):
         raw = self.raw
@@ -425,8 +425,9 @@ class _Reader:
     def strings(self, t, k, what, column=None):
         """Field k of every table as a str ("" where absent)."""
         column = t.columns[k] if column is None else column
-        held, starts, lengths = self._spans(t, k, column, 1, what)
-        return _scatter(self._decode(starts, lengths, what), held, len(column), "")
+        held, starts = self._spans(t, k, column)
+        return _scatter(_each_once(starts, lambda s: self._decode(s, self._lengths(s, 1, what), what)),
+                        held, len(column), "")
 
     def strings_at(self, positions, what):
         """The strings at `positions` (what a vector of strings points at)."""
@@ -445,26 +446,44 @@ class _Reader:
         """Field k (a vector of numbers) of every table as a tuple (() where absent)."""
         column = t.columns[k] if column is None else column
         code = t.fields[k].code
-        held, starts, lengths = self._spans(t, k, column, struct.calcsize("<" + code), what)
+        held, starts = self._spans(t, k, column)
         structs, raw = _VECTOR_STRUCTS[code], self.raw
-        try:
-            vectors = [(structs.get(n) or _vector_struct(code, n))(raw, s) for s, n in zip(starts, lengths)]
-        except struct.error as e:
-            raise IndexError(f"{what}: {e}") from None
-        return _scatter(vectors, held, len(column), ())
+
+        def read(starts):
+            lengths = self._lengths(starts, struct.calcsize("<" + code), what)
+            try:
+                return [(structs.get(n) or _vector_struct(code, n))(raw, s) for s, n in zip(starts, lengths)]
+            except struct.error as e:
+                raise IndexError(f"{what}: {e}") from None
+        return _scatter(_each_once(starts, read), held, len(column), ())
 
     def targets(self, t, k, what, column=None):
         """Per table, the positions a vector of uoffsets (to tables or strings) in field
         k points at."""
         column = t.columns[k] if column is None else column
-        held, starts, lengths = self._spans(t, k, column, 4, what)
+        held, starts = self._spans(t, k, column)
         structs, raw = _VECTOR_STRUCTS["I"], self.raw
-        try:
-            vectors = [[s + 4 * j + u for j, u in enumerate((structs.get(n) or _vector_struct("I", n))(raw, s))]
-                       for s, n in zip(starts, lengths)]
-        except struct.error as e:
-            raise IndexError(f"{what}: {e}") from None
-        return _scatter(vectors, held, len(column), ())
+
+        def read(starts):
+            lengths = self._lengths(starts, 4, what)
+            try:
+                return [[s + 4 * j + u for j, u in enumerate((structs.get(n) or _vector_struct("I", n))(raw, s))]
+                        for s, n in zip(starts, lengths)]
+            except struct.error as e:
+                raise IndexError(f"{what}: {e}") from None
+        return _scatter(_each_once(starts, read), held, len(column), ())
+
+
+def _each_once(starts, read):
+    """read(starts), reading each distinct start once: tables that point at the same
+    string or vector (pmx writes each equal one once: compiler/write.py) get the same
+    object, and only distinct bytes are charged against the budget, so a hostile file
+    pointing every table at one vector costs one read of it."""
+    distinct = list(dict.fromkeys(starts))
+    if len(distinct) == len(starts):
+        return read(starts)
+    found = dict(zip(distinct, read(distinct)))
+    return list(map(found.__getitem__, starts))
 
 
 def _scatter(values, held, n, absent):
@@ -543,8 +562,22 @@ def _read_nodes(r, positions):
     t = r.tables(N, positions, "nodes")
     return list(map(NodeInfo, r.strings(t, N.op, "node ops"), r.strings(t, N.name, "node names"),
                     r.numbers(t, N.inputs, "node inputs"), r.numbers(t, N.outputs, "node outputs"),
-                    _read_attrs(r, r.targets(t, N.attrs, "node attrs")),
+                    _read_node_attrs(r, r.targets(t, N.attrs, "node attrs")),
                     r.strings(t, N.expr, "node expressions"), r.strings(t, N.variant, "node variants")))
+
+
+def _read_node_attrs(r, per_node):
+    """One dict per node. Nodes with equal attributes share one vector in files pmx
+    writes, which `targets` returns as one list object: each is read once and its dict is
+    shared by those nodes (so the dicts are read-only: nothing in pmx changes them)."""
+    first_owner = {}
+    for j, node in enumerate(per_node):
+        first_owner.setdefault(id(node), j)
+    if len(first_owner) == len(per_node):
+        return _read_attrs(r, per_node, range(len(per_node)))
+    owners = list(first_owner.values())
+    dicts = dict(zip(first_owner, _read_attrs(r, [per_node[j] for j in owners], owners)))
+    return [dicts[id(node)] for node in per_node]
 
 
 _INTS = (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints)
@@ -554,15 +587,16 @@ _LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
 _KNOWN = (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS
 
 
-def _read_attrs(r, per_node):
-    """One dict per node from all nodes' attribute tables (a list of positions per node).
-    Only the vector an attribute's kind names is read."""
+def _read_attrs(r, per_node, owners):
+    """One dict per attribute vector (a list of positions each) from all their tables;
+    owners[i] is the index of a node holding vector i (for messages). Only the vector an
+    attribute's kind names is read."""
     A = _ATTR
     t = r.tables(A, [p for node in per_node for p in node], "node attrs")
     names, kinds = r.strings(t, A.name, "attribute names"), t.columns[A.kind]
 
     def where(i):
-        owner = [j for j, node in enumerate(per_node) for _ in node][i]
+        owner = [j for j, node in zip(owners, per_node) for _ in node][i]
         return f"node {owner} attribute {names[i]!r}"
 
     for i, kind in enumerate(kinds):
@@ -827,30 +861,42 @@ def check_shape_rules(model):
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
     shape_of = [t.shape for t in tensors]
-    seen = {}  # (op, input signatures) -> [[node, its _exact_key or None, output shapes]]
-    for j, node in enumerate(model.nodes):
-        same_inputs = seen.setdefault((node.op, *map(sig.__getitem__, node.inputs)), [])
+    seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
+    attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes share attribute dicts (_read_node_attrs)
+
+    def exact_key(node):
+        attrs = node.attrs
+        key = attrs_keys.get(id(attrs))
+        if key is None:
+            key = attrs_keys[id(attrs)] = _attrs_key(attrs)
+        return node.expr, node.variant, key
+
+    dtype_of = [t.dtype for t in tensors]
+    nodes = model.nodes
+    # built by comprehensions, which cost less per node than the statements of the loop
+    groups = [(node.op, *map(sig.__getitem__, node.inputs)) for node in nodes]
+    wanted = [list(map(shape_of.__getitem__, node.outputs)) for node in nodes]
+    for j, (node, group, want) in enumerate(zip(nodes, groups, wanted)):
+        same_inputs = seen.get(group)
         got = None
-        if same_inputs:
-            key = _exact_key(node)
+        if same_inputs is None:
+            same_inputs = seen[group] = []
+        else:
+            key = exact_key(node)
             for entry in same_inputs:
                 if entry[1] is None:
-                    entry[1] = _exact_key(entry[0])
+                    entry[1] = exact_key(entry[0])
                 if entry[1] == key:
                     got = entry[2]
                     break
         if got is None:
-            present = [tensors[i] for i in node.inputs if i >= 0]
-            got = _rule_shapes(path, j, node, [t.shape for t in present], [t.dtype for t in present])
+            present = [i for i in node.inputs if i >= 0]
+            got = _rule_shapes(path, j, node, [shape_of[i] for i in present], [dtype_of[i] for i in present])
             same_inputs.append([node, None, got])
-        want = list(map(shape_of.__getitem__, node.outputs))
-        k = min(len(got), len(want))
-        if got[:k] != want[:k]:
-            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
-
-
-def _exact_key(node):
-    return node.expr, node.variant, _attrs_key(node.attrs)
+        if got != want:
+            k = min(len(got), len(want))  # a rule may give outputs the file does not store
+            if got[:k] != want[:k]:
+                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
 
 
 def _attrs_key(attrs):

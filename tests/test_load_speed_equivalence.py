@@ -10,6 +10,7 @@ look away; the collector's state; the old line-by-line maps scan. No timing is a
 """
 
 import gc
+import math
 import os
 import pathlib
 import re
@@ -21,7 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pmx.compiler.driver import compile_model
+from pmx.compiler.driver import compile_graph, compile_model
+from pmx.compiler.ir import Graph, Node, Value
+from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError
 from pmx.runtime import fileformat as ff
 from pmx.runtime import load, parallel
@@ -143,6 +146,48 @@ def test_reader_matches_generated_accessors(files, name):
         assert any(t.alias_of >= 0 for t in model.tensors) and bool in covered and str in covered
     if name == "dynamic":
         assert any(t.dim_min is not None for t in model.tensors)
+
+
+# attribute values that compare equal in Python but are stored apart (kind, sign of
+# zero), and repeats that the writer stores once
+SHARED_ATTR_VALUES = [1, 1.0, True, 0.0, -0.0, (1, 2), (1.0, 2.0), (1.0, -0.0), "s", ("s",), None,
+                      1, -0.0, (1, 2), "s"]
+
+
+def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
+    """compiler/write.py stores each distinct attribute set, string and vector once and
+    the loader reads each position once, sharing one dict between nodes with equal
+    attributes. Values that Python calls equal but a file stores apart (1, 1.0, True;
+    0.0 and -0.0) must not be merged, and the generated accessors must read the same."""
+    g = Graph("shared")
+    x = prev = Value("x", (2, 3))
+    g.inputs = [x]
+    for i, v in enumerate(SHARED_ATTR_VALUES):
+        y = Value(f"y{i}", (2, 3))
+        g.add_node(Node("elementwise", f"n{i}", [prev], [y], expr="neg(@0)", attrs={"a": v, "b": 2}))
+        prev = y
+    g.outputs = [prev]
+    compile_graph(g, disabled=["fuse_elementwise"])
+    path = tmp_path / "shared.pmx"
+    write(g, str(path))
+    data = path.read_bytes()
+    pre, header = header_of(data)
+    model = load.open_model(str(path))
+    assert_same(model, reference(header))
+    got = {n.name: n.attrs for n in model.nodes}
+    for i, v in enumerate(SHARED_ATTR_VALUES):
+        a = got[f"n{i}"]["a"]
+        assert a == v and type(a) is type(v), (i, a, v)
+        flat, want = (a, v) if isinstance(v, tuple) else ((a,), (v,))
+        assert [math.copysign(1, f) for f in flat if isinstance(f, float)] == \
+            [math.copysign(1, f) for f in want if isinstance(f, float)], (i, a, v)
+    # nodes n0..n10 hold distinct values, n11..n14 repeat n0, n4, n5, n8's
+    assert len({id(got[f"n{i}"]) for i in range(11)}) == 11
+    for i, j in ((11, 0), (12, 4), (13, 5), (14, 8)):
+        assert got[f"n{i}"] is got[f"n{j}"]
+    assert len({id(n.op) for n in model.nodes}) == 1 and len({id(n.expr) for n in model.nodes}) == 1
+    x_in = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(InferenceSession(str(path)).run(None, {"x": x_in})[0], -x_in)
 
 
 def _table_vtable(header, table_pos):

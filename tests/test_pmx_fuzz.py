@@ -512,12 +512,14 @@ def forge(header: bytes) -> bytes:
 
 def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     """20000 tensor entries all pointing at one tensor with a 200 kB name: reading them
-    naively would decode 4 GB of strings. The read budget stops it after about twice
-    the header size."""
+    naively would decode 4 GB of strings. The loader reads each distinct position once
+    (the 20000 names are one string object), so the file is refused quickly, by the
+    verifier, with no more than one copy of the name in memory."""
     import time
 
     import flatbuffers
 
+    from pmx.runtime import load
     from pmx.schema import pmx_generated as fb
 
     b = flatbuffers.Builder(1 << 20)
@@ -532,8 +534,45 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     fb.ModelStart(b)
     fb.ModelAddTensors(b, tensors)
     b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+    data = bytes(b.Output())
     t0 = time.perf_counter()
-    msg = _attempt(forge(bytes(b.Output())), tmp_path / "amp.pmx", verify=True)
+    msg = _attempt(forge(data), tmp_path / "amp.pmx", verify=True)
+    assert msg is not None and "tensor 0" in msg, msg
+    assert time.perf_counter() - t0 < 2
+    _record("hostile", msg)
+    names = load._read_tensors(load._Reader("amp", data), [load._UOFFSET(data, 0)[0]] * 3)
+    assert len({id(t.name) for t in names}) == 1
+
+
+def test_overlapping_strings_cannot_amplify_reads(tmp_path):
+    """20000 tensor names, each starting at a different byte of one 200 kB string whose
+    every 4-byte word reads as a 65536-byte length: distinct positions, so reading each
+    once does not help, and naively they would decode 1.3 GB. The read budget stops it
+    after about twice the header size, before any of it is decoded."""
+    import time
+
+    import flatbuffers
+
+    from pmx.schema import pmx_generated as fb
+
+    b = flatbuffers.Builder(1 << 20)
+    blob = b.CreateString(b"\x00\x00\x01\x00" * 50_000)  # each u32 word: 65536
+    offsets = []
+    for k in range(20000):
+        fb.TensorStart(b)
+        # builder offsets count from the end: blob - 4 is its first character, and
+        # each later word is 4 bytes closer to the end
+        fb.TensorAddName(b, blob - 4 - 4 * k)
+        offsets.append(fb.TensorEnd(b))
+    fb.ModelStartTensorsVector(b, len(offsets))
+    for off in reversed(offsets):
+        b.PrependUOffsetTRelative(off)
+    tensors = b.EndVector()
+    fb.ModelStart(b)
+    fb.ModelAddTensors(b, tensors)
+    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+    t0 = time.perf_counter()
+    msg = _attempt(forge(bytes(b.Output())), tmp_path / "overlap.pmx", verify=True)
     assert msg is not None and "add up to more than" in msg, msg
     assert time.perf_counter() - t0 < 2
     _record("hostile", msg)
