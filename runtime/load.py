@@ -5,7 +5,11 @@ own (the generated accessors neither check bounds nor run fast: they cost micros
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from the generated code once, at import; each vtable in a file becomes one
 struct that reads all of a table's fields in one call, and one field of all tables of a
-type (all tensors, all nodes, all attributes) is read by one list comprehension. That is
+type (all tensors, all nodes, all attributes) is read by one list comprehension, each
+distinct position once: the writer stores equal strings, vectors and attribute sets
+once (compiler/write.py), so the few attribute sets, ops and shapes a CNN repeats over
+hundreds of nodes are each read once, and nodes with equal attributes share one dict
+(read-only: nothing in pmx changes a loaded node's attributes). That is
 plain Python on purpose: a model has hundreds of tables, not millions, and numpy's
 per-call overhead (tens of microseconds for each operation's first use in a process)
 costs more than the loops do. Every position is checked against the header's bytes before it
@@ -360,11 +364,13 @@ class _Tables:
 
 class _Reader:
     """The header's bytes, read only at checked positions and under a budget: every vector
-    and string read is charged against the header size. In a file pmx wrote each vector
-    and string is stored once, so the total never exceeds the header; a hostile file whose
-    tables all point at one big vector is stopped after reading about twice its header,
-    however many times it repeats the pointer. A whole column is charged before any of it
-    is read, so nothing is allocated beyond a small multiple of the budget.
+    and string read is charged against the header size. Each distinct position is read
+    once (_each_once: tables pointing at one vector share the object read), so in any
+    file the distinct vectors and strings of a column are what is charged. In a file pmx
+    wrote they do not overlap and the total never exceeds the header; a hostile file whose
+    strings or vectors overlap (each starting a few bytes into the previous one) is
+    stopped after reading about twice its header. A whole column is charged before any
+    of it is read, so nothing is allocated beyond a small multiple of the budget.
 
     Positions come from unsigned offsets added to positions already read, so only a
     vtable (a table's position minus a signed offset) can lie before the header; struct

@@ -261,6 +261,52 @@ def test_transpose_concat_split(x, data):
     close(parts[1], y)
 
 
+@given(rank=st.integers(1, 4), n=st.integers(1, 12), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]))
+def test_concat_shape_rule_matches_torch_cat(rank, n, data, dtype):
+    """The concat shape rule (which the loader runs on every concat of a file) against
+    torch.cat on empty tensors: output shape and dtype, and refusing what torch refuses
+    (a differing dim, a differing rank). With broadcast=True, size-1 dims stretch: the
+    oracle is torch.cat of the inputs expanded to the other inputs' size."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import output_shapes
+
+    axis = data.draw(st.integers(-rank, rank - 1))
+    base = [data.draw(st.integers(1, 4)) for _ in range(rank)]
+    shapes = [tuple(data.draw(st.integers(0, 3)) if d == axis % rank else base[d] for d in range(rank))
+              for _ in range(n)]
+    fault = data.draw(st.sampled_from(["none", "dim", "rank", "ones"]))
+    if fault == "dim" and rank > 1:
+        i, d = data.draw(st.integers(0, n - 1)), data.draw(st.sampled_from([d for d in range(rank) if d != axis % rank]))
+        shapes[i] = shapes[i][:d] + (shapes[i][d] + 1,) + shapes[i][d + 1:]
+    elif fault == "rank":
+        i = data.draw(st.integers(0, n - 1))
+        shapes[i] = shapes[i] + (1,)
+    elif fault == "ones":  # some non-axis dims of some inputs become 1
+        for i in data.draw(st.sets(st.integers(0, n - 1))):
+            shapes[i] = tuple(1 if d != axis % rank and data.draw(st.booleans()) else s for d, s in enumerate(shapes[i]))
+    broadcast = data.draw(st.booleans())
+    tensors = [torch.empty(s, dtype=dtype) for s in shapes]
+    if broadcast and len({len(s) for s in shapes}) == 1:
+        target = [max(s[d] for s in shapes) for d in range(rank)]
+        try:
+            tensors = [t.expand(*[-1 if d == axis % rank else target[d] for d in range(rank)]) for t in tensors]
+        except RuntimeError:
+            pass  # two sizes above 1: torch.cat refuses below
+    try:
+        want = torch.cat(tensors, axis)
+    except RuntimeError:
+        want = None
+    node = KernelNode("concat", dict(axis=axis, broadcast=True) if broadcast else dict(axis=axis))
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    if want is None:
+        with pytest.raises(ValueError):
+            output_shapes(node, shapes, [np_dtype] * n)
+    else:
+        assert output_shapes(node, shapes, [np_dtype] * n) == [(tuple(want.shape), np_dtype)]
+
+
 @given(batch=st.integers(1, 3), groups=st.integers(1, 4), per_group=st.integers(1, 4),
        spatial=st.lists(st.integers(1, 5), min_size=0, max_size=3), seed=st.integers(0, 2**32 - 1))
 def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
