@@ -7,6 +7,7 @@ renamed over the target, so a failed compile never leaves a half-written file an
 previous file stays untouched.
 """
 
+import itertools
 import os
 import tempfile
 import zlib
@@ -17,6 +18,7 @@ import numpy as np
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.load import MAX_RANK
 from pmx.schema import pmx_generated as fb
 
 PRODUCER = "pmx 0.1.0"
@@ -50,15 +52,16 @@ def _attr_fields(name, value):
 
 
 class _SharedParts:
-    """Writes each string, number vector, attribute table and attribute vector once and
-    lets every table that holds an equal one point at it (FlatBuffers allows any number of
-    references to one object). A CNN repeats a few attribute sets, ops, activations and
-    shapes across hundreds of nodes and tensors, and the loader reads each distinct
-    position once (runtime/load.py), so sharing shrinks both the header and its reading."""
+    """Writes each string, number vector, attribute table and attribute set once and lets
+    everything that holds an equal one point at it (FlatBuffers allows any number of
+    references to one object). A CNN repeats a few attribute sets across hundreds of
+    nodes; the loader reads each distinct position once (runtime/load.py) and nodes with
+    equal attributes share one dict."""
 
     def __init__(self, builder):
         self.b = builder
-        self._vectors, self._attrs, self._attr_vectors = {}, {}, {}
+        self._vectors, self._attrs, self._attr_sets = {}, {}, {}
+        self.attr_set_offsets = []  # Model.attr_sets, in index order
 
     def string(self, text):
         return self.b.CreateSharedString(text)
@@ -82,12 +85,17 @@ class _SharedParts:
             off = self._attrs[key] = _attr(self, name, *fields)
         return off
 
-    def attr_vector(self, attrs):
+    def attr_set(self, attrs):
+        """The index of `attrs` in Model.attr_sets (an equal set is written once)."""
         offs = tuple(self.attr(k, attrs[k]) for k in sorted(attrs))
-        off = self._attr_vectors.get(offs)
-        if off is None:
-            off = self._attr_vectors[offs] = _table_vector(self.b, fb.NodeStartAttrsVector, offs)
-        return off
+        i = self._attr_sets.get(offs)
+        if i is None:
+            vector = _table_vector(self.b, fb.AttrSetStartAttrsVector, offs)
+            fb.AttrSetStart(self.b)
+            fb.AttrSetAddAttrs(self.b, vector)
+            self.attr_set_offsets.append(fb.AttrSetEnd(self.b))
+            i = self._attr_sets[offs] = len(self._attr_sets)
+        return i
 
 
 def _attr(shared, name, kind, ints, floats, strings):
@@ -148,13 +156,99 @@ def _dim_ranges(graph):
     return out
 
 
+def _vector(builder, values, dtype):
+    return builder.CreateNumpyVector(np.asarray(values, dtype=dtype))
+
+
+def _ends(lengths):
+    return list(itertools.accumulate(lengths))
+
+
+def _tensor_columns(b, graph, values, names, index, const_place):
+    """The Tensors table: one vector per field (schema/pmx.fbs)."""
+    input_ids = {v.uid for v in graph.inputs}
+    output_ids = {v.uid for v in graph.outputs}
+    ranges = _dim_ranges(graph)
+    cols = {k: [] for k in ("kinds", "dtypes", "ranks", "dims", "data_offsets", "data_sizes", "arena_offsets",
+                            "alias_of", "alias_offsets", "strided", "strides", "ranged", "dim_min", "dim_max")}
+    for i, v in enumerate(values):
+        if v.dtype not in NAME_TO_ENUM:
+            raise PmxCompileError(f"tensor {v.name} has dtype {v.dtype}, which .pmx cannot store")
+        if len(v.shape) > MAX_RANK:
+            raise PmxCompileError(f"tensor {v.name} has rank {len(v.shape)}; the runtime reads at most {MAX_RANK}")
+        cols["kinds"].append(fb.TensorKind.Constant if v.is_constant else fb.TensorKind.Input if v.uid in input_ids
+                             else fb.TensorKind.Output if v.uid in output_ids else fb.TensorKind.Intermediate)
+        cols["dtypes"].append(NAME_TO_ENUM[v.dtype])
+        cols["ranks"].append(len(v.shape))
+        cols["dims"].extend(v.shape)
+        data_offset = data_size = arena_offset = alias_offset = 0
+        alias_of = -1
+        alias = graph.aliases.get(v.uid) if not v.is_constant else None
+        if v.is_constant:
+            data_offset, data_size = const_place[v.uid]
+        elif alias is not None:
+            alias_of, alias_offset = index[alias[0].uid], alias[1]
+            if alias[2] is not None:
+                cols["strided"].append(i)
+                cols["strides"].extend(alias[2])
+        else:
+            arena_offset = graph.offsets[v.uid]
+        for k, x in (("data_offsets", data_offset), ("data_sizes", data_size), ("arena_offsets", arena_offset),
+                     ("alias_of", alias_of), ("alias_offsets", alias_offset)):
+            cols[k].append(x)
+        rng = ranges.get(v.uid)
+        if rng:
+            cols["ranged"].append(i)
+            cols["dim_min"].extend(lo for lo, _ in rng)
+            cols["dim_max"].extend(hi for _, hi in rng)
+    columns = (  # (add to the table, values, element type)
+        (fb.TensorsAddNameEnds, _ends(map(len, names)), np.uint32), (fb.TensorsAddKinds, cols["kinds"], np.int8),
+        (fb.TensorsAddDtypes, cols["dtypes"], np.int8), (fb.TensorsAddRanks, cols["ranks"], np.uint8),
+        (fb.TensorsAddDims, cols["dims"], np.int64), (fb.TensorsAddDataOffsets, cols["data_offsets"], np.uint64),
+        (fb.TensorsAddDataSizes, cols["data_sizes"], np.uint64),
+        (fb.TensorsAddArenaOffsets, cols["arena_offsets"], np.uint64),
+        (fb.TensorsAddAliasOf, cols["alias_of"], np.int32), (fb.TensorsAddAliasOffsets, cols["alias_offsets"], np.uint64),
+        (fb.TensorsAddStrided, cols["strided"], np.uint32), (fb.TensorsAddStrides, cols["strides"], np.int64),
+        (fb.TensorsAddRanged, cols["ranged"], np.uint32), (fb.TensorsAddDimMin, cols["dim_min"], np.int64),
+        (fb.TensorsAddDimMax, cols["dim_max"], np.int64))
+    offs = [b.CreateString("".join(names))] + [_vector(b, values, dtype) for _, values, dtype in columns]
+    fb.TensorsStart(b)
+    for add, off in zip([fb.TensorsAddNames] + [add for add, _, _ in columns], offs):
+        add(b, off)
+    return fb.TensorsEnd(b)
+
+
+def _node_columns(b, shared, graph, index):
+    """The Nodes table (schema/pmx.fbs) and the strings its ops, expressions and variants
+    index (the first is "")."""
+    strings = {"": 0}
+    ops, exprs, variants, attr_sets, inputs, outputs = [], [], [], [], [], []
+    for node in graph.nodes:
+        ops.append(strings.setdefault(node.op, len(strings)))
+        exprs.append(strings.setdefault(node.expr or "", len(strings)))
+        variants.append(strings.setdefault(node.variant or "", len(strings)))
+        attr_sets.append(shared.attr_set(node.attrs))
+        inputs.append([index[v.uid] if v is not None else -1 for v in node.inputs])
+        outputs.append([index[v.uid] for v in node.outputs])
+    names = [node.name for node in graph.nodes]
+    offs = [b.CreateString("".join(names))] + [_vector(b, values, dtype) for values, dtype in (
+        (_ends(map(len, names)), np.uint32), (ops, np.uint32), (_ends(map(len, inputs)), np.uint32),
+        ([i for ins in inputs for i in ins], np.int32), (_ends(map(len, outputs)), np.uint32),
+        ([i for outs in outputs for i in outs], np.int32), (attr_sets, np.uint32), (exprs, np.uint32),
+        (variants, np.uint32))]
+    fb.NodesStart(b)
+    for add, off in zip((fb.NodesAddNames, fb.NodesAddNameEnds, fb.NodesAddOps, fb.NodesAddInputEnds,
+                         fb.NodesAddInputs, fb.NodesAddOutputEnds, fb.NodesAddOutputs, fb.NodesAddAttrSets,
+                         fb.NodesAddExprs, fb.NodesAddVariants), offs):
+        add(b, off)
+    return fb.NodesEnd(b), list(strings)
+
+
 def build(graph):
     """Return (header bytes, list of (relative offset, constant array), data size)."""
     values = graph.values()
     index = {v.uid: i for i, v in enumerate(values)}
     names = _unique_names(values)
-    input_ids = {v.uid for v in graph.inputs}
-    output_ids = {v.uid for v in graph.outputs}
 
     blobs = []
     cursor = 0
@@ -167,63 +261,12 @@ def build(graph):
             cursor = ff.align(cursor + arr.nbytes)
     data_size = cursor
 
-    ranges = _dim_ranges(graph)
     b = flatbuffers.Builder(1024)
     shared = _SharedParts(b)
-    tensor_offs = []
-    for v, name in zip(values, names):
-        name_off = b.CreateString(name)
-        shape_off = shared.numbers(v.shape, np.int64)
-        rng = ranges.get(v.uid)
-        dim_min_off = shared.numbers([lo for lo, _ in rng], np.int64) if rng else None
-        dim_max_off = shared.numbers([hi for _, hi in rng], np.int64) if rng else None
-        alias = graph.aliases.get(v.uid) if not v.is_constant else None
-        strides_off = shared.numbers(alias[2], np.int64) if alias is not None and alias[2] is not None else None
-        fb.TensorStart(b)
-        fb.TensorAddName(b, name_off)
-        kind = (fb.TensorKind.Constant if v.is_constant else fb.TensorKind.Input if v.uid in input_ids
-                else fb.TensorKind.Output if v.uid in output_ids else fb.TensorKind.Intermediate)
-        fb.TensorAddKind(b, kind)
-        if v.dtype not in NAME_TO_ENUM:
-            raise PmxCompileError(f"tensor {v.name} has dtype {v.dtype}, which .pmx cannot store")
-        fb.TensorAddDtype(b, NAME_TO_ENUM[v.dtype])
-        fb.TensorAddShape(b, shape_off)
-        if rng:
-            fb.TensorAddDimMin(b, dim_min_off)
-            fb.TensorAddDimMax(b, dim_max_off)
-        if v.is_constant:
-            off, size = const_place[v.uid]
-            fb.TensorAddDataOffset(b, off)
-            fb.TensorAddDataSize(b, size)
-        elif alias is not None:
-            fb.TensorAddAliasOf(b, index[alias[0].uid])
-            fb.TensorAddAliasOffset(b, alias[1])
-            if strides_off is not None:
-                fb.TensorAddAliasStrides(b, strides_off)
-        else:
-            fb.TensorAddArenaOffset(b, graph.offsets[v.uid])
-        tensor_offs.append(fb.TensorEnd(b))
-
-    node_offs = []
-    for node in graph.nodes:
-        op_off = shared.string(node.op)
-        name_off = b.CreateString(node.name)
-        attrs_off = shared.attr_vector(node.attrs)
-        ins_off = shared.numbers([index[v.uid] if v is not None else -1 for v in node.inputs])
-        outs_off = shared.numbers([index[v.uid] for v in node.outputs])
-        expr_off = shared.string(node.expr) if node.expr else None
-        variant_off = shared.string(node.variant) if node.variant else None
-        fb.NodeStart(b)
-        fb.NodeAddOp(b, op_off)
-        fb.NodeAddName(b, name_off)
-        fb.NodeAddInputs(b, ins_off)
-        fb.NodeAddOutputs(b, outs_off)
-        fb.NodeAddAttrs(b, attrs_off)
-        if expr_off is not None:
-            fb.NodeAddExpr(b, expr_off)
-        if variant_off is not None:
-            fb.NodeAddVariant(b, variant_off)
-        node_offs.append(fb.NodeEnd(b))
+    tensors_off = _tensor_columns(b, graph, values, names, index, const_place)
+    nodes_off, strings = _node_columns(b, shared, graph, index)
+    strings_off = _string_vector(b, fb.ModelStartStringsVector, [b.CreateString(t) for t in strings])
+    attr_sets_off = _table_vector(b, fb.ModelStartAttrSetsVector, shared.attr_set_offsets)
 
     stat_offs = []
     for name, before, after in graph.pass_stats:
@@ -236,8 +279,6 @@ def build(graph):
 
     producer_off = b.CreateString(PRODUCER)
     source_off = b.CreateString(os.path.basename(graph.source))
-    tensors_off = _table_vector(b, fb.ModelStartTensorsVector, tensor_offs)
-    nodes_off = _table_vector(b, fb.ModelStartNodesVector, node_offs)
     stats_off = _table_vector(b, fb.ModelStartPassStatsVector, stat_offs)
     inputs_off = shared.numbers([index[v.uid] for v in graph.inputs])
     outputs_off = shared.numbers([index[v.uid] for v in graph.outputs])
@@ -246,6 +287,8 @@ def build(graph):
     fb.ModelAddProducer(b, producer_off)
     fb.ModelAddTensors(b, tensors_off)
     fb.ModelAddNodes(b, nodes_off)
+    fb.ModelAddStrings(b, strings_off)
+    fb.ModelAddAttrSets(b, attr_sets_off)
     fb.ModelAddInputs(b, inputs_off)
     fb.ModelAddOutputs(b, outputs_off)
     fb.ModelAddKept(b, kept_off)

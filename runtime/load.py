@@ -4,12 +4,14 @@ Nothing here trusts the file. The header is read by a small FlatBuffers reader o
 own (the generated accessors neither check bounds nor run fast: they cost microseconds
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from the generated code once, at import; each vtable in a file becomes one
-struct that reads all of a table's fields in one call, and one field of all tables of a
-type (all tensors, all nodes, all attributes) is read by one list comprehension, each
-distinct position once: the writer stores equal strings, vectors and attribute sets
-once (compiler/write.py), so the few attribute sets, ops and shapes a CNN repeats over
-hundreds of nodes are each read once, and nodes with equal attributes share one dict
-(read-only: nothing in pmx changes a loaded node's attributes). That is
+struct that reads all of a table's fields in one call. Tensors and nodes are stored as
+columns (format version 2, schema/pmx.fbs): each field of all tensors is one vector,
+read with one struct call, and the names are one string cut at stored ends, so a model's
+hundreds of tensors cost a few dozen calls instead of a table each. Attribute sets,
+which a CNN repeats across hundreds of nodes, are stored once each (compiler/write.py)
+and nodes with equal attributes share one dict (read-only: nothing in pmx changes a
+loaded node's attributes). Where tables remain (attributes, pass statistics), one field
+of all of them is read by one list comprehension, each distinct position once. That is
 plain Python on purpose: a model has hundreds of tables, not millions, and numpy's
 per-call overhead (tens of microseconds for each operation's first use in a process)
 costs more than the loops do. Every position is checked against the header's bytes before it
@@ -17,7 +19,9 @@ is read, and every vector and string is charged against a budget the size of the
 before any of it is read, so a hostile file cannot make the reader loop or allocate more
 than a small multiple of its header size. Then, before any numpy view is made, every
 offset and size is checked against the file and the data section, every tensor index a
-node names against the tensor table, every shape for sign, rank and overflow, the stored
+node names against the tensor table, every column's length and every set of ends
+(names, shapes, node inputs and outputs) against what it cuts, every shape for sign,
+rank and overflow, the stored
 order, arena offsets, alias chains and extents, expression strings (parsed by
 runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
 against its op's shape rule (run once per distinct op, attributes and input shapes). A
@@ -179,6 +183,10 @@ def _check_preamble(path, buf, size):
         _fail(path, f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}); upgrade pnnx-pmx")
     if pre["version"] < 1:
         _fail(path, f"format version {pre['version']} is invalid")
+    if pre["version"] < ff.FORMAT_VERSION:
+        # version 1 stored a table per tensor and per node (version 2: columns, read faster)
+        _fail(path, f"format version {pre['version']} was written by an older pmx; this runtime reads version "
+                    f"{ff.FORMAT_VERSION}: compile the model again (pmx compile model.pnnx.param)")
     if pre["flags"] != 0:
         _fail(path, f"preamble flags {pre['flags']:#x}: this runtime knows no flags")
     if pre["header_offset"] != ff.PREAMBLE_SIZE:
@@ -236,6 +244,11 @@ class _Probe:
     def VectorLen(self, off):
         return 0
 
+    Bytes = b""
+
+    def Indirect(self, off):  # a table field
+        return 0
+
     def String(self, off):
         return None
 
@@ -276,15 +289,20 @@ class _Layout:
         vars(self).update((name, k) for k, name in enumerate(accessors))
 
 
-_MODEL = _Layout(fb.Model, producer="Producer", tensors="TensorsLength", nodes="NodesLength",
-                 inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
+_MODEL = _Layout(fb.Model, producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
+                 attr_sets="AttrSetsLength", inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
                  arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source")
-_TENSOR = _Layout(fb.Tensor, name="Name", kind="Kind", dtype="Dtype", shape="ShapeAsNumpy",
-                  data_offset="DataOffset", data_size="DataSize", arena_offset="ArenaOffset",
-                  alias_of="AliasOf", alias_offset="AliasOffset", alias_strides="AliasStridesAsNumpy",
-                  dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
-_NODE = _Layout(fb.Node, op="Op", name="Name", inputs="InputsAsNumpy", outputs="OutputsAsNumpy",
-                attrs="AttrsLength", expr="Expr", variant="Variant")
+_TENSORS = _Layout(fb.Tensors, names="Names", name_ends="NameEndsAsNumpy", kinds="KindsAsNumpy",
+                   dtypes="DtypesAsNumpy", ranks="RanksAsNumpy", dims="DimsAsNumpy",
+                   data_offsets="DataOffsetsAsNumpy", data_sizes="DataSizesAsNumpy",
+                   arena_offsets="ArenaOffsetsAsNumpy", alias_of="AliasOfAsNumpy",
+                   alias_offsets="AliasOffsetsAsNumpy", strided="StridedAsNumpy", strides="StridesAsNumpy",
+                   ranged="RangedAsNumpy", dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
+_NODES = _Layout(fb.Nodes, ops="OpsAsNumpy", names="Names", name_ends="NameEndsAsNumpy",
+                 input_ends="InputEndsAsNumpy", inputs="InputsAsNumpy", output_ends="OutputEndsAsNumpy",
+                 outputs="OutputsAsNumpy", attr_sets="AttrSetsAsNumpy", exprs="ExprsAsNumpy",
+                 variants="VariantsAsNumpy")
+_ATTR_SET = _Layout(fb.AttrSet, attrs="AttrsLength")
 _ATTR = _Layout(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
                 strings="StringsLength")
 _PASS_STAT = _Layout(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
@@ -463,6 +481,16 @@ class _Reader:
                 raise IndexError(f"{what}: {e}") from None
         return _scatter(_each_once(starts, read), held, len(column), ())
 
+    def subtable(self, t, k):
+        """The position of table field k of t's first table (None where absent)."""
+        u = t.columns[k][0]
+        return t.pos[0] + t.at[0][k] + u if u else None
+
+    def column(self, t, k, what):
+        """Vector field k of t's first table (a table of columns) as a tuple."""
+        [values] = self.numbers(t, k, what)
+        return values
+
     def targets(self, t, k, what, column=None):
         """Per table, the positions a vector of uoffsets (to tables or strings) in field
         k points at."""
@@ -517,73 +545,114 @@ def _read_header(path, header, pre, size) -> Model:
     r = _Reader(path, header)
     M = _MODEL
     m = r.tables(M, [_UOFFSET(r.raw, 0)[0]], "model")
-    [tensors], [nodes], [stats] = (r.targets(m, k, what) for k, what in
-                                   ((M.tensors, "tensors"), (M.nodes, "nodes"), (M.pass_stats, "pass_stats")))
-    [inputs], [outputs], [kept] = (r.numbers(m, k, f"model {what}") for k, what in
-                                   ((M.inputs, "inputs"), (M.outputs, "outputs"), (M.kept, "kept")))
+    [stats], [strings], [attr_sets] = (r.targets(m, k, what) for k, what in (
+        (M.pass_stats, "pass_stats"), (M.strings, "model strings"), (M.attr_sets, "attribute sets")))
+    inputs, outputs, kept = (r.column(m, k, f"model {what}") for k, what in
+                             ((M.inputs, "inputs"), (M.outputs, "outputs"), (M.kept, "kept")))
     s = r.tables(_PASS_STAT, stats, "pass_stats")
     stats = list(zip(r.strings(s, _PASS_STAT.name, "pass names"), s.columns[_PASS_STAT.nodes_before],
                      s.columns[_PASS_STAT.nodes_after]))
     [producer], [source] = r.strings(m, M.producer, "producer"), r.strings(m, M.source, "source")
-    return Model(path, _read_tensors(r, tensors), _read_nodes(r, nodes), list(inputs), list(outputs), list(kept),
-                 m.columns[M.arena_size][0], {}, stats, producer, source, size, pre)
+    tables = {}
+    for k, what in ((M.tensors, "tensors"), (M.nodes, "nodes")):
+        tables[what] = r.subtable(m, k)
+        if tables[what] is None:
+            _fail(path, f"the header has no {what} table")
+    tensors = _read_tensors(r, tables["tensors"])
+    nodes = _read_nodes(r, tables["nodes"], r.strings_at(strings, "model strings"), _read_attr_sets(r, attr_sets))
+    return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), m.columns[M.arena_size][0], {},
+                 stats, producer, source, size, pre)
 
 
-def _read_tensors(r, positions):
-    path = r.path
-    T = _TENSOR
-    t = r.tables(T, positions, "tensors")
-    kinds, codes = t.columns[T.kind], t.columns[T.dtype]
-    shapes = _at_most_max_rank(path, r.numbers(t, T.shape, "tensor shapes"), "rank {}")
-    strides = _at_most_max_rank(path, r.numbers(t, T.alias_strides, "tensor alias_strides"), "{} alias strides")
-    dim_min, dim_max = (r.numbers(t, k, "tensor dim ranges") for k in (T.dim_min, T.dim_max))
-    for i in [i for i, (lo, hi) in enumerate(zip(dim_min, dim_max)) if lo or hi]:
-        # graph inputs and outputs with dims that may change
-        shape, lo, hi = shapes[i], dim_min[i], dim_max[i]
-        if len(lo) != len(shape) or len(hi) != len(shape):
-            _fail(path, f"tensor {i} has {len(lo)}/{len(hi)} dim ranges for rank {len(shape)}")
-        for d, a, b in zip(shape, lo, hi):
+def _same_lengths(path, what, n, columns):
+    """Every column of a table of columns holds n entries."""
+    for name, values in columns.items():
+        if len(values) != n:
+            _fail(path, f"{what} column {name} has {len(values)} entries, expected {n} (one per {what[:-1]})")
+
+
+def _split(path, what, values, ends):
+    """values[ends[i-1]:ends[i]] for each i (0 before the first): ends must rise, and the
+    last must be len(values)."""
+    if ends and (ends[-1] != len(values) or list(ends) != sorted(ends)):
+        _fail(path, f"{what}: ends {list(ends[:8])}{'...' if len(ends) > 8 else ''} do not rise to its "
+                    f"{len(values)} entries")
+    if not ends and values:
+        _fail(path, f"{what}: {len(values)} entries and no ends")
+    return list(map(values.__getitem__, map(slice, (0,) + tuple(ends[:-1]), ends)))
+
+
+def _sparse(path, what, n, indices, ranks, values):
+    """Per tensor, its values (rank entries each, in index order) where `indices` (rising
+    tensor indices) names it, else None."""
+    if list(indices) != sorted(set(indices)) or (indices and indices[-1] >= n):
+        _fail(path, f"{what}: tensor indices {list(indices[:8])} are not rising indices below {n}")
+    per = _split(path, what, values, list(itertools.accumulate(ranks[i] for i in indices)))
+    out = [None] * n
+    for i, v in zip(indices, per):
+        out[i] = v
+    return out
+
+
+def _read_tensors(r, pos):
+    path, T = r.path, _TENSORS
+    t = r.tables(T, [pos], "tensors")
+    [text] = r.strings(t, T.names, "tensor names")
+    c = {name: r.column(t, k, f"tensor {name}") for name, k in vars(T).items() if name not in ("fields", "names")}
+    n = len(c["kinds"])
+    _same_lengths(path, "tensors", n, {k: c[k] for k in ("name_ends", "dtypes", "ranks", "data_offsets",
+                                                         "data_sizes", "arena_offsets", "alias_of", "alias_offsets")})
+    names = _split(path, "tensor names", text, c["name_ends"])
+    ranks = c["ranks"]
+    if max(ranks, default=0) > MAX_RANK:
+        i = next(i for i, k in enumerate(ranks) if k > MAX_RANK)
+        _fail(path, f"tensor {i} has rank {ranks[i]}, more than {MAX_RANK}")
+    shapes = _split(path, "tensor dims", c["dims"], list(itertools.accumulate(ranks)))
+    strides = _sparse(path, "tensor alias strides", n, c["strided"], ranks, c["strides"])
+    if len(c["dim_min"]) != len(c["dim_max"]):
+        _fail(path, f"tensor dim ranges: {len(c['dim_min'])} minima, {len(c['dim_max'])} maxima")
+    dim_min = _sparse(path, "tensor dim ranges", n, c["ranged"], ranks, c["dim_min"])
+    dim_max = _sparse(path, "tensor dim ranges", n, c["ranged"], ranks, c["dim_max"])
+    for i in c["ranged"]:  # graph inputs and outputs with dims that may change
+        for d, a, b in zip(shapes[i], dim_min[i], dim_max[i]):
             if a < 0 or b < -1 or (b != -1 and not a <= d <= b):
                 _fail(path, f"tensor {i} dim range {a}..{b} does not contain its planned size {d}")
-    dtypes = [ENUM_TO_NUMPY.get(c) for c in codes]
+    codes = c["dtypes"]
+    dtypes = list(map(ENUM_TO_NUMPY.get, codes))
     if None in dtypes:
         i = dtypes.index(None)
         _fail(path, f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
-    strides, dim_min, dim_max = ([v or None for v in col] for col in (strides, dim_min, dim_max))  # () -> None
-    c = t.columns
-    return list(map(TensorInfo, r.strings(t, T.name, "tensor names"), kinds, dtypes, shapes, c[T.data_offset],
-                    c[T.data_size], c[T.arena_offset], c[T.alias_of], c[T.alias_offset], strides, dim_min, dim_max))
+    return list(map(TensorInfo, names, c["kinds"], dtypes, shapes, c["data_offsets"], c["data_sizes"],
+                    c["arena_offsets"], c["alias_of"], c["alias_offsets"], strides, dim_min, dim_max))
 
 
-def _at_most_max_rank(path, vectors, has):
-    """`vectors` (one per tensor), after failing on the first longer than MAX_RANK."""
-    if max(map(len, vectors), default=0) > MAX_RANK:
-        i = next(i for i, v in enumerate(vectors) if len(v) > MAX_RANK)
-        _fail(path, f"tensor {i} has {has.format(len(vectors[i]))}, more than {MAX_RANK}")
-    return vectors
+def _read_nodes(r, pos, strings, attr_sets):
+    path, N = r.path, _NODES
+    t = r.tables(N, [pos], "nodes")
+    [text] = r.strings(t, N.names, "node names")
+    c = {name: r.column(t, k, f"node {name}") for name, k in vars(N).items() if name not in ("fields", "names")}
+    n = len(c["ops"])
+    _same_lengths(path, "nodes", n, {k: c[k] for k in ("name_ends", "input_ends", "output_ends", "attr_sets",
+                                                       "exprs", "variants")})
+    names = _split(path, "node names", text, c["name_ends"])
+    inputs = _split(path, "node inputs", c["inputs"], c["input_ends"])
+    outputs = _split(path, "node outputs", c["outputs"], c["output_ends"])
+    picked = []
+    for column, table, what in ((c["ops"], strings, "model strings"), (c["exprs"], strings, "model strings"),
+                                (c["variants"], strings, "model strings"), (c["attr_sets"], attr_sets, "attribute sets")):
+        if max(column, default=0) >= len(table):
+            j = next(j for j, i in enumerate(column) if i >= len(table))
+            _fail(path, f"node {j} names entry {column[j]} of the {len(table)} {what}")
+        picked.append(list(map(table.__getitem__, column)))
+    ops, exprs, variants, attrs = picked
+    return list(map(NodeInfo, ops, names, inputs, outputs, attrs, exprs, variants))
 
 
-def _read_nodes(r, positions):
-    N = _NODE
-    t = r.tables(N, positions, "nodes")
-    return list(map(NodeInfo, r.strings(t, N.op, "node ops"), r.strings(t, N.name, "node names"),
-                    r.numbers(t, N.inputs, "node inputs"), r.numbers(t, N.outputs, "node outputs"),
-                    _read_node_attrs(r, r.targets(t, N.attrs, "node attrs")),
-                    r.strings(t, N.expr, "node expressions"), r.strings(t, N.variant, "node variants")))
-
-
-def _read_node_attrs(r, per_node):
-    """One dict per node. Nodes with equal attributes share one vector in files pmx
-    writes, which `targets` returns as one list object: each is read once and its dict is
-    shared by those nodes (so the dicts are read-only: nothing in pmx changes them)."""
-    first_owner = {}
-    for j, node in enumerate(per_node):
-        first_owner.setdefault(id(node), j)
-    if len(first_owner) == len(per_node):
-        return _read_attrs(r, per_node, range(len(per_node)))
-    owners = list(first_owner.values())
-    dicts = dict(zip(first_owner, _read_attrs(r, [per_node[j] for j in owners], owners)))
-    return [dicts[id(node)] for node in per_node]
+def _read_attr_sets(r, positions):
+    """One dict per attribute set (nodes with equal attributes share one: read-only,
+    nothing in pmx changes a loaded node's attributes)."""
+    sets = r.tables(_ATTR_SET, positions, "attribute sets")
+    return _read_attrs(r, r.targets(sets, _ATTR_SET.attrs, "attribute set attrs"))
 
 
 _INTS = (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints)
@@ -593,17 +662,16 @@ _LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
 _KNOWN = (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS
 
 
-def _read_attrs(r, per_node, owners):
-    """One dict per attribute vector (a list of positions each) from all their tables;
-    owners[i] is the index of a node holding vector i (for messages). Only the vector an
-    attribute's kind names is read."""
+def _read_attrs(r, per_set):
+    """One dict per attribute set from all sets' attribute tables (a list of positions
+    per set). Only the vector an attribute's kind names is read."""
     A = _ATTR
-    t = r.tables(A, [p for node in per_node for p in node], "node attrs")
+    t = r.tables(A, [p for attrs in per_set for p in attrs], "node attrs")
     names, kinds = r.strings(t, A.name, "attribute names"), t.columns[A.kind]
 
     def where(i):
-        owner = [j for j, node in zip(owners, per_node) for _ in node][i]
-        return f"node {owner} attribute {names[i]!r}"
+        owner = [j for j, attrs in enumerate(per_set) for _ in attrs][i]
+        return f"attribute set {owner} attribute {names[i]!r}"
 
     for i, kind in enumerate(kinds):
         if kind not in _KNOWN:
@@ -632,7 +700,7 @@ def _read_attrs(r, per_node, owners):
         else:
             values.append(bool(vals[0]) if kind == fb.AttrKind.Bool else vals[0])
     items = zip(names, values)
-    return [dict(itertools.islice(items, len(node))) for node in per_node]
+    return [dict(itertools.islice(items, len(attrs))) for attrs in per_set]
 
 
 # --- structural verification --------------------------------------------------------------

@@ -93,22 +93,47 @@ def _attr_value(a):
             fb.AttrKind.Floats: lambda: floats, fb.AttrKind.Strings: lambda: strings}[k]()
 
 
+def _take(values, counts):
+    """values cut into consecutive pieces of the given lengths."""
+    out, at = [], 0
+    for n in counts:
+        out.append(tuple(values[at:at + n]))
+        at += n
+    return out
+
+
 def reference(header):
-    """Everything _read_header returns, read field by field with the generated code."""
+    """Everything _read_header returns, read element by element with the generated code
+    and cut as schema/pmx.fbs describes."""
     m = fb.Model.GetRootAs(header, 0)
-    tensors = []
-    for i in range(m.TensorsLength()):
-        t = m.Tensors(i)
-        tensors.append(load.TensorInfo(
-            _text(t.Name()), t.Kind(), ENUM_TO_NUMPY[t.Dtype()], _vector(t, "Shape"), t.DataOffset(),
-            t.DataSize(), t.ArenaOffset(), t.AliasOf(), t.AliasOffset(), _vector(t, "AliasStrides") or None,
-            _vector(t, "DimMin") or None, _vector(t, "DimMax") or None))
-    nodes = []
-    for j in range(m.NodesLength()):
-        n = m.Nodes(j)
-        attrs = {_text(n.Attrs(k).Name()): _attr_value(n.Attrs(k)) for k in range(n.AttrsLength())}
-        nodes.append(load.NodeInfo(_text(n.Op()), _text(n.Name()), _vector(n, "Inputs"), _vector(n, "Outputs"),
-                                   attrs, _text(n.Expr()), _text(n.Variant())))
+    T = m.Tensors()
+    n = T.KindsLength()
+    text, ends = _text(T.Names()), _vector(T, "NameEnds")
+    ranks = _vector(T, "Ranks")
+    shapes = _take(_vector(T, "Dims"), ranks)
+    strides, dim_min, dim_max = [None] * n, [None] * n, [None] * n
+    for i, v in zip(_vector(T, "Strided"), _take(_vector(T, "Strides"), [ranks[i] for i in _vector(T, "Strided")])):
+        strides[i] = v
+    ranged = _vector(T, "Ranged")
+    for i, lo, hi in zip(ranged, _take(_vector(T, "DimMin"), [ranks[i] for i in ranged]),
+                         _take(_vector(T, "DimMax"), [ranks[i] for i in ranged])):
+        dim_min[i], dim_max[i] = lo, hi
+    tensors = [load.TensorInfo(text[(ends[i - 1] if i else 0):ends[i]], T.Kinds(i), ENUM_TO_NUMPY[T.Dtypes(i)],
+                               shapes[i], T.DataOffsets(i), T.DataSizes(i), T.ArenaOffsets(i), T.AliasOf(i),
+                               T.AliasOffsets(i), strides[i], dim_min[i], dim_max[i]) for i in range(n)]
+    strings = [_text(m.Strings(k)) for k in range(m.StringsLength())]
+    attr_sets = []
+    for k in range(m.AttrSetsLength()):
+        s = m.AttrSets(k)
+        attr_sets.append({_text(s.Attrs(j).Name()): _attr_value(s.Attrs(j)) for j in range(s.AttrsLength())})
+    N = m.Nodes()
+    text, ends = _text(N.Names()), _vector(N, "NameEnds")
+    input_ends, output_ends = _vector(N, "InputEnds"), _vector(N, "OutputEnds")
+    inputs = _take(_vector(N, "Inputs"), [e - (input_ends[j - 1] if j else 0) for j, e in enumerate(input_ends)])
+    outputs = _take(_vector(N, "Outputs"), [e - (output_ends[j - 1] if j else 0) for j, e in enumerate(output_ends)])
+    nodes = [load.NodeInfo(strings[N.Ops(j)], text[(ends[j - 1] if j else 0):ends[j]], inputs[j], outputs[j],
+                           attr_sets[N.AttrSets(j)], strings[N.Exprs(j)], strings[N.Variants(j)])
+             for j in range(N.OpsLength())]
     stats = [(_text(s.Name()), s.NodesBefore(), s.NodesAfter())
              for s in (m.PassStats(k) for k in range(m.PassStatsLength()))]
     return dict(tensors=tensors, nodes=nodes, inputs=list(_vector(m, "Inputs")),
@@ -198,18 +223,17 @@ def test_overlapping_fields_read_like_the_generated_code(files):
     """A vtable may point two fields at the same bytes (legal FlatBuffers, never written
     by pmx): the reader falls back to one read per field and still agrees."""
     data = bytearray(files["cnn"])
-    pre, header = header_of(bytes(data))
-    m = fb.Model.GetRootAs(header, 0)
-    i = next(i for i in range(m.TensorsLength()) if m.Tensors(i).DataOffset() and m.Tensors(i).DataSize())
-    vt = ff.PREAMBLE_SIZE + _table_vtable(header, m.Tensors(i)._tab.Pos)
-    slot_of = {name: load._TENSOR.fields[getattr(load._TENSOR, name)].slot for name in ("data_offset", "data_size")}
-    entry = struct.unpack_from("<H", data, vt + slot_of["data_offset"])[0]
-    struct.pack_into("<H", data, vt + slot_of["data_size"], entry)  # data_size now reads data_offset's bytes
+    header, pos = _tensors_table(bytes(data))
+    vt = ff.PREAMBLE_SIZE + _table_vtable(header, pos)
+    slot_of = {name: load._TENSORS.fields[getattr(load._TENSORS, name)].slot for name in ("data_offsets", "data_sizes")}
+    entry = struct.unpack_from("<H", data, vt + slot_of["data_offsets"])[0]
+    struct.pack_into("<H", data, vt + slot_of["data_sizes"], entry)  # data_sizes now reads data_offsets' vector
     data = bytes(data)
     pre, header = header_of(data)
     model = load._read_header("x.pmx", header, pre, len(data))
     assert_same(model, reference(header))
-    assert model.tensors[i].data_size == model.tensors[i].data_offset > 0
+    assert all(t.data_size == t.data_offset for t in model.tensors)
+    assert any(t.data_offset > 0 for t in model.tensors)
 
 
 # --- damaged headers: the reader's errors name the field ------------------------------
@@ -227,16 +251,16 @@ def _preamble_fields(data):
     return hs, d0, pre["data_size"], ff.crc32(data[h0:h0 + hs]), ff.crc32(data[d0:])
 
 
-def _first_tensor(data):
+def _tensors_table(data):
     pre, header = header_of(data)
-    t = fb.Model.GetRootAs(header, 0).Tensors(0)
-    return header, t._tab.Pos
+    return header, fb.Model.GetRootAs(header, 0).Tensors()._tab.Pos
 
 
-def _field_target(header, pos, name):
-    """Header position of what the uoffset field `name` of the tensor table at `pos` points at."""
+def _field_target(header, pos, layout, name):
+    """Header position of what the uoffset field `name` of the `layout` table at `pos`
+    points at (a string's or vector's length)."""
     vt = _table_vtable(header, pos)
-    slot = load._TENSOR.fields[getattr(load._TENSOR, name)].slot
+    slot = layout.fields[getattr(layout, name)].slot
     at = pos + struct.unpack_from("<H", header, vt + slot)[0]
     return at + struct.unpack_from("<I", header, at)[0]
 
@@ -249,41 +273,96 @@ def _patch(data, header_pos, fmt, value):
 
 def test_damaged_headers_name_what_is_wrong(files, tmp_path):
     data = files["cnn"]
-    header, pos = _first_tensor(data)
+    header, pos = _tensors_table(data)
     size = len(header)
-    name_at, shape_at = _field_target(header, pos, "name"), _field_target(header, pos, "shape")
+    T, N = load._TENSORS, load._NODES
+    name_at, dims_at = _field_target(header, pos, T, "names"), _field_target(header, pos, T, "dims")
+    ends_at = _field_target(header, pos, T, "name_ends")
+    alias_of_at = _field_target(header, pos, T, "alias_of")
+    nodes = fb.Model.GetRootAs(header, 0).Nodes()._tab.Pos
+    ops_at, input_ends_at = _field_target(header, nodes, N, "ops"), _field_target(header, nodes, N, "input_ends")
+    sets_at = _field_target(header, nodes, N, "attr_sets")
+    n_tensors = struct.unpack_from("<I", header, ends_at)[0]
+    n_strings = fb.Model.GetRootAs(header, 0).StringsLength()
     cases = [
         # soffset aiming the vtable before the header
         (_patch(data, pos, "<i", pos + 100), "tensors vtable at byte -100 is outside the"),
-        # a name longer than what is left of the header
+        # the names longer than what is left of the header
         (_patch(data, name_at, "<I", size - name_at), f"tensor names at byte {name_at} runs past the {size}-byte"),
-        # a shape vector of 2**31 elements: refused by the budget before it is read
-        (_patch(data, shape_at, "<I", 2**31), r"tensor shapes \(\d+ elements\): the header's vectors and strings add up"),
+        # a dims vector of 2**31 elements: refused by the budget before it is read
+        (_patch(data, dims_at, "<I", 2**31), r"tensor dims \(\d+ elements\): the header's vectors and strings add up"),
         # within the budget, but running past the header
-        (_patch(data, shape_at, "<I", (size - shape_at) // 8 + 1), r"IndexError: tensor shapes: unpack_from requires"),
+        (_patch(data, dims_at, "<I", (size - dims_at) // 8 + 1), r"IndexError: tensor dims: unpack_from requires"),
         # a table past the end
         (_patch(data, 0, "<I", size + 8), r"IndexError: model tables: "),
+        # columns that disagree: one entry short, ends that fall, an index past its table
+        (_patch(data, ends_at, "<I", n_tensors - 1), f"tensors column name_ends has {n_tensors - 1} entries, "
+                                                     f"expected {n_tensors}"),
+        (_patch(data, ends_at + 8, "<I", 2**31), r"tensor names: ends \[\d+, 2147483648"),
+        (_patch(data, input_ends_at + 8, "<I", 10**6), r"node inputs: ends \[\d+, 1000000"),
+        (_patch(data, ops_at + 4, "<I", n_strings), f"node 0 names entry {n_strings} of the {n_strings} model strings"),
+        (_patch(data, sets_at + 4, "<I", 10**6), "node 0 names entry 1000000 of the"),
+        (_patch(data, alias_of_at + 4, "<i", n_tensors + 5), f"alias_of {n_tensors + 5} is not a tensor index"),
     ]
+    # a view's stride list claimed by a tensor index past the table
+    strided = _strided_view_file(tmp_path)
+    s_header, s_pos = _tensors_table(strided)
+    s_count = struct.unpack_from("<I", s_header, _field_target(s_header, s_pos, T, "name_ends"))[0]
+    cases.append((_patch(strided, _field_target(s_header, s_pos, T, "strided") + 4, "<I", s_count),
+                  "tensor alias strides: tensor indices"))
     for bad, message in cases:
         with pytest.raises(PmxFormatError) as e:
             InferenceSession(str(_write(tmp_path, bad)))
-        assert re.search(message, str(e.value)), str(e.value)
+        assert re.search(message, str(e.value)), (message, str(e.value))
 
 
-def test_vectors_longer_than_max_rank_are_refused(files, tmp_path):
-    """A shape vector longer than MAX_RANK (read from the file, within the header) names
-    the tensor and its rank (alias_strides go through the same check)."""
-    data = files["cnn"]
+def _strided_view_file(tmp_path):
+    """A file whose second tensor is a view with explicit strides (the format allows
+    them; no compiler pass writes them yet): y0 (2, 3) float32 viewing the input x with
+    strides (12, 4)."""
+    g = Graph("strided")
+    x = Value("x", (2, 3))
+    y0, y1 = Value("y0", (2, 3)), Value("y1", (2, 3))
+    g.inputs = [x]
+    g.add_node(Node("elementwise", "n0", [x], [y0], expr="neg(@0)"))
+    g.add_node(Node("elementwise", "n1", [y0], [y1], expr="neg(@0)"))
+    g.outputs = [y1]
+    compile_graph(g, disabled=["fuse_elementwise"])
+    g.aliases[y0.uid] = (x, 0, (12, 4))
+    path = tmp_path / "strided.pmx"
+    write(g, str(path))
+    return path.read_bytes()
+
+
+def test_strided_views_read_like_the_generated_code(tmp_path):
+    data = _strided_view_file(tmp_path)
     pre, header = header_of(data)
-    m = fb.Model.GetRootAs(header, 0)
+    p = tmp_path / "strided_ok.pmx"
+    p.write_bytes(data)
+    model = load.open_model(str(p))
+    assert_same(model, reference(header))
+    assert [t.alias_strides for t in model.tensors if t.alias_strides] == [(12, 4)]
+
+
+def test_ranks_above_max_rank_are_refused(files, tmp_path):
+    """A rank above MAX_RANK names the tensor and its rank, before the dims are cut."""
+    data = files["cnn"]
+    header, pos = _tensors_table(data)
+    ranks_at = _field_target(header, pos, load._TENSORS, "ranks")
     too_long = load.MAX_RANK + 1
-    # a tensor whose longer shape still lies inside the header (else the reader stops first)
-    i, shape_at = next((i, at) for i in range(m.TensorsLength())
-                       for at in [_field_target(header, m.Tensors(i)._tab.Pos, "shape")]
-                       if at + 4 + 8 * too_long <= len(header))
-    bad = _patch(data, shape_at, "<I", too_long)
-    with pytest.raises(PmxFormatError, match=f"tensor {i} has rank {too_long}, more than {load.MAX_RANK}"):
+    bad = _patch(data, ranks_at + 4 + 3, "<B", too_long)
+    with pytest.raises(PmxFormatError, match=f"tensor 3 has rank {too_long}, more than {load.MAX_RANK}"):
         InferenceSession(str(_write(tmp_path, bad)))
+
+
+def test_older_format_versions_are_refused_with_a_way_out(files, tmp_path):
+    data = bytearray(files["cnn"])
+    struct.pack_into("<I", data, 8, 1)  # the version, after the 8-byte magic
+    struct.pack_into("<I", data, 56, ff.crc32(bytes(data[:56])))
+    p = tmp_path / "v1.pmx"
+    p.write_bytes(bytes(data))
+    with pytest.raises(PmxFormatError, match="format version 1 was written by an older pmx.*compile the model again"):
+        load.open_model(str(p))
 
 
 # --- checks whose fast paths must not look away ------------------------------------------
@@ -365,7 +444,7 @@ def test_loaded_constants_are_read_only_views_of_the_map(cnn_model):
 def test_collector_state_is_restored(files, tmp_path, enabled):
     good = tmp_path / "good.pmx"
     good.write_bytes(files["cnn"])
-    bad = _write(tmp_path, _patch(files["cnn"], _first_tensor(files["cnn"])[1], "<i", 10**6))
+    bad = _write(tmp_path, _patch(files["cnn"], _tensors_table(files["cnn"])[1], "<i", 10**6))
     was = gc.isenabled()
     try:
         gc.enable() if enabled else gc.disable()
@@ -407,21 +486,26 @@ def test_maps_scan_finds_what_splitting_every_line_finds(monkeypatch, hints):
 
 
 def _with_conv_stride(data, stride):
-    """`data` with the first element of the first conv's stride attribute replaced."""
+    """`data` with the first element of the first conv's stride attribute replaced (the
+    attribute is shared by every node with the same attributes: the first conv fails
+    first)."""
     pre, header = header_of(data)
     m = fb.Model.GetRootAs(header, 0)
-    for j in range(m.NodesLength()):
-        node = m.Nodes(j)
-        if node.Op() != b"conv":
+    strings = [m.Strings(k) for k in range(m.StringsLength())]
+    nodes = m.Nodes()
+    names, ends = _text(nodes.Names()), _vector(nodes, "NameEnds")
+    for j in range(nodes.OpsLength()):
+        if strings[nodes.Ops(j)] != b"conv":
             continue
-        for k in range(node.AttrsLength()):
-            a = node.Attrs(k)
+        attrs = m.AttrSets(nodes.AttrSets(j))
+        for k in range(attrs.AttrsLength()):
+            a = attrs.Attrs(k)
             if a.Name() == b"stride":
                 pos = a._tab.Pos
                 slot = load._ATTR.fields[load._ATTR.ints].slot
                 at = pos + struct.unpack_from("<H", header, _table_vtable(header, pos) + slot)[0]
                 first = at + struct.unpack_from("<I", header, at)[0] + 4
-                return _patch(data, first, "<q", stride), _text(node.Name())
+                return _patch(data, first, "<q", stride), names[(ends[j - 1] if j else 0):ends[j]]
     raise AssertionError("no conv with a stride")
 
 

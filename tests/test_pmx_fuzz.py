@@ -322,8 +322,9 @@ def sites(valid_files):
     out = {name: flatbuffer_sites(data) for name, data in valid_files.items()}
     for name, s in out.items():
         labels = {label for _, _, label in s}
-        for want in ("Tensor.shape[]", "Tensor.data_offset", "Node.inputs[]", "Model.arena_size",
-                     "Tensor.alias_of", "Attr.ints[]", "Model.tensors vector length", "Tensor soffset"):
+        for want in ("Tensors.dims[]", "Tensors.data_offsets[]", "Nodes.inputs[]", "Model.arena_size",
+                     "Tensors.alias_of[]", "Attr.ints[]", "Tensors.name_ends vector length", "Tensors soffset",
+                     "Nodes.input_ends[]", "Nodes.attr_sets[]", "Tensors.ranks[]"):
             assert want in labels, f"{name}: walker found no {want}"
     return out
 
@@ -359,18 +360,17 @@ def test_hostile_structures(valid_files, tmp_path):
     by_label = collections.defaultdict(list)
     for pos, width, label in flatbuffer_sites(data):
         by_label[label].append(pos)
+    first_alias = next(i for i, t in enumerate(model.tensors) if t.alias_of >= 0)
     cases = [("alias self-loop", _alias_loop(data, model, by_label, loop_len=1)),
              ("alias two-cycle", _alias_loop(data, model, by_label, loop_len=2)),
-             ("alias offset past its root", write_int(data, by_label["Tensor.alias_offset"][0], 8, 2**40))
-             if by_label["Tensor.alias_offset"] else None]
-    # every tensor pointer aimed at the table with the longest name: reading it again and
-    # again would be quadratic in the header size without the read budget
-    tv = by_label["Model.tensors[] uoffset"]
+             ("alias offset past its root", write_int(data, by_label["Tensors.alias_offsets[]"][first_alias], 8, 2**40))]
+    # every attribute-set pointer aimed at the last set: read once, shared by all nodes
+    tv = by_label["Model.attr_sets[] uoffset"]
     bad = data
     target = tv[-1] + struct.unpack_from("<I", data, tv[-1])[0]
     for pos in tv:
         bad = write_int(bad, pos, 4, target - pos)
-    cases.append(("all tensors are one table", bad))
+    cases.append(("all attribute sets are one table", bad))
     # a vector length of 2**32-1 on every vector
     bad = data
     for label, positions in by_label.items():
@@ -379,8 +379,12 @@ def test_hostile_structures(valid_files, tmp_path):
                 bad = write_int(bad, pos, 4, 2**32 - 1)
     cases.append(("every vector 2**32-1 long", bad))
     # expressions replaced by hostile text of the same length (offsets stay valid)
-    for pos in by_label["Node.expr string length"]:
+    exprs = {n.expr for n in model.nodes if n.expr}
+    string_at = [p + struct.unpack_from("<I", data, p)[0] for p in by_label["Model.strings[] uoffset"]]
+    for pos in string_at:
         n = struct.unpack_from("<I", data, pos)[0]
+        if data[pos + 4:pos + 4 + n].decode() not in exprs:
+            continue
         for text in (b"@" + b"9" * (n - 1), b"_" * n, b"(" * n, (b"__import__('os')" * n)[:n],
                      (b"neg(" * n)[: n - 1] + b")"):
             cases.append(("expression " + text[:20].decode(), data[:pos + 4] + text + data[pos + 4 + n:]))
@@ -388,7 +392,7 @@ def test_hostile_structures(valid_files, tmp_path):
         for verify in (False, True):
             msg = _attempt(recompute_crcs(bad), tmp_path / "h.pmx", verify=verify)
             _record("hostile", msg)
-            if what != "all tensors are one table":
+            if what != "all attribute sets are one table":
                 assert msg is not None, f"{what}: loaded"
 
 
@@ -403,8 +407,8 @@ def open_model_bytes(data, tmp_path):
 def _alias_loop(data, model, by_label, loop_len):
     """Point the alias_of of alias tensors so they form a cycle of loop_len."""
     alias_ids = [i for i, t in enumerate(model.tensors) if t.alias_of >= 0]
-    # the writer stores alias_of only for aliases, so the sites are theirs, in tensor order
-    pos_of = dict(zip(alias_ids, by_label["Tensor.alias_of"]))
+    # the alias_of column holds one entry per tensor, in tensor order
+    pos_of = {i: by_label["Tensors.alias_of[]"][i] for i in alias_ids}
     ids = alias_ids[:loop_len] if len(alias_ids) >= loop_len else alias_ids * loop_len
     bad = data
     for k, i in enumerate(ids[:loop_len]):
@@ -432,7 +436,7 @@ def test_expression_blowup_is_refused(valid_files, tmp_path):
 
 # --- worst cases under RLIMIT_AS ------------------------------------------------------------
 
-_SIZE_LIKE = re.compile(r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|shape\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|kind|dtype)")
+_SIZE_LIKE = re.compile(r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|dims\[\]|ranks\[\]|_ends\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|attr_sets\[\]|ops\[\]|exprs\[\]|variants\[\]|strided|ranged|kind|dtype)")
 
 _CHILD = textwrap.dedent("""
     import resource, signal, sys, os, collections
@@ -510,11 +514,35 @@ def forge(header: bytes) -> bytes:
     return pre + header + bytes(data_offset - ff.PREAMBLE_SIZE - len(header))
 
 
+def _columns_header(b, attr_sets, attrs_of_node=()):
+    """Finish a header in builder `b` with empty tensor and node columns, the attribute
+    sets at offsets `attr_sets` (Model.attr_sets), and nodes naming `attrs_of_node`."""
+    from pmx.schema import pmx_generated as fb
+
+    fb.TensorsStart(b)
+    tensors = fb.TensorsEnd(b)
+    sets = b.CreateNumpyVector(np.asarray(attrs_of_node, np.uint32))
+    fb.NodesStart(b)
+    fb.NodesAddAttrSets(b, sets)
+    nodes = fb.NodesEnd(b)
+    fb.ModelStartAttrSetsVector(b, len(attr_sets))
+    for off in reversed(attr_sets):
+        b.PrependUOffsetTRelative(off)
+    vector = b.EndVector()
+    fb.ModelStart(b)
+    fb.ModelAddTensors(b, tensors)
+    fb.ModelAddNodes(b, nodes)
+    fb.ModelAddAttrSets(b, vector)
+    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+    return bytes(b.Output())
+
+
 def test_repeated_pointers_cannot_amplify_reads(tmp_path):
-    """20000 tensor entries all pointing at one tensor with a 200 kB name: reading them
-    naively would decode 4 GB of strings. The loader reads each distinct position once
-    (the 20000 names are one string object), so the file is refused quickly, by the
-    verifier, with no more than one copy of the name in memory."""
+    """20000 attribute sets all pointing at one set whose attribute has a 200 kB name:
+    reading them naively would decode 4 GB of strings. The loader reads each distinct
+    position once, so the file is refused quickly, with one copy of the name in memory
+    (each set's dict costs the 4 bytes of its pointer: memory stays bounded by the
+    header's size)."""
     import time
 
     import flatbuffers
@@ -524,31 +552,38 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
 
     b = flatbuffers.Builder(1 << 20)
     name = b.CreateString("x" * 200_000)
-    fb.TensorStart(b)
-    fb.TensorAddName(b, name)
-    tensor = fb.TensorEnd(b)
-    fb.ModelStartTensorsVector(b, 20000)
-    for _ in range(20000):
-        b.PrependUOffsetTRelative(tensor)
-    tensors = b.EndVector()
-    fb.ModelStart(b)
-    fb.ModelAddTensors(b, tensors)
-    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
-    data = bytes(b.Output())
+    fb.AttrStart(b)
+    fb.AttrAddName(b, name)
+    attrs = _table_vector_of(b, fb.AttrSetStartAttrsVector, [fb.AttrEnd(b)])
+    fb.AttrSetStart(b)
+    fb.AttrSetAddAttrs(b, attrs)
+    one = fb.AttrSetEnd(b)
+    data = _columns_header(b, [one] * 20000, attrs_of_node=[5])
     t0 = time.perf_counter()
     msg = _attempt(forge(data), tmp_path / "amp.pmx", verify=True)
-    assert msg is not None and "tensor 0" in msg, msg
+    # refused once the sets are read: the nodes columns disagree (one attr_sets entry, no ops)
+    assert msg is not None and "nodes column attr_sets has 1 entries" in msg, msg
     assert time.perf_counter() - t0 < 2
     _record("hostile", msg)
-    names = load._read_tensors(load._Reader("amp", data), [load._UOFFSET(data, 0)[0]] * 3)
-    assert len({id(t.name) for t in names}) == 1
+    r = load._Reader("amp", data)
+    m = r.tables(load._MODEL, [load._UOFFSET(data, 0)[0]], "model")
+    [positions] = r.targets(m, load._MODEL.attr_sets, "attribute sets")
+    sets = load._read_attr_sets(r, positions)
+    assert len(sets) == 20000 and len({id(name) for d in sets for name in d}) == 1  # one 200 kB string
+
+
+def _table_vector_of(b, start, offsets):
+    start(b, len(offsets))
+    for off in reversed(offsets):
+        b.PrependUOffsetTRelative(off)
+    return b.EndVector()
 
 
 def test_overlapping_strings_cannot_amplify_reads(tmp_path):
-    """20000 tensor names, each starting at a different byte of one 200 kB string whose
-    every 4-byte word reads as a 65536-byte length: distinct positions, so reading each
-    once does not help, and naively they would decode 1.3 GB. The read budget stops it
-    after about twice the header size, before any of it is decoded."""
+    """20000 attribute names, each starting at a different byte of one 200 kB string
+    whose every 4-byte word reads as a 65536-byte length: distinct positions, so reading
+    each once does not help, and naively they would decode 1.3 GB. The read budget stops
+    it after about twice the header size, before any of it is decoded."""
     import time
 
     import flatbuffers
@@ -559,20 +594,17 @@ def test_overlapping_strings_cannot_amplify_reads(tmp_path):
     blob = b.CreateString(b"\x00\x00\x01\x00" * 50_000)  # each u32 word: 65536
     offsets = []
     for k in range(20000):
-        fb.TensorStart(b)
+        fb.AttrStart(b)
         # builder offsets count from the end: blob - 4 is its first character, and
         # each later word is 4 bytes closer to the end
-        fb.TensorAddName(b, blob - 4 - 4 * k)
-        offsets.append(fb.TensorEnd(b))
-    fb.ModelStartTensorsVector(b, len(offsets))
-    for off in reversed(offsets):
-        b.PrependUOffsetTRelative(off)
-    tensors = b.EndVector()
-    fb.ModelStart(b)
-    fb.ModelAddTensors(b, tensors)
-    b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
+        fb.AttrAddName(b, blob - 4 - 4 * k)
+        offsets.append(fb.AttrEnd(b))
+    attrs = _table_vector_of(b, fb.AttrSetStartAttrsVector, offsets)
+    fb.AttrSetStart(b)
+    fb.AttrSetAddAttrs(b, attrs)
+    data = _columns_header(b, [fb.AttrSetEnd(b)])
     t0 = time.perf_counter()
-    msg = _attempt(forge(bytes(b.Output())), tmp_path / "overlap.pmx", verify=True)
+    msg = _attempt(forge(data), tmp_path / "overlap.pmx", verify=True)
     assert msg is not None and "add up to more than" in msg, msg
     assert time.perf_counter() - t0 < 2
     _record("hostile", msg)
