@@ -50,7 +50,7 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels import REGISTRY, output_shapes
+from pmx.runtime.kernels import REGISTRY
 from pmx.runtime.record import Record
 from pmx.schema import pmx_generated as fb
 
@@ -711,8 +711,9 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
         raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
     nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
     model.roots = _resolve_aliases(model)
+    constant = fb.TensorKind.Constant
     for i, t in enumerate(model.tensors):
-        if t.kind != fb.TensorKind.Constant and t.alias_of >= 0:
+        if t.alias_of >= 0 and t.kind != constant:
             _check_alias_extent(model, i, t, nbytes)
     _check_io(model)
     _check_nodes(model)
@@ -735,37 +736,35 @@ def _check_tensors(model, data_size, max_arena_bytes):
         return f"tensor {i} ({tensors[i].name[:40]!r})"
 
     limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
-    nbytes = []
-    for i, t in enumerate(tensors):
-        if t.kind not in _KINDS:
+    prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), fb.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
+    nbytes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
+    for i, (t, size) in enumerate(zip(tensors, nbytes)):
+        if t.kind not in kinds:
             _fail(path, f"{where(i)} has kind {t.kind}, not one of {list(_KINDS)}")
-        shape, itemsize = t.shape, t.dtype.itemsize
-        size = bound = math.prod(shape) * itemsize
+        shape, bound = t.shape, size
         if shape and min(shape) <= 0:
             if min(shape) < 0:
                 _fail(path, f"{where(i)} has shape {shape}: dims must be non-negative")
             # Zero dims count as 1 (kernels may loop over the other dims of an empty
             # tensor) and views count in full (a stride-0 view of 4 bytes can have 2**40
             # elements): the bound is on work, not only on bytes.
-            bound = math.prod(max(d, 1) for d in shape) * itemsize
+            bound = prod(max(d, 1) for d in shape) * t.dtype.itemsize
         if bound > limit:
             raise PmxResourceError(f"{path}: {where(i)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
-        nbytes.append(size)
     # Python ints do not overflow: offsets and sizes are compared as read.
-    for i, t in enumerate(tensors):
-        size = nbytes[i]
-        if t.kind == fb.TensorKind.Constant:
+    for i, (t, size) in enumerate(zip(tensors, nbytes)):
+        if t.kind == constant:
             if t.alias_of != -1 or t.alias_strides is not None:
                 _fail(path, f"{where(i)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
             if t.data_size != size:
                 _fail(path, f"{where(i)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
-            if t.data_offset % ff.ALIGNMENT or t.data_offset + t.data_size > data_size:
-                _fail(path, f"{where(i)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {ff.ALIGNMENT}-byte aligned")
+            if t.data_offset % align or t.data_offset + size > data_size:
+                _fail(path, f"{where(i)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned")
         elif t.alias_of == -1:
             if t.alias_strides is not None:
                 _fail(path, f"{where(i)} has alias_strides {t.alias_strides} but aliases nothing")
-            if t.arena_offset % ff.ALIGNMENT or t.arena_offset + size > model.arena_size:
-                _fail(path, f"{where(i)}: arena range [{t.arena_offset}, +{size}) is outside the {model.arena_size}-byte arena or not {ff.ALIGNMENT}-byte aligned")
+            if t.arena_offset % align or t.arena_offset + size > arena_size:
+                _fail(path, f"{where(i)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned")
         elif not 0 <= t.alias_of < n:
             _fail(path, f"{where(i)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
     return nbytes
@@ -774,8 +773,8 @@ def _check_tensors(model, data_size, max_arena_bytes):
 def _resolve_aliases(model):
     """(root, byte offset) for every tensor, following alias chains once each (memoized,
     so long chains cost linear time); a chain that loops or ends at a constant fails."""
-    path, tensors = model.path, model.tensors
-    roots = [None if t.kind != fb.TensorKind.Constant and t.alias_of >= 0 else (i, 0) for i, t in enumerate(tensors)]
+    path, tensors, constant = model.path, model.tensors, fb.TensorKind.Constant
+    roots = [None if t.kind != constant and t.alias_of >= 0 else (i, 0) for i, t in enumerate(tensors)]
     for i in [i for i, r in enumerate(roots) if r is None]:
         chain = []
         on_chain = set()
@@ -795,13 +794,26 @@ def _resolve_aliases(model):
     return roots
 
 
+class _TensorLabel:
+    """How messages name tensor i, formatted only on failure (formatting it for each
+    view cost more than the check)."""
+
+    __slots__ = ("i", "t")
+
+    def __init__(self, i, t):
+        self.i, self.t = i, t
+
+    def __format__(self, spec):
+        return f"tensor {self.i} ({self.t.name[:40]!r})"
+
+
 def _check_alias_extent(model, i, t, nbytes):
     """The bytes a view can touch must lie inside its root's arena range."""
     path = model.path
     root, offset = model.roots[i]
     root_bytes = nbytes[root]
-    where = f"tensor {i} ({t.name[:40]!r})"
-    if any(d == 0 for d in t.shape):
+    where = _TensorLabel(i, t)
+    if 0 in t.shape:
         lo, hi = 0, 0
     elif t.alias_strides is not None:
         if len(t.alias_strides) != len(t.shape):
@@ -826,7 +838,8 @@ def _check_io(model):
                 _fail(path, f"model {name} names tensor {idx}, but there are {n} tensors")
     if len(set(model.inputs)) != len(model.inputs):
         _fail(path, f"model inputs {model.inputs} name a tensor twice")
-    marked = {i for i, t in enumerate(tensors) if t.kind == fb.TensorKind.Input}
+    input_kind = fb.TensorKind.Input
+    marked = {i for i, t in enumerate(tensors) if t.kind == input_kind}
     if marked != set(model.inputs):
         _fail(path, f"tensors marked as inputs {sorted(marked)} differ from the model inputs {sorted(model.inputs)}")
 
@@ -843,9 +856,10 @@ def _check_nodes(model):
     A node that passes is checked with a few set operations; one that fails is walked
     index by index to name what is wrong."""
     path, tensors = model.path, model.tensors
-    available = {i for i, t in enumerate(tensors) if t.kind == fb.TensorKind.Constant} | set(model.inputs)
+    constant, fixed = fb.TensorKind.Constant, (fb.TensorKind.Constant, fb.TensorKind.Input)
+    available = {i for i, t in enumerate(tensors) if t.kind == constant} | set(model.inputs)
     available.add(-1)  # an absent optional input
-    writable = {i for i, t in enumerate(tensors) if t.kind not in (fb.TensorKind.Constant, fb.TensorKind.Input)}
+    writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
     for j, node in enumerate(model.nodes):
         if node.op not in REGISTRY:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
@@ -964,8 +978,9 @@ def check_shape_rules(model):
                     got = entry[2]
                     break
         if got is None:
-            present = [i for i in node.inputs if i >= 0]
-            got = _rule_shapes(path, j, node, [shape_of[i] for i in present], [dtype_of[i] for i in present])
+            present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
+            got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
+                               list(map(dtype_of.__getitem__, present)))
             same_inputs.append([node, None, got])
         if got != want:
             k = min(len(got), len(want))  # a rule may give outputs the file does not store
@@ -980,9 +995,12 @@ def _attrs_key(attrs):
 
 
 def _rule_shapes(path, j, node, shapes, dtypes):
-    """The output shapes node j's shape rule gives; any failure names the node."""
+    """The output shapes node j's shape rule gives; any failure names the node. The
+    rule's own result, as tuples: kernels.output_shapes would also turn each dim into an
+    int and each dtype into np.dtype (~1.5 us a node), which a comparison with the stored
+    shapes (Python ints, checked non-negative) does not need: what differs fails."""
     try:
-        return [shape for shape, _ in output_shapes(node, shapes, dtypes)]
+        return [tuple(shape) for shape, _ in REGISTRY[node.op].infer(node, shapes, dtypes)]
     except PmxError as e:
         _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
     except MemoryError:
