@@ -393,10 +393,48 @@ def _torch_float(result, args):
 
 def result_dtype(tree, input_dtypes):
     """dtype the expression produces for the given input dtypes (numpy promotion with
-    weak literals, true division and integer pow as torch does). Memoized: it evaluates
-    the tree on samples (~20-30 us), and the loader's shape-rule check asks for every
-    elementwise node, most of which share an expression and dtypes."""
-    return _result_dtype(tree, tuple(np.dtype(d) for d in input_dtypes))
+    weak literals, true division and integer pow as torch does). Inputs of one float
+    dtype through functions that keep it (no comparison, logic or where) and plain
+    number literals give that dtype, known without evaluating: the evaluation on samples
+    costs ~50 us per expression in a fresh process (each ufunc's first call), a sixth
+    of a small CNN's load. Otherwise it evaluates the tree on samples, memoized: the
+    loader's shape-rule check asks for every elementwise node."""
+    dtypes = tuple(np.dtype(d) for d in input_dtypes)
+    if dtypes and dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and _keeps_float_dtype(tree):
+        return dtypes[0]
+    return _result_dtype(tree, dtypes)
+
+
+# Functions that map floats of one dtype (with int or float literals) to that dtype.
+_FLOAT_KEEPING = frozenset(FUNCTIONS) - {"gt", "ge", "lt", "le", "eq", "ne", "and", "or", "xor", "not", "where"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _keeps_float_dtype(tree):
+    """Only _FLOAT_KEEPING functions, each reading an input somewhere below it, over
+    inputs and float or int literals (ints exactly representable as floats, so none
+    overflows the conversion). A function of literals alone is evaluated to an array, no
+    longer a weak literal (div(1, 2) is float32 and would widen a float16 input)."""
+    reads_input = {}  # id(subtree) -> whether an input is below it
+    stack = [(tree, False)]
+    while stack:
+        t, ready = stack.pop()
+        if t[0] == "@":
+            reads_input[id(t)] = True
+        elif t[0] == "#":
+            if not (type(t[1]) is float or (type(t[1]) is int and abs(t[1]) <= 1 << 53)):
+                return False
+            reads_input[id(t)] = False
+        elif t[0] not in _FLOAT_KEEPING:
+            return False
+        elif ready:
+            if not any(reads_input[id(a)] for a in t[1:]):
+                return False
+            reads_input[id(t)] = True
+        else:
+            stack.append((t, True))
+            stack.extend((a, False) for a in t[1:])
+    return reads_input[id(tree)]
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pmx.compiler.canon import RULES, Context
 from pmx.compiler.ir import Node, Value
+from pmx.runtime import expr as E
 
 VARIANTS = ("numexpr", "numpy")
 TOL = 1e-5
@@ -459,3 +460,31 @@ def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
                 step()
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)
+
+
+_LITERALS = st.one_of(st.integers(-5, 5), st.sampled_from([2**53, 2**53 + 1, -(2**60), 10**30]),
+                      st.floats(-4, 4, width=32), st.sampled_from([math.inf, -math.inf, 0.5]), st.booleans())
+
+
+def _trees(num_inputs):
+    leaves = st.one_of(st.integers(0, num_inputs - 1).map(lambda i: ("@", i)), _LITERALS.map(lambda v: ("#", v)))
+    names = sorted(E.FUNCTIONS)
+    return st.recursive(leaves, lambda kids: st.sampled_from(names).flatmap(
+        lambda name: st.tuples(*[kids] * E.FUNCTIONS[name]).map(lambda args: (name, *args))), max_leaves=8)
+
+
+@given(data=st.data(), num_inputs=st.integers(1, 2),
+       dtypes=st.lists(st.sampled_from(["float16", "float32", "float64", "int64", "bool"]), min_size=2, max_size=2),
+       same=st.booleans())
+def test_result_dtype_without_evaluation_agrees_with_evaluation(data, num_inputs, dtypes, same):
+    """result_dtype answers float-keeping expressions over inputs of one float dtype
+    without evaluating them; the evaluation on samples (_result_dtype) is the oracle,
+    over random trees of every function, literal kind and dtype mix."""
+    tree = data.draw(_trees(num_inputs))
+    dtypes = [np.dtype(dtypes[0])] * num_inputs if same else [np.dtype(d) for d in dtypes[:num_inputs]]
+    try:
+        want = E._result_dtype(tree, tuple(dtypes))
+    except Exception:  # noqa: BLE001 - trees numpy refuses (logic on floats, overflowing ints)
+        assert not (dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and E._keeps_float_dtype(tree))
+        return
+    assert E.result_dtype(tree, dtypes) == want, (tree, dtypes)
