@@ -36,12 +36,14 @@ def ops(graph):
     return [n.op for n in graph.nodes]
 
 
-def check_with_and_without(check_model, exporter, name, module, inputs, pass_name):
-    """Both compiles match torch; returns (graph with the pass, graph without)."""
-    check_model(name, module, inputs)
-    check_model(name, module, inputs, disabled=[pass_name])
-    return (compiled(exporter, name, module, inputs),
-            compiled(exporter, name, module, inputs, disabled=[pass_name]))
+def check_with_and_without(check_model, exporter, name, module, inputs, pass_name, also_disabled=()):
+    """Both compiles match torch; returns (graph with the pass, graph without);
+    `also_disabled` passes are off in both."""
+    also = list(also_disabled)
+    check_model(name, module, inputs, disabled=also)
+    check_model(name, module, inputs, disabled=[pass_name] + also)
+    return (compiled(exporter, name, module, inputs, disabled=also),
+            compiled(exporter, name, module, inputs, disabled=[pass_name] + also))
 
 
 def make(cls):
@@ -98,7 +100,9 @@ class ConvBNSecondReader(nn.Module):
 def test_fuse_conv_batchnorm_fires(check_model, exporter):
     m = randomize_bn(make(ConvDropBN))
     x = _rand(2, 4, 6, 6)
-    with_, without = check_with_and_without(check_model, exporter, "passes_conv_drop_bn", m, x, "fuse_conv_batchnorm")
+    # batch_norm_as_elementwise off: the batch_norm nodes fuse_conv_batchnorm leaves stay countable
+    with_, without = check_with_and_without(check_model, exporter, "passes_conv_drop_bn", m, x, "fuse_conv_batchnorm",
+                                            also_disabled=["batch_norm_as_elementwise"])
     assert ops(without).count("batch_norm") == 4
     assert "batch_norm" not in ops(with_)
 
@@ -126,8 +130,42 @@ def test_fuse_conv_batchnorm_folds_in_float64():
 def test_fuse_conv_batchnorm_not_with_second_reader(check_model, exporter):
     m = randomize_bn(make(ConvBNSecondReader))
     inputs = (_rand(1, 3, 7, 7)[0], _rand(2, 3, 4, seed=1)[0])
-    g, _ = check_with_and_without(check_model, exporter, "passes_conv_bn_second_reader", m, inputs, "fuse_conv_batchnorm")
+    g, _ = check_with_and_without(check_model, exporter, "passes_conv_bn_second_reader", m, inputs, "fuse_conv_batchnorm",
+                                  also_disabled=["batch_norm_as_elementwise"])
     assert ops(g).count("batch_norm") == 2
+
+
+# --- batch_norm_as_elementwise -----------------------------------------------------------
+
+
+class PreActBN(nn.Module):
+    """DenseNet's BN -> ReLU -> conv on a concat (no conv before the BN to fold into), and
+    BatchNorm1d on rank 2 and rank 3 inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(7)
+        self.c1 = nn.Conv2d(7, 5, 1)
+        self.bn2 = nn.BatchNorm1d(5)
+        self.bn3 = nn.BatchNorm1d(3)
+
+    def forward(self, x, s):
+        y = self.c1(F.relu(self.bn(torch.cat([x, self.c0(x)], 1))))
+        return self.bn2(y.mean((2, 3))), self.bn3(s)
+
+
+def test_batch_norm_as_elementwise_fuses_with_relu(check_model, exporter):
+    m = randomize_bn(make(PreActBN))
+    inputs = (_rand(2, 3, 6, 6)[0], _rand(2, 3, 4, seed=1)[0])
+    with_, without = check_with_and_without(check_model, exporter, "passes_preact_bn", m, inputs,
+                                            "batch_norm_as_elementwise")
+    assert ops(without).count("batch_norm") == 3
+    assert "batch_norm" not in ops(with_)
+    exprs = [n.expr for n in with_.nodes if n.op == "elementwise"]
+    # the 2-d BN and its ReLU are one node; the BN1d nodes are affine expressions
+    assert any("maximum" in e and "mul" in e and "add" in e for e in exprs), exprs
+    assert sum("mul" in e and "add" in e for e in exprs) == 3, exprs
 
 
 # --- fuse_activation -------------------------------------------------------------------

@@ -4,6 +4,7 @@ every pass and a failure names the pass."""
 
 from pmx.compiler.passes.alias_concat import alias_concat
 from pmx.compiler.passes.alias_views import alias_views
+from pmx.compiler.passes.batch_norm_as_elementwise import batch_norm_as_elementwise
 from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
@@ -38,6 +39,9 @@ PIPELINE = [
     # Before fuse_elementwise, so a GEMM's activation goes into its epilogue (in cache)
     # rather than into a separate elementwise region that re-reads the output.
     ("fuse_activation", fuse_activation),
+    # A batch_norm no conv absorbed becomes an expression fuse_elementwise can merge
+    # with its neighbours (DenseNet's BN -> ReLU).
+    ("batch_norm_as_elementwise", batch_norm_as_elementwise),
     # Merges what is left of elementwise chains into one expression per region.
     ("fuse_elementwise", fuse_elementwise),
     # Per-node kernel choice; after fusion so it sees the final expressions.
@@ -67,6 +71,7 @@ PIPELINE = [
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
+            "batch_norm_as_elementwise",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
