@@ -478,14 +478,20 @@ def compile_numpy(tree, inputs, out):
     if special is not None:
         return special
     tree = _desugared(tree)
+    final_into_out = not _needs_temp(tree, inputs, out)
+    # out may hold temporaries when no input can overlap it (may_share_memory: a bounds
+    # check, conservative)
+    out_free = final_into_out and not any(np.may_share_memory(out, x) for x in inputs if isinstance(x, np.ndarray))
     program, slot_shapes, slot_of, result = _numpy_plan(
         tree, tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
-        not _needs_temp(tree, inputs, out))
+        final_into_out, out.shape if out_free else None)
     slots = [np.empty(shape, dtype) for shape, dtype in slot_shapes]
 
     def array(ref):
         kind, v = ref
-        return out if kind == "out" else inputs[v] if kind == "in" else v if kind == "lit" else slots[slot_of[v]]
+        if kind == "tmp":
+            return out if slot_of[v] == OUT_SLOT else slots[slot_of[v]]
+        return out if kind == "out" else inputs[v] if kind == "in" else v
 
     steps = []
     for t, operands, target, bounds in program:
@@ -517,13 +523,16 @@ def _desugared(tree):
 
 
 @functools.lru_cache(maxsize=1024)
-def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out):
+def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out, free_out_shape=None):
     """The part of compile_numpy that depends on shapes and dtypes, not on the arrays:
     (program, temporary buffer slots as (shape, dtype), slot of each temporary, result
     ref). Memoized: a model binds the same activation for every conv and every split
     part of it (SiLU after each of EfficientNet-B0's 81 convs), and planning it cost
     about half of binding that model. The program's literal operands are read-only
-    arrays shared by the callables built from it."""
+    arrays shared by the callables built from it. free_out_shape (out's shape, when no
+    input overlaps out) lets a temporary of out's shape and dtype live in out itself
+    (slot OUT_SLOT) while out is not yet written: an affine + ReLU chain then runs in
+    out with no temporary (DenseNet-121's 62 BN + ReLU nodes had held 38 MB of them)."""
     float_dtype = out_dtype if out_dtype.kind in "fc" else None
     program = []  # (tree, operand refs, target ref, clip bounds or None)
     temps = []  # (shape, dtype) per temporary
@@ -558,7 +567,11 @@ def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out):
         return target
 
     result = emit(tree, final=final_into_out)
-    slot_shapes, slot_of = _buffer_slots(program, temps)
+    out_key = None
+    if free_out_shape is not None and program and _in_place_safe(program[-1]):
+        # the last step reads a temporary in out and writes out: safe element by element
+        out_key = _key((free_out_shape, out_dtype))
+    slot_shapes, slot_of = _buffer_slots(program, temps, out_key)
     return program, slot_shapes, slot_of, result
 
 
@@ -655,19 +668,33 @@ def _gelu_table_step(x, out):
     return run
 
 
-def _buffer_slots(program, temps):
+# slot_of value of a temporary kept in the output array itself
+OUT_SLOT = -1
+
+
+def _in_place_safe(step):
+    """A ufunc or clip step may write where an operand it reads lies."""
+    t, _, _, bounds = step
+    return bounds is not None or isinstance(NUMPY_FUNCS[t[0]], np.ufunc)
+
+
+def _buffer_slots(program, temps, out_key=None):
     """(slots as (shape, dtype), slot of each temporary): temporaries whose lifetimes do
-    not overlap share a slot."""
+    not overlap share a slot; with out_key, out is one more slot (OUT_SLOT) for
+    temporaries of that shape and dtype."""
     last_read = {}
     for k, (_, operands, _, _) in enumerate(program):
         for kind, v in operands:
             if kind == "tmp":
                 last_read[v] = k
     free, slot_of, dying, slots = {}, {}, {}, []
-    for k, (t, operands, target, bounds) in enumerate(program):
+    if out_key is not None:
+        free[out_key] = [OUT_SLOT]
+    for k, step in enumerate(program):
+        t, operands, target, bounds = step
         for v in dying.pop(k - 1, ()):  # read for the last time by an earlier step
             free.setdefault(_key(temps[v]), []).append(slot_of[v])
-        if bounds is not None or isinstance(NUMPY_FUNCS[t[0]], np.ufunc):  # in place is safe
+        if _in_place_safe(step):
             for v in dying.pop(k, ()):  # read for the last time by this step
                 free.setdefault(_key(temps[v]), []).append(slot_of[v])
         kind, v = target

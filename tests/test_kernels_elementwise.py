@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import rel_error, run_kernel
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pmx.compiler.canon import RULES, Context
@@ -414,13 +414,16 @@ def test_special_forms_elementwise_accuracy(op, kind, fn, layout, seed, scale):
     ("mul(@0,sigmoid(@0))", lambda x: x / (1 + np.exp(-x))),
     ("mul(@0,div(minimum(maximum(add(@0,3),0),6),6))", lambda x: x * np.clip(x + 3, 0, 6) / 6),
 ])
-def test_numpy_backend_writes_dying_operands_in_place(monkeypatch, expr, want):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_numpy_backend_writes_dying_operands_in_place(monkeypatch, expr, want, in_place):
     """A chain of ufunc steps over one tensor needs one temporary: each step may write
-    into the buffer of the operand it reads for the last time."""
+    into the buffer of the operand it reads for the last time. With an output that no
+    input overlaps it needs none: the chain runs in the output itself."""
     from pmx.runtime import expr as E
 
     x = np.linspace(-8, 8, 1001, dtype=np.float32)
-    out = np.empty_like(x)
+    x64 = x.astype(np.float64)
+    out = x if in_place else np.empty_like(x)
     made, empty = [], np.empty
     monkeypatch.setattr(np, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
     run = E.compile_numpy(E.parse(expr, 1), [x], out)
@@ -429,8 +432,63 @@ def test_numpy_backend_writes_dying_operands_in_place(monkeypatch, expr, want):
     # the backend's temporaries: np.empty(shape, dtype) of x's shape and dtype
     temporaries = [a for a in made if len(a) == 2 and tuple(np.atleast_1d(a[0])) == x.shape
                    and np.dtype(a[1]) == x.dtype]
-    assert len(temporaries) == 1, f"{expr}: {len(temporaries)} temporaries"
-    np.testing.assert_allclose(out, want(x.astype(np.float64)), rtol=1e-6, atol=1e-7)
+    assert len(temporaries) == (1 if in_place else 0), f"{expr}: {len(temporaries)} temporaries"
+    np.testing.assert_allclose(out, want(x64), rtol=1e-6, atol=1e-7)
+
+
+def test_a_custom_last_step_reads_no_temporary_from_the_output():
+    """where, a custom step, writes its output before it has read both branches: a
+    branch kept in the output would be overwritten, so the output holds temporaries only
+    when the last step is a ufunc or clip."""
+    from pmx.runtime import expr as E
+
+    x = np.linspace(-3, 3, 61, dtype=np.float32)
+    out = np.empty_like(x)
+    E.compile_numpy(E.parse("where(gt(@0,0),exp(@0),neg(@0))", 1), [x], out)()
+    np.testing.assert_allclose(out, np.where(x > 0, np.exp(x), -x), rtol=1e-6)
+
+
+_FLOAT_FUNCTIONS = ["add", "sub", "mul", "div", "maximum", "minimum", "exp", "neg", "abs", "tanh", "sigmoid", "square"]
+
+
+def _float_trees(num_inputs):
+    """Float-keeping expressions over every input, several reading it in separate
+    branches (what needs two temporaries at once)."""
+    leaves = st.one_of(st.integers(0, num_inputs - 1).map(lambda i: ("@", i)),
+                       st.sampled_from([0.5, -2.0, 3.0]).map(lambda v: ("#", v)))
+    return st.recursive(leaves, lambda kids: st.sampled_from(_FLOAT_FUNCTIONS).flatmap(
+        lambda name: st.tuples(*[kids] * E.FUNCTIONS[name]).map(lambda args: (name, *args))),
+        max_leaves=10).filter(lambda t: t[0] not in ("@", "#"))
+
+
+@settings(deadline=None)
+@given(data=st.data(), shapes=st.sampled_from([[(3, 4, 5)], [(3, 4, 5), (3, 4, 5)], [(3, 4, 5), (4, 1)],
+                                               [(4, 1), (3, 4, 5)], [(1, 5), (3, 1, 1)]]))
+def test_temporaries_in_the_output_compute_what_separate_buffers_compute(data, shapes):
+    """Random float32 expressions, the output free to hold temporaries or not (as if an
+    input overlapped it): the same bits, and no step ever reads an output element a
+    previous step overwrote before its time (the broadcast shapes make the output larger
+    than some operands)."""
+    from pmx.runtime import expr as E
+
+    tree = data.draw(_float_trees(len(shapes)))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    inputs = [np.asarray(rng.standard_normal(s) * 3, np.float32) for s in shapes]
+    try:
+        dtype = E.result_dtype(tree, [x.dtype for x in inputs])
+    except Exception:  # noqa: BLE001 - trees numpy refuses
+        return
+    out_shape = np.broadcast_shapes(*shapes)
+    results = []
+    for free in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if not free:
+                mp.setattr(np, "may_share_memory", lambda *a, **k: True)
+            out = np.full(out_shape, np.nan, dtype)
+            with np.errstate(all="ignore"):
+                E.compile_numpy(tree, inputs, out)()
+        results.append(out)
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
@@ -441,9 +499,12 @@ def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
     from pmx.runtime import expr as E
 
     rng = np.random.default_rng(0)
-    xs = [np.asarray(rng.standard_normal((64, 100)) * 4, np.float32) for _ in range(2)]
-    outs = [np.empty_like(x) for x in xs]
-    tree = E.parse("mul(@0,sigmoid(@0))", 1)  # SiLU: four steps through one temporary
+    originals = [np.asarray(rng.standard_normal((64, 100)) * 4, np.float32) for _ in range(2)]
+    # in place (out is the input, as write_inplace makes it): SiLU's four steps then need
+    # one temporary
+    xs = [x.copy() for x in originals]
+    outs = xs
+    tree = E.parse("mul(@0,sigmoid(@0))", 1)
     E._numpy_plan.cache_clear()
     made, empty = [], np.empty
     monkeypatch.setattr(np, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
@@ -458,7 +519,7 @@ def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
         for pair in zip(*steps):
             for step in pair:
                 step()
-    for x, out in zip(xs, outs):
+    for x, out in zip(originals, outs):
         np.testing.assert_allclose(out, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)
 
 
