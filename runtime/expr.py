@@ -465,7 +465,7 @@ def _result_dtype(tree, input_dtypes):
     return np.asarray(out).dtype
 
 
-def compile_numpy(tree, inputs, out):
+def compile_numpy(tree, inputs, out, empty=None):
     """Return a zero-argument callable evaluating `tree` over `inputs` into `out` with numpy
     ufuncs. Temporaries are allocated once here, never on the hot path; equal subtrees
     are computed once; a temporary whose last reader has run is reused by later steps of
@@ -473,7 +473,9 @@ def compile_numpy(tree, inputs, out):
     of temporaries without reuse, 4 buffers with it). A ufunc or clip step may write
     into the buffer of an operand it reads for the last time (same shape and dtype:
     elementwise, so in place is safe; SiLU's four steps need one buffer, not two);
-    custom steps such as where are not in-place safe and never do."""
+    custom steps such as where are not in-place safe and never do. `empty(shape, dtype)`
+    makes the temporaries (default np.empty; kernels pass kernels.temporary_array, whose
+    buffers the nodes of a binding share)."""
     special = _special_numpy_step(tree, inputs, out)
     if special is not None:
         return special
@@ -485,7 +487,7 @@ def compile_numpy(tree, inputs, out):
     program, slot_shapes, slot_of, result = _numpy_plan(
         tree, tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
         final_into_out, out.shape if out_free else None)
-    slots = [np.empty(shape, dtype) for shape, dtype in slot_shapes]
+    slots = [(empty or np.empty)(shape, dtype) for shape, dtype in slot_shapes]
 
     def array(ref):
         kind, v = ref

@@ -70,9 +70,10 @@ class _Binding:
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
         self.scratch = _aligned_empty(scratch_size)
         persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
+        temporaries = []  # kernels.temporary_array: expression temporaries shared by all nodes
         for node, (ins, outs) in zip(model.nodes, operands):
             try:
-                with kernels.scratch_scope(self.scratch, persistent):
+                with kernels.scratch_scope(self.scratch, persistent, temporaries):
                     fn = kernels.get(node.op).make(node, ins, outs)
             except PmxError:
                 raise

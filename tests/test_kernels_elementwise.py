@@ -549,3 +549,28 @@ def test_result_dtype_without_evaluation_agrees_with_evaluation(data, num_inputs
         assert not (dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and E._keeps_float_dtype(tree))
         return
     assert E.result_dtype(tree, dtypes) == want, (tree, dtypes)
+
+
+def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
+    """Inside a binding (a scratch scope with a pool), an expression's temporaries come
+    from kernels.temporary_array: the k-th request of every node gets the pool's k-th
+    buffer, so nodes share them while the split parts of one node, which run at the
+    same time, each get their own. Both nodes still compute SiLU exactly."""
+    from pmx.runtime import kernels
+    from pmx.runtime.kernels.common import split_expression
+
+    rng = np.random.default_rng(0)
+    tree = E.parse("mul(@0,sigmoid(@0))", 1)  # in place: one temporary per part
+    originals = [np.asarray(rng.standard_normal((512, 1024)) * 4, np.float32) for _ in range(2)]
+    xs = [x.copy() for x in originals]
+    pool, runs = [], []
+    for x in xs:  # two nodes, bound one after the other
+        with kernels.scratch_scope(np.empty(0, np.uint8), {}, pool):
+            runs.append(split_expression(tree, [x], x, threads=2))
+    assert len(pool) == 2, f"{len(pool)} pooled temporaries for two nodes of two parts each"
+    assert not np.shares_memory(pool[0], pool[1])
+    with np.errstate(over="ignore"):
+        for run in runs:
+            run()
+    for x, out in zip(originals, xs):
+        np.testing.assert_allclose(out, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)

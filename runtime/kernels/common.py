@@ -8,7 +8,7 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
-from pmx.runtime.kernels import persistent_buffer
+from pmx.runtime.kernels import persistent_buffer, temporary_array
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -53,7 +53,8 @@ def split_expression(tree, inputs, out, threads, backend=None):
     expression over slices of out and of every input not broadcast along that axis
     (numpy's ufuncs and numexpr release the GIL, so slabs overlap; numexpr itself runs
     on one thread inside runs, see parallel.running)."""
-    backend = backend or E.compile_numpy
+    # numpy's temporaries come from the binding's shared pool (kernels.temporary_array)
+    backend = backend or functools.partial(E.compile_numpy, empty=temporary_array)
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None or not parallel.worth_splitting(out.size):
         return backend(tree, inputs, out)
