@@ -234,6 +234,24 @@ def test_overlapping_fields_read_like_the_generated_code(files):
     assert_same(model, reference(header))
     assert all(t.data_size == t.data_offset for t in model.tensors)
     assert any(t.data_offset > 0 for t in model.tensors)
+    # the same in a table type a header holds many of (a reader per vtable, built with
+    # one struct unless fields overlap): pass statistics, nodes_after read from
+    # nodes_before's bytes
+    data = bytearray(files["cnn"])
+    pre, header = header_of(bytes(data))
+    m = fb.Model.GetRootAs(header, 0)
+    assert m.PassStatsLength() > 1
+    vt = ff.PREAMBLE_SIZE + _table_vtable(header, m.PassStats(0)._tab.Pos)
+    slot_of = {name: load._PASS_STAT.fields[getattr(load._PASS_STAT, name)].slot
+               for name in ("nodes_before", "nodes_after")}
+    entry = struct.unpack_from("<H", data, vt + slot_of["nodes_before"])[0]
+    struct.pack_into("<H", data, vt + slot_of["nodes_after"], entry)
+    data = bytes(data)
+    pre, header = header_of(data)
+    load._READERS.clear()
+    model = load._read_header("x.pmx", header, pre, len(data))
+    assert_same(model, reference(header))
+    assert any(before == after for _, before, after in model.pass_stats)
 
 
 # --- damaged headers: the reader's errors name the field ------------------------------
