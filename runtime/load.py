@@ -621,15 +621,22 @@ def _sparse(path, what, n, indices, ranks, values):
     return out
 
 
+def _read_columns(r, layout, pos, what, counted_by, per_row):
+    """A table of columns (schema/pmx.fbs): (names, {column: values}, rows). The rows
+    are counted by column `counted_by`; the `per_row` columns must hold one entry per
+    row, and the names are cut from one string at the name_ends column."""
+    t = r.tables(layout, [pos], f"{what}s")
+    [text] = r.strings(t, layout.names, f"{what} names")
+    c = {name: r.column(t, k, f"{what} {name}") for name, k in vars(layout).items() if name not in ("fields", "names")}
+    n = len(c[counted_by])
+    _same_lengths(r.path, f"{what}s", n, {k: c[k] for k in per_row})
+    return _split(r.path, f"{what} names", text, c["name_ends"]), c, n
+
+
 def _read_tensors(r, pos):
-    path, T = r.path, _TENSORS
-    t = r.tables(T, [pos], "tensors")
-    [text] = r.strings(t, T.names, "tensor names")
-    c = {name: r.column(t, k, f"tensor {name}") for name, k in vars(T).items() if name not in ("fields", "names")}
-    n = len(c["kinds"])
-    _same_lengths(path, "tensors", n, {k: c[k] for k in ("name_ends", "dtypes", "ranks", "data_offsets",
-                                                         "data_sizes", "arena_offsets", "alias_of", "alias_offsets")})
-    names = _split(path, "tensor names", text, c["name_ends"])
+    path = r.path
+    names, c, n = _read_columns(r, _TENSORS, pos, "tensor", "kinds", (
+        "name_ends", "dtypes", "ranks", "data_offsets", "data_sizes", "arena_offsets", "alias_of", "alias_offsets"))
     ranks = c["ranks"]
     if max(ranks, default=0) > MAX_RANK:
         i = next(i for i, k in enumerate(ranks) if k > MAX_RANK)
@@ -654,14 +661,9 @@ def _read_tensors(r, pos):
 
 
 def _read_nodes(r, pos, strings, attr_sets):
-    path, N = r.path, _NODES
-    t = r.tables(N, [pos], "nodes")
-    [text] = r.strings(t, N.names, "node names")
-    c = {name: r.column(t, k, f"node {name}") for name, k in vars(N).items() if name not in ("fields", "names")}
-    n = len(c["ops"])
-    _same_lengths(path, "nodes", n, {k: c[k] for k in ("name_ends", "input_ends", "output_ends", "attr_sets",
-                                                       "exprs", "variants")})
-    names = _split(path, "node names", text, c["name_ends"])
+    path = r.path
+    names, c, _ = _read_columns(r, _NODES, pos, "node", "ops", (
+        "name_ends", "input_ends", "output_ends", "attr_sets", "exprs", "variants"))
     inputs = _split(path, "node inputs", c["inputs"], c["input_ends"])
     outputs = _split(path, "node outputs", c["outputs"], c["output_ends"])
     picked = []
