@@ -75,14 +75,16 @@ class _SharedParts:
         return off
 
     def attr(self, name, value):
-        # the key is what is stored, so 1, 1.0 and True stay apart (their kinds differ)
-        kind, ints, floats, strings = fields = _attr_fields(name, value)
-        key = (name, kind, None if ints is None else np.array(ints, np.int64).tobytes(),
-               None if floats is None else np.array(floats, np.float64).tobytes(),
-               None if strings is None else tuple(strings))
+        """The attribute table storing name=value, written once. Its parts are written
+        first, each once, so equal offsets mean equal stored values and the table is
+        keyed on them: 1, 1.0 and True differ in kind or vector, -0.0 and 0.0 in bytes."""
+        kind, ints, floats, strings = _attr_fields(name, value)
+        key = (self.string(name), kind, None if ints is None else self.numbers(ints, np.int64),
+               None if floats is None else self.numbers(floats, np.float64),
+               None if strings is None else tuple(self.string(s) for s in strings))
         off = self._attrs.get(key)
         if off is None:
-            off = self._attrs[key] = _attr(self, name, *fields)
+            off = self._attrs[key] = _attr(self.b, *key)
         return off
 
     def attr_set(self, attrs):
@@ -98,12 +100,8 @@ class _SharedParts:
         return i
 
 
-def _attr(shared, name, kind, ints, floats, strings):
-    builder = shared.b
-    name_off = shared.string(name)
-    str_offs = [shared.string(s) for s in strings] if strings is not None else None
-    ints_off = shared.numbers(ints, np.int64) if ints is not None else None
-    floats_off = shared.numbers(floats, np.float64) if floats is not None else None
+def _attr(builder, name_off, kind, ints_off, floats_off, str_offs):
+    """An Attr table from offsets already written (None: that vector is absent)."""
     strings_off = _string_vector(builder, fb.AttrStartStringsVector, str_offs) if str_offs is not None else None
     fb.AttrStart(builder)
     fb.AttrAddName(builder, name_off)

@@ -426,15 +426,15 @@ class _Reader:
 
     def tables(self, layout, positions, what):
         raw = self.raw
-        vtables = self.vtables.get(layout)
-        if vtables is None:
-            vtables = self.vtables[layout] = _Vtables(self, layout, what)
         try:
             # a table's vtable sits at its position minus the soffset stored there
             if len(positions) == 1:
                 pos = positions[0]
                 rows = [_read_one(raw, layout, pos, _field_offsets(raw, layout, pos - _SOFFSET(raw, pos)[0], what))]
             else:
+                vtables = self.vtables.get(layout)
+                if vtables is None:
+                    vtables = self.vtables[layout] = _Vtables(self, layout, what)
                 rows = [vtables[pos - _SOFFSET(raw, pos)[0]](raw, pos) for pos in positions]
         except struct.error as e:
             raise IndexError(f"{what} tables: {e}") from None
@@ -580,13 +580,11 @@ def _read_header(path, header, pre, size) -> Model:
     stats = list(zip(r.strings(s, _PASS_STAT.name, "pass names"), s.columns[_PASS_STAT.nodes_before],
                      s.columns[_PASS_STAT.nodes_after]))
     [producer], [source] = r.strings(m, M.producer, "producer"), r.strings(m, M.source, "source")
-    tables = {}
-    for k, what in ((M.tensors, "tensors"), (M.nodes, "nodes")):
-        tables[what] = r.subtable(m, k)
-        if tables[what] is None:
-            _fail(path, f"the header has no {what} table")
-    tensors = _read_tensors(r, tables["tensors"])
-    nodes = _read_nodes(r, tables["nodes"], r.strings_at(strings, "model strings"), _read_attr_sets(r, attr_sets))
+    tensors_at, nodes_at = r.subtable(m, M.tensors), r.subtable(m, M.nodes)
+    if tensors_at is None or nodes_at is None:
+        _fail(path, f"the header has no {'tensors' if tensors_at is None else 'nodes'} table")
+    tensors = _read_tensors(r, tensors_at)
+    nodes = _read_nodes(r, nodes_at, r.strings_at(strings, "model strings"), _read_attr_sets(r, attr_sets))
     return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), m.columns[M.arena_size][0], {},
                  stats, producer, source, size, pre)
 
@@ -754,6 +752,11 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
 _CLAMP = 1 << 61
 
 
+def _tensor_label(i, t):
+    """How messages name tensor i (built only on failure, like _label for nodes)."""
+    return f"tensor {i} ({t.name[:40]!r})"
+
+
 def _check_tensors(model, data_size, max_arena_bytes):
     """Kind, shape, size, and where each tensor's bytes are (data section, arena range or
     alias target). Returns each tensor's byte count. (Plain Python: on the few hundred
@@ -761,41 +764,38 @@ def _check_tensors(model, data_size, max_arena_bytes):
     pays tens of microseconds for the first use of each numpy operation.)"""
     path, tensors, n = model.path, model.tensors, len(model.tensors)
 
-    def where(i):
-        return f"tensor {i} ({tensors[i].name[:40]!r})"
-
     limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
     prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), fb.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
     nbytes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
     for i, (t, size) in enumerate(zip(tensors, nbytes)):
         if t.kind not in kinds:
-            _fail(path, f"{where(i)} has kind {t.kind}, not one of {list(_KINDS)}")
+            _fail(path, f"{_tensor_label(i, t)} has kind {t.kind}, not one of {list(_KINDS)}")
         shape, bound = t.shape, size
         if shape and min(shape) <= 0:
             if min(shape) < 0:
-                _fail(path, f"{where(i)} has shape {shape}: dims must be non-negative")
+                _fail(path, f"{_tensor_label(i, t)} has shape {shape}: dims must be non-negative")
             # Zero dims count as 1 (kernels may loop over the other dims of an empty
             # tensor) and views count in full (a stride-0 view of 4 bytes can have 2**40
             # elements): the bound is on work, not only on bytes.
             bound = prod(max(d, 1) for d in shape) * t.dtype.itemsize
         if bound > limit:
-            raise PmxResourceError(f"{path}: {where(i)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
+            raise PmxResourceError(f"{path}: {_tensor_label(i, t)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
     # Python ints do not overflow: offsets and sizes are compared as read.
     for i, (t, size) in enumerate(zip(tensors, nbytes)):
         if t.kind == constant:
             if t.alias_of != -1 or t.alias_strides is not None:
-                _fail(path, f"{where(i)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
+                _fail(path, f"{_tensor_label(i, t)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
             if t.data_size != size:
-                _fail(path, f"{where(i)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
+                _fail(path, f"{_tensor_label(i, t)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
             if t.data_offset % align or t.data_offset + size > data_size:
-                _fail(path, f"{where(i)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned")
+                _fail(path, f"{_tensor_label(i, t)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned")
         elif t.alias_of == -1:
             if t.alias_strides is not None:
-                _fail(path, f"{where(i)} has alias_strides {t.alias_strides} but aliases nothing")
+                _fail(path, f"{_tensor_label(i, t)} has alias_strides {t.alias_strides} but aliases nothing")
             if t.arena_offset % align or t.arena_offset + size > arena_size:
-                _fail(path, f"{where(i)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned")
+                _fail(path, f"{_tensor_label(i, t)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned")
         elif not 0 <= t.alias_of < n:
-            _fail(path, f"{where(i)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
+            _fail(path, f"{_tensor_label(i, t)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
     return nbytes
 
 
@@ -810,12 +810,12 @@ def _resolve_aliases(model):
         j = i
         while roots[j] is None:
             if j in on_chain:
-                _fail(path, f"tensor {i} ({tensors[i].name[:40]!r}): alias chain loops at tensor {j}")
+                _fail(path, f"{_tensor_label(i, tensors[i])}: alias chain loops at tensor {j}")
             on_chain.add(j)
             chain.append(j)
             j = tensors[j].alias_of
         if tensors[j].kind == fb.TensorKind.Constant:
-            _fail(path, f"tensor {chain[-1]} ({tensors[chain[-1]].name[:40]!r}) aliases constant tensor {j}; views of constants are not stored")
+            _fail(path, f"{_tensor_label(chain[-1], tensors[chain[-1]])} aliases constant tensor {j}; views of constants are not stored")
         root, offset = roots[j]
         for k in reversed(chain):
             offset += tensors[k].alias_offset
@@ -823,40 +823,26 @@ def _resolve_aliases(model):
     return roots
 
 
-class _TensorLabel:
-    """How messages name tensor i, formatted only on failure (formatting it for each
-    view cost more than the check)."""
-
-    __slots__ = ("i", "t")
-
-    def __init__(self, i, t):
-        self.i, self.t = i, t
-
-    def __format__(self, spec):
-        return f"tensor {self.i} ({self.t.name[:40]!r})"
-
-
 def _check_alias_extent(model, i, t, nbytes):
     """The bytes a view can touch must lie inside its root's arena range."""
     path = model.path
     root, offset = model.roots[i]
     root_bytes = nbytes[root]
-    where = _TensorLabel(i, t)
     if 0 in t.shape:
         lo, hi = 0, 0
     elif t.alias_strides is not None:
         if len(t.alias_strides) != len(t.shape):
-            _fail(path, f"{where}: {len(t.alias_strides)} alias strides for rank {len(t.shape)}")
+            _fail(path, f"{_tensor_label(i, t)}: {len(t.alias_strides)} alias strides for rank {len(t.shape)}")
         lo = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s < 0)
         hi = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s > 0) + t.dtype.itemsize
     else:
         lo, hi = 0, nbytes[i]
     if offset + lo < 0 or offset + hi > root_bytes:
-        _fail(path, f"{where}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})")
+        _fail(path, f"{_tensor_label(i, t)}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})")
     target = model.tensors[t.alias_of]
     if target.alias_strides is None and t.alias_offset + hi > nbytes[t.alias_of]:
         # inside the arena, but reaching past the tensor it claims to view
-        _fail(path, f"{where}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes")
+        _fail(path, f"{_tensor_label(i, t)}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes")
 
 
 def _check_io(model):
@@ -979,7 +965,7 @@ def check_shape_rules(model):
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
     shape_of = [t.shape for t in tensors]
     seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
-    attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes share attribute dicts (_read_node_attrs)
+    attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes of one attribute set share its dict
 
     def exact_key(node):
         attrs = node.attrs
