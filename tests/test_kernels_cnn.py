@@ -532,3 +532,59 @@ def test_max_pool_phase_paths(case, two_threads):
     attrs = dict(kernel=k, stride=s, pads=p + p, dilation=d, ceil_mode=ceil)
     (got,) = run_kernel("max_pool", [x], attrs)
     np.testing.assert_array_equal(got, _np(want))
+
+
+# (input spatial, kernel, stride, dilation, pads): stride 1 along the rows and zero-type
+# padding, off the flat depthwise path; asymmetric row pads both ways, pads beyond what
+# the kernel reaches (rows then as long as the output's), a dilated row, 1-d and 3-d.
+SHARED_PADDING_CASES = [
+    ((6, 7), (3, 3), (1, 1), (1, 1), (1, 1, 1, 0)),
+    ((6, 7), (3, 3), (1, 1), (1, 1), (0, 2, 2, 1)),
+    ((7, 7), (5, 5), (1, 1), (1, 1), (2, 2, 2, 2)),
+    ((5, 9), (3, 5), (2, 1), (1, 1), (1, 3, 0, 1)),
+    ((4, 6), (1, 2), (1, 1), (1, 1), (0, 3, 1, 3)),
+    ((5, 8), (2, 3), (1, 1), (1, 2), (1, 0, 0, 3)),
+    ((9,), (5,), (1,), (1,), (3, 1)),
+    ((4, 5, 6), (3, 3, 3), (1, 2, 1), (1, 1, 1), (1, 0, 1, 1, 2, 0)),
+]
+
+
+@pytest.mark.parametrize("size, k, stride, dilation, pads", SHARED_PADDING_CASES)
+def test_phase_rows_share_padding(size, k, stride, dilation, pads):
+    """With stride 1 along the rows and zero (or lowest-value) padding, consecutive rows of
+    the phase layout share their padding columns (common.Phases, shared_padding): each row
+    holds the input row plus max(left, right) padding, or the output's width if that is
+    more. Depthwise convs (zeros) and max pools (lowest value) against torch, with the
+    padding written out by F.pad; a reflect-padded conv keeps full rows."""
+    from pmx.runtime.kernels import conv, pool
+    from pmx.runtime.kernels.common import Phases
+
+    nd = len(size)
+    x = signed_input((2, 3) + size, 7)
+    w = signed_input((3, 1) + k, 8)
+    pad = []
+    for i in reversed(range(nd)):
+        pad += [pads[i], pads[nd + i]]
+    attrs = dict(stride=stride, pads=pads, dilation=dilation, groups=3, padding_mode="zeros")
+    (got,) = run_kernel("conv", [x, w], attrs, variant="depthwise")
+    xt = torch.from_numpy(x)
+    fn = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    want = fn(F.pad(xt, pad), torch.from_numpy(w), None, stride, 0, dilation, 3)
+    assert_close(got, want)
+    g = conv._depthwise_geometry(x, w, got, attrs)
+    row = max(size[-1] + max(pads[nd - 1], pads[-1]), got.shape[-1])
+    assert isinstance(g, Phases) and g.rows[-1] == row
+
+    pool_attrs = dict(kernel=k, stride=stride, pads=pads, dilation=dilation, ceil_mode=False)
+    (got,) = run_kernel("max_pool", [x], pool_attrs)
+    max_pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
+    want = max_pool(F.pad(xt, pad, value=-np.inf), k, stride, 0, dilation)
+    np.testing.assert_array_equal(got, _np(want))
+    assert pool._max_pool_phases(x, got, pool_attrs).rows[-1] == row
+
+    if nd == 2 and max(pads) < min(size):
+        reflect = dict(attrs, padding_mode="reflect")
+        (got,) = run_kernel("conv", [x, w], reflect, variant="depthwise")
+        want = F.conv2d(F.pad(xt, pad, mode="reflect"), torch.from_numpy(w), None, stride, 0, dilation, 3)
+        assert_close(got, want)
+        assert conv._depthwise_geometry(x, w, got, reflect).rows[-1] == size[-1] + pads[1] + pads[3]

@@ -260,15 +260,24 @@ class Phases:
     tap, at phase rows d/gcd(s, d) apart), so one strided view copies a whole grid's
     columns: `grids` holds (first buffer offset, buffer step per dim, first tap per dim,
     tap step per dim, taps per dim) for each.
+    With `shared_padding` (the padding is one constant, as zeros or max pooling's lowest
+    value) and stride 1 along the last dim, consecutive rows share their padding columns:
+    a row is the input row plus max(left, right) padding, not both, since a tap reading
+    past a row's end reads the next row's left padding, and one reading before its start
+    the previous row's right padding (the wide output must still fit: rows at least as
+    long as the output's). 5x5 "same" convs read 18% fewer columns at 7x7, 11% at 14x14.
     Built once per shape by `phases` (scratch sizing and make() both ask)."""
 
-    def __init__(self, x_shape, kernel, out_shape, stride, dilation, pads):
+    def __init__(self, x_shape, kernel, out_shape, stride, dilation, pads, shared_padding=False):
         nd = len(kernel)
         self.n, self.c = x_shape[:2]
         self.k = tuple(kernel)
         self.stride, self.dilation, self.pads = stride, dilation, pads
         self.in_spatial, self.out_spatial = tuple(x_shape[2:]), tuple(out_shape[2:])
         self.padded = tuple(self.in_spatial[i] + pads[i] + pads[nd + i] for i in range(nd))
+        if shared_padding and stride[-1] == 1:
+            row = max(self.in_spatial[-1] + max(pads[nd - 1], pads[-1]), self.out_spatial[-1])
+            self.padded = self.padded[:-1] + (row,)
         self.rows = tuple(-(-self.padded[i] // stride[i]) for i in range(nd))  # per phase
         self.phase_size = math.prod(self.rows)
         row_strides = tuple(math.prod(self.rows[i + 1:]) for i in range(nd))
@@ -305,14 +314,14 @@ def _tap_runs(k, s, d):
 
 
 @functools.lru_cache(maxsize=256)
-def _phases_cached(x_shape, kernel, out_shape, stride, dilation, pads):
-    return Phases(x_shape, kernel, out_shape, stride, dilation, pads)
+def _phases_cached(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding):
+    return Phases(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding)
 
 
-def phases(x_shape, kernel, out_shape, stride, dilation, pads):
+def phases(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding=False):
     """The Phases of this geometry (memoized)."""
     return _phases_cached(tuple(x_shape), tuple(kernel), tuple(out_shape), tuple(stride), tuple(dilation),
-                          tuple(pads))
+                          tuple(pads), shared_padding)
 
 
 def phase_fill(x, buf, g, mode="zeros"):

@@ -282,7 +282,8 @@ DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 17  # was 1 << 19
 
 
 def _phases(x, w, out, a):
-    return phases(x.shape, w.shape[2:], out.shape, a["stride"], a["dilation"], a["pads"])
+    return phases(x.shape, w.shape[2:], out.shape, a["stride"], a["dilation"], a["pads"],
+                  shared_padding=a.get("padding_mode", "zeros") == "zeros")
 
 
 def _depthwise_plan(node, g, dtype):

@@ -66,7 +66,8 @@ def _max_pool_scratch(node, inputs, outputs):
 
 def _max_pool_phases(x, out, a):
     nd = len(a["kernel"])
-    return phases(x.shape, a["kernel"], out.shape, a["stride"], a.get("dilation") or (1,) * nd, _ceil_pads(x, out, a))
+    return phases(x.shape, a["kernel"], out.shape, a["stride"], a.get("dilation") or (1,) * nd, _ceil_pads(x, out, a),
+                  shared_padding=True)
 
 
 def _lowest(dtype):
