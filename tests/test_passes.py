@@ -168,6 +168,72 @@ def test_batch_norm_as_elementwise_fuses_with_relu(check_model, exporter):
     assert sum("mul" in e and "add" in e for e in exprs) == 3, exprs
 
 
+# --- negate_silu_weights ---------------------------------------------------------------
+
+
+class SiluGemms(nn.Module):
+    """SiLU after an im2col conv, a depthwise conv, a Winograd-sized 3x3 conv and a linear
+    layer (with and without bias), with sigmoid and hardswish epilogues that must stay."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, stride=2, padding=1)
+        self.dw = nn.Conv2d(64, 64, 5, padding=2, groups=64)
+        self.wide = nn.Conv2d(64, 32, 3, padding=1, bias=False)  # Winograd: 64 channels, 6x6 tiles
+        self.gate = nn.Conv2d(32, 32, 1)
+        self.hs = nn.Conv2d(32, 8, 1)
+        self.fc = nn.Linear(8, 12)
+        self.fc2 = nn.Linear(12, 6, bias=False)
+
+    def forward(self, x):
+        y = F.silu(self.wide(F.silu(self.dw(F.silu(self.stem(x))))))
+        y = F.hardswish(self.hs(y * torch.sigmoid(self.gate(y.mean((2, 3), keepdim=True)))))
+        return F.silu(self.fc2(F.silu(self.fc(y.mean((2, 3))))))
+
+
+def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
+    """Every SiLU epilogue of a conv or linear runs over the negated product, in three
+    numpy passes, and the outputs equal those of the unrewritten model bit for bit (and
+    both match torch)."""
+    m = make(SiluGemms)
+    inputs = (_rand(2, 3, 24, 24)[0] * 4,)
+    with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights")
+    negated = [n for n in with_.nodes if n.expr == "div(@0,sub(-1,exp(@0)))"]
+    assert len(negated) == 5, [(n.op, n.expr) for n in with_.nodes]
+    assert not any(n.expr == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
+    assert sorted(n.op + ":" + n.variant.split("_")[0] for n in negated) == [
+        "conv:depthwise", "conv:gemm", "conv_winograd:winograd", "linear:", "linear:"]
+    assert {n.expr for n in with_.nodes if n.op.startswith("conv") and n not in negated} == {
+        "sigmoid(@0)", "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"}
+    originals = {n.name: n for n in without.nodes}
+    for n in negated:
+        for mine, theirs in zip(n.inputs[1:3], originals[n.name].inputs[1:3]):
+            if theirs is not None:
+                np.testing.assert_array_equal(np.asarray(mine.data), -np.asarray(theirs.data))
+    feed = {"in0": inputs[0].numpy()}
+    outs = []
+    for g in (with_, without):
+        path = tmp_path / f"{len(outs)}.pmx"
+        write(g, str(path))
+        outs.append(InferenceSession(str(path)).run(None, feed)[0])
+    np.testing.assert_array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
+
+
+def test_negate_silu_weights_leaves_shared_weights():
+    """A weight another node also reads is not negated (the file would hold it twice)."""
+    from pmx.compiler.passes.negate_silu_weights import negate_silu_weights
+
+    g = Graph("t")
+    x, y, z = Value("x", (1, 4)), Value("y", (1, 4)), Value("z", (1, 4))
+    w = Value("w", (4, 4), data=np.eye(4, dtype=np.float32))
+    g.inputs = [x]
+    g.add_node(Node("linear", "a", [x, w], [y], expr="mul(@0,sigmoid(@0))"))
+    g.add_node(Node("linear", "b", [y, w], [z]))
+    g.outputs = [z]
+    assert not negate_silu_weights(g)
+    assert g.nodes[0].expr == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
+
+
 # --- fuse_activation -------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
 from pmx.compiler.passes.infer_shapes import infer_shapes
 from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
+from pmx.compiler.passes.negate_silu_weights import negate_silu_weights
 from pmx.compiler.passes.order import order
 from pmx.compiler.passes.plan_memory import plan_memory
 from pmx.compiler.passes.prepack_weights import prepack_weights
@@ -44,6 +45,9 @@ PIPELINE = [
     ("batch_norm_as_elementwise", batch_norm_as_elementwise),
     # Merges what is left of elementwise chains into one expression per region.
     ("fuse_elementwise", fuse_elementwise),
+    # After the activations are final: SiLU epilogues run over negated products, one
+    # numpy pass fewer (bit-identical results).
+    ("negate_silu_weights", negate_silu_weights),
     # Per-node kernel choice; after fusion so it sees the final expressions.
     ("choose_kernels", choose_kernels),
     # Only with --tune: replaces the rule's choices by timings on this machine; right
@@ -71,7 +75,7 @@ PIPELINE = [
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
-            "batch_norm_as_elementwise",
+            "batch_norm_as_elementwise", "negate_silu_weights",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
