@@ -588,3 +588,40 @@ def test_phase_rows_share_padding(size, k, stride, dilation, pads):
         want = F.conv2d(F.pad(xt, pad, mode="reflect"), torch.from_numpy(w), None, stride, 0, dilation, 3)
         assert_close(got, want)
         assert conv._depthwise_geometry(x, w, got, reflect).rows[-1] == size[-1] + pads[1] + pads[3]
+
+
+@st.composite
+def row_stride_one_case(draw):
+    """Geometries with stride 1 along the rows, which the property tests above mostly
+    send down the flat depthwise path or give symmetric pads: any pads up to 4 on each
+    side, kernels up to 5 wide, dilation, and any stride along the other dims."""
+    nd = draw(st.sampled_from([1, 2, 2, 3]))
+    k = tuple(draw(st.integers(1, 5)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd - 1)) + (1,)
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
+    pads = tuple(draw(st.integers(0, 4)) for _ in range(2 * nd))
+    size = tuple(max(draw(st.integers(1, 9)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i])
+                 for i in range(nd))
+    return dict(nd=nd, c=draw(st.integers(1, 4)), k=k, stride=stride, dilation=dilation, pads=pads, size=size,
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@FAST
+@given(row_stride_one_case())
+def test_row_stride_one_depthwise_and_max_pool_match_torch(c):
+    nd = c["nd"]
+    x = signed_input((2, c["c"]) + c["size"], c["seed"])
+    w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
+    pad = []
+    for i in reversed(range(nd)):
+        pad += [c["pads"][i], c["pads"][nd + i]]
+    xt = torch.from_numpy(x)
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
+    (got,) = run_kernel("conv", [x, w], attrs, variant="depthwise")
+    fn = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+    assert_close(got, fn(F.pad(xt, pad), torch.from_numpy(w), None, c["stride"], 0, c["dilation"], c["c"]))
+    pool = dict(kernel=c["k"], stride=c["stride"], pads=c["pads"], dilation=c["dilation"], ceil_mode=False)
+    (got,) = run_kernel("max_pool", [x], pool)
+    max_pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
+    np.testing.assert_array_equal(got, _np(max_pool(F.pad(xt, pad, value=-np.inf), c["k"], c["stride"], 0,
+                                                    c["dilation"])))
