@@ -40,6 +40,33 @@ def epilogue(node, out, threads=None):
                             expression_backend(node, tree))
 
 
+# Ops a float32 numpy pass computes in ~0.1 ns per element. An activation made only of
+# these (ReLU, ReLU6, leaky ReLU, hardswish, hardsigmoid) is cheaper per element than
+# the GIL: two threads calling numpy at once hand the GIL over at every call (two
+# threads each calling np.add on 10,000 float32s: 7.5-7.9 us per pair of calls against
+# 2.0-2.3 us per call on one thread).
+CHEAP_OPS = frozenset({"@", "#", "add", "sub", "mul", "div", "neg", "abs", "maximum", "minimum",
+                       "where", "gt", "ge", "lt", "le", "eq", "ne"})
+
+
+def epilogue_after_parts(node, out):
+    """Whether a kernel split over the threads runs node's activation once on all of `out`
+    after its parts instead of inside each: cheap arithmetic (CHEAP_OPS) on a tensor an
+    elementwise node would not split either (parallel.worth_splitting). A transcendental
+    activation (SiLU: exp at ~1.8 ns per element) keeps its share of the cores. Steady
+    ms, in each part -> after the parts, alternating fresh processes: MobileNetV3-small
+    (hardswish) 5.28-5.31 -> 5.10-5.16 (3 pairs), and 6.35-6.46 -> 6.26-6.37 (4 pairs,
+    in a slower hour of this host); ShuffleNetV2 9.01-9.42 -> 9.01-9.31 (4 pairs);
+    MobileNetV2 and EfficientNet-B0 within noise."""
+    if not node.expr or parallel.worth_splitting(out.size):
+        return False
+    return _only_cheap(E.desugar(E.parse(node.expr, 1)))
+
+
+def _only_cheap(tree):
+    return tree[0] in CHEAP_OPS and all(_only_cheap(a) for a in tree[1:] if isinstance(a, tuple))
+
+
 def expression_backend(node, tree):
     """E.compile_numexpr when the node's variant asks for numexpr and numexpr can run the
     tree, else None (numpy: split_expression's default)."""
@@ -102,7 +129,7 @@ def product(a, b, out, bias=None):
     return run
 
 
-def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None):
+def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None, post_after_parts=False):
     """Callable computing np.matmul(a, b, out=out), split over the threads when the
     product is big enough: along out's first batch axis longer than 1, else its columns
     (each thread reads half of b: a linear layer's weights), else its rows; with
@@ -118,8 +145,9 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None):
     (`product`). `post(part, cut)` may return a callable to run on each part of out right
     after that (the activation: while the part is in cache); cut = (axis, lo, hi) says
     which part, or is None for the whole (`along(x, *cut)` cuts an operand that
-    broadcasts against out). Measured on this 2-core machine with BLAS on one thread
-    (idle machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
+    broadcasts against out). With `post_after_parts` (epilogue_after_parts), post runs
+    once on the whole of out after the split instead.
+    Measured on this 2-core machine with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
     multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 ->
     0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
     (GEMM_SPLIT_MIN_MACS, was 4M) splits lost when timed alone but won inside models, per
@@ -138,8 +166,9 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None):
         pa, pb, po = (x if axis is None else along(x, axis, lo, hi) for x, axis in
                       ((a, axis_a), (b, axis_b), (out, axis_out)))
         cut = (axis_out, lo, hi)
-        parts.append(chain(product(pa, pb, po, None if bias is None else along(bias, *cut)), post(po, cut)))
-    return parallel.split(parts)
+        parts.append(chain(product(pa, pb, po, None if bias is None else along(bias, *cut)),
+                           None if post_after_parts else post(po, cut)))
+    return chain(parallel.split(parts), post(out, None) if post_after_parts else None)
 
 
 def _gemm_split(a, b, out, threads, rows_first=False):
