@@ -645,22 +645,22 @@ def test_cheap_activation_runs_after_split_parts(kind, two_threads):
     cin, cout, size, k, groups = {
         "pointwise": (96, 576, 7, 1, 1), "gemm_3x3_small_map": (64, 64, 14, 3, 1), "gemm_3x3_bands": (64, 8, 48, 3, 1),
         "depthwise": (576, 576, 7, 5, 576), "winograd": (128, 64, 28, 3, 1), "linear": (512, 1000, 49, 0, 1)}[kind]
-    rng_x = signed_input((49, cin) if kind == "linear" else (1, cin, size, size), 0)
+    x = signed_input((49, cin) if kind == "linear" else (1, cin, size, size), 0)
     w = signed_input((cout, cin) if kind == "linear" else (cout, cin // groups, k, k), 1)
     b = signed_input((cout,), 2)
     pad = k // 2
     attrs = dict(stride=(1, 1), pads=(pad,) * 4, dilation=(1, 1), groups=groups, padding_mode="zeros")
     if kind == "linear":
-        (got,) = run_kernel("linear", [rng_x, w, b], {}, expr=HARDSWISH)
-        want = F.linear(torch.from_numpy(rng_x), torch.from_numpy(w), torch.from_numpy(b))
+        (got,) = run_kernel("linear", [x, w, b], {}, expr=HARDSWISH)
+        want = F.linear(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b))
     elif kind == "winograd":
-        (got,) = run_kernel("conv_winograd", [rng_x, transform_weights(w), b], {"pads": attrs["pads"]}, expr=HARDSWISH,
+        (got,) = run_kernel("conv_winograd", [x, transform_weights(w), b], {"pads": attrs["pads"]}, expr=HARDSWISH,
                             variant="winograd")
-        want = F.conv2d(torch.from_numpy(rng_x), torch.from_numpy(w), torch.from_numpy(b), padding=pad)
+        want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), padding=pad)
     else:
         variant = "depthwise" if kind == "depthwise" else "gemm"
-        (got,) = run_kernel("conv", [rng_x, w, b], attrs, expr=HARDSWISH, variant=variant)
-        want = F.conv2d(torch.from_numpy(rng_x), torch.from_numpy(w), torch.from_numpy(b), 1, pad, 1, groups)
+        (got,) = run_kernel("conv", [x, w, b], attrs, expr=HARDSWISH, variant=variant)
+        want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), 1, pad, 1, groups)
     assert common.epilogue_after_parts(KernelNode("conv", {}, HARDSWISH, ""), got)
     assert_close(got, F.hardswish(want), want)
 
@@ -673,7 +673,8 @@ def test_which_activations_run_after_split_parts():
     from pmx.runtime import parallel
     from pmx.runtime.kernels import common
 
-    small, big = np.empty(parallel.SPLIT_MIN_ELEMENTS - 1, np.float32), np.empty(parallel.SPLIT_MIN_ELEMENTS, np.float32)
+    small = np.empty(parallel.SPLIT_MIN_ELEMENTS - 1, np.float32)
+    big = np.empty(parallel.SPLIT_MIN_ELEMENTS, np.float32)
     for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
                        ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
                        ("", False)]:

@@ -146,10 +146,10 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None, post_a
     after that (the activation: while the part is in cache); cut = (axis, lo, hi) says
     which part, or is None for the whole (`along(x, *cut)` cuts an operand that
     broadcasts against out). With `post_after_parts` (epilogue_after_parts), post runs
-    once on the whole of out after the split instead.
-    Measured on this 2-core machine with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
-    multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 ->
-    0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
+    once on the whole of out after the split instead. Measured on this 2-core machine
+    with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time of
+    one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms;
+    960x160 @ 160x49: 0.19 -> 0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
     (GEMM_SPLIT_MIN_MACS, was 4M) splits lost when timed alone but won inside models, per
     node, 1x1 convs with bias (medians of 4x40 runs): ShuffleNetV2 116->116 at 14x14
     (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
