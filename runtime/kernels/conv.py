@@ -190,7 +190,7 @@ def _gemm(node, x, w, b, out):
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
     post = gemm_post(node)
-    after = epilogue_after_parts(node, out[0])  # per image: each image is its own split
+    after = epilogue_after_parts(node, out[:1])  # per image: each image is its own split
     bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))

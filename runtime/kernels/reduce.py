@@ -39,8 +39,8 @@ ROWS_GEMV_MAX_LENGTH = 1 << 12
 
 def _trailing_reduction(kind, x, out, lead):
     """Callable reducing all axes of `x` from `lead` on into `out` ("mean", "sum", "max"
-    or "min"), as one call on x seen as a (rows, positions) matrix: sum and mean as a
-    GEMV with a vector of ones (1/positions), max and min as np.maximum/minimum.reduce
+    or "min"), as one call on x seen as a (rows, positions) matrix: sum as a GEMV with a
+    vector of ones (mean: then divided by positions), max and min as np.maximum/minimum.reduce
     along the rows. None when that does not apply (non-contiguous operands, another
     output dtype, rows longer than ROWS_GEMV_MAX_LENGTH for a GEMV, integer sums, empty
     rows); the caller then reduces with np.mean & co. np.mean/np.max over several axes
@@ -58,8 +58,13 @@ def _trailing_reduction(kind, x, out, lead):
         return lambda: fn.reduce(x2, axis=1, out=o1)
     if x.dtype not in (np.float32, np.float64) or positions > ROWS_GEMV_MAX_LENGTH:
         return None  # float16 would round 1/positions; integers sum in int64
-    weights = np.full(positions, 1.0 / positions if kind == "mean" else 1.0, x.dtype)
-    return lambda: np.dot(x2, weights, out=o1)
+    ones = np.ones(positions, x.dtype)
+    if kind == "sum":
+        return lambda: np.dot(x2, ones, out=o1)
+    # the sum divided by the count: a GEMV with weights 1/positions rounds every term by
+    # the inexact 1/n, which cancellation magnifies (the mean of [-0.718, 0.505, 0.209]
+    # was off by 1.1e-5 of itself; dividing the sum, as torch does, rounds once)
+    return lambda: (np.dot(x2, ones, out=o1), np.divide(o1, positions, out=o1))
 
 
 REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
