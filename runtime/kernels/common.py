@@ -49,6 +49,20 @@ CHEAP_OPS = frozenset({"@", "#", "add", "sub", "mul", "div", "neg", "abs", "maxi
                        "where", "gt", "ge", "lt", "le", "eq", "ne"})
 
 
+def split_activated(node, out, parts):
+    """One callable running `parts`, (work, the part of out it writes) pairs, over the
+    threads, each followed by node's fused activation on its part while that is in
+    cache; or, where epilogue_after_parts says so, the activation once on all of out
+    after them. Every kernel that splits a node with an activation goes through here.
+    node None or without an activation: the work alone."""
+    works = [work for work, _ in parts]
+    if node is None or not node.expr:
+        return parallel.split(works)
+    if len(parts) > 1 and epilogue_after_parts(node, out):
+        return chain(parallel.split(works), epilogue(node, out, threads=1))
+    return parallel.split([chain(work, epilogue(node, part, threads=1)) for work, part in parts])
+
+
 def epilogue_after_parts(node, out):
     """Whether a kernel split over the threads runs node's activation once on all of `out`
     after its parts instead of inside each: cheap arithmetic (CHEAP_OPS) on a tensor an
@@ -129,7 +143,7 @@ def product(a, b, out, bias=None):
     return run
 
 
-def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None, post_after_parts=False):
+def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     """Callable computing np.matmul(a, b, out=out), split over the threads when the
     product is big enough: along out's first batch axis longer than 1, else its columns
     (each thread reads half of b: a linear layer's weights), else its rows; with
@@ -142,33 +156,27 @@ def gemm(a, b, out, threads=None, post=None, rows_first=False, bias=None, post_a
     3072->768 lost 6.6 -> 7.4 ms with rows. BLAS itself runs single-threaded inside run()
     (parallel.running), so this is where GEMMs get the other cores.
     `bias` (broadcast against out, or None) is added to each part with its product
-    (`product`). `post(part, cut)` may return a callable to run on each part of out right
-    after that (the activation: while the part is in cache); cut = (axis, lo, hi) says
-    which part, or is None for the whole (`along(x, *cut)` cuts an operand that
-    broadcasts against out). With `post_after_parts` (epilogue_after_parts), post runs
-    once on the whole of out after the split instead. Measured on this 2-core machine
-    with BLAS on one thread (idle machine): a two-way split takes 0.50-0.65x the time of
-    one thread from ~4M multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms;
-    960x160 @ 160x49: 0.19 -> 0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
+    (`product`); `activation` (a node with a fused activation, or None) is applied as
+    split_activated does. Measured on this 2-core machine with BLAS on one thread (idle
+    machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
+    multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 ->
+    0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
     (GEMM_SPLIT_MIN_MACS, was 4M) splits lost when timed alone but won inside models, per
     node, 1x1 convs with bias (medians of 4x40 runs): ShuffleNetV2 116->116 at 14x14
     (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
     576->96 at 7x7 (2.7M) 0.088 -> 0.066, 48->288 at 14x14 + hardswish 0.128 -> 0.114;
     at 1.1M (24->58 at 28x28) it lost: 0.057 -> 0.067."""
     threads = threads or parallel.num_threads()
-    post = post or (lambda part, cut: None)
     plan = _gemm_split(a, b, out, threads, rows_first)
     if plan is None:
-        return chain(product(a, b, out, bias), post(out, None))
+        return split_activated(activation, out, [(product(a, b, out, bias), out)])
     (axis_a, axis_b, axis_out), length = plan
     parts = []
     for lo, hi in parallel.ranges(length, threads):
         pa, pb, po = (x if axis is None else along(x, axis, lo, hi) for x, axis in
                       ((a, axis_a), (b, axis_b), (out, axis_out)))
-        cut = (axis_out, lo, hi)
-        parts.append(chain(product(pa, pb, po, None if bias is None else along(bias, *cut)),
-                           None if post_after_parts else post(po, cut)))
-    return chain(parallel.split(parts), post(out, None) if post_after_parts else None)
+        parts.append((product(pa, pb, po, None if bias is None else along(bias, axis_out, lo, hi)), po))
+    return split_activated(activation, out, parts)
 
 
 def _gemm_split(a, b, out, threads, rows_first=False):
@@ -185,14 +193,6 @@ def _gemm_split(a, b, out, threads, rows_first=False):
     rows = ((-2, None, -2), out.shape[-2]) if out.shape[-2] >= GEMM_SPLIT_MIN_ROWS else None
     columns = ((None, -1, -1), out.shape[-1]) if out.shape[-1] >= GEMM_SPLIT_MIN_COLUMNS else None
     return (rows or columns) if rows_first else (columns or rows)
-
-
-def gemm_post(node):
-    """post(part, cut) for `gemm`: the node's fused activation, in place on the part;
-    None when the node has none."""
-    if not node.expr:
-        return None
-    return lambda part, cut: epilogue(node, part, threads=1)
 
 
 def chain(*fns):

@@ -66,15 +66,14 @@ from pmx.runtime.kernels.common import (
     chain,
     conv_out_size,
     epilogue,
-    epilogue_after_parts,
     fill_border,
     gemm,
-    gemm_post,
     node_threads,
     padded_buffer,
     phase_fill,
     phases,
     product,
+    split_activated,
     view_as,
 )
 
@@ -189,13 +188,11 @@ def _gemm(node, x, w, b, out):
     out_g = view_as(out, (n, groups, cout // groups, o))
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
-    post = gemm_post(node)
-    after = epilogue_after_parts(node, out[:1])  # per image: each image is its own split
     bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, post, rows_first=True, bias=bias,
-                            post_after_parts=after) for i in range(n)))
+        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True, bias=bias)
+                       for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
@@ -211,15 +208,12 @@ def _gemm(node, x, w, b, out):
                       for lo, hi in bands]
         if _split_by_channels(threads, groups, cout, o):
             steps.append(parallel.split([lambda d=d, s=s: np.copyto(d, s) for d, s in band_views]))
-            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, post, rows_first=True, bias=bias,
-                              post_after_parts=after))
+            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
             continue
-        steps.append(parallel.split([
+        steps.append(split_activated(node, out_g[i], [
             _im2col_gemm(dst, src, squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
-                         squeeze(out_g[i][..., lo * row:hi * row]), bias, None if after and len(bands) > 1 else post)
+                         squeeze(out_g[i][..., lo * row:hi * row]), bias)
             for (dst, src), (lo, hi) in zip(band_views, bands)]))
-        if after and len(bands) > 1:
-            steps.append(post(out_g[i], None))
     return chain(*steps)
 
 
@@ -263,11 +257,11 @@ def _gemv(node, x, w, b, out):
     return chain(product, epilogue(node, out, threads=1))
 
 
-def _im2col_gemm(cols_windows, windows, w, cols, out, bias, post):
-    """One band of output rows: its im2col columns, their GEMM with the bias, then the
-    activation. Bands are independent, so a conv is one dispatch to the threads, not three."""
-    return chain(lambda: np.copyto(cols_windows, windows), product(w, cols, out, bias),
-                 post(out, None) if post is not None else None)
+def _im2col_gemm(cols_windows, windows, w, cols, out, bias):
+    """(work, out) for one band of output rows: its im2col columns and their GEMM with
+    the bias (split_activated adds the activation). Bands are independent, so a conv is
+    one dispatch to the threads, not three."""
+    return chain(lambda: np.copyto(cols_windows, windows), product(w, cols, out, bias)), out
 
 
 # --- depthwise -----------------------------------------------------------------------
@@ -389,14 +383,13 @@ def _depthwise(node, x, w, b, out):
         wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
         fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
         finish = lambda ch: _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None)  # noqa: E731
-    after = len(parts) > 1 and epilogue_after_parts(node, out)
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
         blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
-        steps.append(chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch),
-                           None if after else epilogue(node, out[:, ch], threads=1)))
-    return chain(parallel.split(steps), epilogue(node, out, threads=1) if after else None)
+        steps.append((chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)),
+                      out[:, ch]))
+    return split_activated(node, out, steps)
 
 
 def _im2col_gemv(buf, g, weights, cols, target, blocks):

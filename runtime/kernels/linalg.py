@@ -21,7 +21,7 @@ import numpy as np
 
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import epilogue_after_parts, gemm, gemm_post, view_as
+from pmx.runtime.kernels.common import gemm, view_as
 
 
 def linear_infer(node, shapes, dtypes):
@@ -41,7 +41,7 @@ def make_linear(node, inputs, outputs):
         x2, out2 = view_as(x, (math.prod(x.shape[:-1]), x.shape[-1])), view_as(out, (math.prod(out.shape[:-1]), out.shape[-1]))
     else:
         x2, out2 = x, out
-    return gemm(x2, wt, out2, post=gemm_post(node), bias=b, post_after_parts=epilogue_after_parts(node, out))
+    return gemm(x2, wt, out2, activation=node, bias=b)
 
 
 def matmul_infer(node, shapes, dtypes):
@@ -63,7 +63,7 @@ def matmul_infer(node, shapes, dtypes):
 def make_matmul(node, inputs, outputs):
     a, b = inputs
     out = outputs[0]
-    return gemm(a, b, out, post=gemm_post(node), post_after_parts=epilogue_after_parts(node, out))
+    return gemm(a, b, out, activation=node)
 
 
 def _einsum_parts(equation, ranks):

@@ -32,7 +32,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, epilogue, epilogue_after_parts, node_threads
+from pmx.runtime.kernels.common import chain, node_threads, split_activated
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
 # numpy calls per part cost more than they save below it (measured: 4-11M lose, 14M
@@ -135,11 +135,8 @@ def _images(node, x, u, bias, out, buffers, phase_buffers):
     threads = node_threads(node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
     transform_in = [_input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
                     for lo, hi in parallel.ranges(g.c, threads)]
-    after = threads > 1 and epilogue_after_parts(node, out)
-    multiply_out = [_output_part(node, u, bias, out, g, v, m, lo, hi, not after)
-                    for lo, hi in parallel.ranges(g.k, threads)]
-    return chain(parallel.split(transform_in), parallel.split(multiply_out),
-                 epilogue(node, out, threads=1) if after else None)
+    multiply_out = [_output_part(u, bias, out, g, v, m, lo, hi) for lo, hi in parallel.ranges(g.k, threads)]
+    return chain(parallel.split(transform_in), split_activated(node, out, multiply_out))
 
 
 def _combine_rows(d0, d1, d2, d3, out):
@@ -174,10 +171,10 @@ def _input_part(x, pads, g, phases, rows_combined, v, c0, c1):
     return chain(*steps)
 
 
-def _output_part(node, u, bias, out, g, v, m, k0, k1, activation=True):
-    """Output channels k0:k1: their 16 GEMMs, bias, Y = A^T M A in place in M, the copy
-    of each output phase into `out`, then the activation (unless `activation` is False:
-    the caller runs it on the whole output after the parts)."""
+def _output_part(u, bias, out, g, v, m, k0, k1):
+    """(work, out[:, k0:k1]) for output channels k0:k1: their 16 GEMMs, bias, Y = A^T M A
+    in place in M, and the copy of each output phase into `out` (split_activated adds
+    the activation)."""
     u16 = u.reshape(16, g.k, g.c)[:, k0:k1]
     v16 = v.reshape(16, g.c, g.columns)
     m16 = m.reshape(16, g.k, g.columns)[:, k0:k1]
@@ -198,9 +195,7 @@ def _output_part(node, u, bias, out, g, v, m, k0, k1, activation=True):
             tiles = mf[a, c].reshape(k1 - k0, g.n, g.rows, g.cols).transpose(1, 0, 2, 3)
             src = tiles[:, :, :dst.shape[2], :dst.shape[3]]
             steps.append(lambda dst=dst, src=src: np.copyto(dst, src))
-    if activation:
-        steps.append(epilogue(node, part, threads=1))
-    return chain(*steps)
+    return chain(*steps), part
 
 
 def _combine_out(m0, m1, m2, m3):
