@@ -182,7 +182,10 @@ def test_blas_gets_the_thread_count_at_the_first_run_not_at_load(threads):
 
 def test_gemm_split_matches_numpy(monkeypatch):
     """kernels/common.gemm by batch, columns and rows (rows first when asked: 1x1 convs),
-    each part with its share of the bias, and post() seeing each part."""
+    each part with its share of the bias, and the activation seeing each part (the
+    epilogue is replaced by one that records the parts it is given)."""
+    from helpers import KernelNode
+
     from pmx.runtime.kernels import common
 
     monkeypatch.setattr(parallel, "_num_threads", 2)
@@ -201,7 +204,8 @@ def test_gemm_split_matches_numpy(monkeypatch):
             # a conv's bias runs along the rows, a linear layer's along the columns
             bias = rng.standard_normal((a_shape[-2], 1) if rows_first else b_shape[-1:]).astype(np.float32)
             seen = []
-            common.gemm(a, b, out, post=lambda part, cut: (lambda: seen.append(part.shape)), rows_first=rows_first,
+            monkeypatch.setattr(common, "epilogue", lambda node, part, threads=None: lambda: seen.append(part.shape))
+            common.gemm(a, b, out, activation=KernelNode("linear", {}, "maximum(@0,0)", ""), rows_first=rows_first,
                         bias=bias)()
             np.testing.assert_allclose(out, np.matmul(a, b) + bias, rtol=1e-5, atol=1e-4)
             assert seen == [part, part], f"rows_first={rows_first}: parts {seen} of {out.shape}, expected two {part}"
