@@ -489,15 +489,17 @@ class _Reader:
         column = t.columns[k] if column is None else column
         code = t.fields[k].code
         held, starts = self._spans(t, k, column)
-        structs, raw = _VECTOR_STRUCTS[code], self.raw
+        return _scatter(_each_once(starts, lambda s: self._vectors(s, code, what)), held, len(column), ())
 
-        def read(starts):
-            lengths = self._lengths(starts, struct.calcsize("<" + code), what)
-            try:
-                return [(structs.get(n) or _vector_struct(code, n))(raw, s) for s, n in zip(starts, lengths)]
-            except struct.error as e:
-                raise IndexError(f"{what}: {e}") from None
-        return _scatter(_each_once(starts, read), held, len(column), ())
+    def _vectors(self, starts, code, what):
+        """The vectors of struct code `code` whose length words are at `starts`, as tuples
+        (charged against the budget)."""
+        lengths = self._lengths(starts, struct.calcsize("<" + code), what)
+        structs, raw = _VECTOR_STRUCTS[code], self.raw
+        try:
+            return [(structs.get(n) or _vector_struct(code, n))(raw, s) for s, n in zip(starts, lengths)]
+        except struct.error as e:
+            raise IndexError(f"{what}: {e}") from None
 
     def subtable(self, t, k):
         """The position of table field k of t's first table (None where absent)."""
@@ -509,14 +511,7 @@ class _Reader:
         read without numbers()'s machinery for many tables (~7 us a call, and a model
         reads some 30 columns)."""
         u = t.columns[k][0]
-        if not u:
-            return ()
-        start, code = t.pos[0] + t.at[0][k] + u + 4, t.fields[k].code
-        n = self._lengths([start], struct.calcsize("<" + code), what)[0]
-        try:
-            return (_VECTOR_STRUCTS[code].get(n) or _vector_struct(code, n))(self.raw, start)
-        except struct.error as e:
-            raise IndexError(f"{what}: {e}") from None
+        return self._vectors([t.pos[0] + t.at[0][k] + u + 4], t.fields[k].code, what)[0] if u else ()
 
     def targets(self, t, k, what, column=None):
         """Per table, the positions a vector of uoffsets (to tables or strings) in field
