@@ -23,9 +23,8 @@ NEGATED_SILU = "div(@0,sub(-1,exp(@0)))"
 def _negatable(node):
     if node.op not in ("conv", "linear") or not node.expr or E.parse(node.expr, 1) not in SILU:
         return False
-    operands = [v for v in node.inputs[1:3] if v is not None]
-    return len(operands) >= 1 and all(v.is_constant and np.dtype(v.dtype).kind == "f"
-                                      and {c.uid for c in v.consumers} == {node.uid} for v in operands)
+    return all(v.is_constant and np.dtype(v.dtype).kind == "f" and {c.uid for c in v.consumers} == {node.uid}
+               for v in node.inputs[1:3] if v is not None)
 
 
 def negate_silu_weights(graph) -> bool:
