@@ -80,9 +80,11 @@ def conv_case(draw):
     batch = draw(st.integers(1, 4))
     bias = draw(st.booleans())
     act = draw(st.sampled_from(["", "", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]))
+    # a folded squeeze-and-excitation gate: one scale per image and channel, or per channel
+    scale = draw(st.sampled_from([None, None, "per image", "shared"]))
     seed = draw(st.integers(0, 2**32 - 1))
     return dict(nd=nd, groups=groups, cin=cin, cout=cout, k=k, stride=stride, dilation=dilation, mode=mode,
-                size=size, pads=begins + ends, batch=batch, bias=bias, act=act, seed=seed)
+                size=size, pads=begins + ends, batch=batch, bias=bias, act=act, scale=scale, seed=seed)
 
 
 def torch_conv(x, w, b, c):
@@ -124,8 +126,11 @@ def test_conv_matches_torch(c):
     b = signed_input((c["cout"],), rng_seed + 2) if c["bias"] else None
     attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"],
                  padding_mode=c["mode"])
-    want, pre = torch_conv(x, w, b, c)
-    inputs = [x, w] + ([b] if b is not None else [])
+    scale = None
+    if c["scale"]:
+        scale = signed_input((c["batch"] if c["scale"] == "per image" else 1, c["cin"]) + (1,) * c["nd"], rng_seed + 3)
+    want, pre = torch_conv(x if scale is None else x * scale, w, b, c)
+    inputs = [x, w] + ([b] if b is not None else []) + ([] if scale is None else [None] * (b is None) + [scale])
     is_dw = c["groups"] == c["cin"] == c["cout"] and c["groups"] > 1
     for variant in ["gemm", "depthwise"] if is_dw else ["gemm", ""]:
         (got,) = run_kernel("conv", inputs, attrs, expr=c["act"], variant=variant)
@@ -141,6 +146,39 @@ def test_conv_pointwise_and_1x1_strided():
         (got,) = run_kernel("conv", [x, w], attrs)
         assert_close(got, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), stride=stride))
 
+
+
+@pytest.mark.parametrize("batch,gate_images", [(1, 1), (3, 3), (3, 1)])
+def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
+    """conv's optional input_scale (inputs[3]) on every lowering: scaled (Cout, Cin)
+    weights for a 1x1 conv with one group, big enough to split its GEMM over the threads,
+    with and without bias and activation; the input multiplied first for a 3x3, a grouped
+    1x1, a depthwise conv and a 1x1 conv over a single position (the GEMV path)."""
+    cases = [  # (cin, cout, size, k, groups, variant)
+        (64, 48, (28, 28), 1, 1, "gemm"), (64, 48, (28, 28), 1, 1, "gemm_1t"), (8, 6, (5, 4), 1, 1, ""),
+        (8, 6, (1, 1), 1, 1, ""), (8, 6, (5, 5), 3, 1, "gemm"), (8, 6, (5, 5), 1, 2, "gemm"),
+        (8, 8, (9, 9), 3, 8, "depthwise"),
+    ]
+    for j, (cin, cout, size, k, groups, variant) in enumerate(cases):
+        x = signed_input((batch, cin) + size, j)
+        w = signed_input((cout, cin // groups, k, k), j + 1)
+        scale = signed_input((gate_images, cin, 1, 1), j + 2)
+        attrs = dict(stride=(1, 1), pads=(k // 2,) * 4, dilation=(1, 1), groups=groups, padding_mode="zeros")
+        for b, expr in ((None, ""), (signed_input((cout,), j + 3), "maximum(@0,0)")):
+            pre = F.conv2d(torch.from_numpy(x * scale), torch.from_numpy(w), None if b is None else torch.from_numpy(b),
+                           padding=k // 2, groups=groups)
+            (got,) = run_kernel("conv", [x, w, b, scale], attrs, expr=expr, variant=variant)
+            assert_close(got, activation(pre, expr), pre)
+            assert np.array_equal(scale, signed_input(scale.shape, j + 2)), "the gate was written to"
+
+
+def test_conv_input_scale_of_the_wrong_shape_names_it():
+    x, w = signed_input((2, 4, 3, 3), 0), signed_input((5, 4, 1, 1), 1)
+    attrs = dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")
+    for bad in (signed_input((2, 5, 1, 1), 2), signed_input((2, 4, 3, 1), 2), signed_input((3, 4, 1, 1), 2),
+                signed_input((2, 4, 1, 1), 2).astype(np.float64)):
+        with pytest.raises(ValueError, match="input scale .* does not scale the channels of input"):
+            run_kernel("conv", [x, w, None, bad], attrs)
 
 
 @pytest.fixture

@@ -234,6 +234,54 @@ def test_negate_silu_weights_leaves_shared_weights():
     assert g.nodes[0].expr == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
 
 
+# --- fold_channel_gate -----------------------------------------------------------------
+
+
+class GatedConvs(nn.Module):
+    """Squeeze-and-excitation gates (sigmoid of a 1x1 conv of the pooled tensor) before:
+    a 1x1 conv smaller than the gated tensor (folded: 48 < 28 x 28, with a hardswish
+    epilogue, a GEMM big enough to split); and not folded: a 3x3 conv, a 1x1 conv at 4x4
+    whose weights are the larger operand (32 >= 16), a 1x1 conv whose gated input is also
+    reduced, one whose gated input is a graph output, a strided one and a padded one."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 64, 3, padding=1)
+        self.se = nn.ModuleList(nn.Conv2d(c, c, 1) for c in (64, 48, 48, 48, 48, 48, 48))
+        self.project = nn.Conv2d(64, 48, 1)
+        self.c3 = nn.Conv2d(48, 8, 3)
+        self.strided = nn.Conv2d(48, 8, 1, stride=2)
+        self.padded = nn.Conv2d(48, 8, 1, padding=1)
+        self.wide = nn.Conv2d(48, 32, 1)
+        self.shared = nn.Conv2d(48, 8, 1)
+
+    def gated(self, y, i):
+        return y * torch.sigmoid(self.se[i](y.mean((2, 3), keepdim=True)))
+
+    def forward(self, x):
+        y = F.relu(self.stem(x))
+        y = F.hardswish(self.project(self.gated(y, 0)))
+        p = F.avg_pool2d(y, 7)
+        r = self.gated(y, 3)
+        o = self.gated(y, 4)
+        return (self.c3(self.gated(y, 1)), self.wide(self.gated(p, 2)), self.shared(r), r.sum((2, 3)), self.shared(o), o,
+                self.strided(self.gated(y, 5)), self.padded(self.gated(y, 6)))
+
+
+def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, exporter):
+    m = make(GatedConvs)
+    inputs = _rand(2, 3, 28, 28)
+    with_, without = check_with_and_without(check_model, exporter, "passes_gate", m, inputs, "fold_channel_gate")
+    gates = [n for n in without.nodes if n.op == "elementwise" and n.expr in ("mul(@0,@1)", "mul(@1,@0)")]
+    assert len(gates) == 7, [(n.op, n.expr) for n in without.nodes]
+    scaled = [n for n in with_.nodes if n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None]
+    assert [n.inputs[1].shape for n in scaled] == [(48, 64, 1, 1)]
+    (conv,) = scaled
+    assert conv.inputs[0].producer.inputs[1].shape == (64, 3, 3, 3), "reads the stem's output itself"
+    assert conv.inputs[3].shape == (2, 64, 1, 1) and conv.inputs[3].producer.expr == "sigmoid(@0)"
+    assert len(with_.nodes) == len(without.nodes) - 1
+
+
 # --- fuse_activation -------------------------------------------------------------------
 
 

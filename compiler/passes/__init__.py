@@ -8,6 +8,7 @@ from pmx.compiler.passes.batch_norm_as_elementwise import batch_norm_as_elementw
 from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
+from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
 from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
@@ -48,6 +49,9 @@ PIPELINE = [
     # After the activations are final: SiLU epilogues run over negated products, one
     # numpy pass fewer (bit-identical results).
     ("negate_silu_weights", negate_silu_weights),
+    # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
+    # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
+    ("fold_channel_gate", fold_channel_gate),
     # Per-node kernel choice; after fusion so it sees the final expressions.
     ("choose_kernels", choose_kernels),
     # Only with --tune: replaces the rule's choices by timings on this machine; right
@@ -75,7 +79,7 @@ PIPELINE = [
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
-            "batch_norm_as_elementwise", "negate_silu_weights",
+            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}

@@ -1,8 +1,12 @@
 """Convolution (1-d, 2-d, 3-d; any groups, dilation, padding mode).
 
-Canonical op `conv`: inputs (x, weight[Cout, Cin/groups, *k], bias[Cout]?),
-attrs stride, pads (begins then ends per spatial dim), dilation, groups, padding_mode
-("zeros", "reflect", "replicate", "circular"). node.expr is an optional fused activation.
+Canonical op `conv`: inputs (x, weight[Cout, Cin/groups, *k], bias[Cout]?,
+input_scale[N or 1, Cin, 1, ...]?), attrs stride, pads (begins then ends per spatial dim),
+dilation, groups, padding_mode ("zeros", "reflect", "replicate", "circular"). node.expr is
+an optional fused activation. `input_scale` multiplies each input channel first (a
+squeeze-and-excitation gate the compiler folded in, compiler/passes/fold_channel_gate.py):
+a 1x1 conv with one group scales its (Cout, Cin) weights per image instead of the
+(Cin, H, W) input; any other conv multiplies its input into scratch.
 
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
   gemm      per image: the im2col copy, made by one np.copyto from a strided view of the
@@ -147,12 +151,16 @@ def _is_pointwise(x, w, a):
 
 def conv_scratch(node, inputs, outputs):
     x, w, out = inputs[0], inputs[1], outputs[0]
+    scale = _input_scale(inputs)
+    if scale is not None and _scales_weights(node, x, w, out):
+        return scratch_nbytes(((w.shape[0], w.shape[1]), w.dtype))
+    scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
         g = _depthwise_geometry(x, w, out, node.attrs)
-        return scratch_nbytes(*_depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype))
+        return scratch_nbytes(*scaled, *_depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype))
     if _is_pointwise(x, w, node.attrs):
-        return 0
-    return scratch_nbytes((_cols_shape(x, w, out), x.dtype))
+        return scratch_nbytes(*scaled)
+    return scratch_nbytes(*scaled, (_cols_shape(x, w, out), x.dtype))
 
 
 @register("conv", infer=conv_infer, scratch=conv_scratch)
@@ -160,9 +168,62 @@ def make_conv(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
+    scale = _input_scale(inputs)
+    if scale is not None:
+        if _scales_weights(node, x, w, out):
+            return _scaled_pointwise(node, x, w, b, scale, out)
+        scaled = scratch_array(x.shape, x.dtype)
+        return chain(lambda: np.multiply(x, scale, out=scaled), make_conv(node, [scaled, w, b], outputs))
     if _variant(node, w) == "depthwise":
         return _depthwise(node, x, w, b, out)
     return _gemm(node, x, w, b, out)
+
+
+# --- input scale (folded squeeze-and-excitation gates) ---------------------------------
+
+
+def _input_scale(inputs):
+    """The optional per-input-channel scale (None if absent), checked against x: a file
+    may hold any shape there, and a bad one must name the node rather than broadcast."""
+    scale = inputs[3] if len(inputs) > 3 else None
+    if scale is None:
+        return None
+    x = inputs[0]
+    if (scale.ndim != x.ndim or scale.shape[0] not in (1, x.shape[0]) or scale.shape[1] != x.shape[1]
+            or any(d != 1 for d in scale.shape[2:]) or scale.dtype != x.dtype):
+        raise ValueError(f"input scale {scale.shape} {scale.dtype} does not scale the channels of input "
+                         f"{x.shape} {x.dtype}: expected ({x.shape[0]} or 1, {x.shape[1]}"
+                         f"{', 1' * (x.ndim - 2)}) {x.dtype}")
+    return scale
+
+
+def _scales_weights(node, x, w, out):
+    """Whether the scale goes into the weights: a 1x1 conv with one group that runs as a
+    plain GEMM on its input."""
+    return (_variant(node, w) == "gemm" and x.shape[1] == w.shape[1] and _is_pointwise(x, w, node.attrs)
+            and math.prod(out.shape[2:]) > 1)
+
+
+def _scaled_pointwise(node, x, w, b, scale, out):
+    """A 1x1 conv of x * scale as (W * scale) @ x per image: the scaled (Cout, Cin)
+    weights go into scratch, then the usual GEMM (split, bias, activation) reads x as it
+    is. The compiler folds a gate in only where the weights are smaller than the input
+    (Cout < H x W), so this replaces a pass over the input with a smaller one."""
+    n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
+    scaled = scratch_array((cout, cin), w.dtype)
+    w2 = w.reshape(cout, cin)
+    rows = view_as(scale, (scale.shape[0], 1, cin))
+    x2 = view_as(x, (n, cin, -1))
+    out2 = view_as(out, (n, cout, -1))
+    bias = None if b is None else b.reshape(cout, 1)
+    threads = node_threads(node)
+    multiply = np.multiply
+    steps = []
+    for i in range(n):
+        if i < rows.shape[0]:  # one gate for the whole batch: scaled once
+            steps.append(lambda r=rows[i]: multiply(w2, r, out=scaled))
+        steps.append(gemm(scaled, x2[i], out2[i], threads, node, rows_first=True, bias=bias))
+    return chain(*steps)
 
 
 # --- gemm ----------------------------------------------------------------------------
