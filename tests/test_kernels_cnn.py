@@ -505,6 +505,28 @@ def test_trailing_reductions_match_torch(op, batch, channels, side, dtype, keep,
             assert_close(got, want)
 
 
+@pytest.mark.parametrize("size", [(112, 112), (96, 128), (1, 4099), (2, 4099), (64, 64)])
+def test_long_row_means_and_sums_match_torch(size):
+    """Rows longer than one GEMV takes (ROWS_GEMV_MAX_LENGTH): cut into equal chunks
+    (112x112 = 4 x 3136, 96x128 = 3 x 4096) whose sums are then added; lengths no chunk
+    of 64 or more divides (4099 is prime, 8198 = 2 x 4099) take np.mean's float64 path.
+    Float32 sums are only as exact as eps * sum|x|, so that is the bound."""
+    from pmx.runtime.kernels.reduce import _chunked_sum
+
+    x = signed_input((2, 3) + size, 11) + 0.25  # a bias, so a dropped chunk shows
+    x2 = x.reshape(6, -1)
+    assert (_chunked_sum(x2, np.empty(6, np.float32)) is None) == (size[1] == 4099)
+    for op, fn in (("reduce_mean", torch.mean), ("reduce_sum", torch.sum)):
+        (got,) = run_kernel(op, [x], dict(axes=(2, 3), keepdim=False))
+        want = fn(torch.from_numpy(x).double(), (2, 3)).numpy()
+        bound = 1e-6 * np.abs(x2.astype(np.float64)).sum(axis=1).reshape(2, 3)
+        if op == "reduce_mean":
+            bound /= x2.shape[1]
+        assert np.all(np.abs(got - want) <= bound), (op, np.abs(got - want).max(), bound.min())
+    (got,) = run_kernel("adaptive_avg_pool", [x], dict(output_size=(1, 1)))
+    assert_close(got, F.adaptive_avg_pool2d(torch.from_numpy(x).double(), (1, 1)).numpy())
+
+
 # --- linear and batch norm ------------------------------------------------------------------
 
 
