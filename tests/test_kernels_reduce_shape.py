@@ -329,6 +329,46 @@ def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     assert np.isnan(wide[:, [0, -1]]).all(), "wrote outside its slice"
 
 
+@given(batch=st.integers(1, 3), groups=st.integers(1, 4), per_group=st.integers(1, 5),
+       spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2), cuts=st.lists(st.integers(0, 20), max_size=3),
+       strided=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group, spatial, cuts, strided, seed):
+    """channel_shuffle with attrs sizes (a shuffle fused with the split after it): each
+    part equals torch's shuffle then split, for any cut points (parts that are not whole
+    groups, empty parts), each part written into a channel slice of a wider buffer when
+    `strided` (a concat slice) and nothing outside it."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import get, output_shapes
+
+    c = groups * per_group
+    shape = (batch, c) + tuple(spatial)
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    bounds = sorted({0, c} | {k % (c + 1) for k in cuts})
+    sizes = tuple(b - a for a, b in zip(bounds, bounds[1:])) or (c,)
+    want = torch.nn.functional.channel_shuffle(torch.from_numpy(x.reshape(shape + (1,) * (3 - len(shape)))), groups)
+    want = torch.split(want.reshape(shape), list(sizes), dim=1)
+    node = KernelNode("channel_shuffle", dict(groups=groups, sizes=sizes))
+    assert [s for s, _ in output_shapes(node, [shape], [np.float32])] == [tuple(w.shape) for w in want]
+    wides = [np.full((batch, k + 2 * strided) + shape[2:], np.nan, np.float32) for k in sizes]
+    outs = [w[:, 1:-1] if strided else w for w in wides]
+    get("channel_shuffle").make(node, [x], outs)()
+    for got, w, wide in zip(outs, want, wides):
+        close(got, w)
+        if strided:
+            assert np.isnan(wide[:, [0, -1]]).all(), "wrote outside its slice"
+
+
+def test_channel_shuffle_sizes_must_split_the_channels():
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import output_shapes
+
+    for sizes in ((3, 4), (), (8, -1, 1), (4.0, 4)):
+        with pytest.raises(ValueError, match="must split the 8 channels"):
+            output_shapes(KernelNode("channel_shuffle", dict(groups=2, sizes=sizes)), [(1, 8, 2, 2)], [np.float32])
+
+
 def test_channel_shuffle_refuses_groups_that_do_not_divide():
     from helpers import KernelNode
 

@@ -282,6 +282,48 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
     assert len(with_.nodes) == len(without.nodes) - 1
 
 
+# --- fuse_shuffle_split ----------------------------------------------------------------
+
+
+class ShuffleUnits(nn.Module):
+    """Five ShuffleNetV2 units in a row (chunk, branch, cat, shuffle): the first two
+    shuffles feed the next unit's chunk and fuse with it; the third is also averaged (a
+    second reader) and the fourth is returned (a graph output), so neither fuses."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        h = c // 2
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(h, h, 1), nn.ReLU(), nn.Conv2d(h, h, 3, padding=1, groups=h),
+                                                    nn.Conv2d(h, h, 1), nn.ReLU()) for _ in range(5))
+        self.shuffle = nn.ChannelShuffle(2)
+
+    def unit(self, x, i):
+        a, b = x.chunk(2, dim=1)
+        return self.shuffle(torch.cat((a, self.branches[i](b)), 1))
+
+    def forward(self, x):
+        z = self.unit(self.unit(self.unit(x, 0), 1), 2)
+        w = self.unit(z, 3)
+        return self.unit(w, 4), w, z.mean((2, 3))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fuse_shuffle_split_writes_the_parts(check_model, exporter, batch):
+    m = make(ShuffleUnits)
+    inputs = _rand(batch, 16, 6, 6)
+    with_, without = check_with_and_without(check_model, exporter, f"passes_shuffle_{batch}", m, inputs,
+                                            "fuse_shuffle_split")
+    assert ops(without).count("split") == 5 and ops(without).count("channel_shuffle") == 5
+    fused = [n for n in with_.nodes if n.op == "channel_shuffle" and "sizes" in n.attrs]
+    assert ops(with_).count("split") == 3 and len(fused) == 2, ops(with_)
+    for n in fused:
+        assert n.attrs["sizes"] == (8, 8) and len(n.outputs) == 2
+        first, second = n.outputs
+        assert [c.op for c in second.consumers] == ["conv"] and [c.op for c in first.consumers] == ["concat"]
+        # the part that goes on unchanged is written into its concat (one image: a contiguous slice)
+        assert (first.uid in with_.aliases) == (batch == 1)
+
+
 # --- fuse_activation -------------------------------------------------------------------
 
 

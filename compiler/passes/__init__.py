@@ -13,6 +13,7 @@ from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
+from pmx.compiler.passes.fuse_shuffle_split import fuse_shuffle_split
 from pmx.compiler.passes.infer_shapes import infer_shapes
 from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
 from pmx.compiler.passes.negate_silu_weights import negate_silu_weights
@@ -52,6 +53,9 @@ PIPELINE = [
     # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
     # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
     ("fold_channel_gate", fold_channel_gate),
+    # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
+    # before the alias passes, which then place those parts in their concats.
+    ("fuse_shuffle_split", fuse_shuffle_split),
     # Per-node kernel choice; after fusion so it sees the final expressions.
     ("choose_kernels", choose_kernels),
     # Only with --tune: replaces the rule's choices by timings on this machine; right
@@ -79,7 +83,7 @@ PIPELINE = [
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
-            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate",
+            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fuse_shuffle_split",
             "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}

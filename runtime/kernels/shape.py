@@ -7,7 +7,9 @@
            out-of-range bounds clip as torch does), squeeze (axes removed by select).
 `transpose` attrs perm.
 `channel_shuffle` attrs groups: (N, g, C/g, ...) -> (N, C/g, g, ...) over the channels,
-           torch.nn.ChannelShuffle; one strided copy.
+           torch.nn.ChannelShuffle; one strided copy. With attrs sizes, the shuffled
+           channels split along axis 1 into one output per size (a shuffle and the
+           split after it, as the compiler fuses them: compiler/passes/fuse_shuffle_split.py).
 `copy`     identity copy (used where an output must not alias its input).
 """
 
@@ -210,7 +212,12 @@ def channel_shuffle_infer(node, shapes, dtypes):
     shape, g = tuple(shapes[0]), node.attrs["groups"]
     if len(shape) < 2 or not isinstance(g, int) or g < 1 or shape[1] % g:
         raise ValueError(f"groups={g!r} must divide the channels (axis 1) of input {shape}")
-    return [(shape, dtypes[0])]
+    sizes = node.attrs.get("sizes")
+    if sizes is None:
+        return [(shape, dtypes[0])]
+    if not sizes or any(not isinstance(k, int) or k < 0 for k in sizes) or sum(sizes) != shape[1]:
+        raise ValueError(f"sizes={sizes!r} must split the {shape[1]} channels of input {shape}")
+    return [(shape[:1] + (k,) + shape[2:], dtypes[0]) for k in sizes]
 
 
 @register("channel_shuffle", infer=channel_shuffle_infer)
@@ -218,6 +225,8 @@ def make_channel_shuffle(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     g = node.attrs["groups"]
     n, c = x.shape[:2]
+    if "sizes" in node.attrs:
+        return _shuffle_into_parts(x, outputs, g)
     grouped, swapped = (n, g, c // g, -1), (n, c // g, g, -1)
     if x.flags.c_contiguous and out.flags.c_contiguous:
         src, dst = view_as(x, grouped).transpose(0, 2, 1, 3), view_as(out, swapped)
@@ -227,3 +236,32 @@ def make_channel_shuffle(node, inputs, outputs):
         np.copyto(out, x.reshape(grouped).transpose(0, 2, 1, 3).reshape(out.shape))
 
     return run
+
+
+def _shuffle_into_parts(x, outputs, g):
+    """The shuffled channels of x written straight into the split outputs: output
+    channel j (counting across the outputs) is input channel (j % g) * C/g + j // g, so
+    the channels of one output with one residue r = j % g form a stride-g slice of that
+    output and a contiguous run of x. One np.copyto per output and residue, all on basic
+    slices: any strides (an output placed in a concat slice), no temporary."""
+    per_group = x.shape[1] // g
+    pairs = []
+    start = 0
+    for out in outputs:
+        size = out.shape[1]
+        for r in range(g):
+            first = next((j for j in range(start, start + size) if j % g == r), None)
+            if first is None:
+                continue
+            count = len(range(first, start + size, g))
+            src = x[:, r * per_group + first // g:r * per_group + first // g + count]
+            pairs.append((out[:, first - start::g], src))
+        start += size
+    copyto = np.copyto
+
+    def run():
+        for dst, src in pairs:
+            copyto(dst, src)
+
+    return run
+

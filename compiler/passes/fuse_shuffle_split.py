@@ -1,0 +1,42 @@
+"""A channel shuffle whose only reader is a split along the channels (ShuffleNetV2: each
+unit's shuffle feeds the next unit's chunk) becomes one channel_shuffle node with the
+split's outputs (attrs sizes, runtime/kernels/shape.py): the shuffled channels are
+written straight into the parts, one copy of the tensor instead of two, and the
+shuffled tensor no longer takes arena space. alias_concat then places the part that
+goes on unchanged into the next concat, as it did the split's output.
+
+Does not fire when the shuffled tensor is a graph output or kept, has another reader,
+or when the split is along another axis.
+"""
+
+
+def _fusable_split(graph, shuffle):
+    if shuffle.op != "channel_shuffle" or len(shuffle.outputs) != 1 or "sizes" in shuffle.attrs:
+        return None
+    s = shuffle.outputs[0]
+    if s in graph.outputs or s in getattr(graph, "kept", ()) or s.shape is None:
+        return None
+    readers = {c.uid: c for c in s.consumers}
+    if len(readers) != 1:
+        return None
+    (split,) = readers.values()
+    if split.op != "split" or split.inputs[0] is not s or split.attrs["axis"] % len(s.shape) != 1:
+        return None
+    return split
+
+
+def fuse_shuffle_split(graph) -> bool:
+    changed = False
+    for shuffle in list(graph.nodes):
+        split = _fusable_split(graph, shuffle)
+        if split is None:
+            continue
+        parts = list(split.outputs)
+        graph.remove_node(split)
+        shuffle.outputs[0].producer = None
+        shuffle.outputs = parts
+        for v in parts:
+            v.producer = shuffle
+        shuffle.attrs["sizes"] = tuple(int(k) for k in split.attrs["sizes"])
+        changed = True
+    return changed
