@@ -5,6 +5,10 @@ written straight into the parts, one copy of the tensor instead of two, and the
 shuffled tensor no longer takes arena space. alias_concat then places the part that
 goes on unchanged into the next concat, as it did the split's output.
 
+ShuffleNetV2 has 13 such pairs. Steady ms, untuned compiles differing only in this
+pass, alternating fresh processes: 6.22-6.34 -> 6.13-6.21 (8 of 9 pairs faster); in the
+per-node profile its splits had taken 0.24 ms inside the model.
+
 Does not fire when the shuffled tensor is a graph output or kept, has another reader,
 or when the split is along another axis.
 """
