@@ -304,7 +304,8 @@ def write(graph, path, _fail_after_bytes=None):
     crc = 0
     for off, arr in _with_padding(blobs, data_size):
         crc = zlib.crc32(arr, crc)
-    preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF)
+    version = ff.required_version((n.op, n.inputs, n.attrs) for n in graph.nodes)
+    preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF, version)
 
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):

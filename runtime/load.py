@@ -5,7 +5,7 @@ own (the generated accessors neither check bounds nor run fast: they cost micros
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from the generated code once, at import; each vtable in a file becomes one
 struct that reads all of a table's fields in one call. Tensors and nodes are stored as
-columns (format version 2, schema/pmx.fbs): each field of all tensors is one vector,
+columns (format versions 2 and 3, schema/pmx.fbs; runtime/fileformat.py says what 3 adds): each field of all tensors is one vector,
 read with one struct call, and the names are one string cut at stored ends, so a model's
 hundreds of tensors cost a few dozen calls instead of a table each. Attribute sets,
 which a CNN repeats across hundreds of nodes, are stored once each (compiler/write.py)
@@ -183,10 +183,10 @@ def _check_preamble(path, buf, size):
         _fail(path, f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}); upgrade pnnx-pmx")
     if pre["version"] < 1:
         _fail(path, f"format version {pre['version']} is invalid")
-    if pre["version"] < ff.FORMAT_VERSION:
+    if pre["version"] < ff.OLDEST_READABLE_VERSION:
         # version 1 stored a table per tensor and per node (version 2: columns, read faster)
-        _fail(path, f"format version {pre['version']} was written by an older pmx; this runtime reads version "
-                    f"{ff.FORMAT_VERSION}: compile the model again (pmx compile model.pnnx.param)")
+        _fail(path, f"format version {pre['version']} was written by an older pmx; this runtime reads versions "
+                    f"{ff.OLDEST_READABLE_VERSION}-{ff.FORMAT_VERSION}: compile the model again (pmx compile model.pnnx.param)")
     if pre["flags"] != 0:
         _fail(path, f"preamble flags {pre['flags']:#x}: this runtime knows no flags")
     if pre["header_offset"] != ff.PREAMBLE_SIZE:

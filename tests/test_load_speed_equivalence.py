@@ -383,6 +383,18 @@ def test_older_format_versions_are_refused_with_a_way_out(files, tmp_path):
         load.open_model(str(p))
 
 
+def test_newer_format_versions_are_refused_asking_to_upgrade(files, tmp_path):
+    data = bytearray(files["cnn"])
+    assert ff.unpack_preamble(bytes(data[:ff.PREAMBLE_SIZE]))["version"] == ff.OLDEST_READABLE_VERSION
+    struct.pack_into("<I", data, 8, ff.FORMAT_VERSION + 1)
+    struct.pack_into("<I", data, 56, ff.crc32(bytes(data[:56])))
+    p = tmp_path / "v_next.pmx"
+    p.write_bytes(bytes(data))
+    with pytest.raises(PmxFormatError, match=f"format version {ff.FORMAT_VERSION + 1} is newer than this runtime "
+                                             f"reads \\({ff.FORMAT_VERSION}\\); upgrade pnnx-pmx"):
+        load.open_model(str(p))
+
+
 # --- checks whose fast paths must not look away ------------------------------------------
 
 

@@ -268,7 +268,15 @@ class GatedConvs(nn.Module):
                 self.strided(self.gated(y, 5)), self.padded(self.gated(y, 6)))
 
 
-def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, exporter):
+def written_version(graph, tmp_path):
+    from pmx.runtime import fileformat as ff
+
+    path = tmp_path / f"v{graph.nodes[0].uid}.pmx"
+    write(graph, str(path))
+    return ff.unpack_preamble(path.read_bytes()[:ff.PREAMBLE_SIZE])["version"]
+
+
+def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, exporter, tmp_path):
     m = make(GatedConvs)
     inputs = _rand(2, 3, 28, 28)
     with_, without = check_with_and_without(check_model, exporter, "passes_gate", m, inputs, "fold_channel_gate")
@@ -280,6 +288,8 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
     assert conv.inputs[0].producer.inputs[1].shape == (64, 3, 3, 3), "reads the stem's output itself"
     assert conv.inputs[3].shape == (2, 64, 1, 1) and conv.inputs[3].producer.expr == "sigmoid(@0)"
     assert len(with_.nodes) == len(without.nodes) - 1
+    # a runtime that predates input scales would ignore one: the file says it needs version 3
+    assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
 
 
 # --- fuse_shuffle_split ----------------------------------------------------------------
@@ -308,7 +318,7 @@ class ShuffleUnits(nn.Module):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_fuse_shuffle_split_writes_the_parts(check_model, exporter, batch):
+def test_fuse_shuffle_split_writes_the_parts(check_model, exporter, batch, tmp_path):
     m = make(ShuffleUnits)
     inputs = _rand(batch, 16, 6, 6)
     with_, without = check_with_and_without(check_model, exporter, f"passes_shuffle_{batch}", m, inputs,
@@ -322,6 +332,7 @@ def test_fuse_shuffle_split_writes_the_parts(check_model, exporter, batch):
         assert [c.op for c in second.consumers] == ["conv"] and [c.op for c in first.consumers] == ["concat"]
         # the part that goes on unchanged is written into its concat (one image: a contiguous slice)
         assert (first.uid in with_.aliases) == (batch == 1)
+    assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
 
 
 # --- fuse_activation -------------------------------------------------------------------
