@@ -172,6 +172,24 @@ def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
             assert np.array_equal(scale, signed_input(scale.shape, j + 2)), "the gate was written to"
 
 
+def test_conv_input_scale_may_be_a_strided_view():
+    """A gate read through a view (every other channel of a wider tensor) scales the
+    weights without a copy at bind time, which would freeze its first values."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import get
+
+    x, w = signed_input((2, 8, 5, 5), 0), signed_input((6, 8, 1, 1), 1)
+    wide = signed_input((2, 16, 1, 1), 2)
+    gate, out = wide[:, ::2], np.full((2, 6, 5, 5), np.nan, np.float32)
+    attrs = dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")
+    run = get("conv").make(KernelNode("conv", attrs, "", "gemm"), [x, w, None, gate], [out])
+    for seed in (3, 4):  # new gate values between runs must be used
+        wide[...] = signed_input(wide.shape, seed)
+        run()
+        assert_close(out, F.conv2d(torch.from_numpy(x * gate), torch.from_numpy(w)))
+
+
 def test_conv_input_scale_of_the_wrong_shape_names_it():
     x, w = signed_input((2, 4, 3, 3), 0), signed_input((5, 4, 1, 1), 1)
     attrs = dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")

@@ -212,7 +212,7 @@ def _scaled_pointwise(node, x, w, b, scale, out):
     n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
     scaled = scratch_array((cout, cin), w.dtype)
     w2 = w.reshape(cout, cin)
-    rows = view_as(scale, (scale.shape[0], 1, cin))
+    rows = scale[(slice(None), slice(None)) + (0,) * (scale.ndim - 2)][:, None, :]  # (images, 1, Cin): a view at any strides
     x2 = view_as(x, (n, cin, -1))
     out2 = view_as(out, (n, cout, -1))
     bias = None if b is None else b.reshape(cout, 1)
