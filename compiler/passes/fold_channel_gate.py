@@ -24,18 +24,18 @@ import numpy as np
 
 from pmx.runtime import expr as E
 
-GATE_PRODUCTS = {("mul", ("@", 0), ("@", 1)): (0, 1), ("mul", ("@", 1), ("@", 0)): (1, 0)}
+PRODUCTS = (("mul", ("@", 0), ("@", 1)), ("mul", ("@", 1), ("@", 0)))
 
 
 def _gate_and_input(node):
-    """(gate, x) of an elementwise node computing gate * x with a per-channel gate, else
-    None."""
+    """(gate, x) of an elementwise node computing gate * x with a per-channel gate (either
+    operand), else None."""
     if node.op != "elementwise" or len(node.inputs) != 2 or len(node.outputs) != 1 or not node.expr:
         return None
-    order = GATE_PRODUCTS.get(E.parse(node.expr, 2))
-    if order is None:
+    if E.parse(node.expr, 2) not in PRODUCTS:
         return None
-    for gate, x in ((node.inputs[order[0]], node.inputs[order[1]]), (node.inputs[order[1]], node.inputs[order[0]])):
+    a, b = node.inputs
+    for gate, x in ((a, b), (b, a)):
         if (gate is None or x is None or gate.shape is None or x.shape is None or len(x.shape) < 3
                 or len(gate.shape) != len(x.shape)):
             continue
