@@ -22,6 +22,7 @@ What run() accepts (decided here, documented in the README):
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -47,6 +48,20 @@ class NodeArg(FrozenRecord):
             object.__setattr__(self, f, v)
 
 
+@contextlib.contextmanager
+def _naming_node(model, node):
+    """A kernel refusing a node while its scratch is sized or it is bound (attributes or
+    operands the file got inconsistent) fails naming that node."""
+    try:
+        yield
+    except PmxError:
+        raise
+    except MemoryError:
+        raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raised
+        raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot be bound: {type(e).__name__}: {str(e)[:120]}") from None
+
+
 class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
     layout. Arena plus scratch count against max_arena_bytes."""
@@ -63,8 +78,10 @@ class _Binding:
         self.steps = []
         operands = [([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
                     for node in model.nodes]
-        scratch_size = max((kernels.node_scratch_nbytes(node, ins, outs) for node, (ins, outs) in zip(model.nodes, operands)),
-                           default=0)
+        scratch_size = 0
+        for node, (ins, outs) in zip(model.nodes, operands):
+            with _naming_node(model, node):
+                scratch_size = max(scratch_size, kernels.node_scratch_nbytes(node, ins, outs))
         if layout.arena_size + scratch_size > max_arena_bytes:
             raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
@@ -72,16 +89,8 @@ class _Binding:
         persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
         temporaries = []  # kernels.temporary_array: expression temporaries shared by all nodes
         for node, (ins, outs) in zip(model.nodes, operands):
-            try:
-                with kernels.scratch_scope(self.scratch, persistent, temporaries):
-                    fn = kernels.get(node.op).make(node, ins, outs)
-            except PmxError:
-                raise
-            except MemoryError:
-                raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
-            except Exception as e:  # noqa: BLE001 - a kernel refusing its attributes: the file is inconsistent
-                raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot be bound: {type(e).__name__}: {str(e)[:120]}") from None
-            self.steps.append(fn)
+            with _naming_node(model, node), kernels.scratch_scope(self.scratch, persistent, temporaries):
+                self.steps.append(kernels.get(node.op).make(node, ins, outs))
         self.subsets = {}
 
     def _arena_view(self, t, i, layout):

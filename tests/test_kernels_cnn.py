@@ -199,6 +199,34 @@ def test_conv_input_scale_of_the_wrong_shape_names_it():
             run_kernel("conv", [x, w, None, bad], attrs)
 
 
+def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
+    """The scale is checked when the binding sizes the node's scratch, before make():
+    that failure names the node too, like one in make()."""
+    from pmx.compiler.ir import Graph, Node, Value
+    from pmx.compiler.passes.order import order
+    from pmx.compiler.passes.plan_memory import plan_memory
+    from pmx.compiler.write import write
+    from pmx.runtime import InferenceSession
+    from pmx.runtime.errors import PmxFormatError
+
+    g = Graph("t")
+    x, gate, y = Value("x", (1, 4, 3, 3)), Value("gate", (1, 5, 1, 1)), Value("y", (1, 6, 3, 3))
+    w = Value("w", (6, 4, 1, 1), data=signed_input((6, 4, 1, 1), 0))
+    g.inputs, g.outputs = [x, gate], [y]
+    g.add_node(Node("conv", "gated_conv", [x, w, None, gate], [y],
+                    attrs=dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")))
+    g.aliases = {}
+    order(g)
+    plan_memory(g)
+    write(g, str(tmp_path / "bad.pmx"))
+    sess = InferenceSession(str(tmp_path / "bad.pmx"))
+    feed = {"x": signed_input((1, 4, 3, 3), 1), "gate": signed_input((1, 5, 1, 1), 2)}
+    with pytest.raises(PmxFormatError, match=r"node 'gated_conv' \(conv\) cannot be bound: ValueError: input scale "
+                                             r"\(1, 5, 1, 1\) float32 does not scale the channels of input "
+                                             r"\(1, 4, 3, 3\) float32: expected \(1, 4, 1, 1\)"):
+        sess.run(None, feed)
+
+
 @pytest.fixture
 def two_threads():
     """Kernels split work over the threads only above a size threshold and when more than

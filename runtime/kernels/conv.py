@@ -192,8 +192,8 @@ def _input_scale(inputs):
     if (scale.ndim != x.ndim or scale.shape[0] not in (1, x.shape[0]) or scale.shape[1] != x.shape[1]
             or any(d != 1 for d in scale.shape[2:]) or scale.dtype != x.dtype):
         raise ValueError(f"input scale {scale.shape} {scale.dtype} does not scale the channels of input "
-                         f"{x.shape} {x.dtype}: expected ({x.shape[0]} or 1, {x.shape[1]}"
-                         f"{', 1' * (x.ndim - 2)}) {x.dtype}")
+                         f"{x.shape} {x.dtype}: expected ({'1' if x.shape[0] == 1 else f'{x.shape[0]} or 1'}, "
+                         f"{x.shape[1]}{', 1' * (x.ndim - 2)}) {x.dtype}")
     return scale
 
 
