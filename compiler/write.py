@@ -297,6 +297,18 @@ def build(graph):
     return bytes(b.Output()), blobs, data_size
 
 
+def _format_version(graph):
+    """The oldest format version that carries the graph's meaning (runtime/fileformat.py):
+    3 for a conv with an input scale or a channel shuffle writing split parts, which a
+    version-2 runtime would misread without noticing; else 2, which every runtime since
+    reads."""
+    for n in graph.nodes:
+        if (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None) or (
+                n.op == "channel_shuffle" and "sizes" in n.attrs):
+            return 3
+    return ff.OLDEST_READABLE_VERSION
+
+
 def write(graph, path, _fail_after_bytes=None):
     """Write atomically. `_fail_after_bytes` is a test hook simulating a crash mid-write."""
     header, blobs, data_size = build(graph)
@@ -304,7 +316,7 @@ def write(graph, path, _fail_after_bytes=None):
     crc = 0
     for off, arr in _with_padding(blobs, data_size):
         crc = zlib.crc32(arr, crc)
-    version = ff.required_version((n.op, n.inputs, n.attrs) for n in graph.nodes)
+    version = _format_version(graph)
     preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF, version)
 
     directory = os.path.dirname(os.path.abspath(path))

@@ -26,7 +26,7 @@ FILE_IDENTIFIER = b"PMX2"
 # Newest version this code writes and reads. Version 3 is version 2's layout plus node
 # semantics a version-2 runtime would get wrong without noticing (a conv's input scale,
 # a channel shuffle's split parts: it would ignore the extra input or attribute), so the
-# writer stamps 3 only on files that use them (`required_version`), and version-2
+# writer stamps 3 only on files that use them (compiler/write.py `_format_version`), and version-2
 # runtimes refuse those with "upgrade pnnx-pmx" while reading every other new file.
 FORMAT_VERSION = 3
 OLDEST_READABLE_VERSION = 2
@@ -42,16 +42,6 @@ def align(n: int, alignment: int = ALIGNMENT) -> int:
 
 def crc32(data) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def required_version(nodes) -> int:
-    """The oldest format version that carries these nodes' meaning (op, inputs, attrs
-    as each node has them): 3 for a conv with an input scale or a channel shuffle with
-    split parts, else 2."""
-    for op, inputs, attrs in nodes:
-        if (op == "conv" and len(inputs) > 3 and inputs[3] is not None) or (op == "channel_shuffle" and "sizes" in attrs):
-            return 3
-    return OLDEST_READABLE_VERSION
 
 
 def pack_preamble(header_size, data_offset, data_size, header_crc, data_crc, version=FORMAT_VERSION) -> bytes:

@@ -250,12 +250,11 @@ def _shuffle_into_parts(x, outputs, g):
     for out in outputs:
         size = out.shape[1]
         for r in range(g):
-            first = next((j for j in range(start, start + size) if j % g == r), None)
-            if first is None:
-                continue
+            first = start + (r - start) % g  # the output's first channel of residue r
             count = len(range(first, start + size, g))
-            src = x[:, r * per_group + first // g:r * per_group + first // g + count]
-            pairs.append((out[:, first - start::g], src))
+            if count:
+                src = x[:, r * per_group + first // g:r * per_group + first // g + count]
+                pairs.append((out[:, first - start::g], src))
         start += size
     copyto = np.copyto
 
