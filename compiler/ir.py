@@ -121,6 +121,14 @@ class Graph:
                     self.set_input(node, i, new)
         self.outputs = [new if v is old else v for v in self.outputs]
 
+    def sole_reader(self, v: Value):
+        """The one node that reads v (once or more), when nothing else sees v: it is not a
+        graph output or kept (`--keep`). Else None. A fusion may then fold v away."""
+        if v in self.outputs or v in getattr(self, "kept", ()):
+            return None
+        readers = {c.uid: c for c in v.consumers}
+        return next(iter(readers.values())) if len(readers) == 1 else None
+
     def values(self):
         """Every Value reachable from nodes, inputs and outputs, each once, in order."""
         seen = {}

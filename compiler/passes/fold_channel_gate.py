@@ -49,13 +49,8 @@ def _gate_and_input(node):
 def _folding_conv(graph, node):
     """The 1x1 conv that can take node's gate as its input scale, else None."""
     y = node.outputs[0]
-    if y in graph.outputs or y in getattr(graph, "kept", ()):
-        return None
-    readers = {c.uid: c for c in y.consumers}
-    if len(readers) != 1:
-        return None
-    (conv,) = readers.values()
-    if conv.op != "conv" or conv.inputs[0] is not y or any(v is y for v in conv.inputs[1:]):
+    conv = graph.sole_reader(y)
+    if conv is None or conv.op != "conv" or conv.inputs[0] is not y or any(v is y for v in conv.inputs[1:]):
         return None
     w = conv.inputs[1] if len(conv.inputs) > 1 else None
     a = conv.attrs

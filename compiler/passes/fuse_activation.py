@@ -20,12 +20,9 @@ def _activation_of(graph, p):
     if p.op not in GEMM_OPS or len(p.outputs) != 1:
         return None
     x = p.outputs[0]
-    if np.dtype(x.dtype).kind != "f" or x in graph.outputs or x in getattr(graph, "kept", ()):
+    act = graph.sole_reader(x)
+    if np.dtype(x.dtype).kind != "f" or act is None:
         return None
-    users = {c.uid: c for c in x.consumers}
-    if len(users) != 1:
-        return None
-    (act,) = users.values()
     if act.op != "elementwise" or len(act.inputs) != 1 or len(act.outputs) != 1:
         return None
     y = act.outputs[0]

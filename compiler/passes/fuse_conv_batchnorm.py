@@ -18,9 +18,7 @@ def _foldable(graph, bn):
     p = x.producer
     if p is None or p.op not in ("conv", "linear") or p.expr or len(p.outputs) != 1:
         return None
-    if {c.uid for c in x.consumers} != {bn.uid}:
-        return None
-    if x in graph.outputs or x in getattr(graph, "kept", ()):
+    if graph.sole_reader(x) is not bn:
         return None
     w = p.inputs[1]
     b = p.inputs[2] if len(p.inputs) > 2 else None

@@ -40,9 +40,7 @@ def _absorbable(graph, node, v):
     p = v.producer
     if p is None or p.op != "elementwise" or len(p.outputs) != 1 or p is node:
         return False
-    if {c.uid for c in v.consumers} != {node.uid}:
-        return False
-    if v in graph.outputs or v in getattr(graph, "kept", ()):
+    if graph.sole_reader(v) is not node:
         return False
     if _numel(v) != _numel(node.outputs[0]):
         return False

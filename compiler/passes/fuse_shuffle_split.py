@@ -18,13 +18,8 @@ def _fusable_split(graph, shuffle):
     if shuffle.op != "channel_shuffle" or len(shuffle.outputs) != 1 or "sizes" in shuffle.attrs:
         return None
     s = shuffle.outputs[0]
-    if s in graph.outputs or s in getattr(graph, "kept", ()) or s.shape is None:
-        return None
-    readers = {c.uid: c for c in s.consumers}
-    if len(readers) != 1:
-        return None
-    (split,) = readers.values()
-    if split.op != "split" or split.inputs[0] is not s or split.attrs["axis"] % len(s.shape) != 1:
+    split = graph.sole_reader(s)
+    if split is None or s.shape is None or split.op != "split" or split.inputs[0] is not s or split.attrs["axis"] % len(s.shape) != 1:
         return None
     return split
 

@@ -20,16 +20,16 @@ SILU = (("mul", ("@", 0), ("sigmoid", ("@", 0))), ("mul", ("sigmoid", ("@", 0)),
 NEGATED_SILU = "div(@0,sub(-1,exp(@0)))"
 
 
-def _negatable(node):
+def _negatable(graph, node):
     if node.op not in ("conv", "linear") or not node.expr or E.parse(node.expr, 1) not in SILU:
         return False
-    return all(v.is_constant and np.dtype(v.dtype).kind == "f" and {c.uid for c in v.consumers} == {node.uid}
+    return all(v.is_constant and np.dtype(v.dtype).kind == "f" and graph.sole_reader(v) is node
                for v in node.inputs[1:3] if v is not None)
 
 
 def negate_silu_weights(graph) -> bool:
     changed = False
-    for node in [n for n in graph.nodes if _negatable(n)]:
+    for node in [n for n in graph.nodes if _negatable(graph, n)]:
         for i, v in enumerate(node.inputs[1:3], start=1):
             if v is not None:
                 graph.set_input(node, i, Value(f"{v.name}.neg", v.shape, v.dtype, data=np.negative(v.data)))
