@@ -106,12 +106,27 @@ class Graph:
         self.nodes.remove(node)
 
     def set_input(self, node: Node, index: int, value):
+        """node's input `index` becomes value; inputs up to it that the node lacked are
+        absent (None) ones."""
+        while len(node.inputs) <= index:
+            node.inputs.append(None)
+            node.input_names.append(None)
         old = node.inputs[index]
         if old is not None and node in old.consumers:
             old.consumers.remove(node)
         node.inputs[index] = value
         if value is not None:
             value.consumers.append(node)
+
+    def set_outputs(self, node: Node, values):
+        """node produces `values` instead of its outputs (a fusion taking over the outputs
+        of a node it removed)."""
+        for v in node.outputs:
+            if v.producer is node:
+                v.producer = None
+        node.outputs = list(values)
+        for v in node.outputs:
+            v.producer = node
 
     def replace_uses(self, old: Value, new: Value):
         """Point every consumer (and graph output) of `old` at `new`."""

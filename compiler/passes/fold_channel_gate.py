@@ -73,9 +73,6 @@ def fold_channel_gate(graph) -> bool:
             continue
         gate, x = found
         graph.remove_node(node)
-        while len(conv.inputs) < 4:
-            conv.inputs.append(None)
-            conv.input_names.append(None)
         graph.set_input(conv, 0, x)
         graph.set_input(conv, 3, gate)
         changed = True

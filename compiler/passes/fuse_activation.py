@@ -42,8 +42,6 @@ def fuse_activation(graph) -> bool:
             p.expr = E.to_text(E.substitute(E.parse(act.expr, 1), {0: inner}))
             y = act.outputs[0]
             graph.remove_node(act)
-            p.outputs[0].producer = None
-            p.outputs[0] = y
-            y.producer = p
+            graph.set_outputs(p, [y])
             changed = True
     return changed

@@ -45,15 +45,8 @@ def _fold(graph, p, bn):
     y = bn.outputs[0]
     graph.remove_node(bn)
     graph.set_input(p, 1, new_w)
-    if len(p.inputs) > 2:
-        graph.set_input(p, 2, new_b)
-    else:
-        p.inputs.append(new_b)
-        p.input_names.append(None)
-        new_b.consumers.append(p)
-    p.outputs[0].producer = None
-    p.outputs[0] = y
-    y.producer = p
+    graph.set_input(p, 2, new_b)
+    graph.set_outputs(p, [y])
 
 
 def fuse_conv_batchnorm(graph) -> bool:

@@ -30,12 +30,8 @@ def fuse_shuffle_split(graph) -> bool:
         split = _fusable_split(graph, shuffle)
         if split is None:
             continue
-        parts = list(split.outputs)
         graph.remove_node(split)
-        shuffle.outputs[0].producer = None
-        shuffle.outputs = parts
-        for v in parts:
-            v.producer = shuffle
+        graph.set_outputs(shuffle, split.outputs)
         shuffle.attrs["sizes"] = tuple(int(k) for k in split.attrs["sizes"])
         changed = True
     return changed
