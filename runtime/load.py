@@ -5,9 +5,10 @@ own (the generated accessors neither check bounds nor run fast: they cost micros
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from the generated code once, at import; each vtable in a file becomes one
 struct that reads all of a table's fields in one call. Tensors and nodes are stored as
-columns (format versions 2 and 3, schema/pmx.fbs; runtime/fileformat.py says what 3 adds): each field of all tensors is one vector,
-read with one struct call, and the names are one string cut at stored ends, so a model's
-hundreds of tensors cost a few dozen calls instead of a table each. Attribute sets,
+columns (format versions 2 and 3, one layout: schema/pmx.fbs; runtime/fileformat.py
+says what 3 adds): each field of all tensors is one vector, read with one struct call,
+and the names are one string cut at stored ends, so a model's hundreds of tensors cost
+a few dozen calls instead of a table each. Attribute sets,
 which a CNN repeats across hundreds of nodes, are stored once each (compiler/write.py)
 and nodes with equal attributes share one dict (read-only: nothing in pmx changes a
 loaded node's attributes). Where tables remain (attributes, pass statistics), one field
