@@ -454,6 +454,29 @@ def test_max_pool_matches_torch(c):
 
 
 @FAST
+@given(st.integers(2, 3), st.data())
+def test_stride_one_max_pool_matches_torch(nd, data):
+    """Stride-1 max pools run separably (row maxima, then their maxima): 2-d and 3-d, any
+    kernel from 1 to 5 per axis, dilation, padding, ceil mode, batches; some inputs carry
+    NaN and -inf, which torch's max propagates too. Maxima are exact, so the comparison
+    is exact."""
+    k = tuple(data.draw(st.integers(1, 5)) for _ in range(nd))
+    dilation = tuple(data.draw(st.integers(1, 2)) for _ in range(nd))
+    pad = tuple(data.draw(st.integers(0, kk // 2)) for kk in k)
+    size = tuple(max(data.draw(st.integers(1, 9)), d * (kk - 1) + 1 - 2 * p) for kk, d, p in zip(k, dilation, pad))
+    ceil_mode = data.draw(st.booleans())
+    x = signed_input((data.draw(st.integers(1, 2)), data.draw(st.integers(1, 5))) + size, data.draw(st.integers(0, 2**32 - 1)))
+    if data.draw(st.booleans()):
+        x.flat[data.draw(st.integers(0, x.size - 1))] = np.nan
+        x.flat[data.draw(st.integers(0, x.size - 1))] = -np.inf
+    pool = F.max_pool2d if nd == 2 else F.max_pool3d
+    want = pool(torch.from_numpy(x), k, 1, pad, dilation, ceil_mode=ceil_mode).numpy()
+    a = dict(kernel=k, stride=(1,) * nd, pads=pad + pad, dilation=dilation, ceil_mode=ceil_mode)
+    (got,) = run_kernel("max_pool", [x], a)
+    np.testing.assert_array_equal(got, want)
+
+
+@FAST
 @given(pool_case("avg"))
 def test_avg_pool_matches_torch(c):
     x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
