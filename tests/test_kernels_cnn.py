@@ -567,7 +567,10 @@ def test_adaptive_pool_corners(size, out):
 def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, seed):
     """Adaptive pooling to one value per channel (squeeze-and-excitation, classifier
     heads): the GEMV / maximum.reduce path over a contiguous input, and the general
-    reduction over a strided one."""
+    reduction over a strided one. Means against float64 torch within TOL * mean|x| per
+    channel: a mean that cancels is only as exact as that (float32 torch itself was
+    7.5e-10 off -4.05e-5 on 270 signed values, pmx 9e-11: 1.6e-5 relative to the mean,
+    over TOL, although pmx was the closer of the two). Maxima exactly."""
     from helpers import KernelNode
     from pmx.runtime.kernels import get
 
@@ -584,7 +587,12 @@ def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, se
     for op, ref in (("adaptive_avg_pool", avg), ("adaptive_max_pool", mx)):
         out = np.full((batch, channels) + (1,) * nd, np.nan, dtype)
         get(op).make(KernelNode(op, dict(output_size=(1,) * nd)), [src], [out])()
-        assert_close(out, ref(xt, (1,) * nd))
+        want = ref(xt.double(), (1,) * nd).numpy()
+        if op == "adaptive_max_pool":
+            np.testing.assert_array_equal(out, want.astype(dtype))
+            continue
+        bound = TOL * F.adaptive_avg_pool3d(xt.double().abs().reshape(batch, channels, 1, 1, -1), 1).numpy()
+        assert np.all(np.abs(out - want) <= bound.reshape(want.shape)), np.abs(out - want).max()
 
 
 @FAST
