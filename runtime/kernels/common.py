@@ -19,6 +19,24 @@ def view_as(a: np.ndarray, shape) -> np.ndarray:
     return v
 
 
+def copy_rows(dst, src):
+    """Callable doing np.copyto(dst, src) (same shape and dtype). When the rows (last axis)
+    are contiguous in both but lie apart in either (an im2col window, a padded
+    buffer's interior, the valid part of a "wide" output), each row is copied as one
+    item of a void dtype as wide as the row: numpy's loop then moves whole rows instead
+    of running its strided float loop once per row, which short rows pay for. us per
+    copy, float32, plain -> rows: 3x3 im2col of 128 channels at 14x14 132 -> 55, 28x28
+    268 -> 132, 56x56 904 -> 706; 7x7 rows out of rows of 9 (576 channels) 23 -> 13."""
+    item = dst.itemsize
+    if (dst.ndim >= 2 and dst.shape == src.shape and dst.dtype == src.dtype and dst.shape[-1] > 1
+            and dst.strides[-1] == src.strides[-1] == item
+            and (dst.strides[-2] != dst.shape[-1] * item or src.strides[-2] != src.shape[-1] * item)):
+        row = np.dtype((np.void, dst.shape[-1] * item))
+        d, s = dst.view(row)[..., 0], src.view(row)[..., 0]
+        return lambda: np.copyto(d, s)
+    return lambda: np.copyto(dst, src)
+
+
 # Variant suffix: the node's work is not split over the threads. `pmx compile --tune`
 # no longer writes it (compiler/passes/tune.py says why); files that have it run as stored.
 SINGLE_THREAD = "_1t"
@@ -381,11 +399,11 @@ def phase_fill(x, buf, g, mode="zeros"):
 
     def fill(ch):
         copies = [(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
-        steps = [lambda d=d, s=s: np.copyto(d, s) for d, s in copies]
+        steps = [copy_rows(d, s) for d, s in copies]
         if src is not x:
             interior_ch, x_ch = interior[:, ch], x[:, ch]
             border = fill_border(padded[:, ch], g.pads, g.in_spatial, mode)
-            steps = [lambda: np.copyto(interior_ch, x_ch), border] + steps
+            steps = [copy_rows(interior_ch, x_ch), border] + steps
         return chain(*steps)
 
     return fill

@@ -69,6 +69,7 @@ from pmx.runtime.kernels.common import (
     SINGLE_THREAD,
     chain,
     conv_out_size,
+    copy_rows,
     epilogue,
     fill_border,
     gemm,
@@ -102,7 +103,7 @@ def _padded_input(x, a, nd):
         return None, x
     mode = a.get("padding_mode", "zeros")
     buf, interior = padded_buffer(x.shape, pads, x.dtype, 0, shared_as=("conv input", mode))
-    return chain(lambda: np.copyto(interior, x), _border_step(buf, a, x.shape[-nd:])), buf
+    return chain(copy_rows(interior, x), _border_step(buf, a, x.shape[-nd:])), buf
 
 
 def _border_step(buf, a, sizes):
@@ -268,7 +269,7 @@ def _gemm(node, x, w, b, out):
         band_views = [(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)])
                       for lo, hi in bands]
         if _split_by_channels(threads, groups, cout, o):
-            steps.append(parallel.split([lambda d=d, s=s: np.copyto(d, s) for d, s in band_views]))
+            steps.append(parallel.split([copy_rows(d, s) for d, s in band_views]))
             steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
             continue
         steps.append(split_activated(node, out_g[i], [
@@ -322,7 +323,7 @@ def _im2col_gemm(cols_windows, windows, w, cols, out, bias):
     """(work, out) for one band of output rows: its im2col columns and their GEMM with
     the bias (split_activated adds the activation). Bands are independent, so a conv is
     one dispatch to the threads, not three."""
-    return chain(lambda: np.copyto(cols_windows, windows), product(w, cols, out, bias)), out
+    return chain(copy_rows(cols_windows, windows), product(w, cols, out, bias)), out
 
 
 # --- depthwise -----------------------------------------------------------------------
@@ -443,7 +444,8 @@ def _depthwise(node, x, w, b, out):
         valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
         wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
         fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
-        finish = lambda ch: _copy_out(wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None)  # noqa: E731
+        finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch],  # noqa: E731
+                                      b[ch] if b is not None else None)
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
@@ -487,16 +489,22 @@ def _im2col_gemv(buf, g, weights, cols, target, blocks):
     return run
 
 
-def _copy_out(wide_valid, out, b):
-    if b is None:
-        return lambda: np.copyto(out, wide_valid)
-    bview = b.reshape((-1,) + (1,) * (out.ndim - 2))
-    return lambda: np.add(wide_valid, bview, out=out)
+def _copy_out(wide, wide_valid, out, b):
+    """Callable adding the bias (if any) to the wide output in place, then copying its
+    valid part (`wide_valid`, a view of it) out row by row (copy_rows). Adding over whole
+    wide rows and copying after beat one np.add from the strided valid part into out
+    (576x7x7 out of rows of 11: 53 -> 24 us; 96x56x56: 144 -> 98)."""
+    copy = copy_rows(out, wide_valid)
+    return copy if b is None else chain(_add_bias(wide, b), copy)
 
 
 def _add_bias(out, b):
-    """The flat path's bias, in place (None without one)."""
-    return None if b is None else _copy_out(out, out, b)
+    """Callable adding the per-channel bias b to out (N, C, ...) in place (None without
+    one)."""
+    if b is None:
+        return None
+    bview = b.reshape((-1,) + (1,) * (out.ndim - 2))
+    return lambda: np.add(out, bview, out=out)
 
 
 def _wrapped_columns(rows, g):

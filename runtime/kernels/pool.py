@@ -13,7 +13,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, padded_buffer, phase_fill, phases, view_as
+from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, phase_fill, phases, view_as
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
 
@@ -47,7 +47,7 @@ def _taps(x, out, a, fill):
     pads = _ceil_pads(x, out, a)
     if any(pads):
         buf, interior = padded_buffer(x.shape, pads, x.dtype, fill)
-        copy_in = lambda: np.copyto(interior, x)  # noqa: E731
+        copy_in = copy_rows(interior, x)
     else:
         buf, copy_in = x, None
     views = []
@@ -113,7 +113,7 @@ def make_max_pool(node, inputs, outputs):
             maxima = _separable_maximum(buf[:, ch], separable, g.length, row_maxima[:, ch], wide[:, ch])
         else:
             maxima = _maximum_of([buf[:, ch, t:t + g.length] for t in g.taps], wide[:, ch])
-        parts.append(chain(fill_phases(ch), maxima, lambda d=out[:, ch], s=wide_valid[:, ch]: np.copyto(d, s)))
+        parts.append(chain(fill_phases(ch), maxima, copy_rows(out[:, ch], wide_valid[:, ch])))
     return parallel.split(parts)
 
 
@@ -200,12 +200,10 @@ class _ColumnPairs:
 
     @staticmethod
     def of(x, out, a):
-        """The geometry when this path applies, else None: 2-d, stride 2 along an even width
-        with every output column at most W/2, 2- or 4-byte native items on a little-endian
-        host, rows contiguous."""
-        if (len(a["kernel"]) != 2 or a["stride"][1] != 2 or x.shape[-1] % 2 or out.shape[-1] > x.shape[-1] // 2
-                or x.dtype.itemsize not in (2, 4) or not x.dtype.isnative or sys.byteorder != "little"
-                or x.dtype != out.dtype or x.strides[-1] != x.itemsize or x.strides[-2] != x.shape[-1] * x.itemsize):
+        """The geometry when this path applies, else None: 2-d, stride 2 along the width,
+        every output column at most W/2, and an input _split_columns takes."""
+        if (len(a["kernel"]) != 2 or a["stride"][1] != 2 or out.shape[-1] > x.shape[-1] // 2 or x.dtype != out.dtype
+                or not _splits_columns(x)):
             return None
         return _ColumnPairs(x.shape, out.shape, tuple(a["kernel"]), tuple(a["stride"]),
                             tuple(a.get("dilation") or (1, 1)), _ceil_pads(x, out, a))
@@ -229,10 +227,43 @@ def _column_pairs_max_pool(g, x, out):
     parts = []
     for c0, c1 in parallel.ranges(g.c, threads):
         ch = slice(c0, c1)
-        parts.append(chain(_split_columns(x[:, ch], even[:, ch], odd[:, ch], g),
+        parts.append(chain(_split_columns(x[:, ch], even[:, ch], odd[:, ch]),
                            _row_maxima(g, even[:, ch], odd[:, ch], row_max[:, ch]),
                            _column_maxima(g, row_max[:, ch], even[:, ch], out[:, ch])))
     return parallel.split(parts)
+
+
+def _splits_columns(x):
+    """Whether _split_columns handles x (N, C, ..., W): W even, rows contiguous and each
+    channel's rows adjacent, 2- or 4-byte native items on a little-endian host."""
+    item = x.dtype.itemsize
+    return (x.ndim >= 3 and x.shape[-1] % 2 == 0 and item in (2, 4) and x.dtype.isnative and sys.byteorder == "little"
+            and x.strides[-1] == item and all(x.strides[i] == item * math.prod(x.shape[i + 1:])
+                                              for i in range(2, x.ndim)))
+
+
+def _split_columns(x, even, odd):
+    """Callable writing x's even and odd columns (x: N, C, ..., W; _splits_columns), each
+    channel's rows flattened, into even and odd (N, C, >= size / 2). Each channel,
+    viewed as pairs of items in one unsigned integer twice as wide, is cast to the
+    item-sized integer: the cast keeps the low half (the even column), and a view one
+    item in gives the odd one. Contiguous casts, several times faster than strided
+    copies of every other item (96x112x112 float32: 237 us for both against 485)."""
+    item = x.dtype.itemsize
+    pair, unsigned = np.dtype(f"u{2 * item}"), np.dtype(f"u{item}")
+    size = math.prod(x.shape[2:])
+    flat = view_as(x, x.shape[:2] + (size,))
+    # the odd columns' last pair would read one item past the channel: that one is copied
+    sources = [flat.view(pair), flat[..., 1:-1].view(pair)]
+    targets = [even[..., :size // 2].view(unsigned), odd[..., :size // 2 - 1].view(unsigned)]
+    last_odd, last = odd[..., size // 2 - 1], flat[..., -1]
+
+    def run():
+        np.copyto(targets[0], sources[0], casting="unsafe")
+        np.copyto(targets[1], sources[1], casting="unsafe")
+        np.copyto(last_odd, last)
+
+    return run
 
 
 def _flat(a):
@@ -243,26 +274,6 @@ def _flat(a):
 def _grid(a, rows, columns):
     """(N, C, B) blocks as (N, C, rows, columns), the first rows * columns of each."""
     return a[..., :rows * columns].reshape(a.shape[:2] + (rows, columns))
-
-
-def _split_columns(x, even, odd, g):
-    """Callable writing x's even and odd columns, each channel's rows flattened, into the
-    blocks of even and odd."""
-    item = x.dtype.itemsize
-    pair = np.dtype(f"u{2 * item}")
-    count = g.height * g.half
-    flat = view_as(x, x.shape[:2] + (2 * count,))
-    # the odd columns' last pair would read one item past the channel: that one is copied
-    sources = [flat.view(pair), flat[..., 1:-1].view(pair)]
-    targets = [even[..., :count].view(f"u{item}"), odd[..., :count - 1].view(f"u{item}")]
-    last_odd, last = odd[..., count - 1], flat[..., -1]
-
-    def run():
-        np.copyto(targets[0], sources[0], casting="unsafe")
-        np.copyto(targets[1], sources[1], casting="unsafe")
-        np.copyto(last_odd, last)
-
-    return run
 
 
 def _row_maxima(g, even, odd, row_max):
@@ -291,8 +302,7 @@ def _column_maxima(g, row_max, wide, out):
         shifts = [r * g.half for r in g.row_taps]
         lo, hi = y0 * g.wide_row, target.shape[1] - max(0, max(shifts))
         steps.append(_maximum_of([rows[:, lo + shift:hi + shift] for shift in shifts], target[:, lo:hi]))
-        steps.append(lambda d=out[..., y0:y1, :], s=_grid(wide, g.out_h, g.wide_row)[..., y0:y1, :g.out_w]:
-                     np.copyto(d, s))
+        steps.append(copy_rows(out[..., y0:y1, :], _grid(wide, g.out_h, g.wide_row)[..., y0:y1, :g.out_w]))
     grid = _grid(row_max, g.height, g.half)
     for y in g.edge_rows:
         taps = [grid[..., g.stride_h * y + r, :g.out_w] for r in g.row_taps if 0 <= g.stride_h * y + r < g.height]
