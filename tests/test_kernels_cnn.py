@@ -418,6 +418,44 @@ def test_conv_1x1_on_one_position_into_a_concat_slice():
     assert_close(out, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)))
     assert (concat[:, :3] == 7).all() and (concat[:, 7:] == 7).all()
 
+# --- strided copies ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["phase", "transposed", "rows", "window"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@FAST
+@given(data=st.data())
+def test_row_and_pair_copies_equal_numpy(kind, dtype, data):
+    """copy_rows (rows as void items) and copy_strided (every other item read as the low
+    half of a pair) against np.copyto: row-strided and every-other-item sources, transposed
+    and window views given their owner, float32/float16/float64 (no pair type: rows), and
+    sources whose last pair would read past their owner (copy_strided must not)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    from pmx.runtime.kernels.common import copy_rows, copy_strided
+
+    shape = tuple(data.draw(st.integers(1, 7)) for _ in range(4))
+    owner = signed_input(shape, data.draw(st.integers(0, 2**32 - 1))).astype(dtype)
+    a, b = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 1))
+    if kind == "phase":  # ends at the owner's last item when a, b = 1 and the sizes are even
+        src = owner[:, :, a::2, b::2]
+    elif kind == "transposed":
+        src = owner[:, :, a::2, b::2].transpose(1, 0, 2, 3)
+    elif kind == "rows":
+        src = owner[:, :, :, b:]
+    else:  # a stride-2 im2col window of one image: (C, kh, kw, out rows, out cols)
+        k, s = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+        c, h, w = owner.shape[1:]
+        assume(h >= k and w >= k)
+        st_ = owner[0].strides
+        src = as_strided(owner[0], (c, k, k, (h - k) // s + 1, (w - k) // 2 + 1),
+                         st_[:2] + (st_[2], s * st_[1], 2 * st_[2]), writeable=False)
+    for copy in (copy_rows, copy_strided):
+        dst = np.full(src.shape, np.nan, dtype)
+        copy(dst, src, owner)() if copy is copy_strided else copy(dst, src)()
+        np.testing.assert_array_equal(dst, src)
+
+
 # --- pooling --------------------------------------------------------------------------------
 
 

@@ -70,6 +70,7 @@ from pmx.runtime.kernels.common import (
     chain,
     conv_out_size,
     copy_rows,
+    copy_strided,
     epilogue,
     fill_border,
     gemm,
@@ -78,6 +79,7 @@ from pmx.runtime.kernels.common import (
     phase_fill,
     phases,
     product,
+    root_array,
     split_activated,
     view_as,
 )
@@ -256,6 +258,7 @@ def _gemm(node, x, w, b, out):
         return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True, bias=bias)
                        for i in range(n)))
     pad_step, xp = _padded_input(x, a, nd)
+    owner = root_array(xp)  # the windows below are as_strided views, which lose their bases
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * math.prod(k) * o
@@ -269,11 +272,11 @@ def _gemm(node, x, w, b, out):
         band_views = [(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)])
                       for lo, hi in bands]
         if _split_by_channels(threads, groups, cout, o):
-            steps.append(parallel.split([copy_rows(d, s) for d, s in band_views]))
+            steps.append(parallel.split([copy_strided(d, s, owner) for d, s in band_views]))
             steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
             continue
         steps.append(split_activated(node, out_g[i], [
-            _im2col_gemm(dst, src, squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
+            _im2col_gemm(copy_strided(dst, src, owner), squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
                          squeeze(out_g[i][..., lo * row:hi * row]), bias)
             for (dst, src), (lo, hi) in zip(band_views, bands)]))
     return chain(*steps)
@@ -319,11 +322,11 @@ def _gemv(node, x, w, b, out):
     return chain(product, epilogue(node, out, threads=1))
 
 
-def _im2col_gemm(cols_windows, windows, w, cols, out, bias):
-    """(work, out) for one band of output rows: its im2col columns and their GEMM with
-    the bias (split_activated adds the activation). Bands are independent, so a conv is
-    one dispatch to the threads, not three."""
-    return chain(copy_rows(cols_windows, windows), product(w, cols, out, bias)), out
+def _im2col_gemm(copy, w, cols, out, bias):
+    """(work, out) for one band of output rows: `copy` of its im2col columns, then their
+    GEMM with the bias (split_activated adds the activation). Bands are independent, so a
+    conv is one dispatch to the threads, not three."""
+    return chain(copy, product(w, cols, out, bias)), out
 
 
 # --- depthwise -----------------------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, node_threads, split_activated
+from pmx.runtime.kernels.common import chain, copy_strided, node_threads, split_activated
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
 # numpy calls per part cost more than they save below it (measured: 4-11M lose, 14M
@@ -158,7 +158,7 @@ def _input_part(x, pads, g, phases, rows_combined, v, c0, c1):
             src = x[:, c0:c1, y0::2, x0::2].transpose(1, 0, 2, 3)
             i0, j0 = (y0 + pt) // 2, (x0 + pl) // 2
             dst = planes[py, px, c0:c1, :, i0:i0 + src.shape[2], j0:j0 + src.shape[3]]
-            steps.append(lambda dst=dst, src=src: np.copyto(dst, src))
+            steps.append(copy_strided(dst, src))
     lo, hi = c0 * g.columns, c1 * g.columns
     extra = 1 if c1 == g.c else 0  # the last part also makes the one position past span
     for px in range(2):
