@@ -503,7 +503,8 @@ def test_stride_one_max_pool_matches_torch(nd, data):
     pad = tuple(data.draw(st.integers(0, kk // 2)) for kk in k)
     size = tuple(max(data.draw(st.integers(1, 9)), d * (kk - 1) + 1 - 2 * p) for kk, d, p in zip(k, dilation, pad))
     ceil_mode = data.draw(st.booleans())
-    x = signed_input((data.draw(st.integers(1, 2)), data.draw(st.integers(1, 5))) + size, data.draw(st.integers(0, 2**32 - 1)))
+    batch, channels = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 5))
+    x = signed_input((batch, channels) + size, data.draw(st.integers(0, 2**32 - 1)))
     if data.draw(st.booleans()):
         x.flat[data.draw(st.integers(0, x.size - 1))] = np.nan
         x.flat[data.draw(st.integers(0, x.size - 1))] = -np.inf

@@ -157,8 +157,9 @@ def _separable_maximum(buf, taps, length, row_maxima, acc):
 
 
 class _ColumnPairs:
-    """Geometry of 2-d max pooling with stride 2 along an even width W, for 4- and 2-byte
-    items on a little-endian host. The phase path split such inputs into four phases by
+    """Geometry of 2-d max pooling with stride 2 along the width W, for 4- and 2-byte
+    items on a little-endian host (W even; an odd-width input is read through a copy one
+    column wider, see _column_pairs_max_pool). The phase path split such inputs into four phases by
     strided copies, as slow as all the maxima after them, and maxima over strided views
     of short rows pay numpy's per-row loop cost. Here every pass is over whole channels:
       1. the input's columns split into even and odd ones by casting each channel, viewed
@@ -176,9 +177,9 @@ class _ColumnPairs:
          "wide" output (rows of s * W/2, of which the first out_w are kept) is kh - 1
          maxima over contiguous slices. Output rows whose window reaches into the padding
          (`edge_rows`) are computed from their valid rows straight into the output.
-    Odd widths keep the phase path: a pair would straddle two rows. us per call, two
-    threads, phase path -> this one: 3x3 64x112x112 (GoogLeNet, ResNet-18) 465 -> 271,
-    192x56x56 417 -> 222, 480x28x28 354 -> 190; 2x2 832x14x14 185 -> 115."""
+    us per call, two threads, phase path -> this one: 3x3 64x112x112 (GoogLeNet,
+    ResNet-18) 465 -> 271, 192x56x56 417 -> 222, 480x28x28 354 -> 190; 2x2 832x14x14
+    185 -> 115."""
 
     def __init__(self, x_shape, out_shape, kernel, stride, dilation, pads):
         self.n, self.c, self.height, self.width = x_shape
@@ -309,8 +310,8 @@ def _row_maxima(g, even, odd, row_max):
     bulk = _maximum_of([columns[parity][:, lo + offset:hi + offset] for parity, offset in g.column_taps],
                        _flat(row_max)[:, lo:hi])
     grid = [_grid(a, g.height, g.half) for a in (even, odd, row_max)]
-    edges = [_maximum_of([grid[parity][..., x + offset] for parity, offset in g.column_taps if 0 <= x + offset < g.half],
-                         grid[2][..., x])
+    edges = [_maximum_of([grid[parity][..., x + offset] for parity, offset in g.column_taps
+                          if 0 <= x + offset < g.half], grid[2][..., x])
              for x in g.edge_columns]
     return chain(bulk, *edges)
 
