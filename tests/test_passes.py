@@ -292,6 +292,93 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
     assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
 
 
+# --- fold_hardswish_scale ---------------------------------------------------------------
+
+
+class HardswishReaders(nn.Module):
+    """Hardswish epilogues read by: a depthwise conv (folds), a grouped 3x3 conv with
+    reflect padding (folds), a linear layer (folds); and not folded: one also pooled (two
+    readers), one that is a graph output, one read by a pool only, one whose reader's
+    weights another conv shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4, padding_mode="reflect")
+        self.expand = nn.Conv2d(16, 32, 1)
+        self.pooled = nn.Conv2d(32, 16, 1)
+        self.out = nn.Conv2d(16, 8, 1)
+        self.last = nn.Conv2d(16, 24, 1)
+        self.shared = nn.Conv2d(24, 24, 1)
+        self.fc = nn.Linear(24, 12)
+        self.fc2 = nn.Linear(12, 5)
+
+    def forward(self, x):
+        y = self.dw(F.hardswish(self.stem(x)))
+        y = F.hardswish(self.grouped(F.hardswish(y)))
+        e = F.hardswish(self.expand(y))
+        p = self.pooled(e) + e.mean((2, 3), keepdim=True)[:, :16]
+        o = F.hardswish(self.out(p))
+        s = F.hardswish(self.last(p))
+        t = self.shared(s) + self.shared(torch.relu(s))
+        v = F.hardswish(self.fc(t.mean((2, 3))))
+        return self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2)
+
+
+def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, exporter):
+    """Where the hardswish output's one reader is a conv or linear, the epilogue drops its
+    division and the reader's weights are the original ones / 6; both compiles match
+    torch."""
+    from pmx.compiler.passes.fold_hardswish_scale import HARDSWISH, SCALED_HARDSWISH
+
+    m = make(HardswishReaders)
+    inputs = (_rand(2, 3, 16, 16)[0] * 4,)
+    with_, without = check_with_and_without(check_model, exporter, "passes_hardswish", m, inputs,
+                                            "fold_hardswish_scale")
+    scaled = sorted(n.inputs[1].shape for n in with_.nodes for r in with_.nodes
+                    if r.expr == SCALED_HARDSWISH and r.outputs[0] is n.inputs[0])
+    # readers: the depthwise conv (after the stem), the grouped conv (after dw), the 1x1
+    # expand conv (after the grouped one), the linear fc2 (after fc)
+    assert scaled == [(5, 12), (16, 1, 3, 3), (16, 4, 3, 3), (32, 16, 1, 1)], scaled
+    # left: the expand conv's (read twice by `pooled` and by the mean), the graph
+    # output's, the one a relu also reads, the pooled one
+    assert sum(n.expr == HARDSWISH for n in without.nodes) == 8
+    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 4
+    originals = {n.name: n for n in without.nodes}
+    for n in with_.nodes:
+        producer = n.inputs[0].producer if n.inputs and n.inputs[0] is not None else None
+        if producer is not None and producer.expr == SCALED_HARDSWISH:
+            before = np.asarray(originals[n.name].inputs[1].data, np.float64)
+            np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64) * 6, before, rtol=1e-6)
+
+
+def test_fold_hardswish_scale_leaves_shared_weights():
+    """A reader whose weights another node also reads keeps them (the file would hold
+    them twice), and the epilogue keeps its division."""
+    from pmx.compiler.passes.fold_hardswish_scale import HARDSWISH, fold_hardswish_scale
+
+    g = Graph("t")
+    x, y, z, u, v = (Value(n, (1, 4)) for n in "xyzuv")
+    w, shared = (Value(n, (4, 4), data=np.eye(4, dtype=np.float32)) for n in ("w", "shared"))
+    g.inputs = [x, u]
+    g.add_node(Node("linear", "a", [x, w], [y], expr=HARDSWISH))
+    g.add_node(Node("linear", "b", [y, shared], [z]))
+    g.add_node(Node("linear", "c", [u, shared], [v]))
+    g.outputs = [z, v]
+    assert not fold_hardswish_scale(g)
+    assert g.nodes[0].expr == HARDSWISH and g.nodes[1].inputs[1] is shared
+    x, y, z = (Value(n, (1, 4)) for n in "xyz")
+    w, own = (Value(n, (4, 4), data=np.eye(4, dtype=np.float32)) for n in ("w", "own"))
+    g2 = Graph("t2")
+    g2.inputs = [x]
+    g2.add_node(Node("linear", "a", [x, w], [y], expr=HARDSWISH))
+    g2.add_node(Node("linear", "b", [y, own], [z]))
+    g2.outputs = [z]
+    assert fold_hardswish_scale(g2), "the unshared case folds"
+    np.testing.assert_array_equal(np.asarray(g2.nodes[1].inputs[1].data), np.eye(4, dtype=np.float32) / 6)
+
+
 # --- fuse_shuffle_split ----------------------------------------------------------------
 
 

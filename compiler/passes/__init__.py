@@ -9,6 +9,7 @@ from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
 from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
+from pmx.compiler.passes.fold_hardswish_scale import fold_hardswish_scale
 from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
@@ -53,6 +54,9 @@ PIPELINE = [
     # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
     # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
     ("fold_channel_gate", fold_channel_gate),
+    # After the activations are final: a hardswish epilogue whose one reader is a conv
+    # or linear leaves its division by 6 to that reader's weights (one pass fewer).
+    ("fold_hardswish_scale", fold_hardswish_scale),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
     # before the alias passes, which then place those parts in their concats.
     ("fuse_shuffle_split", fuse_shuffle_split),
@@ -83,8 +87,8 @@ PIPELINE = [
 
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
-            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fuse_shuffle_split",
-            "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
+            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale",
+            "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
 
