@@ -194,10 +194,12 @@ class SiluGemms(nn.Module):
 def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
     """Every SiLU epilogue of a conv or linear runs over the negated product, in three
     numpy passes, and the outputs equal those of the unrewritten model bit for bit (and
-    both match torch)."""
+    both match torch). fold_hardswish_scale is off in both: the hardswish conv's output
+    reaches fc through a mean, so it would fold and change fc's weights."""
     m = make(SiluGemms)
     inputs = (_rand(2, 3, 24, 24)[0] * 4,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights")
+    with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights",
+                                            also_disabled=("fold_hardswish_scale",))
     negated = [n for n in with_.nodes if n.expr == "div(@0,sub(-1,exp(@0)))"]
     assert len(negated) == 5, [(n.op, n.expr) for n in with_.nodes]
     assert not any(n.expr == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
@@ -296,10 +298,12 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
 
 
 class HardswishReaders(nn.Module):
-    """Hardswish epilogues read by: a depthwise conv (folds), a grouped 3x3 conv with
-    reflect padding (folds), a linear layer (folds); and not folded: one also pooled (two
-    readers), one that is a graph output, one read by a pool only, one whose reader's
-    weights another conv shares."""
+    """Hardswish epilogues read by: a depthwise conv, a grouped 3x3 conv with reflect
+    padding, a 1x1 conv, a linear layer, and a squeeze-and-excitation block (a pool then
+    a 1x1 conv, and a 1x1 conv taking the gate as its input scale): all fold. Not folded:
+    one also sliced (a reader that is not linear in it), one that is a graph output, one
+    that is a graph output and read by a conv, one pooled into a graph output, one a relu
+    also reads."""
 
     def __init__(self):
         super().__init__()
@@ -313,6 +317,11 @@ class HardswishReaders(nn.Module):
         self.shared = nn.Conv2d(24, 24, 1)
         self.fc = nn.Linear(24, 12)
         self.fc2 = nn.Linear(12, 5)
+        self.kout = nn.Conv2d(16, 8, 1)
+        self.kread = nn.Conv2d(8, 4, 1)
+        self.se_in = nn.Conv2d(16, 16, 1)
+        self.se_fc = nn.Conv2d(16, 16, 1)
+        self.se_proj = nn.Conv2d(16, 8, 1)
 
     def forward(self, x):
         y = self.dw(F.hardswish(self.stem(x)))
@@ -323,7 +332,10 @@ class HardswishReaders(nn.Module):
         s = F.hardswish(self.last(p))
         t = self.shared(s) + self.shared(torch.relu(s))
         v = F.hardswish(self.fc(t.mean((2, 3))))
-        return self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2)
+        h = F.hardswish(self.se_in(p))
+        se = self.se_proj(h * torch.sigmoid(self.se_fc(F.adaptive_avg_pool2d(h, 1))))
+        k = F.hardswish(self.kout(p))
+        return self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2), se, k, self.kread(k)
 
 
 def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, exporter):
@@ -337,18 +349,27 @@ def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, ex
     with_, without = check_with_and_without(check_model, exporter, "passes_hardswish", m, inputs,
                                             "fold_hardswish_scale")
     scaled = sorted(n.inputs[1].shape for n in with_.nodes for r in with_.nodes
-                    if r.expr == SCALED_HARDSWISH and r.outputs[0] is n.inputs[0])
+                    if r.expr == SCALED_HARDSWISH and r.outputs[0] is n.inputs[0] and n.op in ("conv", "linear"))
     # readers: the depthwise conv (after the stem), the grouped conv (after dw), the 1x1
-    # expand conv (after the grouped one), the linear fc2 (after fc)
-    assert scaled == [(5, 12), (16, 1, 3, 3), (16, 4, 3, 3), (32, 16, 1, 1)], scaled
-    # left: the expand conv's (read twice by `pooled` and by the mean), the graph
-    # output's, the one a relu also reads, the pooled one
-    assert sum(n.expr == HARDSWISH for n in without.nodes) == 8
-    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 4
+    # expand conv (after the grouped one), the linear fc2 (after fc), and after se_in
+    # both se_fc (through the pool) and se_proj (the gate folded into its input scale)
+    scaled += sorted(n.inputs[1].shape for n in with_.nodes for r in with_.nodes if r.expr == SCALED_HARDSWISH
+                     and n.inputs[0] is not None and n.inputs[0].producer is not None
+                     and n.inputs[0].producer.op == "adaptive_avg_pool"
+                     and n.inputs[0].producer.inputs[0] is r.outputs[0])
+    assert sorted(scaled) == [(5, 12), (8, 16, 1, 1), (16, 1, 3, 3), (16, 4, 3, 3), (16, 16, 1, 1),
+                              (32, 16, 1, 1)], scaled
+    assert any(len(n.inputs) > 3 and n.inputs[3] is not None for n in with_.nodes), "the gate folded"
+    # left: the expand conv's (also sliced after its mean), the two graph outputs, the
+    # one pooled into a graph output, the one a relu also reads
+    assert sum(n.expr == HARDSWISH for n in without.nodes) == 10
+    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 5
     originals = {n.name: n for n in without.nodes}
     for n in with_.nodes:
         producer = n.inputs[0].producer if n.inputs and n.inputs[0] is not None else None
-        if producer is not None and producer.expr == SCALED_HARDSWISH:
+        while producer is not None and producer.op == "adaptive_avg_pool":
+            producer = producer.inputs[0].producer
+        if producer is not None and producer.expr == SCALED_HARDSWISH and n.op in ("conv", "linear"):
             before = np.asarray(originals[n.name].inputs[1].data, np.float64)
             np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64) * 6, before, rtol=1e-6)
 

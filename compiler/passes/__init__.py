@@ -54,8 +54,9 @@ PIPELINE = [
     # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
     # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
     ("fold_channel_gate", fold_channel_gate),
-    # After the activations are final: a hardswish epilogue whose one reader is a conv
-    # or linear leaves its division by 6 to that reader's weights (one pass fewer).
+    # After fold_channel_gate (a gated conv then reads the hardswish output itself): a
+    # hardswish epilogue read only by convs and linears leaves its division by 6 to
+    # their weights (one pass fewer).
     ("fold_hardswish_scale", fold_hardswish_scale),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
     # before the alias passes, which then place those parts in their concats.
