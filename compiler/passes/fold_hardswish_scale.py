@@ -18,8 +18,8 @@ hour (6 of 6). Error against torch 7.9e-8 -> 1.1e-7 of the output's largest magn
 (the readers' weights / 6 round once more).
 
 Does not fire on weights another node reads (the file would hold them twice), on
-non-constant or non-float weights, or where the output is a graph output, kept, or read
-by another node or as a weight.
+non-constant or non-float weights, or where the output (or a pass-through op's output on
+the way) is a graph output, kept, read by any other op, or read as a weight.
 """
 
 import numpy as np
