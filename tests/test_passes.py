@@ -299,11 +299,12 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
 
 class HardswishReaders(nn.Module):
     """Hardswish epilogues read by: a depthwise conv, a grouped 3x3 conv with reflect
-    padding, a 1x1 conv, a linear layer, and a squeeze-and-excitation block (a pool then
-    a 1x1 conv, and a 1x1 conv taking the gate as its input scale): all fold. Not folded:
-    one also sliced (a reader that is not linear in it), one that is a graph output, one
-    that is a graph output and read by a conv, one pooled into a graph output, one a relu
-    also reads."""
+    padding, a 1x1 conv, a linear layer, and two squeeze-and-excitation blocks (a pool
+    then a 1x1 conv; and a 1x1 conv taking the gate as its input scale, or an elementwise
+    gate before a 3x3 conv): all fold. Not folded: one also sliced (a reader that is not
+    linear in it), one that is a graph output, one that is a graph output and read by a
+    conv, one pooled into a graph output, one a relu also reads, one multiplied by its
+    own mean (the 3x3 conv after would take 6 twice), and one added to another tensor."""
 
     def __init__(self):
         super().__init__()
@@ -319,6 +320,13 @@ class HardswishReaders(nn.Module):
         self.fc2 = nn.Linear(12, 5)
         self.kout = nn.Conv2d(16, 8, 1)
         self.kread = nn.Conv2d(8, 4, 1)
+        self.gated_in = nn.Conv2d(16, 16, 1)
+        self.gated_fc = nn.Conv2d(16, 16, 1)
+        self.gated_3x3 = nn.Conv2d(16, 4, 3)
+        self.square_in = nn.Conv2d(16, 16, 1)
+        self.square_out = nn.Conv2d(16, 4, 3)
+        self.sum_in = nn.Conv2d(16, 16, 1)
+        self.sum_out = nn.Conv2d(16, 4, 1)
         self.se_in = nn.Conv2d(16, 16, 1)
         self.se_fc = nn.Conv2d(16, 16, 1)
         self.se_proj = nn.Conv2d(16, 8, 1)
@@ -335,7 +343,14 @@ class HardswishReaders(nn.Module):
         h = F.hardswish(self.se_in(p))
         se = self.se_proj(h * torch.sigmoid(self.se_fc(F.adaptive_avg_pool2d(h, 1))))
         k = F.hardswish(self.kout(p))
-        return self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2), se, k, self.kread(k)
+        g = F.hardswish(self.gated_in(p))
+        gated = self.gated_3x3(g * torch.sigmoid(self.gated_fc(F.adaptive_avg_pool2d(g, 1))))
+        q = F.hardswish(self.square_in(p))
+        square = self.square_out(q * F.adaptive_avg_pool2d(q, 1))
+        a = F.hardswish(self.sum_in(p))
+        summed = self.sum_out(a + p)
+        return (self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2), se, k, self.kread(k), gated, square,
+                summed)
 
 
 def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, exporter):
@@ -358,12 +373,15 @@ def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, ex
                      and n.inputs[0].producer.op == "adaptive_avg_pool"
                      and n.inputs[0].producer.inputs[0] is r.outputs[0])
     assert sorted(scaled) == [(5, 12), (8, 16, 1, 1), (16, 1, 3, 3), (16, 4, 3, 3), (16, 16, 1, 1),
-                              (32, 16, 1, 1)], scaled
+                              (16, 16, 1, 1), (32, 16, 1, 1)], scaled
     assert any(len(n.inputs) > 3 and n.inputs[3] is not None for n in with_.nodes), "the gate folded"
+    gated_3x3 = next(n for n in with_.nodes if n.op == "conv" and n.inputs[1].shape == (4, 16, 3, 3))
+    assert gated_3x3.inputs[1].name.endswith(".div6"), "the 3x3 conv after the elementwise gate takes the 1/6"
     # left: the expand conv's (also sliced after its mean), the two graph outputs, the
-    # one pooled into a graph output, the one a relu also reads
-    assert sum(n.expr == HARDSWISH for n in without.nodes) == 10
-    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 5
+    # one pooled into a graph output, the one a relu also reads, the one times its mean,
+    # the summed one
+    assert sum(n.expr == HARDSWISH for n in without.nodes) == 13
+    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 7
     originals = {n.name: n for n in without.nodes}
     for n in with_.nodes:
         producer = n.inputs[0].producer if n.inputs and n.inputs[0] is not None else None
