@@ -49,8 +49,8 @@ def copy_strided(dst, src, owner=None):
     found from src's bases when not given); where they would not, or the items are not
     4 or 2 bytes, copy_rows."""
     item = src.itemsize
-    if (src.ndim >= 1 and src.shape == dst.shape and src.dtype == dst.dtype and item in (2, 4) and src.dtype.isnative
-            and sys.byteorder == "little" and src.strides[-1] == 2 * item and dst.strides[-1] == item and src.size):
+    if (src.ndim >= 1 and src.shape == dst.shape and src.dtype == dst.dtype and pairs_castable(src.dtype)
+            and src.strides[-1] == 2 * item and dst.strides[-1] == item and src.size):
         owner = root_array(src) if owner is None else owner
         if owner is not None:
             offset = src.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
@@ -62,6 +62,12 @@ def copy_strided(dst, src, owner=None):
                 target = dst.view(f"u{item}")
                 return lambda: np.copyto(target, pairs, casting="unsafe")
     return copy_rows(dst, src)
+
+
+def pairs_castable(dtype):
+    """Whether copy_strided can read items of `dtype` as pairs: 2- or 4-byte native items
+    on a little-endian host (the pair's low half is then its first item)."""
+    return dtype.itemsize in (2, 4) and dtype.isnative and sys.byteorder == "little"
 
 
 def root_array(a):

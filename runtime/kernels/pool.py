@@ -7,13 +7,13 @@ dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
 """
 
 import math
-import sys
 
 import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, phase_fill, phases, view_as
+from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable, phase_fill,
+                                        phases, root_array, view_as)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
 
@@ -141,19 +141,8 @@ def _separable_maximum(buf, taps, length, row_maxima, acc):
     columns (_separable_taps): the row maxima at every offset a row may start, then their
     maxima."""
     columns, rows, span = taps
-    by_column = [buf[..., c:c + span] for c in columns]
-    by_row = [row_maxima[..., r:r + length] for r in rows]
-    maximum = np.maximum
-
-    def run():
-        maximum(by_column[0], by_column[1], out=row_maxima)
-        for t in by_column[2:]:
-            maximum(row_maxima, t, out=row_maxima)
-        maximum(by_row[0], by_row[1], out=acc)
-        for t in by_row[2:]:
-            maximum(acc, t, out=acc)
-
-    return run
+    return chain(_maximum_of([buf[..., c:c + span] for c in columns], row_maxima),
+                 _maximum_of([row_maxima[..., r:r + length] for r in rows], acc))
 
 
 class _ColumnPairs:
@@ -189,7 +178,6 @@ class _ColumnPairs:
         # per tap along the width: (0 even / 1 odd input column, offset in column pairs)
         self.column_taps = [divmod(kx * dilation[1] - pads[1], 2)[::-1] for kx in range(kw)]
         offsets = [offset for _, offset in self.column_taps]
-        self.row_span = (max(0, -min(offsets)), self.height * self.half - max(0, max(offsets)))
         self.edge_columns = [x for x in range(self.out_w) if not 0 <= x + min(offsets) <= x + max(offsets) < self.half]
         # per tap along the height: input row offset from stride * y
         self.row_taps = [ky * dilation[0] - pads[0] for ky in range(kh)]
@@ -203,8 +191,7 @@ class _ColumnPairs:
     @staticmethod
     def of(x, out, a):
         """The geometry when this path applies, else None: 2-d, stride 2 along the width,
-        every output column at most ceil(W/2), and an input _split_columns takes, or one
-        of odd width whose items it would take (_widened)."""
+        every output column at most ceil(W/2), and an input _widened takes."""
         x_shape = _widened(x)
         if (len(a["kernel"]) != 2 or a["stride"][1] != 2 or x_shape is None or out.shape[-1] > x_shape[-1] // 2
                 or x.dtype != out.dtype):
@@ -249,46 +236,29 @@ def _column_pairs_max_pool(g, x, out):
 
 def _widened(x):
     """The shape _ColumnPairs reads x as: x's own when _split_columns takes it, one
-    column wider for an odd width (4- or 2-byte native items, little-endian), else None."""
-    if _splits_columns(x):
-        return x.shape
-    item = x.dtype.itemsize
-    if x.ndim >= 3 and x.shape[-1] % 2 and item in (2, 4) and x.dtype.isnative and sys.byteorder == "little":
+    column wider for an odd width (copied), else None."""
+    if not (x.ndim >= 3 and pairs_castable(x.dtype)):
+        return None
+    if x.shape[-1] % 2:
         return x.shape[:-1] + (x.shape[-1] + 1,)
-    return None
-
-
-def _splits_columns(x):
-    """Whether _split_columns handles x (N, C, ..., W): W even, rows contiguous and each
-    channel's rows adjacent, 2- or 4-byte native items on a little-endian host."""
-    item = x.dtype.itemsize
-    return (x.ndim >= 3 and x.shape[-1] % 2 == 0 and item in (2, 4) and x.dtype.isnative and sys.byteorder == "little"
-            and x.strides[-1] == item and all(x.strides[i] == item * math.prod(x.shape[i + 1:])
-                                              for i in range(2, x.ndim)))
+    contiguous_channels = x.strides[-1] == x.itemsize and all(
+        x.strides[i] == x.itemsize * math.prod(x.shape[i + 1:]) for i in range(2, x.ndim))
+    return x.shape if contiguous_channels else None
 
 
 def _split_columns(x, even, odd):
-    """Callable writing x's even and odd columns (x: N, C, ..., W; _splits_columns), each
-    channel's rows flattened, into even and odd (N, C, >= size / 2). Each channel,
-    viewed as pairs of items in one unsigned integer twice as wide, is cast to the
-    item-sized integer: the cast keeps the low half (the even column), and a view one
-    item in gives the odd one. Contiguous casts, several times faster than strided
-    copies of every other item (96x112x112 float32: 237 us for both against 485)."""
-    item = x.dtype.itemsize
-    pair, unsigned = np.dtype(f"u{2 * item}"), np.dtype(f"u{item}")
+    """Callable writing x's even and odd columns (x: N, C, ..., W, W even, each channel's
+    rows adjacent), each channel's rows flattened, into even and odd (N, C, >= size / 2):
+    copy_strided's pair casts, several times faster than strided copies of every other
+    item (96x112x112 float32: 237 us for both against 485). The odd columns' last item is
+    copied on its own: its pair would read one item past the channel."""
     size = math.prod(x.shape[2:])
     flat = view_as(x, x.shape[:2] + (size,))
-    # the odd columns' last pair would read one item past the channel: that one is copied
-    sources = [flat.view(pair), flat[..., 1:-1].view(pair)]
-    targets = [even[..., :size // 2].view(unsigned), odd[..., :size // 2 - 1].view(unsigned)]
+    owner = root_array(x)
     last_odd, last = odd[..., size // 2 - 1], flat[..., -1]
-
-    def run():
-        np.copyto(targets[0], sources[0], casting="unsafe")
-        np.copyto(targets[1], sources[1], casting="unsafe")
-        np.copyto(last_odd, last)
-
-    return run
+    return chain(copy_strided(even[..., :size // 2], flat[..., 0::2], owner),
+                 copy_strided(odd[..., :size // 2 - 1], flat[..., 1:-1:2], owner),
+                 lambda: np.copyto(last_odd, last))
 
 
 def _flat(a):
