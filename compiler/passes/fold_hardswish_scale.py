@@ -27,13 +27,13 @@ the way) is a graph output, kept, read by any other op, or read as a weight.
 import numpy as np
 
 from pmx.compiler.ir import Value
+from pmx.compiler.passes.fold_channel_gate import PRODUCTS
 from pmx.runtime import expr as E
 
 HARDSWISH = "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"
 SCALED_HARDSWISH = "mul(@0,minimum(maximum(add(@0,3),0),6))"
 _HARDSWISH_TREES = {E.parse(HARDSWISH, 1), E.parse("mul(div(minimum(maximum(add(@0,3),0),6),6),@0)", 1)}
 SCALE = 6.0
-PRODUCTS = (E.parse("mul(@0,@1)", 2), E.parse("mul(@1,@0)", 2))
 
 
 # Ops with op(6 x) = 6 op(x) that a 6 x hardswish may pass through on its way to the
