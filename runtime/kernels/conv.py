@@ -477,14 +477,14 @@ def _im2col_gemv(buf, g, weights, cols, target, blocks):
                     (buf.strides[1],) + tuple(s * item for s in steps) + (item,), writeable=False)
                 dst = cols_k[(slice(0, n_ch),) + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in
                                                      zip(first, tap_step, counts)) + (slice(None),)]
-                copies.append((dst, src))
+                copies.append(copy_rows(dst, src))
             work.append((tuple(copies), zeros, weights[c0:c1], cols[:n_ch], target[i, c0:c1]))
-    copyto, matmul = np.copyto, np.matmul
+    matmul = np.matmul
 
     def run():
         for copies, zeros, wb, cb, ob in work:
-            for dst, src in copies:
-                copyto(dst, src)
+            for copy in copies:
+                copy()
             for z in zeros:
                 z.fill(0)
             matmul(wb, cb, out=ob)
