@@ -158,8 +158,9 @@ class PreActBN(nn.Module):
 def test_batch_norm_as_elementwise_fuses_with_relu(check_model, exporter):
     m = randomize_bn(make(PreActBN))
     inputs = (_rand(2, 3, 6, 6)[0], _rand(2, 3, 4, seed=1)[0])
+    # fold_affine_relu (tested below) would turn the fused BN -> ReLU into max(x, t)
     with_, without = check_with_and_without(check_model, exporter, "passes_preact_bn", m, inputs,
-                                            "batch_norm_as_elementwise")
+                                            "batch_norm_as_elementwise", also_disabled=("fold_affine_relu",))
     assert ops(without).count("batch_norm") == 3
     assert "batch_norm" not in ops(with_)
     exprs = [n.expr for n in with_.nodes if n.op == "elementwise"]
@@ -416,6 +417,128 @@ def test_fold_hardswish_scale_leaves_shared_weights():
     g2.outputs = [z]
     assert fold_hardswish_scale(g2), "the unshared case folds"
     np.testing.assert_array_equal(np.asarray(g2.nodes[1].inputs[1].data), np.eye(4, dtype=np.float32) / 6)
+
+
+# --- fold_affine_relu ------------------------------------------------------------------
+
+
+class PreActReaders(nn.Module):
+    """Pre-activation BN -> ReLU on a concat (nothing to fold the BN into) read by: a 1x1
+    conv and a strided 1x1 conv without bias (all scales positive), an unpadded 3x3 conv
+    (scales of both signs), and on pooled (N, C) tensors a linear layer (positive) and a
+    matmul with a constant (both signs; pnnx makes it a linear): all fold. Not folded:
+    one read by a padded conv, one that is also a graph output, one with a zero scale,
+    one that a pool also reads, one read by a group norm (constant weights at input 1,
+    but not a conv or linear)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 5, 3, padding=1)
+        self.bn_pos, self.pos_1x1, self.pos_strided = nn.BatchNorm2d(8), nn.Conv2d(8, 6, 1), nn.Conv2d(8, 4, 1, 2, bias=False)
+        self.bn_mixed, self.mixed_3x3 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3)
+        self.bn_1d, self.fc = nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.bn_padded, self.padded = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3, padding=1)
+        self.bn_out, self.out_1x1 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+        self.bn_zero, self.zero_1x1 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+        self.bn_pooled, self.pooled_1x1 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+        self.bn_matmul, self.matmul_weight = nn.BatchNorm1d(8), nn.Parameter(torch.randn(8, 3))
+        self.bn_gn, self.gn = nn.BatchNorm2d(8), nn.GroupNorm(2, 8)
+
+    def forward(self, x):
+        z = torch.cat([x, self.c0(x)], 1)
+        pos = F.relu(self.bn_pos(z))
+        shown = F.relu(self.bn_out(z))
+        pooled = F.relu(self.bn_pooled(z))
+        return (self.pos_1x1(pos), self.pos_strided(pos), self.mixed_3x3(F.relu(self.bn_mixed(z))),
+                self.fc(F.relu(self.bn_1d(z.mean((2, 3))))), self.padded(F.relu(self.bn_padded(z))),
+                shown, self.out_1x1(shown), self.zero_1x1(F.relu(self.bn_zero(z))),
+                self.pooled_1x1(pooled) + F.adaptive_avg_pool2d(pooled, 1)[:, :4],
+                torch.matmul(F.relu(self.bn_matmul(z.amax((2, 3)))), self.matmul_weight),
+                self.gn(F.relu(self.bn_gn(z))))
+
+
+def _preact_readers():
+    m = randomize_bn(make(PreActReaders))
+    with torch.no_grad():
+        m.bn_pos.weight.abs_().add_(0.1)
+        m.bn_1d.weight.abs_().add_(0.1)
+        m.bn_mixed.weight.copy_(torch.tensor([1.0, -0.5, 2.0, -1.5, 0.7, -0.2, 0.3, -2.0]))
+        m.bn_zero.weight[2] = 0.0
+    return m
+
+
+def _bn_scale_shift(bn):
+    """The BN's per-channel scale and shift, in float64 from torch's parameters."""
+    with torch.no_grad():
+        s = bn.weight.double() / torch.sqrt(bn.running_var.double() + bn.eps)
+        return s.numpy(), (bn.bias.double() - bn.running_mean.double() * s).numpy()
+
+
+def test_fold_affine_relu_moves_scale_and_shift_into_the_readers(check_model, exporter):
+    """Where a pre-activation BN -> ReLU is read only by unpadded convs (or a linear on
+    (N, C)), the expression becomes max(x, t) (or max(x * sign, t * sign) with negative
+    scales) and the readers' weights and biases are W |s| and b + W . shift, checked
+    against torch's BN parameters; both compiles match torch."""
+    from pmx.compiler.passes.batch_norm_as_elementwise import EXPR
+    from pmx.compiler.passes.fold_affine_relu import FOLDED, FOLDED_SIGNED
+
+    m = _preact_readers()
+    inputs = (_rand(2, 3, 9, 9)[0] * 3,)
+    with_, without = check_with_and_without(check_model, exporter, "passes_affine_relu", m, inputs,
+                                            "fold_affine_relu")
+    exprs = lambda g: sorted(n.expr for n in g.nodes if n.op == "elementwise" and "maximum" in n.expr)  # noqa: E731
+    affine_relu = f"maximum({EXPR},0)"
+    assert exprs(without) == [affine_relu] * 9, exprs(without)
+    assert exprs(with_) == sorted([FOLDED] * 2 + [FOLDED_SIGNED] * 2 + [affine_relu] * 5), exprs(with_)
+    before = {n.name: n for n in without.nodes}
+    readers = {"pos_1x1": m.bn_pos, "pos_strided": m.bn_pos, "mixed_3x3": m.bn_mixed, "fc": m.bn_1d}
+    checked = 0
+    for n in with_.nodes:
+        name = next((k for k in readers if n.name.endswith(k)), None)
+        if name is None or n.op not in ("conv", "linear"):
+            continue
+        s, shift = _bn_scale_shift(readers[name])
+        w = np.asarray(before[n.name].inputs[1].data, np.float64)
+        along = (1, -1) + (1,) * (w.ndim - 2)
+        np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64), w * np.abs(s).reshape(along),
+                                   rtol=1e-6, atol=1e-7)
+        old_bias = before[n.name].inputs[2] if len(before[n.name].inputs) > 2 else None
+        bias = (0.0 if old_bias is None else np.asarray(old_bias.data, np.float64)) + (
+            w * shift.reshape(along)).sum(axis=tuple(range(1, w.ndim)))
+        np.testing.assert_allclose(np.asarray(n.inputs[2].data, np.float64), bias, rtol=1e-5, atol=1e-6)
+        checked += 1
+    assert checked == 4
+
+
+def test_fold_affine_relu_leaves_shared_weights():
+    """A reader whose weights another node also reads keeps them, and the expression
+    stays; the unshared case folds."""
+    from pmx.compiler.passes.batch_norm_as_elementwise import EXPR
+    from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu
+
+    def graph(shared):
+        g = Graph("t")
+        x, y, z, u, v = (Value(n, (1, 4), "float32") for n in "xyzuv")
+        scale = Value("s", (4,), "float32", data=np.full(4, 2.0, np.float32))
+        shift = Value("b", (4,), "float32", data=np.ones(4, np.float32))
+        w = Value("w", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+        other = Value("o", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+        g.inputs = [x, u]
+        g.add_node(Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=f"maximum({EXPR},0)"))
+        g.add_node(Node("linear", "a", [y, w], [z]))
+        g.add_node(Node("linear", "c", [u, w if shared else other], [v]))
+        g.outputs = [z, v]
+        return g
+
+    g = graph(shared=True)
+    assert not fold_affine_relu(g)
+    assert g.nodes[0].expr == f"maximum({EXPR},0)" and g.nodes[1].inputs[1].name == "w"
+    g = graph(shared=False)
+    assert fold_affine_relu(g)
+    assert g.nodes[0].expr == FOLDED
+    np.testing.assert_array_equal(np.asarray(g.nodes[0].inputs[1].data), np.full(4, -0.5, np.float32))
+    np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[1].data), 2 * np.eye(4, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[2].data), np.ones(4, np.float32))
 
 
 # --- fuse_shuffle_split ----------------------------------------------------------------

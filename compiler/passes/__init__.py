@@ -8,6 +8,7 @@ from pmx.compiler.passes.batch_norm_as_elementwise import batch_norm_as_elementw
 from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
+from pmx.compiler.passes.fold_affine_relu import fold_affine_relu
 from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
 from pmx.compiler.passes.fold_hardswish_scale import fold_hardswish_scale
 from pmx.compiler.passes.fold_constants import fold_constants
@@ -58,6 +59,10 @@ PIPELINE = [
     # hardswish epilogue read only by convs and linears leaves its division by 6 to
     # their weights (one pass fewer).
     ("fold_hardswish_scale", fold_hardswish_scale),
+    # After fuse_elementwise has made a pre-activation BN -> ReLU one expression: its
+    # scale and shift move into the 1x1 convs reading it, and max(x, t) is left (one
+    # pass instead of three; DenseNet).
+    ("fold_affine_relu", fold_affine_relu),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
     # before the alias passes, which then place those parts in their concats.
     ("fuse_shuffle_split", fuse_shuffle_split),
@@ -89,7 +94,7 @@ PIPELINE = [
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
             "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale",
-            "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
+            "fold_affine_relu", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
 
