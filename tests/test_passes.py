@@ -541,6 +541,63 @@ def test_fold_affine_relu_leaves_shared_weights():
     np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[2].data), np.ones(4, np.float32))
 
 
+# --- pool_before_pointwise -------------------------------------------------------------
+
+
+class PooledPointwise(nn.Module):
+    """Average pools after 1x1 convs. Move before the conv: DenseNet's transition (BN ->
+    ReLU -> 1x1 conv -> 2x2 pool stride 2), a grouped 1x1 conv without bias before a
+    3x3 pool stride 2 in ceil mode (partial windows), and a 1-d 1x1 conv before a 1-d
+    pool. Stay: a padded pool counting the padding, a pool with a divisor override, a
+    1x1 conv with a ReLU, a 3x3 conv, a strided 1x1 conv, a padded 1x1 conv, and a 1x1
+    conv whose output is also a graph output."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(8)
+        self.transition = nn.Conv2d(8, 6, 1)
+        self.grouped = nn.Conv2d(8, 4, 1, groups=2, bias=False)
+        self.line = nn.Conv1d(8, 5, 1)
+        self.padded = nn.Conv2d(8, 3, 1)
+        self.divided = nn.Conv2d(8, 3, 1)
+        self.activated = nn.Conv2d(8, 3, 1)
+        self.wide = nn.Conv2d(8, 3, 3)
+        self.strided = nn.Conv2d(8, 3, 1, stride=2)
+        self.padded_conv = nn.Conv2d(8, 3, 1, padding=1)
+        self.shown = nn.Conv2d(8, 3, 1)
+
+    def forward(self, x):
+        y = F.relu(self.bn(x))
+        shown = self.shown(x)
+        return (F.avg_pool2d(self.transition(y), 2), F.avg_pool2d(self.grouped(x), 3, 2, ceil_mode=True),
+                F.avg_pool1d(self.line(x.mean(2)), 2),
+                F.avg_pool2d(self.padded(x), 3, 2, padding=1), F.avg_pool2d(self.divided(x), 2, divisor_override=3),
+                F.avg_pool2d(F.relu(self.activated(x)), 2), F.avg_pool2d(self.wide(x), 2),
+                F.avg_pool2d(self.strided(x), 2), F.avg_pool2d(self.padded_conv(x), 2), shown, F.avg_pool2d(shown, 2))
+
+
+def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
+    """Where an unpadded average pool is a 1x1 conv's only reader, the pool reads the
+    conv's input and the conv the pool's output (shapes and order follow); both
+    compiles match torch."""
+    m = randomize_bn(make(PooledPointwise))
+    inputs = (_rand(2, 8, 11, 9)[0] * 2,)
+    with_, without = check_with_and_without(check_model, exporter, "passes_pool_pointwise", m, inputs,
+                                            "pool_before_pointwise")
+
+    def moved(graph):
+        return [n for n in graph.nodes if n.op == "avg_pool" and any(c.op == "conv" for c in n.outputs[0].consumers)]
+
+    assert moved(without) == []
+    assert len(moved(with_)) == 3, [n.name for n in moved(with_)]
+    for pool in moved(with_):
+        (conv,) = pool.outputs[0].consumers
+        assert with_.nodes.index(pool) < with_.nodes.index(conv)
+        assert pool.outputs[0].shape[:2] == pool.inputs[0].shape[:2]
+        assert conv.outputs[0].shape[2:] == pool.outputs[0].shape[2:]
+    assert sum(n.op == "avg_pool" for n in with_.nodes) == sum(n.op == "avg_pool" for n in without.nodes) == 10
+
+
 # --- fuse_shuffle_split ----------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
 from pmx.compiler.passes.negate_silu_weights import negate_silu_weights
 from pmx.compiler.passes.order import order
 from pmx.compiler.passes.plan_memory import plan_memory
+from pmx.compiler.passes.pool_before_pointwise import pool_before_pointwise
 from pmx.compiler.passes.prepack_weights import prepack_weights
 from pmx.compiler.passes.tune import tune
 from pmx.compiler.passes.write_inplace import write_inplace
@@ -63,6 +64,10 @@ PIPELINE = [
     # scale and shift move into the 1x1 convs reading it, and max(x, t) is left (one
     # pass instead of three; DenseNet).
     ("fold_affine_relu", fold_affine_relu),
+    # After fold_affine_relu (which needs the conv to read the ReLU directly): an average
+    # pool after a 1x1 conv runs before it, so the conv multiplies the pooled positions
+    # only (DenseNet's transitions: a quarter of the GEMM).
+    ("pool_before_pointwise", pool_before_pointwise),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
     # before the alias passes, which then place those parts in their concats.
     ("fuse_shuffle_split", fuse_shuffle_split),
@@ -94,7 +99,7 @@ PIPELINE = [
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
             "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale",
-            "fold_affine_relu", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
+            "fold_affine_relu", "pool_before_pointwise", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
 
