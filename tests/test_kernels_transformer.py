@@ -65,27 +65,42 @@ dims = st.integers(1, 6)
 # variance as E[x^2] - E[x]^2, which alone can be off by more than the tolerance.
 
 
+@contextlib.contextmanager
+def threads(n):
+    """n threads, and every kernel split however small (layer norm splits its rows)."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+
+    with mock.patch.object(parallel, "_num_threads", n), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        yield
+
+
 @FAST
 @given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), data=st.data(),
-       affine=st.sampled_from(["none", "weight", "both"]), eps=st.sampled_from([1e-5, 1e-6, 0.1]))
-def test_layer_norm(seed, shape, data, affine, eps):
+       affine=st.sampled_from(["none", "weight", "both"]), eps=st.sampled_from([1e-5, 1e-6, 0.1]),
+       n_threads=st.sampled_from([1, 2, 3]))
+def test_layer_norm(seed, shape, data, affine, eps, n_threads):
     k = data.draw(st.integers(1, len(shape)))
     x = arr(seed, shape, scale=3.0) + 1.5
     norm_shape = tuple(shape[len(shape) - k:])
     w = arr(seed + 1, norm_shape) if affine != "none" else None
     b = arr(seed + 2, norm_shape) if affine == "both" else None
     ins = [x] + [a for a in (w, b) if a is not None]
-    got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps))[0]
+    with threads(n_threads):
+        got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps))[0]
     want = F.layer_norm(D(x), norm_shape, D(w) if w is not None else None, D(b) if b is not None else None, eps)
     close(got, want)
 
 
 @FAST
-@given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), weighted=st.booleans())
-def test_rms_norm(seed, shape, weighted):
+@given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), weighted=st.booleans(),
+       n_threads=st.sampled_from([1, 2, 3]))
+def test_rms_norm(seed, shape, weighted, n_threads):
     x = arr(seed, shape)
     w = arr(seed + 1, shape[-1:]) if weighted else None
-    got = run_kernel("layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1))[0]
+    with threads(n_threads):
+        got = run_kernel("layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1))[0]
     close(got, F.rms_norm(D(x), (shape[-1],), D(w) if weighted else None, 1e-6))
 
 
