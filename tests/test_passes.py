@@ -598,6 +598,97 @@ def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
     assert sum(n.op == "avg_pool" for n in with_.nodes) == sum(n.op == "avg_pool" for n in without.nodes) == 10
 
 
+# --- fold_norm_affine ------------------------------------------------------------------
+
+
+class NormReaders(nn.Module):
+    """Norms before linear layers. Fold: a layer norm read by two linears (a QKV-like
+    pair, one without bias), an RMS norm with a weight. Stay: a layer norm without
+    affine parameters (nothing to fold), one that is also a graph output, one over the
+    last two dims, one read through a GELU, one multiplied by a constant (a (4, 8)
+    weight at the reader's input 1, as a linear's would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.q, self.k = nn.LayerNorm(8), nn.Linear(8, 6), nn.Linear(8, 5, bias=False)
+        self.rms, self.after_rms = nn.RMSNorm(8), nn.Linear(8, 4)
+        self.plain, self.after_plain = nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 3)
+        self.shown, self.after_shown = nn.LayerNorm(8), nn.Linear(8, 3)
+        self.wide, self.after_wide = nn.LayerNorm((4, 8)), nn.Linear(8, 3)
+        self.gelu, self.after_gelu = nn.LayerNorm(8), nn.Linear(8, 3)
+        self.scaled, self.scale = nn.LayerNorm(8), nn.Parameter(torch.randn(4, 8))
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for norm in (self.ln, self.rms, self.shown, self.wide, self.gelu, self.scaled):
+                norm.weight.copy_(torch.randn(norm.weight.shape, generator=g))
+                if getattr(norm, "bias", None) is not None:
+                    norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
+
+    def forward(self, x):
+        y = self.ln(x)
+        shown = self.shown(x)
+        return (self.q(y), self.k(y), self.after_rms(self.rms(x)), self.after_plain(self.plain(x)), shown,
+                self.after_shown(shown), self.after_wide(self.wide(x)), self.after_gelu(F.gelu(self.gelu(x))),
+                self.scaled(x) * self.scale)
+
+
+def test_fold_norm_affine_moves_gamma_and_beta_into_the_linears(check_model, exporter):
+    """Where a norm over the last axis is read only by linear layers, it keeps no weight
+    or bias and the linears' weights and biases are W gamma and b + W beta, checked
+    against torch's parameters; both compiles match torch."""
+    m = make(NormReaders)
+    inputs = (_rand(2, 4, 8)[0] * 3,)
+    with_, without = check_with_and_without(check_model, exporter, "passes_norm_affine", m, inputs,
+                                            "fold_norm_affine")
+    bare = lambda g: sum(n.op == "layer_norm" and len(n.inputs) == 1 for n in g.nodes)  # noqa: E731
+    assert bare(without) == 1  # the norm without affine parameters
+    assert bare(with_) == 3
+    before = {n.name: n for n in without.nodes}
+    checked = 0
+    for n in with_.nodes:
+        norm = {"q": m.ln, "k": m.ln, "after_rms": m.rms}.get(n.name.rsplit(".", 1)[-1])
+        if n.op != "linear" or norm is None:
+            continue
+        w = np.asarray(before[n.name].inputs[1].data, np.float64)
+        gamma = norm.weight.detach().double().numpy()
+        beta = norm.bias.detach().double().numpy() if getattr(norm, "bias", None) is not None else np.zeros(8)
+        np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64), w * gamma, rtol=1e-6, atol=1e-7)
+        old = before[n.name].inputs[2] if len(before[n.name].inputs) > 2 else None
+        bias = (0.0 if old is None else np.asarray(old.data, np.float64)) + w @ beta
+        got = n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else None
+        np.testing.assert_allclose(np.zeros_like(bias) if got is None else np.asarray(got.data, np.float64), bias,
+                                   rtol=1e-5, atol=1e-6)
+        checked += 1
+    assert checked == 3
+
+
+def test_fold_norm_affine_leaves_shared_weights():
+    """A linear whose weights another node also reads keeps them, and the norm keeps its
+    gamma; the unshared case folds."""
+    from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
+
+    def graph(shared):
+        g = Graph("t")
+        x, y, z, u, v = (Value(n, (2, 4), "float32") for n in "xyzuv")
+        gamma = Value("gamma", (4,), "float32", data=np.full(4, 3.0, np.float32))
+        w = Value("w", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+        other = Value("o", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+        g.inputs = [x, u]
+        g.add_node(Node("layer_norm", "ln", [x, gamma], [y], attrs={"axes": 1, "eps": 1e-5}))
+        g.add_node(Node("linear", "a", [y, w], [z]))
+        g.add_node(Node("linear", "c", [u, w if shared else other], [v]))
+        g.outputs = [z, v]
+        return g
+
+    g = graph(shared=True)
+    assert not fold_norm_affine(g)
+    assert g.nodes[0].inputs[1].name == "gamma" and g.nodes[1].inputs[1].name == "w"
+    g = graph(shared=False)
+    assert fold_norm_affine(g)
+    assert len(g.nodes[0].inputs) == 1
+    np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[1].data), 3 * np.eye(4, dtype=np.float32))
+
+
 # --- fuse_shuffle_split ----------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
 from pmx.compiler.passes.fold_affine_relu import fold_affine_relu
 from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
 from pmx.compiler.passes.fold_hardswish_scale import fold_hardswish_scale
+from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
 from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
@@ -68,6 +69,9 @@ PIPELINE = [
     # pool after a 1x1 conv runs before it, so the conv multiplies the pooled positions
     # only (DenseNet's transitions: a quarter of the GEMM).
     ("pool_before_pointwise", pool_before_pointwise),
+    # A layer norm read only by linears leaves its gamma and beta to their weights and
+    # biases (transformers' norm -> QKV and norm -> MLP: two passes fewer).
+    ("fold_norm_affine", fold_norm_affine),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
     # before the alias passes, which then place those parts in their concats.
     ("fuse_shuffle_split", fuse_shuffle_split),
@@ -99,7 +103,7 @@ PIPELINE = [
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
 OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
             "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale",
-            "fold_affine_relu", "pool_before_pointwise", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
+            "fold_affine_relu", "pool_before_pointwise", "fold_norm_affine", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
 # Passes the compile cannot do without.
 REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
 
