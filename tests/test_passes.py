@@ -510,30 +510,36 @@ def test_fold_affine_relu_moves_scale_and_shift_into_the_readers(check_model, ex
     assert checked == 4
 
 
+def shared_weight_graph(first, shared):
+    """x -> `first` (a node factory: first(x, y) -> Node writing y) -> linear a (weights
+    w); linear c reads another input with w too when `shared`, else with its own."""
+    g = Graph("t")
+    x, y, z, u, v = (Value(n, (2, 4), "float32") for n in "xyzuv")
+    w = Value("w", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+    other = Value("o", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
+    g.inputs = [x, u]
+    g.add_node(first(x, y))
+    g.add_node(Node("linear", "a", [y, w], [z]))
+    g.add_node(Node("linear", "c", [u, w if shared else other], [v]))
+    g.outputs = [z, v]
+    return g
+
+
 def test_fold_affine_relu_leaves_shared_weights():
     """A reader whose weights another node also reads keeps them, and the expression
     stays; the unshared case folds."""
     from pmx.compiler.passes.batch_norm_as_elementwise import EXPR
     from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu
 
-    def graph(shared):
-        g = Graph("t")
-        x, y, z, u, v = (Value(n, (1, 4), "float32") for n in "xyzuv")
+    def bn_relu(x, y):
         scale = Value("s", (4,), "float32", data=np.full(4, 2.0, np.float32))
         shift = Value("b", (4,), "float32", data=np.ones(4, np.float32))
-        w = Value("w", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
-        other = Value("o", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
-        g.inputs = [x, u]
-        g.add_node(Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=f"maximum({EXPR},0)"))
-        g.add_node(Node("linear", "a", [y, w], [z]))
-        g.add_node(Node("linear", "c", [u, w if shared else other], [v]))
-        g.outputs = [z, v]
-        return g
+        return Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=f"maximum({EXPR},0)")
 
-    g = graph(shared=True)
+    g = shared_weight_graph(bn_relu, shared=True)
     assert not fold_affine_relu(g)
     assert g.nodes[0].expr == f"maximum({EXPR},0)" and g.nodes[1].inputs[1].name == "w"
-    g = graph(shared=False)
+    g = shared_weight_graph(bn_relu, shared=False)
     assert fold_affine_relu(g)
     assert g.nodes[0].expr == FOLDED
     np.testing.assert_array_equal(np.asarray(g.nodes[0].inputs[1].data), np.full(4, -0.5, np.float32))
@@ -667,23 +673,14 @@ def test_fold_norm_affine_leaves_shared_weights():
     gamma; the unshared case folds."""
     from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
 
-    def graph(shared):
-        g = Graph("t")
-        x, y, z, u, v = (Value(n, (2, 4), "float32") for n in "xyzuv")
+    def norm(x, y):
         gamma = Value("gamma", (4,), "float32", data=np.full(4, 3.0, np.float32))
-        w = Value("w", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
-        other = Value("o", (4, 4), "float32", data=np.eye(4, dtype=np.float32))
-        g.inputs = [x, u]
-        g.add_node(Node("layer_norm", "ln", [x, gamma], [y], attrs={"axes": 1, "eps": 1e-5}))
-        g.add_node(Node("linear", "a", [y, w], [z]))
-        g.add_node(Node("linear", "c", [u, w if shared else other], [v]))
-        g.outputs = [z, v]
-        return g
+        return Node("layer_norm", "ln", [x, gamma], [y], attrs={"axes": 1, "eps": 1e-5})
 
-    g = graph(shared=True)
+    g = shared_weight_graph(norm, shared=True)
     assert not fold_norm_affine(g)
     assert g.nodes[0].inputs[1].name == "gamma" and g.nodes[1].inputs[1].name == "w"
-    g = graph(shared=False)
+    g = shared_weight_graph(norm, shared=False)
     assert fold_norm_affine(g)
     assert len(g.nodes[0].inputs) == 1
     np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[1].data), 3 * np.eye(4, dtype=np.float32))

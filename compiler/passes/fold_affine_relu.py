@@ -69,20 +69,30 @@ def _per_channel(x, v):
     return padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
 
 
-def _absorbing_readers(graph, y, channels):
-    """The convs and linears that can absorb y's scale and shift, else None."""
+def readers_with_own_weights(graph, y):
+    """The nodes reading y, each as its input 0, with constant weights (input 1) and an
+    optional constant bias (input 2) of y's dtype that no other node reads, else None
+    (also when y is a graph output, kept, or unread). y is not constant, so a reader
+    taking it as weight or bias fails the checks. fold_norm_affine uses it too."""
     if y in graph.outputs or y in getattr(graph, "kept", ()) or not y.consumers:
         return None
     readers = list({c.uid: c for c in y.consumers}.values())
     for reader in readers:
-        # y is not constant, so a reader taking it as weight, bias or input scale fails
-        # the checks below
         w = reader.inputs[1] if len(reader.inputs) > 1 else None
         b = reader.inputs[2] if len(reader.inputs) > 2 else None
-        if w is None or not w.is_constant or w.dtype != y.dtype or graph.sole_reader(w) is not reader:
+        if (reader.inputs[0] is not y or w is None or not w.is_constant or w.dtype != y.dtype
+                or graph.sole_reader(w) is not reader):
             return None
         if b is not None and (not b.is_constant or b.dtype != y.dtype or graph.sole_reader(b) is not reader):
             return None
+    return readers
+
+
+def _absorbing_readers(graph, y, channels):
+    """The convs and linears that can absorb y's scale and shift, else None."""
+    readers = readers_with_own_weights(graph, y)
+    for reader in readers or ():
+        w = reader.inputs[1]
         if reader.op == "conv":
             a = reader.attrs
             if (int(a.get("groups", 1)) != 1 or any(a.get("pads", ())) or len(w.shape) != len(y.shape)

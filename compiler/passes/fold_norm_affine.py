@@ -14,6 +14,7 @@ graph output or kept, or anything but a linear layer's input reads it.
 import numpy as np
 
 from pmx.compiler.ir import Value
+from pmx.compiler.passes.fold_affine_relu import readers_with_own_weights
 
 
 def _affine(graph, node):
@@ -33,18 +34,10 @@ def _affine(graph, node):
 
 def _linear_readers(graph, y):
     """The linear layers reading y (as their input only) when nothing else does, else None."""
-    if y in graph.outputs or y in getattr(graph, "kept", ()) or not y.consumers:
-        return None
-    readers = list({c.uid: c for c in y.consumers}.values())
-    for reader in readers:
-        w = reader.inputs[1] if len(reader.inputs) > 1 else None
-        b = reader.inputs[2] if len(reader.inputs) > 2 else None
-        # y is not constant, so a reader taking it as weight or bias fails these checks
-        if (reader.op != "linear" or reader.inputs[0] is not y or w is None or not w.is_constant
-                or w.dtype != y.dtype or len(w.shape) != 2 or w.shape[1] != y.shape[-1]
-                or graph.sole_reader(w) is not reader):
-            return None
-        if b is not None and (not b.is_constant or b.dtype != y.dtype or graph.sole_reader(b) is not reader):
+    readers = readers_with_own_weights(graph, y)
+    for reader in readers or ():
+        w = reader.inputs[1]
+        if reader.op != "linear" or len(w.shape) != 2 or w.shape[1] != y.shape[-1]:
             return None
     return readers
 
