@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import rel_error, run_kernel
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 TOL = 1e-5
@@ -106,13 +106,15 @@ def test_rms_norm(seed, shape, weighted, n_threads):
 
 @FAST
 @given(seed=seeds, n=st.integers(1, 4), groups=st.integers(1, 4), per_group=st.integers(1, 3),
-       spatial=st.lists(dims, min_size=0, max_size=3), affine=st.booleans())
-def test_group_norm(seed, n, groups, per_group, spatial, affine):
+       spatial=st.lists(dims, min_size=0, max_size=3), affine=st.booleans(), n_threads=st.sampled_from([1, 2, 3]))
+@example(seed=0, n=1, groups=4, per_group=2, spatial=[3], affine=True, n_threads=3)  # one image, split by groups
+def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
     c = groups * per_group
     x = arr(seed, [n, c] + spatial, scale=2.0) - 0.7
     w, b = arr(seed + 1, (c,)), arr(seed + 2, (c,))
     assume(per_group * math.prod(spatial) > 1)  # torch refuses groups of a single value
-    got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5))[0]
+    with threads(n_threads):  # one image: split by groups; more: by images
+        got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5))[0]
     close(got, F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5))
 
 

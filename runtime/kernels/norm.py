@@ -138,11 +138,26 @@ def make_group_norm(node, inputs, outputs):
     g = int(node.attrs["groups"])
     n, c = x.shape[0], x.shape[1]
     spatial = math.prod(x.shape[2:])
-    x2, pre = _rows(x, (n * g, (c // g) * spatial), out.dtype, writes=False)
-    out2, post = _rows(out, (n * g, (c // g) * spatial), out.dtype, writes=True)
-    norm = _normalize_rows(x2, out2, float(node.attrs.get("eps", 1e-5)))
-    affine = _affine(view_as(out2, (n, c, spatial)), weight, bias, (c, 1))
-    return chain(pre, norm, affine, post)
+    cpg = c // g
+    x2, pre = _rows(x, (n * g, cpg * spatial), out.dtype, writes=False)
+    out2, post = _rows(out, (n * g, cpg * spatial), out.dtype, writes=True)
+    eps = float(node.attrs.get("eps", 1e-5))
+    threads = node_threads(node) if parallel.worth_splitting(n * c * spatial) else 1
+    # rows are (image, group) pairs: split by images, or for one image by groups, so each
+    # part's channels are one range and its affine one slice of the weights. One thread
+    # -> two: 1x320x64x64 with 32 groups 1.83 -> 0.98 ms, 2x128x32x32 0.41 -> 0.25
+    # (a diffusion UNet's norms)
+    by_groups = n == 1 and threads > 1
+    parts = []
+    for lo, hi in parallel.ranges(g if by_groups else n, threads):
+        rows = slice(lo, hi) if by_groups else slice(lo * g, hi * g)
+        channels = slice(lo * cpg, hi * cpg) if by_groups else slice(None)
+        images = 1 if by_groups else hi - lo
+        part_c = (hi - lo) * cpg if by_groups else c
+        affine = _affine(view_as(out2[rows], (images, part_c, spatial)), None if weight is None else weight[channels],
+                         None if bias is None else bias[channels], (part_c, 1))
+        parts.append(chain(_normalize_rows(x2[rows], out2[rows], eps), affine))
+    return chain(pre, parallel.split(parts), post)
 
 
 @register("lp_normalize", infer=same_as_input, inplace=True)
