@@ -15,8 +15,9 @@ import math
 
 import numpy as np
 
-from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, epilogue, view_as
+from pmx.runtime import parallel
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.common import node_threads, split_activated, view_as
 
 
 def conv_transpose_out_size(n, k, s, d, pb, pe, op):
@@ -48,7 +49,16 @@ def _tap_range(t, d, s, pb, n_in, n_out):
     return lo, hi, off + lo * s
 
 
-@register("conv_transpose", infer=conv_transpose_infer)
+def _cols_shape(x, w, groups):
+    """(N, G, Cout_g * taps, input pixels): every (output channel, tap, pixel) product."""
+    return (x.shape[0], groups, w.shape[1] * math.prod(w.shape[2:]), math.prod(x.shape[2:]))
+
+
+def conv_transpose_scratch(node, inputs, outputs):
+    return scratch_nbytes((_cols_shape(inputs[0], inputs[1], int(node.attrs.get("groups", 1))), outputs[0].dtype))
+
+
+@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch)
 def make_conv_transpose(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
@@ -69,7 +79,7 @@ def make_conv_transpose(node, inputs, outputs):
     if w.flags.c_contiguous:
         wt = view_as(w, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1)
     xg = view_as(x, (n, groups, cin_g, length)) if x.flags.c_contiguous else None
-    cols = np.empty((n, groups, cout_g * kk, length), out.dtype)
+    cols = scratch_array(_cols_shape(x, w, groups), out.dtype)
     cols_taps = view_as(cols, (n, cout) + tuple(k) + tuple(in_sp))
     adds = []
     coverage = np.zeros(out_sp, np.int64)
@@ -83,20 +93,36 @@ def make_conv_transpose(node, inputs, outputs):
             src.append(slice(lo, hi + 1))
             dst.append(slice(start, start + (hi - lo) * stride[i] + 1, stride[i]))
         else:
-            adds.append((out[(slice(None), slice(None)) + tuple(dst)],
-                         cols_taps[(slice(None), slice(None)) + tap + tuple(src)]))
+            adds.append(((slice(None), slice(None)) + tuple(dst), (slice(None), slice(None)) + tap + tuple(src)))
             coverage[tuple(dst)] += 1
     bias = b.reshape((1, cout) + (1,) * nd) if b is not None else None
     # taps that tile the output exactly once (kernel == stride, no padding: the usual
     # 2x2/2 up-convolution) are written, not accumulated, so out needs no zero fill
     tiled = bool(np.all(coverage == 1))
+    # one group: each thread takes a range of output channels, its rows of the GEMM and
+    # its part of col2im (BLAS runs on one thread inside runs)
+    threads = node_threads(node) if groups == 1 and parallel.worth_splitting(cols.size) else 1
+    parts = []
+    for c0, c1 in parallel.ranges(cout, threads):
+        ch = slice(c0, c1)
+        pairs = [(out[o][:, ch], cols_taps[c][:, ch]) for o, c in adds]
+        rows = slice(c0 * kk, c1 * kk) if groups == 1 else slice(None)
+        parts.append((_part(wt, w, xg, x, cols[:, :, rows], rows, pairs, None if bias is None else bias[:, ch],
+                            out[:, ch], tiled, (n, groups, cin_g, cout_g * kk, length)), out[:, ch]))
+    return split_activated(node, out, parts)
+
+
+def _part(wt, w, xg, x, cols, rows, pairs, bias, out, tiled, dims):
+    """Callable for one range of output channels: its GEMM rows into cols, then col2im
+    (written where the taps tile the output, else accumulated onto the bias or zeros)."""
+    n, groups, cin_g, rows_g, length = dims
 
     def run():
-        w_ = wt if wt is not None else w.reshape(groups, cin_g, cout_g * kk).transpose(0, 2, 1)
+        w_ = wt if wt is not None else w.reshape(groups, cin_g, rows_g).transpose(0, 2, 1)
         x_ = xg if xg is not None else x.reshape(n, groups, cin_g, length)
-        np.matmul(w_, x_, out=cols)
+        np.matmul(w_[:, rows], x_, out=cols)
         if tiled:
-            for o, c in adds:
+            for o, c in pairs:
                 if bias is None:
                     np.copyto(o, c)
                 else:
@@ -106,7 +132,7 @@ def make_conv_transpose(node, inputs, outputs):
             out.fill(0)
         else:
             np.copyto(out, bias)
-        for o, c in adds:
+        for o, c in pairs:
             np.add(o, c, out=o)
 
-    return chain(run, epilogue(node, out))
+    return run
