@@ -28,6 +28,18 @@ def int_list(data, lo, hi, n):
     return data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
 
 
+def run_split(data, op, inputs, attrs, expr=""):
+    """run_kernel on 1-3 threads (drawn) with every split forced: conv_transpose splits
+    its output channels, resize its leading dims."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]), label="threads")), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        return run_kernel(op, inputs, attrs, expr=expr)[0]
+
+
 # --- resize --------------------------------------------------------------------------
 
 TORCH_MODE = {("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear",
@@ -60,7 +72,7 @@ def test_resize(data):
         coord_scales = (0.0,) * nd
     attrs = dict(mode=mode, align_corners=bool(align), sizes=tuple(y.shape[2:]),
                  scales=coord_scales)
-    check(run_kernel("resize", [x.numpy()], attrs)[0], y)
+    check(run_split(data, "resize", [x.numpy()], attrs), y)
 
 
 def test_resize_nearest_integer_factors_exact():
@@ -142,7 +154,9 @@ def test_conv_transpose(data):
     attrs = dict(stride=tuple(stride), pads=tuple(padding) * 2,
                  output_padding=tuple(output_padding), dilation=tuple(dilation), groups=groups)
     inputs = [x.numpy(), w.numpy()] + ([b.numpy()] if b is not None else [])
-    check(run_kernel("conv_transpose", inputs, attrs)[0], y)
+    relu = data.draw(st.booleans(), label="relu")
+    got = run_split(data, "conv_transpose", inputs, attrs, expr="maximum(@0,0)" if relu else "")
+    check(got, F.relu(y) if relu else y)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -21,8 +21,9 @@ import math
 
 import numpy as np
 
+from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import fill_border
+from pmx.runtime.kernels.common import chain, fill_border, node_threads
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -119,20 +120,22 @@ def make_resize(node, inputs, outputs):
                   key=lambda at: out.shape[at[0]] / x.shape[at[0]])
     if not axes:
         return lambda: np.copyto(out, x)
-    steps = []
+    arrays = [x]  # the input, each intermediate, the output
     shape = list(x.shape)
-    src = x
-    for k, (axis, t) in enumerate(axes):
+    for k, (axis, _) in enumerate(axes):
         shape[axis] = out.shape[axis]
-        dst = out if k == len(axes) - 1 else np.empty(shape, out.dtype)
-        steps.append(_axis_step(src, dst, axis, t))
-        src = dst
-
-    def run():
-        for step in steps:
-            step()
-
-    return run
+        arrays.append(out if k == len(axes) - 1 else np.empty(shape, out.dtype))
+    # the leading dims (channels, or the batch) are resized independently: the threads
+    # take ranges of them. One thread -> two: 1x256x40x40 nearest 2x 1.46 -> 0.78 ms,
+    # 1x64x64x64 bilinear 2x 3.29 -> 1.75
+    along = 1 if lead >= 2 else 0
+    threads = node_threads(node) if parallel.worth_splitting(out.size) else 1
+    parts = []
+    for lo, hi in parallel.ranges(x.shape[along], threads):
+        part = (slice(None),) * along + (slice(lo, hi),)
+        parts.append(chain(*(_axis_step(arrays[k][part], arrays[k + 1][part], axis, t)
+                             for k, (axis, t) in enumerate(axes))))
+    return parallel.split(parts)
 
 
 def _axis_step(src, dst, axis, taps):
