@@ -146,8 +146,16 @@ def test_logsumexp_with_minus_inf(x, data, keep):
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @given(x=floats(), data=st.data())
 def test_softmax_any_dim(op, x, data):
+    """On 1-3 threads with every split forced: the parts run along the longest other
+    axis."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+
     axis = data.draw(st.integers(0, x.ndim - 1))
-    (got,) = run_kernel(op, [x], dict(axis=axis))
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel(op, [x], dict(axis=axis))
     close(got, getattr(torch, op)(torch.from_numpy(x).double(), axis).float())
 
 

@@ -8,8 +8,9 @@ import math
 
 import numpy as np
 
+from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import view_as
+from pmx.runtime.kernels.common import node_threads, view_as
 
 
 def reduce_infer(node, shapes, dtypes):
@@ -134,8 +135,30 @@ def same_as_input(node, shapes, dtypes):
 
 @register("softmax", infer=same_as_input, inplace=True)
 def make_softmax(node, inputs, outputs):
-    x, out = inputs[0], outputs[0]
+    return _softmax_parts(node, inputs[0], outputs[0], log=False)
+
+
+@register("log_softmax", infer=same_as_input, inplace=True)
+def make_log_softmax(node, inputs, outputs):
+    return _softmax_parts(node, inputs[0], outputs[0], log=True)
+
+
+def _softmax_parts(node, x, out, log):
+    """(log_)softmax along node's axis, split over the threads along the longest other
+    axis (the exp costs ~1.8 ns per element on one core). One thread -> two over the
+    last axis: 12x197x197 1.36 -> 0.73 ms, 8x128x128 0.41 -> 0.24."""
     axis = node.attrs["axis"] % x.ndim
+    others = [i for i in range(x.ndim) if i != axis]
+    along = max(others, key=lambda i: x.shape[i]) if others else None
+    threads = node_threads(node) if along is not None and parallel.worth_splitting(x.size) else 1
+    parts = []
+    for lo, hi in parallel.ranges(x.shape[along] if along is not None else 1, threads):
+        part = (slice(None),) * along + (slice(lo, hi),) if along is not None else ()
+        parts.append((_log_softmax if log else _softmax)(x[part], out[part], axis))
+    return parallel.split(parts)
+
+
+def _softmax(x, out, axis):
     red_shape = tuple(1 if i == axis else d for i, d in enumerate(x.shape))
     peak = np.empty(red_shape, x.dtype)
     total = np.empty(red_shape, x.dtype)
@@ -150,10 +173,7 @@ def make_softmax(node, inputs, outputs):
     return run
 
 
-@register("log_softmax", infer=same_as_input, inplace=True)
-def make_log_softmax(node, inputs, outputs):
-    x, out = inputs[0], outputs[0]
-    axis = node.attrs["axis"] % x.ndim
+def _log_softmax(x, out, axis):
     red_shape = tuple(1 if i == axis else d for i, d in enumerate(x.shape))
     peak = np.empty(red_shape, x.dtype)
     total = np.empty(red_shape, x.dtype)
