@@ -30,7 +30,7 @@ def int_list(data, lo, hi, n):
 
 def run_split(data, op, inputs, attrs, expr=""):
     """run_kernel on 1-3 threads (drawn) with every split forced: conv_transpose splits
-    its output channels, resize its leading dims."""
+    its output channels, resize its leading dims, pixel_shuffle its channels."""
     from unittest import mock
 
     from pmx.runtime import parallel
@@ -355,5 +355,5 @@ def test_pixel_shuffle(data):
     else:
         x = torch.randn(*lead, c * r * r, h, w, generator=generator(data))
         y = F.pixel_shuffle(x, r)
-    got = run_kernel("pixel_shuffle", [x.numpy()], dict(factor=r, inverse=inverse))[0]
+    got = run_split(data, "pixel_shuffle", [x.numpy()], dict(factor=r, inverse=inverse))
     np.testing.assert_array_equal(got, y.numpy())
