@@ -251,6 +251,32 @@ def test_conv_transpose_zoo(check_model):
     check_model("conv_transpose_zoo", ConvTransposeZoo(), (torch.randn(2, 6, 5, 4),))
 
 
+class SplitKernels(nn.Module):
+    """A decoder-like block whose tensors are big enough that, on two threads, the group
+    norm, transposed conv, resize, softmax, pixel shuffle and layer norm split their work
+    in a real session (arena views, shared scratch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(8, 64)
+        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
+        self.ln = nn.LayerNorm(64)
+
+    def forward(self, x):
+        y = self.up(F.silu(self.gn(x)))
+        z = F.interpolate(y, scale_factor=2.0, mode="nearest")
+        return torch.softmax(z, dim=1), F.pixel_shuffle(y, 2), self.ln(x.flatten(2).transpose(1, 2))
+
+
+def test_split_kernels_in_a_session(check_model):
+    from pmx.runtime import parallel
+
+    _seed()
+    x = torch.randn(1, 64, 32, 32)
+    assert x.numel() >= parallel.SPLIT_MIN_ELEMENTS, "the block's smallest split tensor must reach the threshold"
+    check_model("split_kernels", SplitKernels().eval(), (x,))
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_lstm_unused_states(check_model, batch_first):
     """pnnx writes a single-output nn.LSTM when only y is used; h_n/c_n become internal."""
