@@ -94,6 +94,12 @@ def node_threads(node):
     return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
 
 
+def split_threads(node, elements):
+    """Threads a node splits `elements` of work over: node_threads(node) when the work pays
+    for a dispatch (parallel.worth_splitting), else 1."""
+    return node_threads(node) if parallel.worth_splitting(elements) else 1
+
+
 def epilogue(node, out, threads=None):
     """The fused activation of a conv/linear/matmul node (node.expr over @0 = the GEMM
     output), applied in place on `out` (split over `threads`, default all, when big);

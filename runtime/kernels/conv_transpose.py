@@ -17,7 +17,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import node_threads, split_activated, view_as
+from pmx.runtime.kernels.common import split_activated, split_threads, view_as
 
 
 def conv_transpose_out_size(n, k, s, d, pb, pe, op):
@@ -101,7 +101,7 @@ def make_conv_transpose(node, inputs, outputs):
     tiled = bool(np.all(coverage == 1))
     # one group: each thread takes a range of output channels, its rows of the GEMM and
     # its part of col2im (BLAS runs on one thread inside runs)
-    threads = node_threads(node) if groups == 1 and parallel.worth_splitting(cols.size) else 1
+    threads = split_threads(node, cols.size) if groups == 1 else 1
     parts = []
     for c0, c1 in parallel.ranges(cout, threads):
         ch = slice(c0, c1)

@@ -20,7 +20,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, node_threads, view_as
+from pmx.runtime.kernels.common import chain, split_threads, view_as
 
 
 def same_as_input(node, shapes, dtypes):
@@ -126,8 +126,7 @@ def _row_parts(node, rows, inner):
     tensor is split by rows. ViT-B/16's 197x768 layer norms, per node in the model,
     one thread -> two: 0.468 -> 0.401 ms (timed alone, hot in cache, they were level,
     0.253 -> 0.258: the parts' ~9 numpy calls each pay the GIL hand-off)."""
-    threads = node_threads(node) if parallel.worth_splitting(rows * inner) else 1
-    return parallel.ranges(rows, threads)
+    return parallel.ranges(rows, split_threads(node, rows * inner))
 
 
 @register("group_norm", infer=same_as_input, inplace=True)
@@ -143,7 +142,7 @@ def make_group_norm(node, inputs, outputs):
     x2, pre = _rows(x, (n * g, cpg * spatial), out.dtype, writes=False)
     out2, post = _rows(out, (n * g, cpg * spatial), out.dtype, writes=True)
     eps = float(node.attrs.get("eps", 1e-5))
-    threads = node_threads(node) if parallel.worth_splitting(n * c * spatial) else 1
+    threads = split_threads(node, n * c * spatial)
     # rows are (image, group) pairs: split by images, or for one image by groups, so each
     # part's channels are one range and its affine one slice of the weights. One thread
     # -> two: 1x320x64x64 with 32 groups 1.83 -> 0.98 ms, 2x128x32x32 0.41 -> 0.25

@@ -23,7 +23,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, fill_border, node_threads
+from pmx.runtime.kernels.common import chain, fill_border, split_threads
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -129,9 +129,8 @@ def make_resize(node, inputs, outputs):
     # take ranges of them. One thread -> two: 1x256x40x40 nearest 2x 1.46 -> 0.78 ms,
     # 1x64x64x64 bilinear 2x 3.29 -> 1.75
     along = 1 if lead >= 2 else 0
-    threads = node_threads(node) if parallel.worth_splitting(out.size) else 1
     parts = []
-    for lo, hi in parallel.ranges(x.shape[along], threads):
+    for lo, hi in parallel.ranges(x.shape[along], split_threads(node, out.size)):
         part = (slice(None),) * along + (slice(lo, hi),)
         parts.append(chain(*(_axis_step(arrays[k][part], arrays[k + 1][part], axis, t)
                              for k, (axis, t) in enumerate(axes))))
@@ -272,7 +271,7 @@ def make_pixel_shuffle(node, inputs, outputs):
         # so it is bound by numpy's loop, not memory. One thread -> two, 1x64x224x224 by
         # 2: 8.4 -> 4.2 ms, pixel_unshuffle of 1x16x448x448 by 2: 2.4 -> 0.8
         moved = src.transpose(perm)
-        threads = node_threads(node) if parallel.worth_splitting(out.size) else 1
+        threads = split_threads(node, out.size)
         part = lambda lo, hi: (Ellipsis,) + (slice(lo, hi),) + (slice(None),) * 4  # noqa: E731
         return parallel.split([lambda d=dst[part(lo, hi)], s=moved[part(lo, hi)]: np.copyto(d, s)
                                for lo, hi in parallel.ranges(c, threads)])
