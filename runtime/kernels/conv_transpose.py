@@ -75,10 +75,14 @@ def make_conv_transpose(node, inputs, outputs):
     in_sp, out_sp = x.shape[2:], out.shape[2:]
     length = math.prod(in_sp)
     # (G, Cout_g * kk, Cin_g): a transposed view of the weight; BLAS takes it as is
-    wt = None
-    if w.flags.c_contiguous:
-        wt = view_as(w, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1)
+    wt = view_as(w, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1) if w.flags.c_contiguous else None
     xg = view_as(x, (n, groups, cin_g, length)) if x.flags.c_contiguous else None
+
+    def operands():
+        """(weights, input) as GEMM operands; strided ones are reshaped (copied) per run."""
+        return (wt if wt is not None else w.reshape(groups, cin_g, cout_g * kk).transpose(0, 2, 1),
+                xg if xg is not None else x.reshape(n, groups, cin_g, length))
+
     cols = scratch_array(_cols_shape(x, w, groups), out.dtype)
     cols_taps = view_as(cols, (n, cout) + tuple(k) + tuple(in_sp))
     adds = []
@@ -107,19 +111,17 @@ def make_conv_transpose(node, inputs, outputs):
         ch = slice(c0, c1)
         pairs = [(out[o][:, ch], cols_taps[c][:, ch]) for o, c in adds]
         rows = slice(c0 * kk, c1 * kk) if groups == 1 else slice(None)
-        parts.append((_part(wt, w, xg, x, cols[:, :, rows], rows, pairs, None if bias is None else bias[:, ch],
-                            out[:, ch], tiled, (n, groups, cin_g, cout_g * kk, length)), out[:, ch]))
+        parts.append((_part(operands, rows, cols[:, :, rows], pairs, None if bias is None else bias[:, ch],
+                            out[:, ch], tiled), out[:, ch]))
     return split_activated(node, out, parts)
 
 
-def _part(wt, w, xg, x, cols, rows, pairs, bias, out, tiled, dims):
+def _part(operands, rows, cols, pairs, bias, out, tiled):
     """Callable for one range of output channels: its GEMM rows into cols, then col2im
     (written where the taps tile the output, else accumulated onto the bias or zeros)."""
-    n, groups, cin_g, rows_g, length = dims
 
     def run():
-        w_ = wt if wt is not None else w.reshape(groups, cin_g, rows_g).transpose(0, 2, 1)
-        x_ = xg if xg is not None else x.reshape(n, groups, cin_g, length)
+        w_, x_ = operands()
         np.matmul(w_[:, rows], x_, out=cols)
         if tiled:
             for o, c in pairs:
