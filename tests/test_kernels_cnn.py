@@ -553,13 +553,112 @@ def test_width_stride_two_max_pool_matches_torch(data):
 
 
 @FAST
-@given(pool_case("avg"))
-def test_avg_pool_matches_torch(c):
+@given(st.data())
+def test_width_stride_two_avg_pool_matches_torch(data):
+    """2-d average pools with stride 2 along the width sum through the max pool's column
+    pairs (pool._ColumnPairs with np.add; odd widths through a copy one column wider
+    whose last column is zero): any row stride, kernel, padding, ceil mode,
+    count_include_pad and divisor override, float32 and float16, NaN and infinities, and
+    channels split over two threads with each part's flat ranges crossing channels.
+    float16 sums round once per tap, so it is held to that against torch's float32."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+    from pmx.runtime.kernels.pool import _avg_pool_pairs
+
+    k = (data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4)))
+    stride = (data.draw(st.integers(1, 3)), 2)
+    pad = tuple(data.draw(st.integers(0, kk // 2)) for kk in k)
+    height = max(data.draw(st.integers(1, 9)), k[0] - 2 * pad[0])
+    width = max(data.draw(st.integers(1, 12)), k[1] - 2 * pad[1])
+    dtype = data.draw(st.sampled_from([np.float32, np.float16]))
+    x = signed_input((data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), height, width),
+                     data.draw(st.integers(0, 2**32 - 1))).astype(dtype)
+    if data.draw(st.booleans()):
+        x.flat[data.draw(st.integers(0, x.size - 1))] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    ceil_mode, include_pad = data.draw(st.booleans()), data.draw(st.booleans())
+    divisor = data.draw(st.sampled_from([0, 0, 1, 3, 7]))
+    want = F.avg_pool2d(torch.from_numpy(x.astype(np.float32)), k, stride, pad, ceil_mode=ceil_mode,
+                        count_include_pad=include_pad, divisor_override=divisor or None).numpy()
+    assume(want.shape[-1] <= (width + 1) // 2)  # wider outputs keep the strided views
+    a = dict(kernel=k, stride=stride, pads=pad + pad, dilation=(1, 1), ceil_mode=ceil_mode,
+             count_include_pad=include_pad, divisor_override=divisor)
+    assert _avg_pool_pairs(x, want.astype(dtype), a) is not None
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2]))), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("avg_pool", [x], a)
+    assert got.dtype == dtype
+    if dtype == np.float32:
+        assert_close(got, want)
+        return
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
+    bound = (k[0] * k[1] + 1) * 2.0**-11 * max(float(np.abs(x[np.isfinite(x)]).max(initial=0)), 1.0)
+    assert np.abs(got[finite].astype(np.float32) - want[finite]).max(initial=0) <= bound
+
+
+@FAST
+@given(pool_case("avg"), st.sampled_from([1, 2]))
+def test_avg_pool_matches_torch(c, threads):
+    """Any stride: sums over the phase-split input (pool._phase_pool, separable at stride
+    1) or, at stride 2 along the width, column pairs, with the channels split over one or
+    two threads."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+
     x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
     want = F.avg_pool2d(torch.from_numpy(x), c["k"], c["stride"], c["pad"], ceil_mode=c["ceil_mode"],
                         count_include_pad=c["count_include_pad"], divisor_override=c["divisor"] or None)
-    (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"))
+    with mock.patch.object(parallel, "_num_threads", threads), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"))
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(stride):
+    """Pools share their padded phase buffer with pools of the same geometry in a binding
+    (persistent_buffer, whose key includes the fill); a max pool's padding is the lowest
+    value and an average pool's zero, so the two kinds must not share one. Both bound in one scope, over scratch full
+    of float32 max (whatever an earlier node left), then run in turn, twice."""
+    from helpers import KernelNode
+
+    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
+
+    x = signed_input((1, 3, 9, 9), 3)
+    a = dict(kernel=(3, 3), stride=(stride, stride), pads=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False,
+             count_include_pad=True, divisor_override=0)
+    out_shape = F.max_pool2d(torch.from_numpy(x), 3, stride, 1).shape
+    outs = {op: np.empty(out_shape, np.float32) for op in ("max_pool", "avg_pool")}
+    nodes = {op: KernelNode(op, a) for op in outs}
+    scratch = np.full(max(node_scratch_nbytes(nodes[op], [x], [outs[op]]) for op in outs) // 4 + 16,
+                      np.finfo(np.float32).max, np.float32)
+    persistent = {}
+    runs = []
+    for op in ("max_pool", "avg_pool"):
+        with scratch_scope(scratch.view(np.uint8), persistent):
+            runs.append(get(op).make(nodes[op], [x], [outs[op]]))
+    for _ in range(2):
+        for run in runs:
+            run()
+    np.testing.assert_array_equal(outs["max_pool"], F.max_pool2d(torch.from_numpy(x), 3, stride, 1).numpy())
+    assert_close(outs["avg_pool"], F.avg_pool2d(torch.from_numpy(x), 3, stride, 1))
+
+
+@FAST
+@given(st.data())
+def test_unbatched_avg_pool_matches_torch(data):
+    """A (C, H, W) input without a batch axis takes the strided-view sums."""
+    k, s = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    pad = data.draw(st.integers(0, k // 2))
+    h, w = data.draw(st.integers(k, 9)), data.draw(st.integers(k, 9))
+    ceil_mode, include_pad = data.draw(st.booleans()), data.draw(st.booleans())
+    x = signed_input((4, h, w), data.draw(st.integers(0, 2**32 - 1)))
+    a = dict(kernel=(k, k), stride=(s, s), pads=(pad,) * 4, dilation=(1, 1), ceil_mode=ceil_mode,
+             count_include_pad=include_pad, divisor_override=0)
+    (got,) = run_kernel("avg_pool", [x], a)
+    assert_close(got, F.avg_pool2d(torch.from_numpy(x), k, s, pad, ceil_mode=ceil_mode, count_include_pad=include_pad))
 
 
 @FAST
@@ -795,7 +894,7 @@ def test_phase_rows_share_padding(size, k, stride, dilation, pads):
     max_pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
     want = max_pool(F.pad(xt, pad, value=-np.inf), k, stride, 0, dilation)
     np.testing.assert_array_equal(got, _np(want))
-    assert pool._max_pool_phases(x, got, pool_attrs).rows[-1] == row
+    assert pool._pool_phases(x, got, pool_attrs).rows[-1] == row
 
     if nd == 2 and max(pads) < min(size):
         reflect = dict(attrs, padding_mode="reflect")

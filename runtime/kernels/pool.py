@@ -57,20 +57,23 @@ def _taps(x, out, a, fill):
     return copy_in, views
 
 
-def _max_pool_scratch(node, inputs, outputs):
+def _pool_scratch(node, inputs, outputs):
+    """Scratch bytes of the column-pairs or phase path a batched pool takes (none for the
+    strided views of unbatched or, for averages, non-float inputs)."""
     x, out = inputs[0], outputs[0]
-    if x.ndim != len(node.attrs["kernel"]) + 2:
+    a = node.attrs
+    if x.ndim != len(a["kernel"]) + 2 or (node.op == "avg_pool" and out.dtype.kind != "f"):
         return 0
-    pairs = _ColumnPairs.of(x, out, node.attrs)
+    pairs = _ColumnPairs.of(x, out, a)
     if pairs is not None:
         return scratch_nbytes(*pairs.scratch(x.dtype, x.shape))
-    g = _max_pool_phases(x, out, node.attrs)
+    g = _pool_phases(x, out, a)
     separable = _separable_taps(g)
     row_maxima = [((g.n, g.c, separable[2]), out.dtype)] if separable else []
     return scratch_nbytes(((g.n, g.c, g.length), out.dtype), *row_maxima)
 
 
-def _max_pool_phases(x, out, a):
+def _pool_phases(x, out, a):
     nd = len(a["kernel"])
     return phases(x.shape, a["kernel"], out.shape, a["stride"], a.get("dilation") or (1,) * nd,
                   _ceil_pads(x.shape, out.shape, a),
@@ -82,46 +85,55 @@ def _lowest(dtype):
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-@register("max_pool", infer=pool_infer, scratch=_max_pool_scratch)
+@register("max_pool", infer=pool_infer, scratch=_pool_scratch)
 def make_max_pool(node, inputs, outputs):
-    """Maxima over the taps of the phase-split padded input (common.Phases, the depthwise
-    conv's layout): every tap is a contiguous slice of each channel's buffer, so each
-    np.maximum runs over whole channels instead of strided output rows (a 3x3 stride-2
-    pool on 64x112x112 took 1.57 ms as strided views). Channels split over the cores.
-    Stride 1 takes the maxima separably (_separable_taps); 2-d pools with stride 2 along
-    an even width skip the phases for even and odd columns (_ColumnPairs)."""
+    """Maxima over the taps of the phase-split padded input (_phase_pool). 2-d pools with
+    stride 2 along the width skip the phases for even and odd columns (_ColumnPairs)."""
     x, out = inputs[0], outputs[0]
     if x.ndim != len(node.attrs["kernel"]) + 2:
         return _max_pool_views(node, x, out)
     pairs = _ColumnPairs.of(x, out, node.attrs)
     if pairs is not None:
-        return _column_pairs_max_pool(pairs, x, out)
-    g = _max_pool_phases(x, out, node.attrs)
-    # persistent: the padding stays lowest (shared with max pools of the same geometry)
-    buf = persistent_buffer(("max_pool", x.shape, out.shape, g.k, g.stride, g.dilation, g.pads),
-                            (g.n, g.c, g.per_channel), x.dtype, _lowest(x.dtype))
+        return _column_pairs_pool(pairs, x, out, _maximum_of, _lowest(x.dtype))
+    return _phase_pool(x, out, node.attrs, _maximum_of, _lowest(x.dtype))
+
+
+def _phase_pool(x, out, a, combine, pad_value, finish=None):
+    """Pooling over the taps of the phase-split padded input (common.Phases, the depthwise
+    conv's layout), its padding `pad_value`: every tap is a contiguous slice of each
+    channel's buffer, so each reduction (`combine`: _maximum_of or _sum_of) runs over
+    whole channels instead of strided output rows (a 3x3 stride-2 max pool on 64x112x112
+    took 1.57 ms as strided views). Stride 1 reduces separably (_separable_taps).
+    Channels split over the cores; `finish` (channel slice -> callable) runs last in
+    each part."""
+    g = _pool_phases(x, out, a)
+    # persistent: the padding keeps its value (shared with pools of the same geometry and
+    # padding value: persistent_buffer's key includes the fill)
+    buf = persistent_buffer(("pool", x.shape, out.shape, g.k, g.stride, g.dilation, g.pads),
+                            (g.n, g.c, g.per_channel), x.dtype, pad_value)
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
     fill_phases = phase_fill(x, buf, g)  # copies the interior only: the padding keeps its value
     separable = _separable_taps(g)
-    row_maxima = scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
+    row_acc = scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
     threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.taps)) else 1
     parts = []
     for lo, hi in parallel.ranges(g.c, threads):
         ch = slice(lo, hi)
         if separable:
-            maxima = _separable_maximum(buf[:, ch], separable, g.length, row_maxima[:, ch], wide[:, ch])
+            reduced = _separable_reduce(buf[:, ch], separable, g.length, row_acc[:, ch], wide[:, ch], combine)
         else:
-            maxima = _maximum_of([buf[:, ch, t:t + g.length] for t in g.taps], wide[:, ch])
-        parts.append(chain(fill_phases(ch), maxima, copy_rows(out[:, ch], wide_valid[:, ch])))
+            reduced = combine([buf[:, ch, t:t + g.length] for t in g.taps], wide[:, ch])
+        parts.append(chain(fill_phases(ch), reduced, copy_rows(out[:, ch], wide_valid[:, ch]),
+                           finish(ch) if finish else None))
     return parallel.split(parts)
 
 
 def _separable_taps(g):
-    """(offsets along the last axis, offsets of the rows, row-maxima length) when the max
-    pool on Phases g runs separably, else None. A window's maximum is the maximum over
-    its rows of each row's maximum, and with stride 1 every tap's offset in the phase
+    """(offsets along the last axis, offsets of the rows, row-maxima length) when the pool
+    on Phases g runs separably, else None. A window's maximum (sum) is the maximum (sum)
+    over its rows of each row's, and with stride 1 every tap's offset in the phase
     buffer is a row offset plus a column offset, so one pass of kw - 1 maxima over the
     buffer gives every row's maximum and kh - 1 more over those give the output: 4
     np.maximum calls for 3x3 instead of 8 (kh * kw - 1), 8 for 5x5 instead of 24.
@@ -136,20 +148,20 @@ def _separable_taps(g):
     return columns, rows, g.length + max(rows)
 
 
-def _separable_maximum(buf, taps, length, row_maxima, acc):
-    """Callable writing into acc (..., length) the maxima over the taps of buf as rows x
-    columns (_separable_taps): the row maxima at every offset a row may start, then their
-    maxima."""
+def _separable_reduce(buf, taps, length, row_acc, acc, combine):
+    """Callable writing into acc (..., length) the maxima or sums (`combine`) over the taps
+    of buf as rows x columns (_separable_taps): each row's at every offset a row may
+    start, then theirs."""
     columns, rows, span = taps
-    return chain(_maximum_of([buf[..., c:c + span] for c in columns], row_maxima),
-                 _maximum_of([row_maxima[..., r:r + length] for r in rows], acc))
+    return chain(combine([buf[..., c:c + span] for c in columns], row_acc),
+                 combine([row_acc[..., r:r + length] for r in rows], acc))
 
 
 class _ColumnPairs:
-    """Geometry of 2-d max pooling with stride 2 along the width W, for 4- and 2-byte
-    items on a little-endian host (W even; an odd-width input is read through a copy one
-    column wider, see _column_pairs_max_pool). The phase path split such inputs into four phases by
-    strided copies, as slow as all the maxima after them, and maxima over strided views
+    """Geometry of 2-d max (or average) pooling with stride 2 along the width W, for 4- and
+    2-byte items on a little-endian host (W even; an odd-width input is read through a
+    copy one column wider, see _column_pairs_pool). The phase path split such inputs into
+    four phases by strided copies, as slow as all the maxima after them, and maxima over strided views
     of short rows pay numpy's per-row loop cost. Here every pass is over whole channels:
       1. the input's columns split into even and odd ones by casting each channel, viewed
          as pairs of items in one unsigned integer twice as wide, to the item-sized
@@ -208,29 +220,34 @@ class _ColumnPairs:
         return blocks + ([(tuple(x_shape[:-1]) + (self.width,), dtype)] if x_shape[-1] != self.width else [])
 
 
-def _column_pairs_max_pool(g, x, out):
-    """Max pooling by _ColumnPairs; channels split over the cores. The maxima run over
-    each image's channels of a part as one flat range (channel blocks of one length), so
-    numpy runs one loop per image, not one per channel (192x56x56, a pass over 1567 of
-    each channel's 1568 elements: 130 us per channel, 47 as one range):
-    a tap's slice crosses into the next channel only at outputs recomputed as edges or
-    discarded. An input of odd width is first copied into scratch one column wider, whose
-    last column is set to the lowest value (padding to the maxima): SqueezeNet's
-    64x111x111, 2 threads, phase path 381 -> 297 us, 128x55x55 231 -> 133."""
+def _column_pairs_pool(g, x, out, combine, pad_value, finish=None):
+    """Pooling by _ColumnPairs; channels split over the cores. `combine` (taps, acc) ->
+    callable reduces the taps into acc: _maximum_of for max pooling (`pad_value` the
+    lowest value), _sum_of for average pooling (`pad_value` 0), whose `finish` (channel
+    slice -> callable) then scales each part's sums.
+    The reductions run over each image's channels of a part as one flat range (channel
+    blocks of one length), so numpy runs one loop per image, not one per channel
+    (192x56x56, a pass over 1567 of each channel's 1568 elements: 130 us per channel, 47
+    as one range): a tap's slice crosses into the next channel only at outputs recomputed
+    as edges or discarded. An input of odd width is first copied into scratch one column
+    wider, whose last column is set to the padding value (the lowest value for maxima,
+    zero for sums): SqueezeNet's 64x111x111 max pool, 2 threads, phase path 381 -> 297
+    us, 128x55x55 231 -> 133."""
     even, odd, row_max, *widened = (scratch_array(shape, dt) for shape, dt in g.scratch(x.dtype, x.shape))
     source, widen = x, None
     if widened:
-        source, lowest = widened[0], _lowest(x.dtype)
+        source = widened[0]
         widen = lambda ch: chain(copy_rows(source[:, ch, :, :-1], x[:, ch]),  # noqa: E731
-                                 lambda last=source[:, ch, :, -1]: last.fill(lowest))
+                                 lambda last=source[:, ch, :, -1]: last.fill(pad_value))
     threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.column_taps) * 4) else 1
     parts = []
     for c0, c1 in parallel.ranges(g.c, threads):
         ch = slice(c0, c1)
         parts.append(chain(widen(ch) if widen else None,
                            _split_columns(source[:, ch], even[:, ch], odd[:, ch]),
-                           _row_maxima(g, even[:, ch], odd[:, ch], row_max[:, ch]),
-                           _column_maxima(g, row_max[:, ch], even[:, ch], out[:, ch])))
+                           _row_pass(g, even[:, ch], odd[:, ch], row_max[:, ch], combine),
+                           _column_pass(g, row_max[:, ch], even[:, ch], out[:, ch], combine),
+                           finish(ch) if finish else None))
     return parallel.split(parts)
 
 
@@ -271,53 +288,62 @@ def _grid(a, rows, columns):
     return a[..., :rows * columns].reshape(a.shape[:2] + (rows, columns))
 
 
-def _row_maxima(g, even, odd, row_max):
-    """Callable writing into row_max's blocks each input row's maxima over the window
-    columns of every output column x < W/2 (x >= out_w: unused)."""
+def _row_pass(g, even, odd, row_max, combine):
+    """Callable writing into row_max's blocks each input row's maximum (or sum: `combine`)
+    over the window columns of every output column x < W/2 (x >= out_w: unused)."""
     columns = (_flat(even), _flat(odd))
     offsets = [offset for _, offset in g.column_taps]
     lo, hi = max(0, -min(offsets)), columns[0].shape[1] - max(0, max(offsets))
-    bulk = _maximum_of([columns[parity][:, lo + offset:hi + offset] for parity, offset in g.column_taps],
+    bulk = combine([columns[parity][:, lo + offset:hi + offset] for parity, offset in g.column_taps],
                        _flat(row_max)[:, lo:hi])
     grid = [_grid(a, g.height, g.half) for a in (even, odd, row_max)]
-    edges = [_maximum_of([grid[parity][..., x + offset] for parity, offset in g.column_taps
+    edges = [combine([grid[parity][..., x + offset] for parity, offset in g.column_taps
                           if 0 <= x + offset < g.half], grid[2][..., x])
              for x in g.edge_columns]
     return chain(bulk, *edges)
 
 
-def _column_maxima(g, row_max, wide, out):
-    """Callable writing the output: the maxima over the window rows of row_max, "wide"
-    into `wide`'s blocks for the rows whose windows lie inside the input, then copied
-    out; the other rows straight into out."""
+def _column_pass(g, row_max, wide, out, combine):
+    """Callable writing the output: the maxima (or sums: `combine`) over the window rows
+    of row_max, "wide" into `wide`'s blocks for the rows whose windows lie inside the
+    input, then copied out; the other rows straight into out."""
     y0, y1 = g.inner_rows
     steps = []
     if y1 > y0:
         rows, target = _flat(row_max), _flat(wide)
         shifts = [r * g.half for r in g.row_taps]
         lo, hi = y0 * g.wide_row, target.shape[1] - max(0, max(shifts))
-        steps.append(_maximum_of([rows[:, lo + shift:hi + shift] for shift in shifts], target[:, lo:hi]))
+        steps.append(combine([rows[:, lo + shift:hi + shift] for shift in shifts], target[:, lo:hi]))
         steps.append(copy_rows(out[..., y0:y1, :], _grid(wide, g.out_h, g.wide_row)[..., y0:y1, :g.out_w]))
     grid = _grid(row_max, g.height, g.half)
     for y in g.edge_rows:
         taps = [grid[..., g.stride_h * y + r, :g.out_w] for r in g.row_taps if 0 <= g.stride_h * y + r < g.height]
-        steps.append(_maximum_of(taps, out[..., y, :]))
+        steps.append(combine(taps, out[..., y, :]))
     return chain(*steps)
 
 
 def _maximum_of(taps, acc):
     """Callable writing into acc the maximum of the arrays `taps`, or the lowest value when
     there are none (a window wholly in the padding)."""
+    return _reduce_taps(np.maximum, taps, acc, _lowest(acc.dtype))
+
+
+def _sum_of(taps, acc):
+    """Callable writing into acc the sum of the arrays `taps`, or zero when there are none."""
+    return _reduce_taps(np.add, taps, acc, 0)
+
+
+def _reduce_taps(ufunc, taps, acc, empty):
     if not taps:
-        return lambda: acc.fill(_lowest(acc.dtype))
+        return lambda: acc.fill(empty)
     if len(taps) == 1:
         return lambda: np.copyto(acc, taps[0])
     first, second, rest = taps[0], taps[1], taps[2:]
 
     def run():
-        np.maximum(first, second, out=acc)
+        ufunc(first, second, out=acc)
         for t in rest:
-            np.maximum(acc, t, out=acc)
+            ufunc(acc, t, out=acc)
 
     return run
 
@@ -364,13 +390,49 @@ def _avg_divisor(x, out, a):
     return (1.0 / div).astype(out.dtype)
 
 
-@register("avg_pool", infer=pool_infer)
+def _avg_pool_pairs(x, out, a):
+    """The _ColumnPairs geometry when average pooling takes that path (2-d, batched, float,
+    stride 2 along the width), else None."""
+    if x.ndim != len(a["kernel"]) + 2 or out.dtype.kind != "f":
+        return None
+    return _ColumnPairs.of(x, out, a)
+
+
+@register("avg_pool", infer=pool_infer, scratch=_pool_scratch)
 def make_avg_pool(node, inputs, outputs):
+    """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
+    max pooling takes its maxima: 2-d pools with stride 2 along the width by column pairs
+    (_ColumnPairs), the rest over the phase-split input (_phase_pool), over whole
+    channels and split over the cores. Unbatched or integer inputs add strided views of
+    the padded input. Per node inside DenseNet-121, 2 threads, strided views -> column
+    pairs (its 2x2 stride-2 transitions): 256x56x56 0.572 -> 0.313-0.329 ms, 512x28x28
+    0.344-0.349 -> 0.210-0.212, 1024x14x14 0.230 -> 0.118-0.122 (timed alone: 0.54 ->
+    0.17, 0.33 -> 0.10, 0.22 -> 0.07). Inception-v3's 3x3 stride-1 pools, timed alone, 2
+    threads, strided views -> phases (separable): 192x35x35 850 -> 211 us, 288x35x35
+    1362 -> 314, 768x17x17 1354 -> 231, 2048x8x8 1244 -> 205."""
     x, out = inputs[0], outputs[0]
-    copy_in, views = _taps(x, out, node.attrs, 0)
-    scale = _avg_divisor(x, out, node.attrs)
+    a = node.attrs
+    scale = _avg_divisor(x, out, a)
     if np.ndim(scale) == 0:
         scale = np.float32(1.0 / float(scale)) if out.dtype == np.float32 else 1.0 / float(scale)
+    elif scale.size and np.all(scale == scale.flat[0]):
+        scale = scale.dtype.type(scale.flat[0])  # one multiplier: no broadcast array per pass
+    if x.ndim != len(a["kernel"]) + 2 or out.dtype.kind != "f":
+        return _avg_pool_views(x, out, a, scale)
+
+    def finish(ch):
+        part = out[:, ch]
+        return lambda: np.multiply(part, scale, out=part)
+
+    pairs = _avg_pool_pairs(x, out, a)
+    if pairs is not None:
+        return _column_pairs_pool(pairs, x, out, _sum_of, 0, finish)
+    return _phase_pool(x, out, a, _sum_of, 0, finish)
+
+
+def _avg_pool_views(x, out, a, scale):
+    """Unbatched or integer inputs: sums over strided views of the padded input."""
+    copy_in, views = _taps(x, out, a, 0)
     first, rest = views[0], views[1:]
 
     def run():
