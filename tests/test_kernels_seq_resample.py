@@ -72,7 +72,40 @@ def test_resize(data):
         coord_scales = (0.0,) * nd
     attrs = dict(mode=mode, align_corners=bool(align), sizes=tuple(y.shape[2:]),
                  scales=coord_scales)
-    check(run_split(data, "resize", [x.numpy()], attrs), y)
+    with _product_max_input(data):
+        check(run_split(data, "resize", [x.numpy()], attrs), y)
+
+
+def _product_max_input(data):
+    """Linear and cubic axes up to RESIZE_PRODUCT_MAX_INPUT long interpolate by matrix
+    product, longer ones by gathers: drawn so that both, and a mix, run on small inputs."""
+    from unittest import mock
+
+    from pmx.runtime.kernels import resample
+
+    limit = data.draw(st.sampled_from([0, 4, resample.RESIZE_PRODUCT_MAX_INPUT]), label="product max input")
+    return mock.patch.object(resample, "RESIZE_PRODUCT_MAX_INPUT", limit)
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_resize_non_finite_inputs_stay_local(data):
+    """A NaN or infinity in the input reaches the outputs whose taps read it, as in
+    torch, not every output of its row (as a matrix product's 0 * inf would make it):
+    runs with one take the gathers. Where torch is finite, pmx is finite and close."""
+    mode = data.draw(st.sampled_from(["linear", "cubic"]))
+    spatial, size = int_list(data, 1, 7, 2), int_list(data, 1, 15, 2)
+    align = data.draw(st.booleans())
+    x = torch.randn(1, 2, *spatial, generator=generator(data)).numpy()
+    x.flat[data.draw(st.integers(0, x.size - 1))] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    y = F.interpolate(torch.from_numpy(x), size=size, mode="bilinear" if mode == "linear" else "bicubic",
+                      align_corners=align).numpy()
+    attrs = dict(mode=mode, align_corners=align, sizes=tuple(size), scales=(0.0, 0.0))
+    with _product_max_input(data):
+        got = run_split(data, "resize", [x], attrs)
+    finite = np.isfinite(y)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    check(got[finite], y[finite])
 
 
 def test_resize_nearest_integer_factors_exact():
