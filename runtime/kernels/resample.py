@@ -25,7 +25,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, fill_border, split_threads, view_as
+from pmx.runtime.kernels.common import chain, fill_border, pairs_castable, split_threads, view_as
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -117,9 +117,10 @@ def make_resize(node, inputs, outputs):
     align = bool(a.get("align_corners", False))
     taps = [axis_taps(mode, x.shape[lead + i], out.shape[lead + i], align, scales[i], nd)
             for i in range(nd)]
-    # shrinking axes first, so later passes touch fewer elements
+    # shrinking axes first, so later passes touch fewer elements; among axes scaled alike
+    # the last first, so a nearest 2x doubles its rows' items before copying whole rows
     axes = sorted(((lead + i, t) for i, t in enumerate(taps) if t is not None),
-                  key=lambda at: out.shape[at[0]] / x.shape[at[0]])
+                  key=lambda at: (out.shape[at[0]] / x.shape[at[0]], -at[0]))
     if not axes:
         return lambda: np.copyto(out, x)
     arrays = [x]  # the input, each intermediate, the output
@@ -197,7 +198,7 @@ def _axis_step(src, dst, axis, taps):
     bshape = (-1,) + (1,) * (src.ndim - axis - 1)
     if len(taps) == 1 and taps[0][1] is None:
         idx = taps[0][0]
-        return lambda: np.take(src, idx, axis=axis, out=dst, mode="clip")
+        return _repeat_step(src, dst, axis, idx) or (lambda: np.take(src, idx, axis=axis, out=dst, mode="clip"))
     terms = [(idx, w.astype(dst.dtype).reshape(bshape)) for idx, w in taps]
     tmp = np.empty(dst.shape, dst.dtype)
     (i0, w0), rest = terms[0], terms[1:]
@@ -211,6 +212,31 @@ def _axis_step(src, dst, axis, taps):
             np.add(dst, tmp, out=dst)
 
     return run
+
+
+def _repeat_step(src, dst, axis, idx):
+    """Callable for a nearest resize that repeats every item `factor` times along `axis`
+    (idx = arange(out) // factor), else None: along the last axis by 2, each pair of
+    equal items written as one integer twice as wide (the item's bits times 2^bits + 1,
+    a contiguous multiply); along another axis, whole rows copied by broadcasting. One
+    thread, nearest 2x, np.take along both axes -> these: 256x40x40 1532 -> 626 us,
+    128x80x80 3864 -> 1969, 512x20x20 754 -> 301."""
+    n_in, n_out = src.shape[axis], dst.shape[axis]
+    factor = n_out // n_in
+    if n_out != factor * n_in or not np.array_equal(idx, np.arange(n_out) // factor):
+        return None
+    if axis == src.ndim - 1:
+        item = src.dtype.itemsize
+        if not (factor == 2 and pairs_castable(src.dtype) and src.strides[-1] == item and dst.strides[-1] == item):
+            return None
+        narrow, wide = np.dtype(f"u{item}"), np.dtype(f"u{2 * item}")
+        # item-sized unsigned views need the last axis contiguous (checked above)
+        src_bits, dst_pairs = src.view(narrow), dst.view(wide)
+        both_halves = wide.type((1 << (8 * item)) + 1)
+        return lambda: np.multiply(src_bits, both_halves, out=dst_pairs, casting="unsafe")
+    rows = view_as(dst, dst.shape[:axis] + (n_in, factor) + dst.shape[axis + 1:])
+    source = np.expand_dims(src, axis + 1)
+    return lambda: np.copyto(rows, source)
 
 
 def pad_infer(node, shapes, dtypes):
