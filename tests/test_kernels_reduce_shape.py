@@ -256,9 +256,17 @@ def test_slice_and_select(x, data):
 
 @given(x=floats(), data=st.data())
 def test_transpose_concat_split(x, data):
+    """Transposes split along their output's first axis with a part per thread: run on
+    1-3 threads with every split forced."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+
     perm = tuple(data.draw(st.permutations(range(x.ndim))))
-    (got,) = run_kernel("transpose", [x], dict(perm=perm))
-    close(got, torch.from_numpy(x).permute(perm))
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("transpose", [x], dict(perm=perm))
+    np.testing.assert_array_equal(got, torch.from_numpy(x).permute(perm).numpy())
     axis = data.draw(st.integers(0, x.ndim - 1))
     y = data.draw(floats(x.shape[:axis] + (data.draw(st.integers(1, 3)),) + x.shape[axis + 1:]))
     (got,) = run_kernel("concat", [x, y], dict(axis=axis))

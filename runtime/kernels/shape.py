@@ -17,8 +17,9 @@ import math
 
 import numpy as np
 
+from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import view_as
+from pmx.runtime.kernels.common import split_threads, view_as
 
 
 def _resolve_shape(shape, numel):
@@ -203,9 +204,19 @@ def transpose_infer(node, shapes, dtypes):
 
 @register("transpose", infer=transpose_infer)
 def make_transpose(node, inputs, outputs):
+    """One strided copy, split over the threads along the output's first axis long
+    enough to give each a part (blocked copies were no faster than numpy's own order).
+    ConvNeXt-tiny's NCHW <-> NHWC permutes, 2 threads: 96x56x56 154 -> 92 us and back
+    219 -> 121; all 46 of them in the model 4.57 -> 3.28 ms."""
     x, out = inputs[0], outputs[0]
     src = x.transpose(node.attrs["perm"])
-    return lambda: np.copyto(out, src)
+    threads = split_threads(node, out.size)
+    axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
+    if axis is None:
+        return lambda: np.copyto(out, src)
+    lead = (slice(None),) * axis
+    return parallel.split([lambda d=out[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
+                           for lo, hi in parallel.ranges(out.shape[axis], threads)])
 
 
 def channel_shuffle_infer(node, shapes, dtypes):
