@@ -362,11 +362,14 @@ class Pools(nn.Module):
             F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False),
             F.avg_pool2d(x, 3, 2, 1, ceil_mode=True),
             F.avg_pool2d(x, 2, divisor_override=3),
-            # Inception's pool branch; a max pool of the same geometry pads with -inf,
-            # the average pools with zeros (phase buffers shared by geometry and fill)
+            # Inception's pool branch (stride 1, as large as the input)
             F.avg_pool2d(x, 3, 1, 1),
             F.max_pool2d(x, 3, 1, 1),
             F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
+            # a max pool pads with -inf, an average pool of the same geometry with zeros
+            # (phase buffers are shared by geometry and fill)
+            F.max_pool2d(x, 2, 1, 1),
+            F.avg_pool2d(x, 2, 1, 1),
         ) + tuple(m(x) for m in self.mods)
 
 

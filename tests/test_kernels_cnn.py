@@ -5,6 +5,7 @@ Tolerance: max|pmx - torch| / max|torch| <= 1e-5. Inputs mix signs and exact zer
 max-pooling ties, relu-like epilogues and padding values are all exercised.
 """
 
+import math
 import os
 
 import numpy as np
@@ -616,20 +617,68 @@ def test_avg_pool_matches_torch(c, threads):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("stride", [1, 2])
-def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(stride):
-    """Pools share their padded phase buffer with pools of the same geometry in a binding
-    (persistent_buffer, whose key includes the fill); a max pool's padding is the lowest
-    value and an average pool's zero, so the two kinds must not share one. Both bound in one scope, over scratch full
+@FAST
+@given(st.data())
+def test_same_size_stride_one_pools_match_torch(data):
+    """Stride-1 pools whose output is as large as the input run on it as it is, with
+    shifted flat slices and the border columns and rows computed again
+    (pool._same_size_pool): kernels 1-5 per axis, max pools dilated too, pads split
+    unevenly between the two ends (torch's oracle pads explicitly: -inf for maxima,
+    zeros for averages counting the padding; symmetric ones not counting it), batches,
+    NaN and -inf, and the channels split over one or two threads."""
+    from unittest import mock
+
+    from pmx.runtime import parallel
+    from pmx.runtime.kernels.pool import _same_size_stride_one
+
+    kind = data.draw(st.sampled_from(["max", "avg", "avg_exclude"]))
+    k = (data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5)))
+    dil = (data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))) if kind == "max" else (1, 1)
+    if kind == "avg_exclude":
+        k = tuple(kk | 1 for kk in k)  # odd: torch pads both ends alike
+        begins = tuple((kk - 1) // 2 for kk in k)
+    else:
+        begins = tuple(data.draw(st.integers(0, d * (kk - 1))) for kk, d in zip(k, dil))
+    ends = tuple(d * (kk - 1) - b for kk, d, b in zip(k, dil, begins))
+    x = signed_input((data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)),
+                      data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))), data.draw(st.integers(0, 2**32 - 1)))
+    if kind == "max" and data.draw(st.booleans()):
+        x.flat[data.draw(st.integers(0, x.size - 1))] = np.nan
+        x.flat[data.draw(st.integers(0, x.size - 1))] = -np.inf
+    t = torch.from_numpy(x)
+    padding = (begins[1], ends[1], begins[0], ends[0])
+    if kind == "max":
+        want = F.max_pool2d(F.pad(t, padding, value=-math.inf), k, 1, 0, dil)
+    elif kind == "avg":
+        want = F.avg_pool2d(F.pad(t, padding), k, 1, 0)
+    else:
+        want = F.avg_pool2d(t, k, 1, begins, count_include_pad=False)
+    a = dict(kernel=k, stride=(1, 1), pads=begins + ends, dilation=dil, ceil_mode=False,
+             count_include_pad=kind == "avg", divisor_override=0)
+    assert _same_size_stride_one(x, want.numpy(), a)
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2]))), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("max_pool" if kind == "max" else "avg_pool", [x], a)
+    if kind == "max":
+        np.testing.assert_array_equal(got, want.numpy())
+    else:
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("kernel,stride", [(2, 1), (3, 3)])
+def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride):
+    """Pools on the phase path share their padded buffer with pools of the same geometry
+    in a binding (persistent_buffer, whose key includes the fill); a max pool's padding
+    is the lowest value and an average pool's zero, so the two kinds must not share one. Both bound in one scope, over scratch full
     of float32 max (whatever an earlier node left), then run in turn, twice."""
     from helpers import KernelNode
 
     from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
 
     x = signed_input((1, 3, 9, 9), 3)
-    a = dict(kernel=(3, 3), stride=(stride, stride), pads=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False,
+    a = dict(kernel=(kernel, kernel), stride=(stride, stride), pads=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False,
              count_include_pad=True, divisor_override=0)
-    out_shape = F.max_pool2d(torch.from_numpy(x), 3, stride, 1).shape
+    out_shape = F.max_pool2d(torch.from_numpy(x), kernel, stride, 1).shape
     outs = {op: np.empty(out_shape, np.float32) for op in ("max_pool", "avg_pool")}
     nodes = {op: KernelNode(op, a) for op in outs}
     scratch = np.full(max(node_scratch_nbytes(nodes[op], [x], [outs[op]]) for op in outs) // 4 + 16,
@@ -642,8 +691,8 @@ def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(stride):
     for _ in range(2):
         for run in runs:
             run()
-    np.testing.assert_array_equal(outs["max_pool"], F.max_pool2d(torch.from_numpy(x), 3, stride, 1).numpy())
-    assert_close(outs["avg_pool"], F.avg_pool2d(torch.from_numpy(x), 3, stride, 1))
+    np.testing.assert_array_equal(outs["max_pool"], F.max_pool2d(torch.from_numpy(x), kernel, stride, 1).numpy())
+    assert_close(outs["avg_pool"], F.avg_pool2d(torch.from_numpy(x), kernel, stride, 1))
 
 
 @FAST
