@@ -565,7 +565,7 @@ def test_width_stride_two_avg_pool_matches_torch(data):
     from unittest import mock
 
     from pmx.runtime import parallel
-    from pmx.runtime.kernels.pool import _avg_pool_pairs
+    from pmx.runtime.kernels.pool import _ColumnPairs
 
     k = (data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4)))
     stride = (data.draw(st.integers(1, 3)), 2)
@@ -584,7 +584,7 @@ def test_width_stride_two_avg_pool_matches_torch(data):
     assume(want.shape[-1] <= (width + 1) // 2)  # wider outputs keep the strided views
     a = dict(kernel=k, stride=stride, pads=pad + pad, dilation=(1, 1), ceil_mode=ceil_mode,
              count_include_pad=include_pad, divisor_override=divisor)
-    assert _avg_pool_pairs(x, want.astype(dtype), a) is not None
+    assert _ColumnPairs.of(x, want.astype(dtype), a) is not None
     with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2]))), \
             mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         (got,) = run_kernel("avg_pool", [x], a)

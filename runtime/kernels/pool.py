@@ -13,7 +13,7 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable, phase_fill,
-                                        phases, root_array, view_as)
+                                        phases, root_array, split_threads, view_as)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
 
@@ -57,12 +57,18 @@ def _taps(x, out, a, fill):
     return copy_in, views
 
 
+def _on_strided_views(node, x, out):
+    """Whether a pool reduces strided views of its input (unbatched inputs, which have no
+    channel axis to split, and averages of non-float ones) instead of taking
+    _whole_channel_pool's paths."""
+    return x.ndim != len(node.attrs["kernel"]) + 2 or (node.op == "avg_pool" and out.dtype.kind != "f")
+
+
 def _pool_scratch(node, inputs, outputs):
-    """Scratch bytes of the column-pairs or phase path a batched pool takes (none for the
-    strided views of unbatched or, for averages, non-float inputs)."""
+    """Scratch bytes of the path _whole_channel_pool takes (none on strided views)."""
     x, out = inputs[0], outputs[0]
     a = node.attrs
-    if x.ndim != len(a["kernel"]) + 2 or (node.op == "avg_pool" and out.dtype.kind != "f"):
+    if _on_strided_views(node, x, out):
         return 0
     pairs = _ColumnPairs.of(x, out, a)
     if pairs is not None:
@@ -89,17 +95,25 @@ def _lowest(dtype):
 
 @register("max_pool", infer=pool_infer, scratch=_pool_scratch)
 def make_max_pool(node, inputs, outputs):
-    """Maxima over the taps of the phase-split padded input (_phase_pool). 2-d pools with
-    stride 2 along the width skip the phases for even and odd columns (_ColumnPairs)."""
+    """Maxima over the taps of whole channels (_whole_channel_pool)."""
     x, out = inputs[0], outputs[0]
-    if x.ndim != len(node.attrs["kernel"]) + 2:
+    if _on_strided_views(node, x, out):
         return _max_pool_views(node, x, out)
+    return _whole_channel_pool(node, x, out, _maximum_of, _lowest(x.dtype))
+
+
+def _whole_channel_pool(node, x, out, combine, pad_value, finish=None):
+    """Max or average pooling (`combine`: _maximum_of or _sum_of; `pad_value` the lowest
+    value or 0; `finish` (channel slice -> callable) run last in each part) over whole
+    channels, split over the threads: by column pairs (_ColumnPairs) for 2-d pools with
+    stride 2 along the width, on the input as it is for stride-1 pools as large as their
+    input (_same_size_pool), else over the phase-split padded input (_phase_pool)."""
     pairs = _ColumnPairs.of(x, out, node.attrs)
     if pairs is not None:
-        return _column_pairs_pool(pairs, x, out, _maximum_of, _lowest(x.dtype))
+        return _column_pairs_pool(node, pairs, x, out, combine, pad_value, finish)
     if _same_size_stride_one(x, out, node.attrs):
-        return _same_size_pool(x, out, node.attrs, _maximum_of)
-    return _phase_pool(x, out, node.attrs, _maximum_of, _lowest(x.dtype))
+        return _same_size_pool(node, x, out, combine, finish)
+    return _phase_pool(node, x, out, combine, pad_value, finish)
 
 
 def _same_size_stride_one(x, out, a):
@@ -118,7 +132,7 @@ def _image_rows(a):
         return None
 
 
-def _same_size_pool(x, out, a, combine, finish=None):
+def _same_size_pool(node, x, out, combine, finish=None):
     """Stride-1 pooling with an output as large as the input, separably and with no padded
     copy: each image's channels as one flat range, a tap along the width is a shift of
     that range and one along the height a shift by whole rows, so the row pass (into
@@ -132,6 +146,7 @@ def _same_size_pool(x, out, a, combine, finish=None):
     124 -> 72-75 / 84 -> 84; average 288x35x35 562 -> 270 / 301 -> 161, 2048x8x8 355 ->
     198 / 204-215 -> 128."""
     n, c, h, w = x.shape
+    a = node.attrs
     dil = a.get("dilation") or (1, 1)
     pads = a["pads"]
     column_shifts = [kx * dil[1] - pads[1] for kx in range(a["kernel"][1])]
@@ -139,9 +154,8 @@ def _same_size_pool(x, out, a, combine, finish=None):
     edge_columns = [ox for ox in range(w) if not all(0 <= ox + dx < w for dx in column_shifts)]
     edge_rows = [oy for oy in range(h) if not all(0 <= oy + dy < h for dy in row_shifts)]
     row_acc = scratch_array(x.shape, out.dtype)
-    threads = parallel.num_threads() if parallel.worth_splitting(out.size * (len(column_shifts) + len(row_shifts))) else 1
     parts = []
-    for c0, c1 in parallel.ranges(c, threads):
+    for c0, c1 in parallel.ranges(c, split_threads(node, out.size * (len(column_shifts) + len(row_shifts)))):
         ch = slice(c0, c1)
         src, acc, dst = x[:, ch], row_acc[:, ch], out[:, ch]
         steps = [_shifted(combine, _image_rows(src), _image_rows(acc), column_shifts)]
@@ -164,15 +178,13 @@ def _shifted(combine, src, dst, shifts):
     return combine([src[:, lo + s:hi + s] for s in shifts], dst[:, lo:hi])
 
 
-def _phase_pool(x, out, a, combine, pad_value, finish=None):
+def _phase_pool(node, x, out, combine, pad_value, finish=None):
     """Pooling over the taps of the phase-split padded input (common.Phases, the depthwise
     conv's layout), its padding `pad_value`: every tap is a contiguous slice of each
-    channel's buffer, so each reduction (`combine`: _maximum_of or _sum_of) runs over
-    whole channels instead of strided output rows (a 3x3 stride-2 max pool on 64x112x112
-    took 1.57 ms as strided views). Stride 1 reduces separably (_separable_taps).
-    Channels split over the cores; `finish` (channel slice -> callable) runs last in
-    each part."""
-    g = _pool_phases(x, out, a)
+    channel's buffer, so each reduction runs over whole channels instead of strided
+    output rows (a 3x3 stride-2 max pool on 64x112x112 took 1.57 ms as strided views).
+    Stride 1 reduces separably (_separable_taps)."""
+    g = _pool_phases(x, out, node.attrs)
     # persistent: the padding keeps its value (shared with pools of the same geometry and
     # padding value: persistent_buffer's key includes the fill)
     buf = persistent_buffer(("pool", x.shape, out.shape, g.k, g.stride, g.dilation, g.pads),
@@ -183,9 +195,8 @@ def _phase_pool(x, out, a, combine, pad_value, finish=None):
     fill_phases = phase_fill(x, buf, g)  # copies the interior only: the padding keeps its value
     separable = _separable_taps(g)
     row_acc = scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
-    threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.taps)) else 1
     parts = []
-    for lo, hi in parallel.ranges(g.c, threads):
+    for lo, hi in parallel.ranges(g.c, split_threads(node, out.size * len(g.taps))):
         ch = slice(lo, hi)
         if separable:
             reduced = _separable_reduce(buf[:, ch], separable, g.length, row_acc[:, ch], wide[:, ch], combine)
@@ -286,16 +297,13 @@ class _ColumnPairs:
         return blocks + ([(tuple(x_shape[:-1]) + (self.width,), dtype)] if x_shape[-1] != self.width else [])
 
 
-def _column_pairs_pool(g, x, out, combine, pad_value, finish=None):
-    """Pooling by _ColumnPairs; channels split over the cores. `combine` (taps, acc) ->
-    callable reduces the taps into acc: _maximum_of for max pooling (`pad_value` the
-    lowest value), _sum_of for average pooling (`pad_value` 0), whose `finish` (channel
-    slice -> callable) then scales each part's sums.
-    The reductions run over each image's channels of a part as one flat range (channel
-    blocks of one length), so numpy runs one loop per image, not one per channel
-    (192x56x56, a pass over 1567 of each channel's 1568 elements: 130 us per channel, 47
-    as one range): a tap's slice crosses into the next channel only at outputs recomputed
-    as edges or discarded. An input of odd width is first copied into scratch one column
+def _column_pairs_pool(node, g, x, out, combine, pad_value, finish=None):
+    """Pooling by _ColumnPairs (see _whole_channel_pool for the arguments). The
+    reductions run over each image's channels of a part as one flat range (channel blocks
+    of one length), so numpy runs one loop per image, not one per channel (192x56x56, a
+    pass over 1567 of each channel's 1568 elements: 130 us per channel, 47 as one range):
+    a tap's slice crosses into the next channel only at outputs recomputed as edges or
+    discarded. An input of odd width is first copied into scratch one column
     wider, whose last column is set to the padding value (the lowest value for maxima,
     zero for sums): SqueezeNet's 64x111x111 max pool, 2 threads, phase path 381 -> 297
     us, 128x55x55 231 -> 133."""
@@ -305,9 +313,8 @@ def _column_pairs_pool(g, x, out, combine, pad_value, finish=None):
         source = widened[0]
         widen = lambda ch: chain(copy_rows(source[:, ch, :, :-1], x[:, ch]),  # noqa: E731
                                  lambda last=source[:, ch, :, -1]: last.fill(pad_value))
-    threads = parallel.num_threads() if parallel.worth_splitting(out.size * len(g.column_taps) * 4) else 1
     parts = []
-    for c0, c1 in parallel.ranges(g.c, threads):
+    for c0, c1 in parallel.ranges(g.c, split_threads(node, out.size * len(g.column_taps) * 4)):
         ch = slice(c0, c1)
         parts.append(chain(widen(ch) if widen else None,
                            _split_columns(source[:, ch], even[:, ch], odd[:, ch]),
@@ -456,21 +463,11 @@ def _avg_divisor(x, out, a):
     return (1.0 / div).astype(out.dtype)
 
 
-def _avg_pool_pairs(x, out, a):
-    """The _ColumnPairs geometry when average pooling takes that path (2-d, batched, float,
-    stride 2 along the width), else None."""
-    if x.ndim != len(a["kernel"]) + 2 or out.dtype.kind != "f":
-        return None
-    return _ColumnPairs.of(x, out, a)
-
-
 @register("avg_pool", infer=pool_infer, scratch=_pool_scratch)
 def make_avg_pool(node, inputs, outputs):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
-    max pooling takes its maxima: 2-d pools with stride 2 along the width by column pairs
-    (_ColumnPairs), the rest over the phase-split input (_phase_pool), over whole
-    channels and split over the cores. Unbatched or integer inputs add strided views of
-    the padded input. Per node inside DenseNet-121, 2 threads, strided views -> column
+    max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
+    strided views of the padded input. Per node inside DenseNet-121, 2 threads, strided views -> column
     pairs (its 2x2 stride-2 transitions): 256x56x56 0.572 -> 0.313-0.329 ms, 512x28x28
     0.344-0.349 -> 0.210-0.212, 1024x14x14 0.230 -> 0.118-0.122 (timed alone: 0.54 ->
     0.17, 0.33 -> 0.10, 0.22 -> 0.07). Inception-v3's 3x3 stride-1 pools, timed alone, 2
@@ -483,19 +480,14 @@ def make_avg_pool(node, inputs, outputs):
         scale = np.float32(1.0 / float(scale)) if out.dtype == np.float32 else 1.0 / float(scale)
     elif scale.size and np.all(scale == scale.flat[0]):
         scale = scale.dtype.type(scale.flat[0])  # one multiplier: no broadcast array per pass
-    if x.ndim != len(a["kernel"]) + 2 or out.dtype.kind != "f":
+    if _on_strided_views(node, x, out):
         return _avg_pool_views(x, out, a, scale)
 
     def finish(ch):
         part = out[:, ch]
         return lambda: np.multiply(part, scale, out=part)
 
-    pairs = _avg_pool_pairs(x, out, a)
-    if pairs is not None:
-        return _column_pairs_pool(pairs, x, out, _sum_of, 0, finish)
-    if _same_size_stride_one(x, out, a):
-        return _same_size_pool(x, out, a, _sum_of, finish)
-    return _phase_pool(x, out, a, _sum_of, 0, finish)
+    return _whole_channel_pool(node, x, out, _sum_of, 0, finish)
 
 
 def _avg_pool_views(x, out, a, scale):
