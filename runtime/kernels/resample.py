@@ -132,15 +132,18 @@ def make_resize(node, inputs, outputs):
     # take ranges of them. One thread -> two: 1x256x40x40 nearest 2x 1.46 -> 0.78 ms,
     # 1x64x64x64 bilinear 2x 3.29 -> 1.75
     along = 1 if lead >= 2 else 0
+    matrices = [_interpolation_matrix(t, x.shape[axis], out.shape[axis], out.dtype) for axis, t in axes]
     parts = []
     for lo, hi in parallel.ranges(x.shape[along], split_threads(node, out.size)):
         part = (slice(None),) * along + (slice(lo, hi),)
         steps = [(_axis_step(arrays[k][part], arrays[k + 1][part], axis, t),
-                  _product_step(arrays[k][part], arrays[k + 1][part], axis, t)) for k, (axis, t) in enumerate(axes)]
+                  _product_step(arrays[k][part], arrays[k + 1][part], axis, m))
+                 for k, ((axis, t), m) in enumerate(zip(axes, matrices))]
         gathers = chain(*(gather for gather, _ in steps))
         if any(product is not None for _, product in steps):
-            gathers = _finite_or(x[part], chain(*(product or gather for gather, product in steps)), gathers)
-        parts.append(gathers)
+            parts.append(_finite_or(x[part], chain(*(product or gather for gather, product in steps)), gathers))
+        else:
+            parts.append(gathers)
     return parallel.split(parts)
 
 
@@ -154,18 +157,25 @@ def make_resize(node, inputs, outputs):
 RESIZE_PRODUCT_MAX_INPUT = 64
 
 
-def _product_step(src, dst, axis, taps):
-    """Callable interpolating src into dst along `axis` as a matrix product, or None when
-    the taps are gathers only (nearest), the axis is longer than RESIZE_PRODUCT_MAX_INPUT,
-    the dtype has no BLAS GEMM (float16) or the operands cannot be viewed as matrices
-    without copying."""
-    n_in, n_out = src.shape[axis], dst.shape[axis]
-    if taps[0][1] is None or n_in > RESIZE_PRODUCT_MAX_INPUT or dst.dtype not in (np.float32, np.float64):
+def _interpolation_matrix(taps, n_in, n_out, dtype):
+    """The (n_in, n_out) matrix of an axis's taps, or None when the taps are gathers only
+    (nearest), the axis is longer than RESIZE_PRODUCT_MAX_INPUT or the dtype has no BLAS
+    GEMM (float16)."""
+    if taps[0][1] is None or n_in > RESIZE_PRODUCT_MAX_INPUT or dtype not in (np.float32, np.float64):
         return None
     weights = np.zeros((n_in, n_out), np.float64)
     for idx, w in taps:  # a clamped edge tap repeats an index: its weights add up
         np.add.at(weights, (np.asarray(idx), np.arange(n_out)), w)
-    weights = weights.astype(dst.dtype)
+    return weights.astype(dtype)
+
+
+def _product_step(src, dst, axis, weights):
+    """Callable interpolating src into dst along `axis` as the matrix product with
+    `weights` (_interpolation_matrix), or None without one or when the operands cannot be
+    viewed as matrices without copying."""
+    if weights is None:
+        return None
+    n_in, n_out = weights.shape
     if axis == src.ndim - 1:
         try:  # all rows as one GEMM
             a, o = view_as(src, (-1, n_in)), view_as(dst, (-1, n_out))
@@ -177,7 +187,7 @@ def _product_step(src, dst, axis, taps):
         a, o = view_as(src, src.shape[:axis] + (n_in, rest)), view_as(dst, dst.shape[:axis] + (n_out, rest))
     except (AttributeError, ValueError):
         return None
-    weights_t = np.ascontiguousarray(weights.T)
+    weights_t = weights.T  # BLAS reads the transposed view as it is
     return lambda: np.matmul(weights_t, a, out=o)
 
 
