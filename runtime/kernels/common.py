@@ -100,6 +100,13 @@ def split_threads(node, elements):
     return node_threads(node) if parallel.worth_splitting(elements) else 1
 
 
+def split_copy(dst, src, axis, threads):
+    """Callable np.copyto(dst, src) split over `threads` along `axis` (of both)."""
+    lead = (slice(None),) * axis
+    return parallel.split([lambda d=dst[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
+                           for lo, hi in parallel.ranges(dst.shape[axis], threads)])
+
+
 def epilogue(node, out, threads=None):
     """The fused activation of a conv/linear/matmul node (node.expr over @0 = the GEMM
     output), applied in place on `out` (split over `threads`, default all, when big);

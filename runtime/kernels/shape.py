@@ -17,9 +17,8 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import split_threads, view_as
+from pmx.runtime.kernels.common import split_copy, split_threads, view_as
 
 
 def _resolve_shape(shape, numel):
@@ -214,9 +213,7 @@ def make_transpose(node, inputs, outputs):
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None:
         return lambda: np.copyto(out, src)
-    lead = (slice(None),) * axis
-    return parallel.split([lambda d=out[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
-                           for lo, hi in parallel.ranges(out.shape[axis], threads)])
+    return split_copy(out, src, axis, threads)
 
 
 def channel_shuffle_infer(node, shapes, dtypes):
