@@ -90,8 +90,11 @@ class KernelNode:
 
 def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     """Run one registered kernel on numpy inputs: output shapes come from the op's shape
-    rule, outputs are preallocated (as the arena would be) and returned as a list."""
-    from pmx.runtime.kernels import get
+    rule, outputs are preallocated (as the arena would be) and returned as a list. The
+    kernel is bound as a session binds it, over shared scratch of the size its scratch
+    rule declares, here full of NaN as if an earlier node had left it so; a request past
+    that size fails the test."""
+    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
 
     node = KernelNode(op, attrs, expr, variant)
     kernel = get(op)
@@ -99,7 +102,10 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     present = [x for x in arrays if x is not None]
     specs = kernel.infer(node, [x.shape for x in present], [x.dtype for x in present])
     outputs = [np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt) for shape, dt in specs]
-    fn = kernel.make(node, arrays, outputs)
+    stale = np.full(-(-node_scratch_nbytes(node, arrays, outputs) // 4), np.nan, np.float32).view(np.uint8)
+    with scratch_scope(stale, {}, []) as use:
+        fn = kernel.make(node, arrays, outputs)
+    assert use.shortfall == 0, f"{op}: scratch_array asked for {use.shortfall} bytes past the declared scratch"
     if fn is not None:
         with np.errstate(all="ignore"):
             fn()

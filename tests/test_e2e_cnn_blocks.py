@@ -315,11 +315,12 @@ class Activations(nn.Module):
 
 class SharedPadding(nn.Module):
     """Convs, depthwise convs, Winograd convs and max pools with one geometry each, run one
-    after another on different tensors. Nodes of a binding with the same geometry share
-    their padded input buffers (kernels.persistent_buffer), so each must rewrite what it
-    reads, and a reflect- or replicate-padded node must not leave its border in the
-    buffer of a zero-padded one. The inputs sit far from zero, so a border that is not
-    zero shows."""
+    after another on different tensors. Convs of a binding with the same geometry share
+    their padded input buffers (kernels.persistent_buffer), and depthwise convs and
+    pools take theirs from the shared scratch (rewriting its border each run), so each
+    must rewrite what it reads, and a reflect- or replicate-padded node must not leave
+    its border in the buffer of a zero-padded one. The inputs sit far from zero, so a
+    border that is not zero shows."""
 
     def __init__(self):
         super().__init__()

@@ -667,10 +667,11 @@ def test_same_size_stride_one_pools_match_torch(data):
 
 @pytest.mark.parametrize("kernel,stride", [(2, 1), (3, 3)])
 def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride):
-    """Pools on the phase path share their padded buffer with pools of the same geometry
-    in a binding (persistent_buffer, whose key includes the fill); a max pool's padding
-    is the lowest value and an average pool's zero, so the two kinds must not share one. Both bound in one scope, over scratch full
-    of float32 max (whatever an earlier node left), then run in turn, twice."""
+    """Pools on the phase path take their padded buffer from the shared scratch, whose
+    border each run rewrites (common.restore_stale): the lowest value for a max pool,
+    zero for an average pool, so one must not see the other's. Both bound in one scope,
+    over scratch full of float32 max (whatever an earlier node left), then run in turn,
+    twice."""
     from helpers import KernelNode
 
     from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
@@ -910,6 +911,45 @@ SHARED_PADDING_CASES = [
     ((9,), (5,), (1,), (1,), (3, 1)),
     ((4, 5, 6), (3, 3, 3), (1, 2, 1), (1, 1, 1), (1, 0, 1, 1, 2, 0)),
 ]
+
+
+@FAST
+@given(st.lists(st.booleans(), min_size=1, max_size=60), st.integers(1, 3), st.booleans())
+def test_stale_border_families_cover_exactly_the_marked_positions(mask, slots, strided):
+    """runs_of turns a slot's mask into (start, period, count, length) families, and
+    restore_stale writes its value at every family position of every slot: on the
+    family path nothing else changes; where one fill of the whole slots is cheaper (the
+    cost model picks), the copy that follows overwrites the rest anyway. Slots may be a
+    strided view (a channel slice of a batched buffer)."""
+    from unittest import mock
+
+    from pmx.runtime.kernels import common
+
+    mask = np.array(mask)
+    families = common.runs_of(mask)
+    covered = np.zeros(mask.size, int)
+    for start, period, count, length in families:
+        for k in range(count):
+            covered[start + k * period:start + k * period + length] += 1
+    np.testing.assert_array_equal(covered, mask.astype(int))
+    assert all(length > 0 and count > 0 for _, _, count, length in families)
+
+    base = np.arange(2 * slots * mask.size, dtype=np.float32).reshape(2, slots, mask.size)
+    view = base[:, ::2] if strided else base
+    for force_whole in (False, True):
+        buf = base.copy()
+        target = buf[:, ::2] if strided else buf
+        with mock.patch.object(common, "RESTORE_NS_PER_ITEM", 1e9 if not force_whole else 0.0):
+            run = common.restore_stale(target, families, -7)
+        if run is None:
+            assert not mask.any()
+            continue
+        run()
+        assert (target[..., mask] == -7).all()
+        if not force_whole:
+            np.testing.assert_array_equal(target[..., ~mask], view[..., ~mask])
+        if strided:  # the slots between the view's stay as they were
+            np.testing.assert_array_equal(buf[:, 1::2], base[:, 1::2])
 
 
 @pytest.mark.parametrize("size, k, stride, dilation, pads", SHARED_PADDING_CASES)

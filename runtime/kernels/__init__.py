@@ -18,8 +18,10 @@ partial sums) come from one buffer per binding that every node reuses, instead o
 buffer per node: that keeps first-run page faults and peak memory to the largest single
 need. A kernel declares its need with `scratch(node, inputs, outputs) -> bytes` at
 registration (computed with `scratch_nbytes` over the same shapes it will request) and
-takes the arrays in make() with `scratch_array`. Memory whose contents must survive from
-one run to the next (the zero border of a padded copy) stays per node.
+takes the arrays in make() with `scratch_array`. A padded copy of the input in scratch
+rewrites its border on every run (common.restore_stale); the padded copies that keep
+their border from run to run instead (persistent_buffer) are shared by the nodes of
+one geometry.
 
 Family files are imported explicitly below; registering a name twice is an error.
 """
@@ -80,16 +82,26 @@ def node_scratch_nbytes(node, inputs, outputs) -> int:
     return int(k.scratch(node, inputs, outputs)) if k.scratch is not None else 0
 
 
+class ScratchUse(Record):
+    __slots__ = ("shortfall",)
+
+    def __init__(self):
+        self.shortfall = 0  # bytes scratch_array had to allocate past the buffer's end
+
+
 @contextlib.contextmanager
 def scratch_scope(buffer, persistent=None, temporaries=None):
     """While make() runs inside this scope, scratch_array carves arrays out of `buffer`
     (a uint8 array, 64-byte aligned), starting at its beginning for every node,
     persistent_buffer shares buffers through the dict `persistent`, and
-    temporary_array through the list `temporaries` (both one per binding)."""
+    temporary_array through the list `temporaries` (both one per binding). Yields a
+    ScratchUse whose `shortfall` counts requests the buffer could not hold (a kernel
+    whose scratch rule declares too little: correct, but memory of its own)."""
     _scratch.buffer, _scratch.used, _scratch.persistent = buffer, 0, persistent
     _scratch.temporaries, _scratch.temporaries_taken = temporaries, 0
+    _scratch.use = ScratchUse()
     try:
-        yield
+        yield _scratch.use
     finally:
         _scratch.buffer = _scratch.persistent = _scratch.temporaries = None
 
@@ -143,6 +155,8 @@ def scratch_array(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
     buf = getattr(_scratch, "buffer", None)
     if buf is None or _scratch.used + nbytes > buf.size:
+        if buf is not None:
+            _scratch.use.shortfall += nbytes
         return np.empty(shape, dtype)
     start = _scratch.used
     _scratch.used += _aligned(nbytes)

@@ -9,7 +9,7 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
-from pmx.runtime.kernels import persistent_buffer, temporary_array
+from pmx.runtime.kernels import persistent_buffer, scratch_array, temporary_array
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -289,6 +289,12 @@ def chain(*fns):
     return run
 
 
+def padded_shape(x_shape, pads):
+    """x_shape with each spatial dim grown by its pads (begins + ends per spatial dim)."""
+    nd = len(pads) // 2
+    return tuple(x_shape[:-nd]) + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(x_shape[-nd:]))
+
+
 def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):
     """A buffer for the padded input with its borders set once to `fill`, and the view of
     its interior that receives the input on each run. pads = begins + ends per spatial dim.
@@ -296,13 +302,72 @@ def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):
     mode that rewrites the border), nodes of one binding with the same geometry share it
     (kernels.persistent_buffer)."""
     nd = len(pads) // 2
-    lead = tuple(x_shape[:-nd])
     spatial = x_shape[-nd:]
-    shape = lead + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(spatial))
+    shape = padded_shape(x_shape, pads)
     key = None if shared_as is None else ("padded", tuple(x_shape), tuple(pads), shared_as)
     buf = persistent_buffer(key, shape, dtype, fill)
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
     return buf, interior
+
+
+def runs_of(mask):
+    """The True positions of `mask` (over one slot: the flat layout a padded buffer repeats
+    per image and channel) as (start, period, count, length) families: `count` runs of
+    `length` positions, `period` apart, from `start`. Consecutive runs of one length at
+    one spacing make one family, so a padded 2-D plane's border takes three (the top
+    rows and the first left pad, the pads between rows, the last right pad and the
+    bottom rows)."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).view(np.int8)))
+    families = []
+    for start, end in zip(edges[::2].tolist(), edges[1::2].tolist()):
+        if families:
+            first, period, count, length = families[-1]
+            if length == end - start and (count == 1 or start - (first + (count - 1) * period) == period):
+                families[-1] = (first, start - first if count == 1 else period, count + 1, length)
+                continue
+        families.append((start, 0, 1, end - start))
+    return families
+
+
+# restore_stale's cost model, float32 on this 2-core VM (fills of 96 and 576 channels): a
+# strided family of runs of one item fills at ~1 ns per run (numpy drops the length-1
+# axis), longer runs at ~4 ns per run plus ~0.2 per item, and a whole contiguous slot
+# at ~0.08 ns per item (576 channels of 9x9 phases: 15 us).
+RESTORE_NS_PER_SINGLE = 1.0
+RESTORE_NS_PER_RUN = 4.0
+RESTORE_NS_PER_RUN_ITEM = 0.2
+RESTORE_NS_PER_ITEM = 0.08
+
+
+def _families_ns(slot_count, families):
+    return sum(slot_count * count * (RESTORE_NS_PER_SINGLE if length == 1 else
+                                     RESTORE_NS_PER_RUN + RESTORE_NS_PER_RUN_ITEM * length)
+               for _, _, count, length in families)
+
+
+def restore_stale(slots, families, value):
+    """Callable writing `value` at the positions `families` (runs_of) of every slot of
+    `slots` (..., slot length; the last axis contiguous): the border of a padded scratch
+    buffer, which holds stale data from other nodes until then.
+    One fill per family, or one fill of the whole slots where that costs less (many
+    short runs: the phases of small maps). This replaced a buffer per geometry kept
+    from run to run: those held 14 MB on MobileNetV2, which with its weights and arena
+    overflowed the cache each run, so every copy into them wrote to cold memory."""
+    if not families:
+        return None
+    value = slots.dtype.type(value)
+    if _families_ns(math.prod(slots.shape[:-1]), families) + 1000 * (len(families) - 1) > RESTORE_NS_PER_ITEM * slots.size:
+        return lambda: slots.fill(value)
+    item = slots.itemsize
+    views = tuple(np.lib.stride_tricks.as_strided(slots[..., start:], slots.shape[:-1] + (count, length),
+                                                  slots.strides[:-1] + (period * item, item))
+                  for start, period, count, length in families)
+
+    def run():
+        for v in views:
+            v.fill(value)
+
+    return run
 
 
 def fill_border(buf, pads, sizes, mode):
@@ -431,39 +496,59 @@ def phases(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding=Fa
                           tuple(pads), shared_padding)
 
 
-def phase_fill(x, buf, g, mode="zeros"):
-    """fill(channel slice) -> callable copying the input into the phase buffer `buf`
-    (g: its Phases). With "zeros" each phase takes its rows straight from x and the
-    padding keeps whatever `buf` was created with (zeros for a conv, the lowest value for
-    max pooling); other padding modes build the padded input first (one per-node buffer)
-    and split that."""
+def phase_scratch(g, x_shape, dtype, mode="zeros"):
+    """The (shape, dtype) scratch requests of phase_buffer, in order."""
+    padded = [] if mode == "zeros" else [(padded_shape(x_shape, g.pads), dtype)]
+    return [((g.n, g.c, g.per_channel), dtype)] + padded
+
+
+def phase_buffer(x, g, mode="zeros", fill=0):
+    """(buffer, fill(channel slice) -> callable): the phase-split padded input of x (g:
+    its Phases) in scratch, and for each channel slice the callable that writes `fill`
+    (zeros for a conv, the lowest value for max pooling) where the copy does not reach
+    but a valid output reads, then copies those channels of x into their phases. With
+    "zeros" each phase takes its rows straight from x; other padding modes build the
+    padded input first (a second scratch array) and split that, and `fill` then covers
+    only what lies past the padded size."""
     nd = len(g.k)
+    buf = scratch_array((g.n, g.c, g.per_channel), x.dtype)
     phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
                    for p in range(len(g.phases))]
     if mode == "zeros":
-        src, begins = x, g.pads[:nd]
+        src_spatial, begins, padded = x.shape[2:], g.pads[:nd], None
     else:
-        padded, interior = padded_buffer(x.shape, g.pads, x.dtype, 0)
-        src, begins = padded, (0,) * nd
+        padded = scratch_array(padded_shape(x.shape, g.pads), x.dtype)
+        src_spatial, begins = padded.shape[2:], (0,) * nd
+    # positions no copy writes and some valid output reads: those of a tap's slice at a
+    # valid position of the wide output (the rest reach only discarded columns)
+    valid = np.zeros(g.wide, bool)
+    valid[tuple(slice(0, o) for o in g.out_spatial)] = True
+    positions = np.flatnonzero(valid)
+    stale = np.zeros(g.per_channel, bool)
+    for t in g.taps:
+        stale[t + positions] = True
     pairs = []
-    for phase, dst in zip(g.phases, phase_views):
+    for p, (phase, dst) in enumerate(zip(g.phases, phase_views)):
         d_idx, s_idx = [], []
         for i in range(nd):
             # padded row p = phase + stride*q lies in src at p - begin; keep q whose row exists
-            r, s, begin, size = phase[i], g.stride[i], begins[i], src.shape[2 + i]
+            r, s, begin, size = phase[i], g.stride[i], begins[i], src_spatial[i]
             q0 = max(0, -(-(begin - r) // s))
             q1 = min(g.rows[i], (begin + size - 1 - r) // s + 1)
             d_idx.append(slice(q0, max(q0, q1)))
             s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
         pairs.append((dst, tuple(d_idx), tuple(s_idx)))
+        view_as(stale[p * g.phase_size:(p + 1) * g.phase_size], g.rows)[tuple(d_idx)] = False
+    families = runs_of(stale)
 
-    def fill(ch):
-        copies = [(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
-        steps = [copy_strided(d, s) for d, s in copies]
-        if src is not x:
-            interior_ch, x_ch = interior[:, ch], x[:, ch]
-            border = fill_border(padded[:, ch], g.pads, g.in_spatial, mode)
-            steps = [copy_rows(interior_ch, x_ch), border] + steps
+    def fill_channels(ch):
+        src = x if padded is None else padded
+        steps = [restore_stale(buf[:, ch], families, fill)]
+        if padded is not None:
+            inside = tuple(slice(b, b + n) for b, n in zip(g.pads[:nd], x.shape[2:]))
+            steps += [copy_rows(padded[(slice(None), ch) + inside], x[:, ch]),
+                      fill_border(padded[:, ch], g.pads, g.in_spatial, mode)]
+        steps += [copy_strided(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
         return chain(*steps)
 
-    return fill
+    return buf, fill_channels

@@ -61,7 +61,7 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
     GEMM_SPLIT_MIN_MACS,
@@ -76,10 +76,13 @@ from pmx.runtime.kernels.common import (
     gemm,
     node_threads,
     padded_buffer,
-    phase_fill,
+    phase_buffer,
+    phase_scratch,
     phases,
     product,
+    restore_stale,
     root_array,
+    runs_of,
     split_activated,
     view_as,
 )
@@ -160,7 +163,9 @@ def conv_scratch(node, inputs, outputs):
     scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
         g = _depthwise_geometry(x, w, out, node.attrs)
-        return scratch_nbytes(*scaled, *_depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype))
+        padded, rest = _depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype, x.shape,
+                                          node.attrs.get("padding_mode", "zeros"))
+        return scratch_nbytes(*scaled, *padded, *rest)
     if _is_pointwise(x, w, node.attrs):
         return scratch_nbytes(*scaled)
     return scratch_nbytes(*scaled, (_cols_shape(x, w, out), x.dtype))
@@ -362,11 +367,13 @@ def _depthwise_plan(node, g, dtype):
     return parts, block
 
 
-def _depthwise_scratch(g, parts, block, dtype):
-    """(wide output unless flat, one block of im2col columns per thread), as (shape, dtype)
-    pairs."""
+def _depthwise_scratch(g, parts, block, dtype, x_shape, mode):
+    """(the padded input's arrays: the flat buffer or phase_buffer's; then the wide output
+    unless flat and one block of im2col columns per thread), as (shape, dtype) pairs."""
     cols = ((len(parts), block, len(g.taps), g.length), dtype)
-    return [cols] if isinstance(g, _Flat) else [((g.n, g.c, 1, g.length), dtype), cols]
+    if isinstance(g, _Flat):
+        return [((g.n, g.c, g.per_channel), dtype)], [cols]
+    return phase_scratch(g, x_shape, dtype, mode), [((g.n, g.c, 1, g.length), dtype), cols]
 
 
 class _Flat:
@@ -424,29 +431,23 @@ def _depthwise_geometry(x, w, out, a):
 
 def _depthwise(node, x, w, b, out):
     a = node.attrs
+    mode = a.get("padding_mode", "zeros")
     g = _depthwise_geometry(x, w, out, a)
-    # persistent (not scratch): the padding and margin must stay zero between runs
-    # (shared with depthwise convs of the same geometry, layout and padding mode)
-    buf = persistent_buffer(("depthwise", type(g).__name__, x.shape, out.shape, tuple(w.shape[2:]),
-                             tuple(a["stride"]), tuple(a["dilation"]), tuple(a["pads"]),
-                             a.get("padding_mode", "zeros")),
-                            (g.n, g.c, g.per_channel), x.dtype)
     parts, block = _depthwise_plan(node, g, out.dtype)
-    *wide, cols = (scratch_array(shape, dtype) for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype))
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
     weights = w.reshape(g.c, 1, -1)
+    # scratch: the padded input first (as _depthwise_scratch lists it), then the rest
+    buf, fill = _flat_buffer(x, g) if isinstance(g, _Flat) else phase_buffer(x, g, mode)
+    *wide, cols = (scratch_array(shape, dtype) for shape, dtype in
+                   _depthwise_scratch(g, parts, block, out.dtype, x.shape, mode)[1])
     if isinstance(g, _Flat):
-        # the input flattened per channel; the GEMVs write the output itself
-        x_flat = view_as(x, (g.n, g.c, -1))
-        inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
-        fill = lambda ch: lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s)  # noqa: E731
+        # the GEMVs write the output itself
         target = view_as(out, (g.n, g.c, 1, g.length))
         finish = lambda ch: _add_bias(out[:, ch], b[ch] if b is not None else None)  # noqa: E731
     else:
         target = wide[0]
         valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
         wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
-        fill = phase_fill(x, buf, g, a.get("padding_mode", "zeros"))
         finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch],  # noqa: E731
                                       b[ch] if b is not None else None)
     steps = []
@@ -456,6 +457,20 @@ def _depthwise(node, x, w, b, out):
         steps.append((chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)),
                       out[:, ch]))
     return split_activated(node, out, steps)
+
+
+def _flat_buffer(x, g):
+    """(buffer, fill(channel slice) -> callable): the flat path's padded input in scratch,
+    each channel of x flattened at g.base, and for each channel slice the callable that
+    zeroes the positions before and after it (stale from other nodes) and copies it in."""
+    buf = scratch_array((g.n, g.c, g.per_channel), x.dtype)
+    x_flat = view_as(x, (g.n, g.c, -1))
+    inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
+    stale = np.ones(g.per_channel, bool)
+    stale[g.base:g.base + x_flat.shape[2]] = False
+    families = runs_of(stale)
+    return buf, lambda ch: chain(restore_stale(buf[:, ch], families, 0),
+                                 lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s))
 
 
 def _im2col_gemv(buf, g, weights, cols, target, blocks):

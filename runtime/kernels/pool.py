@@ -11,9 +11,9 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable, phase_fill,
-                                        phases, root_array, split_threads, view_as)
+from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable,
+                                        phase_buffer, phase_scratch, phases, root_array, split_threads, view_as)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 
 
@@ -78,7 +78,7 @@ def _pool_scratch(node, inputs, outputs):
     g = _pool_phases(x, out, a)
     separable = _separable_taps(g)
     row_maxima = [((g.n, g.c, separable[2]), out.dtype)] if separable else []
-    return scratch_nbytes(((g.n, g.c, g.length), out.dtype), *row_maxima)
+    return scratch_nbytes(*phase_scratch(g, x.shape, x.dtype), ((g.n, g.c, g.length), out.dtype), *row_maxima)
 
 
 def _pool_phases(x, out, a):
@@ -185,14 +185,10 @@ def _phase_pool(node, x, out, combine, pad_value, finish=None):
     output rows (a 3x3 stride-2 max pool on 64x112x112 took 1.57 ms as strided views).
     Stride 1 reduces separably (_separable_taps)."""
     g = _pool_phases(x, out, node.attrs)
-    # persistent: the padding keeps its value (shared with pools of the same geometry and
-    # padding value: persistent_buffer's key includes the fill)
-    buf = persistent_buffer(("pool", x.shape, out.shape, g.k, g.stride, g.dilation, g.pads),
-                            (g.n, g.c, g.per_channel), x.dtype, pad_value)
+    buf, fill_phases = phase_buffer(x, g, fill=pad_value)
     wide = scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
-    fill_phases = phase_fill(x, buf, g)  # copies the interior only: the padding keeps its value
     separable = _separable_taps(g)
     row_acc = scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
     parts = []
