@@ -394,6 +394,24 @@ def available(contender):
         return False
 
 
+def host_probe():
+    """ms of a fixed workload on this process's thread, median of 3: np.exp over 1M
+    float32 (compute) and a 32 MB copy (memory). Taken before each model, it shows when
+    the host itself ran slow: this shared VM has hours in which everything runs 20-60%
+    slower, and a contender's ratios are only comparable within one run."""
+    x = np.linspace(-4, 4, 1 << 20, dtype=np.float32)
+    big = np.ones(8 << 20, np.float32)
+    out, copy = np.empty_like(x), np.empty_like(big)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(4):
+            np.exp(x, out=out)
+        np.copyto(copy, big)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(times))
+
+
 def cpu_description():
     """CPU model and last-level cache, so tables from different machines are not
     compared as if they came from one (the cloud VMs this ran on differed run to run)."""
@@ -486,8 +504,9 @@ def main():
     contenders = [c for c in args.contenders.split(",") if available(c)]
     for c in contenders:
         warm_bytecode(c, args.threads)
-    results, meta = {}, {}
+    results, meta, probes = {}, {}, {}
     for name in names:
+        probes[name] = host_probe()
         try:
             d, info = prepare(name, args.cache, tune=args.tune)
         except Exception as e:  # noqa: BLE001 - report and go on with the next model
@@ -503,8 +522,10 @@ def main():
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
           + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
+    print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, results=results), indent=1))
+        pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes,
+                                                           results=results), indent=1))
 
 
 if __name__ == "__main__":
