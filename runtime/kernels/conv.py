@@ -24,10 +24,12 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             extra columns discarded when it is copied out with the bias). Channels are
             split over the cores, and within a core taken in blocks of
             DEPTHWISE_BLOCK_BYTES of columns, so the columns are still in L2 when the GEMVs
-            read them (blocks of 256 KiB to 4 MiB measured alike within noise; unblocked
-            columns, up to 15 MB on MobileNetV2, were 1.2-2.8x slower). Scratch:
-            the wide output plus one block of columns per core; the weights are used as
-            they are, a (C, 1, taps) view.
+            read them (blocks of 256 KiB to 4 MiB measured alike within noise alone, but
+            in models 256 KiB lost 9-24%; unblocked columns, up to 15 MB on MobileNetV2,
+            were 1.2-2.8x slower). Scratch: the padded input (its border rewritten each
+            run where a valid output reads it, common.restore_stale), the wide output and
+            one block of columns per core; the weights are used as they are, a
+            (C, 1, taps) view.
             Stride-1 convs at most 3 wide that keep the row width (3x3 "same") skip the
             padded rows: see _Flat ("flat": the input flattened per channel, taps reading
             across a row's end zeroed in the columns, the GEMVs writing the output directly).
