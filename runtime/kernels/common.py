@@ -496,6 +496,19 @@ def phases(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding=Fa
                           tuple(pads), shared_padding)
 
 
+def _valid_reads(g):
+    """Boolean mask over one channel's phase buffer (g: Phases) of the positions some
+    valid output reads: a tap's slice at a valid position of the wide output (the other
+    positions reach only the discarded columns)."""
+    valid = np.zeros(g.wide, bool)
+    valid[tuple(slice(0, o) for o in g.out_spatial)] = True
+    positions = np.flatnonzero(valid)
+    read = np.zeros(g.per_channel, bool)
+    for t in g.taps:
+        read[t + positions] = True
+    return read
+
+
 def phase_scratch(g, x_shape, dtype, mode="zeros"):
     """The (shape, dtype) scratch requests of phase_buffer, in order."""
     padded = [] if mode == "zeros" else [(padded_shape(x_shape, g.pads), dtype)]
@@ -519,16 +532,9 @@ def phase_buffer(x, g, mode="zeros", fill=0):
     else:
         padded = scratch_array(padded_shape(x.shape, g.pads), x.dtype)
         src_spatial, begins = padded.shape[2:], (0,) * nd
-    # positions no copy writes and some valid output reads: those of a tap's slice at a
-    # valid position of the wide output (the rest reach only discarded columns)
-    valid = np.zeros(g.wide, bool)
-    valid[tuple(slice(0, o) for o in g.out_spatial)] = True
-    positions = np.flatnonzero(valid)
-    stale = np.zeros(g.per_channel, bool)
-    for t in g.taps:
-        stale[t + positions] = True
+    stale = _valid_reads(g)  # less what the copies below write
     pairs = []
-    for p, (phase, dst) in enumerate(zip(g.phases, phase_views)):
+    for k, (phase, dst) in enumerate(zip(g.phases, phase_views)):
         d_idx, s_idx = [], []
         for i in range(nd):
             # padded row p = phase + stride*q lies in src at p - begin; keep q whose row exists
@@ -538,7 +544,7 @@ def phase_buffer(x, g, mode="zeros", fill=0):
             d_idx.append(slice(q0, max(q0, q1)))
             s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
         pairs.append((dst, tuple(d_idx), tuple(s_idx)))
-        view_as(stale[p * g.phase_size:(p + 1) * g.phase_size], g.rows)[tuple(d_idx)] = False
+        view_as(stale[k * g.phase_size:(k + 1) * g.phase_size], g.rows)[tuple(d_idx)] = False
     families = runs_of(stale)
 
     def fill_channels(ch):
