@@ -290,9 +290,11 @@ def chain(*fns):
 
 
 def padded_shape(x_shape, pads):
-    """x_shape with each spatial dim grown by its pads (begins + ends per spatial dim)."""
+    """x_shape with each of its last len(pads) // 2 dims grown by its pads (begins, then
+    ends); the pad op's shape rule too, so a pad may be negative."""
     nd = len(pads) // 2
-    return tuple(x_shape[:-nd]) + tuple(s + pads[i] + pads[nd + i] for i, s in enumerate(x_shape[-nd:]))
+    lead = len(x_shape) - nd
+    return tuple(x_shape[:lead]) + tuple(x_shape[lead + i] + pads[i] + pads[nd + i] for i in range(nd))
 
 
 def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):

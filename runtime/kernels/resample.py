@@ -25,7 +25,8 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import chain, fill_border, pairs_castable, split_copy, split_threads, view_as
+from pmx.runtime.kernels.common import (chain, fill_border, padded_shape, pairs_castable, split_copy, split_threads,
+                                        view_as)
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -250,12 +251,7 @@ def _repeat_step(src, dst, axis, idx):
 
 
 def pad_infer(node, shapes, dtypes):
-    x = shapes[0]
-    pads = node.attrs["pads"]
-    nd = len(pads) // 2
-    lead = len(x) - nd
-    spatial = tuple(x[lead + i] + pads[i] + pads[nd + i] for i in range(nd))
-    return [(tuple(x[:lead]) + spatial, dtypes[0])]
+    return [(padded_shape(shapes[0], node.attrs["pads"]), dtypes[0])]
 
 
 @register("pad", infer=pad_infer)
