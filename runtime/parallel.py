@@ -153,7 +153,14 @@ def blas_threads_controlled() -> bool:
 
 
 def worth_splitting(elements: int) -> bool:
-    return _num_threads > 1 and elements >= SPLIT_MIN_ELEMENTS
+    return _num_threads > 1 and elements >= split_minimum(SPLIT_MIN_ELEMENTS)
+
+
+def split_minimum(threshold):
+    """A kernel's smallest work worth a split: `threshold` as measured with worker
+    threads, divided by PROCESS_SPLIT_DIVISOR for a kernel bound for worker processes
+    (inside shared_memory)."""
+    return threshold // PROCESS_SPLIT_DIVISOR if _binding_for_processes() else threshold
 
 
 def ranges(n: int, parts: int):
@@ -170,10 +177,12 @@ def split(parts):
     if len(parts) <= 1:
         return parts[0] if parts else None
     first, rest = parts[0], parts[1:]
-    workers = _get_workers(len(rest))
+    # parts go to a worker process only when made where every buffer is shared with it
+    process = _binding_for_processes()
+    workers = _get_process_workers(len(rest)) if process else _get_workers(len(rest))
 
     def run():
-        for w, p in zip(workers, rest):
+        for w, p in zip(workers, messages):
             w.start(p)
         error = None
         try:
@@ -186,6 +195,8 @@ def split(parts):
         if error is not None:
             raise error
 
+    # a worker process runs a part named by its id; a thread, the callable itself
+    messages = _register_parts(rest, run) if process else rest
     return run
 
 
@@ -383,8 +394,9 @@ def _enter_first_run():
     _set_numexpr_threads(1)
     if not (_spin() and _num_threads > 1):
         return []
-    _place_workers(_workers)
-    return list(_workers)
+    workers = _all_workers()
+    _place_workers(workers)
+    return workers
 
 
 # --- where spinning workers run ------------------------------------------------------
@@ -423,6 +435,8 @@ def _place_workers(workers):
     free = sorted(allowed - {here}) if here in allowed else []
     for k, w in enumerate(workers):
         cpu = free[k] if k < len(free) else None
+        if w.native_id is None:  # a worker process not forked yet
+            continue
         if cpu != w.cpu:
             try:
                 os.sched_setaffinity(w.native_id, {cpu} if cpu is not None else allowed)
@@ -438,13 +452,19 @@ def _leave_last_run():
     if setter is not None and _num_threads > 1:
         setter(_num_threads)
     _set_numexpr_threads(_num_threads)
-    return list(_workers)
+    return _all_workers()
+
+
+def _all_workers():
+    """(caller holds _lock) The worker processes (sessions' splits) before the worker
+    threads (splits of kernels bound elsewhere)."""
+    return list(_process_workers if process_workers() else []) + list(_workers)
 
 
 def _forget_workers():
     """In a forked child the workers' threads do not exist: start afresh."""
-    global _workers, _runs_inside
-    _workers, _runs_inside = [], 0
+    global _workers, _runs_inside, _process_workers
+    _workers, _runs_inside, _process_workers = [], 0, []
 
 
 if hasattr(os, "register_at_fork"):
@@ -456,3 +476,399 @@ def _get_workers(n):
         while len(_workers) < n:
             _workers.append(_Worker())
         return _workers[:n]
+
+
+# --- worker processes (PMX_WORKERS=processes) ------------------------------------------
+#
+# Worker threads share the GIL with the caller: every numpy call a part makes may hand it
+# over, a futex wake each time, so a split node gains little on two cores (a depthwise
+# conv of 576x7x7, 5x5, with bias and hardswish: 303 us on one thread, 231 split over two
+# threads). A forked worker process has a GIL of its own: the same split took 162 us.
+# With PMX_WORKERS=processes set before import, splits send their parts to worker
+# processes instead (Linux: fork, process-shared pthread spinlocks; elsewhere threads
+# stay). A worker is forked from the caller once the parts exist, and again when parts
+# made after its fork come (a new binding). A binding made in this mode puts the arrays
+# its kernels allocate in memory shared with the workers (shared_memory), so what one
+# process writes the other reads.
+
+PROCESS_WORKERS = (os.environ.get("PMX_WORKERS", "") == "processes" and hasattr(os, "fork")
+                   and sys.platform.startswith("linux"))
+# A worker with no run inside sleeps after spinning this long without a part: runs back
+# to back keep it spinning, one run now and then costs this much CPU after it.
+PROCESS_LINGER_SECONDS = 0.002
+# Parts in a worker process run without GIL hand-offs, so smaller work pays for a split:
+# every split threshold (split_minimum) divided by this. Steady ms, worker processes,
+# thresholds as measured for threads -> divided by 4 -> by 16, alternating fresh
+# processes: MobileNetV3-small 4.32-4.40 -> 3.99-4.08 -> 4.03-4.16, ShuffleNetV2
+# 5.32-5.47 -> 5.17-5.21 -> 5.16-5.17, MobileNetV2 11.19-11.27 -> 10.95-10.96 -> 11.04-11.13.
+PROCESS_SPLIT_DIVISOR = 4
+_SHARED_CHUNK = 64 << 20
+_parts_registry: dict = {}  # part id -> callable, for parts a worker process may run
+_next_part_id = 0
+_EXIT = -1
+
+
+def process_workers() -> bool:
+    """Whether splits run their parts in worker processes (PMX_WORKERS=processes, with
+    pthread spinlocks available)."""
+    return PROCESS_WORKERS and _spin() is not None
+
+
+class _SharedArena:
+    """Bump allocation of arrays in anonymous MAP_SHARED memory (chunks of _SHARED_CHUNK
+    bytes or more), which worker processes forked later see and write. A chunk is
+    unmapped when the last array in it is gone."""
+
+    def __init__(self, np, allocate):
+        self._np, self._allocate = np, allocate
+        self._chunk, self._used = None, 0
+
+    def empty(self, shape, dtype=float, order="C"):
+        np = self._np
+        dtype = np.dtype(dtype)
+        shape = tuple(shape) if np.iterable(shape) else (int(shape),)
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= int(d)
+        if nbytes == 0 or order not in ("C", "K", "A"):
+            return self._allocate(shape, dtype, order)
+        if self._chunk is None or self._used + nbytes > len(self._chunk):
+            import mmap
+            self._chunk, self._used = mmap.mmap(-1, max(_SHARED_CHUNK, nbytes + 64), flags=mmap.MAP_SHARED), 0
+        start = self._used
+        self._used += -(-nbytes // 64) * 64
+        return np.frombuffer(self._chunk, np.uint8, nbytes, start).view(dtype).reshape(shape)
+
+
+_shared_lock = threading.Lock()
+_shared_scope = threading.local()  # .active: this thread is inside shared_memory()
+
+
+@contextlib.contextmanager
+def shared_memory():
+    """While a session binds its kernels with worker processes on: np.empty, np.zeros,
+    np.ones, np.full and np.empty_like called from this thread return arrays in shared
+    memory (every buffer a kernel allocates, whichever process writes it at run time),
+    and only splits made here send parts to worker processes (a kernel bound anywhere
+    else, as tests and `pmx compile --tune` bind them, keeps worker threads). numpy's
+    functions are swapped for the duration under a lock; calls from other threads
+    meanwhile get numpy's own. Without worker processes, nothing changes."""
+    if not process_workers():
+        yield
+        return
+    import numpy as np
+    names = ("empty", "zeros", "ones", "full", "empty_like")
+    with _shared_lock:
+        saved = {name: getattr(np, name) for name in names}
+        arena = _SharedArena(np, saved["empty"])
+        me = threading.get_ident()
+
+        def mine(fn, real):
+            return lambda *a, **k: fn(*a, **k) if threading.get_ident() == me else real(*a, **k)
+
+        def empty(shape, dtype=float, order="C", **_):
+            return arena.empty(shape, dtype, order)
+
+        def full(shape, fill_value, dtype=None, order="C", **_):
+            a = arena.empty(shape, np.asarray(fill_value).dtype if dtype is None else dtype, order)
+            np.copyto(a, fill_value, casting="unsafe")
+            return a
+
+        def zeros(shape, dtype=float, order="C", **_):
+            return full(shape, 0, float if dtype is None else dtype, order)
+
+        def ones(shape, dtype=None, order="C", **_):
+            return full(shape, 1, float if dtype is None else dtype, order)
+
+        def empty_like(prototype, dtype=None, order="K", subok=True, shape=None, **_):
+            return arena.empty(prototype.shape if shape is None else shape, prototype.dtype if dtype is None else dtype)
+
+        ours = dict(empty=empty, zeros=zeros, ones=ones, full=full, empty_like=empty_like)
+        for name in names:
+            setattr(np, name, mine(ours[name], saved[name]))
+        _shared_scope.active = True
+        try:
+            yield
+        finally:
+            _shared_scope.active = False
+            for name, fn in saved.items():
+                setattr(np, name, fn)
+
+
+
+def _binding_for_processes():
+    """Whether splits made now send parts to worker processes: the mode is on and this
+    thread is binding inside shared_memory()."""
+    return getattr(_shared_scope, "active", False) and process_workers()
+
+
+def _register_parts(parts, owner):
+    """Ids under which a worker process finds `parts`; forgotten when `owner` (the split's
+    callable) is collected."""
+    import weakref
+    global _next_part_id
+    with _lock:
+        ids = list(range(_next_part_id, _next_part_id + len(parts)))
+        _next_part_id += len(parts)
+        _parts_registry.update(zip(ids, parts))
+    weakref.finalize(owner, _forget_parts, ids, os.getpid())
+    return ids
+
+
+def _forget_parts(ids, owner_pid):
+    # Only in the process that made them: in a forked worker, Python drops the other
+    # threads' thread-local data (sessions keep bindings per thread), which collects
+    # their splits there while the caller still sends their parts.
+    # No lock: a finalizer may run inside code holding _lock; dict.pop is atomic.
+    if os.getpid() == owner_pid:
+        for i in ids:
+            _parts_registry.pop(i, None)
+
+
+class _ProcessWorker:
+    """A forked process running registered parts by id, with _Worker's interface (start,
+    wait, park, unpark, lock, awake) over a control block in shared memory: spinlocks
+    "go", "done" and "state" (process-shared), the part id, whether a run is inside,
+    whether the worker sleeps, an error message. The worker spins for "go"; with no run
+    inside it sleeps on a pipe after PROCESS_LINGER_SECONDS, and "state" orders its
+    going to sleep against the caller's posting "go", so a post is never missed.
+    A part whose worker died runs on the caller instead (parts only write their own
+    outputs, so running one again is safe) and the next part forks a new worker."""
+
+    _ERROR_AT, _ERROR_BYTES = 256, 2048
+
+    def __init__(self):
+        import mmap
+        self._ctl = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._ctl))
+        self._go, self._done, self._state = base, base + 64, base + 128
+        self._cmd, self._failed, self._sleeping, self._inside = (ctypes.c_int64.from_buffer(self._ctl, at)
+                                                                 for at in (192, 200, 208, 216))
+        lock, unlock, init = _spin()
+        for address in (self._go, self._done, self._state):
+            init(address, 1)  # PTHREAD_PROCESS_SHARED
+        lock(self._go)
+        lock(self._done)
+        self._lock_fn, self._unlock_fn = lock, unlock
+        self._trylock = _libc_functions("pthread_spin_trylock")[0]
+        self._trylock.argtypes, self._trylock.restype = [ctypes.c_void_p], ctypes.c_int
+        self.pid = self._wake = None
+        self.forked_below = 0
+        self._part = None
+        self.awake = False
+        self.lock = threading.Lock()  # one caller at a time
+        self.cpu = self.native_id = None
+
+    # --- the caller's side
+
+    def start(self, part_id):
+        self.lock.acquire()
+        if self.pid is None or part_id >= self.forked_below:
+            self._fork()
+        self._part = part_id
+        self._cmd.value, self._failed.value = part_id, 0
+        self._post_go()
+
+    def wait(self):
+        error = None
+        try:
+            done = self._wait_done()
+        except BaseException:
+            # interrupted (Ctrl-C): the worker still runs the part, and nothing may be
+            # posted to it before it is done
+            while True:
+                try:
+                    self._wait_done()
+                    break
+                except BaseException:  # noqa: BLE001 - raised once the part is done
+                    continue
+            self._part = None
+            self.lock.release()
+            raise
+        if not done:
+            self._forget_dead()
+            try:
+                _parts_registry[self._part]()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                error = e
+        elif self._failed.value:
+            at = self._ERROR_AT
+            error = RuntimeError(self._ctl[at:at + self._ERROR_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace"))
+        self._part = None
+        self.lock.release()
+        return error
+
+    def unpark(self):
+        """(caller holds self.lock) A run is inside: spin for parts however long apart."""
+        self._inside.value = 1
+        self.awake = True
+
+    def park(self):
+        """(caller holds self.lock) No run inside: sleep after PROCESS_LINGER_SECONDS."""
+        self._inside.value = 0
+        self.awake = False
+
+    def stop(self):
+        """(caller holds self.lock, or the process is exiting) End the worker process."""
+        if self.pid is None:
+            return
+        self._cmd.value = _EXIT
+        self._post_go()
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        self._forget_dead()
+
+    def _post_go(self):
+        if not self._spin_for(self._state):  # the worker died holding it
+            _spin()[2](self._state, 1)
+            self._trylock(self._state)
+        sleeping, self._sleeping.value = self._sleeping.value, 0
+        self._unlock_fn(self._state)
+        self._unlock_fn(self._go)
+        if sleeping:
+            try:
+                os.write(self._wake, b"w")
+            except OSError:  # the worker is gone: wait() finds out
+                pass
+
+    def _wait_done(self):
+        """Whether the worker posted "done" (False: it died)."""
+        return self._spin_for(self._done)
+
+    def _spin_for(self, address):
+        """Take the spinlock at `address`, spinning (the GIL released in each try) while
+        the worker lives; False if it died first."""
+        trylock = self._trylock
+        spins = 0
+        while trylock(address) != 0:
+            spins += 1
+            if spins % 4096 == 0 and not self._alive():
+                return False
+        return True
+
+    def _alive(self):
+        if self.pid is None:
+            return False
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def _forget_dead(self):
+        if self._wake is not None:
+            os.close(self._wake)
+        self.pid = self._wake = self.native_id = self.cpu = None
+        # a dead worker may have left "go" posted (not taken), "done" posted or "state"
+        # held: "go" and "done" back to held, "state" to free
+        self._trylock(self._go)
+        self._trylock(self._done)
+        _spin()[2](self._state, 1)
+        self._sleeping.value = 0
+
+    def _fork(self):
+        """(caller holds self.lock) Fork a worker that knows every part registered so far."""
+        import warnings
+        if self.pid is not None:
+            self.stop()
+        wake_r, wake_w = os.pipe()
+        self._cmd.value = self._failed.value = self._sleeping.value = 0
+        self._inside.value = 1 if self.awake else 0
+        with _lock:
+            known = _next_part_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: forking with threads alive
+            pid = os.fork()
+        if pid == 0:
+            os.close(wake_w)
+            self._serve(wake_r)  # never returns
+        os.close(wake_r)
+        self.pid, self._wake, self.forked_below = pid, wake_w, known
+        self.native_id, self.cpu = pid, None
+        if _runs_inside:
+            with _lock:
+                _place_workers([self])  # off the caller's core, as running() places workers
+
+    # --- the worker's side
+
+    def _serve(self, wake_r):
+        try:
+            import signal
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
+            # the caller's files and sockets stay the caller's: a copy held here would keep
+            # a connection it closes open
+            os.closerange(3, wake_r)
+            os.closerange(wake_r + 1, max(wake_r + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024))
+            prctl = _libc_functions("prctl")
+            if prctl is not None:
+                prctl[0](1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the caller
+            if os.getppid() == 1:
+                os._exit(0)
+            import numpy as np
+            np.seterr(all="ignore")
+            while True:
+                self._await_go(wake_r)
+                cmd = self._cmd.value
+                if cmd == _EXIT:
+                    os._exit(0)
+                try:
+                    _parts_registry[cmd]()
+                except BaseException as e:  # noqa: BLE001 - reported to the caller
+                    message = f"{type(e).__name__}: {e}".encode("utf-8", "replace")[:self._ERROR_BYTES - 1]
+                    self._ctl[self._ERROR_AT:self._ERROR_AT + len(message) + 1] = message + b"\0"
+                    self._failed.value = 1
+                self._unlock_fn(self._done)
+        finally:
+            os._exit(0)
+
+    def _await_go(self, wake_r):
+        """Spin until "go" is posted; while no run is inside, sleep on the pipe after
+        PROCESS_LINGER_SECONDS without one (under "state", so the caller either sees
+        the worker asleep and writes the pipe, or the worker sees "go")."""
+        import time
+        trylock, lock, unlock = self._trylock, self._lock_fn, self._unlock_fn
+        go, state = self._go, self._state
+        idle_since = None
+        spins = 0
+        while trylock(go) != 0:
+            spins += 1
+            if spins % 256:
+                continue
+            if self._inside.value:
+                idle_since = None
+                continue
+            now = time.monotonic()
+            if idle_since is None:
+                idle_since = now
+            elif now - idle_since > PROCESS_LINGER_SECONDS:
+                lock(state)
+                if trylock(go) == 0:
+                    unlock(state)
+                    return
+                self._sleeping.value = 1
+                unlock(state)
+                if not os.read(wake_r, 1):
+                    os._exit(0)
+                idle_since = None
+
+
+_process_workers: list = []
+
+
+def _get_process_workers(n):
+    with _lock:
+        while len(_process_workers) < n:
+            _process_workers.append(_ProcessWorker())
+        return _process_workers[:n]
+
+
+def _stop_process_workers():
+    for w in list(_process_workers):
+        with w.lock:
+            w.stop()
+
+
+if PROCESS_WORKERS:
+    import atexit
+    atexit.register(_stop_process_workers)

@@ -67,6 +67,10 @@ class _Binding:
     layout. Arena plus scratch count against max_arena_bytes."""
 
     def __init__(self, model, layout, max_arena_bytes):
+        with parallel.shared_memory():  # worker processes must see what the kernels allocate
+            self._bind(model, layout, max_arena_bytes)
+
+    def _bind(self, model, layout, max_arena_bytes):
         self.layout = layout
         self.arena = _aligned_empty(layout.arena_size)
         self.views = [None] * len(model.tensors)

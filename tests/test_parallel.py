@@ -54,6 +54,7 @@ def worker_mode(request, monkeypatch):
         monkeypatch.setenv("PMX_NO_SPIN", "1")
     parallel._spin.cache_clear()
     monkeypatch.setattr(parallel, "_workers", [])
+    monkeypatch.setattr(parallel, "_process_workers", [])  # with PMX_WORKERS=processes set
     monkeypatch.setattr(parallel, "_num_threads", 3)
     yield request.param
     parallel._spin.cache_clear()
@@ -138,6 +139,7 @@ def test_spinning_workers_are_pinned_off_the_callers_core(monkeypatch):
         pytest.skip("needs two cores and glibc's spinlocks and sched_getcpu")
     assert parallel._sched_getcpu()() in allowed
     monkeypatch.setattr(parallel, "_workers", [])
+    monkeypatch.setattr(parallel, "_process_workers", [])  # with PMX_WORKERS=processes set
     monkeypatch.setattr(parallel, "_num_threads", len(allowed) + 1)  # one worker too many
     workers = parallel._get_workers(len(allowed))
     try:

@@ -262,7 +262,7 @@ def _gemm_split(a, b, out, threads, rows_first=False):
     (None: that operand is whole in every part); None when the product is too small to
     pay for the dispatch or has a vector operand."""
     macs = math.prod(out.shape) * a.shape[-1]
-    if threads < 2 or macs < GEMM_SPLIT_MIN_MACS or min(a.ndim, b.ndim) < 2:
+    if threads < 2 or macs < parallel.split_minimum(GEMM_SPLIT_MIN_MACS) or min(a.ndim, b.ndim) < 2:
         return None
     for i, d in enumerate(out.shape[:-2]):
         if d > 1:

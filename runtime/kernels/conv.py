@@ -253,7 +253,7 @@ def _gemm(node, x, w, b, out):
     k = w.shape[2:]
     o = math.prod(out.shape[2:])
     threads = node_threads(node)
-    if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < GEMM_SPLIT_MIN_MACS):
+    if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < parallel.split_minimum(GEMM_SPLIT_MIN_MACS)):
         return _gemv(node, x, w, b, out)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
@@ -269,7 +269,7 @@ def _gemm(node, x, w, b, out):
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * math.prod(k) * o
-    threads = threads if macs >= GEMM_SPLIT_MIN_MACS else 1
+    threads = threads if macs >= parallel.split_minimum(GEMM_SPLIT_MIN_MACS) else 1
     bands = parallel.ranges(out.shape[2], threads)
     row = o // out.shape[2]  # output positions per row of the first spatial axis
     first_axis = (slice(None),) * (2 + nd)  # (G, Cg, *k) come before the output rows
@@ -361,7 +361,7 @@ def _depthwise_plan(node, g, dtype):
     """(channel range per thread, channels per im2col block), as make() and the scratch
     sizing both need them."""
     elements = g.n * g.c * g.length * len(g.taps)
-    split = parallel.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
+    split = parallel.worth_splitting(elements) and elements >= parallel.split_minimum(DEPTHWISE_SPLIT_MIN_ELEMENTS)
     threads = node_threads(node) if split else 1
     parts = parallel.ranges(g.c, threads)
     per_channel = max(1, len(g.taps) * g.length * np.dtype(dtype).itemsize)
