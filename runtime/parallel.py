@@ -7,7 +7,9 @@ list of callables, each covering a disjoint slice of the work, into one callable
 runs part 0 on the calling thread and the others on persistent worker threads, which
 spin for parts while runs are inside (`running()`; see the workers section). A dispatch
 then costs about 5-40 us here (GIL hand-off), so kernels split only work measured to
-take well over that (`worth_splitting`).
+take well over that (`worth_splitting`). With PMX_WORKERS=processes (Linux), the parts
+of a session's splits run in a forked worker process instead, which has a GIL of its
+own (see the worker processes section at the end).
 
 The thread count is process-wide, as BLAS's and numexpr's are: set_num_threads(n) sets
 all three, BLAS's when the next run starts (InferenceSession(..., num_threads=n) calls
@@ -754,7 +756,15 @@ class _ProcessWorker:
         try:
             return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
         except ChildProcessError:
-            return False
+            # not waitable (SIGCHLD ignored: the kernel reaps children itself), but it may
+            # still run: believe it gone only when no such process exists
+            try:
+                os.kill(self.pid, 0)
+                return True
+            except ProcessLookupError:
+                return False
+            except OSError:
+                return True
 
     def _forget_dead(self):
         if self._wake is not None:

@@ -236,3 +236,40 @@ def test_sessions_on_several_threads_share_the_worker_process(processes, check_m
         t.join(120)
     assert not problems, problems[:3]
     assert all(a.tobytes() == b.tobytes() for a, b in zip(base.run(None, feed), want))
+
+
+def test_a_worker_counts_as_alive_while_sigchld_is_ignored(processes):
+    """With SIGCHLD ignored (some servers do) the kernel reaps children itself and
+    waitpid() fails for a live worker too; taking that for its death would fork a second
+    worker beside it on the same control block."""
+    with parallel.shared_memory():
+        out = np.zeros(2)
+        split = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        with parallel.running():
+            split()
+            [worker] = parallel._process_workers
+            pid = worker.pid
+            assert worker._alive()
+            for _ in range(20):
+                out[:] = 0
+                split()
+                assert out.tolist() == [1.0, 2.0]
+        assert worker.pid == pid
+    finally:
+        parallel._stop_process_workers()
+        signal.signal(signal.SIGCHLD, before)
+
+
+def test_split_thresholds_are_lower_for_worker_processes(processes):
+    """A split costs a worker process no GIL hand-offs, so kernels bound for one split
+    from a quarter of the work they need with threads; kernels bound elsewhere keep the
+    threads' thresholds."""
+    half = parallel.SPLIT_MIN_ELEMENTS // 2
+    assert not parallel.worth_splitting(half)
+    assert parallel.split_minimum(1 << 20) == 1 << 20
+    with parallel.shared_memory():
+        assert parallel.worth_splitting(half)
+        assert not parallel.worth_splitting(parallel.SPLIT_MIN_ELEMENTS // parallel.PROCESS_SPLIT_DIVISOR - 1)
+        assert parallel.split_minimum(1 << 20) == (1 << 20) // parallel.PROCESS_SPLIT_DIVISOR

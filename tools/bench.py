@@ -11,7 +11,8 @@ TorchScript module pnnx saves for torch) into --cache. Then every contender runs
 fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
 and reports: import time, load time, time to first result (import of the runtime + load +
 first run; numpy is already imported), steady-state latency (median of --runs runs after
-warm-up) and peak RSS. Each contender runs in --rounds such processes (default 3), the
+warm-up) and peak RSS (pmx with --pmx-workers processes: plus what its worker
+processes hold privately). Each contender runs in --rounds such processes (default 3), the
 contenders taking turns in an order rotated every round, and each number is the median
 over its rounds: on a shared VM a burst of load from elsewhere lasting one process had
 moved single samples by 1.5-2.5x (pmx on ResNet-18: 75, 46 and 29 ms in three runs).
@@ -111,8 +112,26 @@ def worker(contender, model_dir, runs, threads):
         run()
         times.append(time.perf_counter() - s)
     np.save(d / f"out_{contender}.npy", np.asarray(y))
+    helpers = worker_processes_private_mb() if contender == "pmx" else 0.0
     return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
-                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb())
+                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb() + helpers,
+                worker_private_mb=helpers)
+
+
+def worker_processes_private_mb():
+    """Memory only pmx's worker processes hold (PMX_WORKERS=processes: pages they copied
+    on write or allocated), which this process's VmHWM does not count; the arena and
+    the other buffers they share with it are counted there already."""
+    from pmx.runtime import parallel
+
+    total_kb = 0
+    for w in getattr(parallel, "_process_workers", []):
+        try:
+            with open(f"/proc/{w.pid}/smaps_rollup") as f:
+                total_kb += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
+        except (OSError, TypeError):
+            continue
+    return total_kb / 1024
 
 
 def peak_rss_mb():
@@ -486,6 +505,9 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
+    p.add_argument("--pmx-workers", choices=("threads", "processes"),
+                   default="processes" if os.environ.get("PMX_WORKERS") == "processes" else "threads",
+                   help="pmx's split parts on worker threads (default) or worker processes (PMX_WORKERS)")
     p.add_argument("--tune", action="store_true", help="compile the .pmx files with pmx compile --tune")
     args = p.parse_args()
     if args.worker and args.batches:
@@ -501,6 +523,7 @@ def main():
         names = args.models.split(",")
     else:
         names = list(TORCHVISION_CNNS) + ["vit_b_16"]
+    os.environ["PMX_WORKERS"] = args.pmx_workers  # every worker process inherits it
     contenders = [c for c in args.contenders.split(",") if available(c)]
     for c in contenders:
         warm_bytecode(c, args.threads)
@@ -520,12 +543,13 @@ def main():
             results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
+          + f" · pmx worker {args.pmx_workers}"
           + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
     print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes,
-                                                           results=results), indent=1))
+                                                           pmx_workers=args.pmx_workers, results=results), indent=1))
 
 
 if __name__ == "__main__":
