@@ -787,12 +787,13 @@ class _ProcessWorker:
         self._inside.value = 1 if self.awake else 0
         with _lock:
             known = _next_part_id
+        caller = os.getpid()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: forking with threads alive
             pid = os.fork()
         if pid == 0:
             os.close(wake_w)
-            self._serve(wake_r)  # never returns
+            self._serve(wake_r, caller)  # never returns
         os.close(wake_r)
         self.pid, self._wake, self.forked_below = pid, wake_w, known
         self.native_id, self.cpu = pid, None
@@ -802,7 +803,7 @@ class _ProcessWorker:
 
     # --- the worker's side
 
-    def _serve(self, wake_r):
+    def _serve(self, wake_r, parent):
         try:
             import signal
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle
@@ -810,15 +811,14 @@ class _ProcessWorker:
             # a connection it closes open
             os.closerange(3, wake_r)
             os.closerange(wake_r + 1, max(wake_r + 1, os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 1024))
-            prctl = _libc_functions("prctl")
-            if prctl is not None:
-                prctl[0](1, 9)  # PR_SET_PDEATHSIG, SIGKILL: die with the caller
-            if os.getppid() == 1:
-                os._exit(0)
+            # The worker ends when the caller's process does: its pipe reads end of file
+            # when it sleeps, and it checks its parent while it spins (_await_go). Not
+            # PR_SET_PDEATHSIG, which fires when the forking *thread* ends: a session run
+            # from a short-lived thread would lose its worker with that thread.
             import numpy as np
             np.seterr(all="ignore")
             while True:
-                self._await_go(wake_r)
+                self._await_go(wake_r, parent)
                 cmd = self._cmd.value
                 if cmd == _EXIT:
                     os._exit(0)
@@ -832,10 +832,11 @@ class _ProcessWorker:
         finally:
             os._exit(0)
 
-    def _await_go(self, wake_r):
+    def _await_go(self, wake_r, parent):
         """Spin until "go" is posted; while no run is inside, sleep on the pipe after
         PROCESS_LINGER_SECONDS without one (under "state", so the caller either sees
-        the worker asleep and writes the pipe, or the worker sees "go")."""
+        the worker asleep and writes the pipe, or the worker sees "go"). Exit once the
+        parent is gone (checked every 64K spins, a few ms)."""
         import time
         trylock, lock, unlock = self._trylock, self._lock_fn, self._unlock_fn
         go, state = self._go, self._state
@@ -845,6 +846,8 @@ class _ProcessWorker:
             spins += 1
             if spins % 256:
                 continue
+            if spins % 65536 == 0 and os.getppid() != parent:
+                os._exit(0)
             if self._inside.value:
                 idle_since = None
                 continue

@@ -39,6 +39,15 @@ def _state(pid):
         return None
 
 
+def _shared_split():
+    """(a shared array of two zeros, a split whose parts write 1.0 and 2.0 into it), the
+    split made as a session's binding makes them (inside shared_memory)."""
+    with parallel.shared_memory():
+        out = np.zeros(2)
+        split = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    return out, split
+
+
 def _until(condition, seconds=5.0):
     """Poll `condition` until it holds or `seconds` pass; its last value."""
     deadline = time.monotonic() + seconds
@@ -98,8 +107,7 @@ def test_a_failing_part_in_the_worker_raises_in_the_caller(processes):
     ran = []
     with parallel.shared_memory():
         bad = parallel.split([lambda: ran.append(0), failing])
-        out = np.zeros(2)
-        good = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    out, good = _shared_split()
     with parallel.running():
         with pytest.raises(RuntimeError, match="ValueError: bad part 7"):
             bad()
@@ -109,9 +117,7 @@ def test_a_failing_part_in_the_worker_raises_in_the_caller(processes):
 
 
 def test_a_killed_worker_is_replaced(processes):
-    with parallel.shared_memory():
-        out = np.zeros(2)
-        split = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    out, split = _shared_split()
     with parallel.running():
         split()
         [worker] = parallel._process_workers
@@ -129,9 +135,7 @@ def test_the_worker_sleeps_outside_runs(processes):
     """Inside runs the worker spins for parts; when the last run leaves it blocks on its
     pipe (no CPU burnt between runs), and a split outside any run wakes it for that split
     only."""
-    with parallel.shared_memory():
-        out = np.zeros(2)
-        split = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    out, split = _shared_split()
     with parallel.running():
         split()
         [worker] = parallel._process_workers
@@ -144,9 +148,34 @@ def test_the_worker_sleeps_outside_runs(processes):
     assert _until(lambda: _state(worker.pid) == "S")
 
 
+def test_the_worker_outlives_the_thread_that_forked_it(processes):
+    """Sessions run from short-lived threads (a request handler's) keep their worker when
+    the thread that happened to fork it ends (PR_SET_PDEATHSIG would have killed it
+    then)."""
+    import threading
+
+    out, split = _shared_split()
+
+    def first_run():
+        with parallel.running():
+            split()
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    thread.join()
+    [worker] = parallel._process_workers
+    pid = worker.pid
+    for _ in range(3):
+        out[:] = 0
+        with parallel.running():
+            split()
+        assert out.tolist() == [1.0, 2.0]
+    assert worker.pid == pid and _state(pid) not in (None, "Z")
+
+
 def test_the_worker_dies_with_its_parent(tmp_path):
-    """A parent that exits without running its atexit handlers (os._exit) still takes
-    the worker with it (PR_SET_PDEATHSIG)."""
+    """A parent that exits in the middle of a run without running its atexit handlers
+    (os._exit), its worker spinning for the next part, still takes the worker with it."""
     if not (hasattr(os, "fork") and sys.platform.startswith("linux") and parallel._spin() is not None):
         pytest.skip("worker processes need fork and pthread spinlocks (Linux)")
     script = textwrap.dedent("""
@@ -157,10 +186,10 @@ def test_the_worker_dies_with_its_parent(tmp_path):
         with parallel.shared_memory():
             out = np.zeros(2)
             split = parallel.split([lambda: out.__setitem__(0, 1), lambda: out.__setitem__(1, 2)])
-        with parallel.running():
+        with parallel.running():  # exit inside the run: the worker spins, not asleep
             split()
-        print(parallel._process_workers[0].pid, out.tolist(), flush=True)
-        os._exit(0)
+            print(parallel._process_workers[0].pid, out.tolist(), flush=True)
+            os._exit(0)
     """)
     env = dict(os.environ, PMX_WORKERS="processes")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -242,9 +271,7 @@ def test_a_worker_counts_as_alive_while_sigchld_is_ignored(processes):
     """With SIGCHLD ignored (some servers do) the kernel reaps children itself and
     waitpid() fails for a live worker too; taking that for its death would fork a second
     worker beside it on the same control block."""
-    with parallel.shared_memory():
-        out = np.zeros(2)
-        split = parallel.split([lambda: out.__setitem__(0, 1.0), lambda: out.__setitem__(1, 2.0)])
+    out, split = _shared_split()
     before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     try:
         with parallel.running():
