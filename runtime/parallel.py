@@ -511,9 +511,31 @@ _EXIT = -1
 
 
 def process_workers() -> bool:
-    """Whether splits run their parts in worker processes (PMX_WORKERS=processes, with
-    pthread spinlocks available)."""
+    """Whether splits run their parts in worker processes (PMX_WORKERS=processes or
+    set_workers("processes"), with pthread spinlocks available)."""
     return PROCESS_WORKERS and _spin() is not None
+
+
+WORKER_KINDS = ("threads", "processes")
+
+
+def set_workers(kind: str) -> None:
+    """"threads" or "processes": what runs the parts of the splits of bindings made from
+    now on, process-wide like the thread count (InferenceSession(..., workers=kind) calls
+    it). "processes" where fork or pthread spinlocks are missing (not Linux) stays
+    threads. Bindings already made keep their kind."""
+    global PROCESS_WORKERS
+    if kind not in WORKER_KINDS:
+        raise ValueError(f"workers must be one of {', '.join(WORKER_KINDS)}, got {kind!r}")
+    PROCESS_WORKERS = kind == "processes" and hasattr(os, "fork") and sys.platform.startswith("linux")
+    if PROCESS_WORKERS:
+        _stop_at_exit()
+
+
+@functools.cache
+def _stop_at_exit():
+    import atexit
+    atexit.register(_stop_process_workers)
 
 
 class _SharedArena:
@@ -838,7 +860,7 @@ class _ProcessWorker:
         the worker asleep and writes the pipe, or the worker sees "go"). Exit once the
         parent is gone (checked every 64K spins, a few ms)."""
         import time
-        trylock, lock, unlock = self._trylock, self._lock_fn, self._unlock_fn
+        trylock, unlock = self._trylock, self._unlock_fn
         go, state = self._go, self._state
         idle_since = None
         spins = 0
@@ -855,7 +877,9 @@ class _ProcessWorker:
             if idle_since is None:
                 idle_since = now
             elif now - idle_since > PROCESS_LINGER_SECONDS:
-                lock(state)
+                while trylock(state) != 0:  # held for a moment by the caller's _post_go
+                    if os.getppid() != parent:  # ... which died holding it
+                        os._exit(0)
                 if trylock(go) == 0:
                     unlock(state)
                     return
@@ -883,5 +907,4 @@ def _stop_process_workers():
 
 
 if PROCESS_WORKERS:
-    import atexit
-    atexit.register(_stop_process_workers)
+    _stop_at_exit()

@@ -140,15 +140,18 @@ class InferenceSession:
     load stays fast; the structural verifier always runs). num_threads sets the threads
     BLAS, numexpr and pmx's own kernel splits use; like BLAS's and numexpr's own settings
     it is process-wide (the last session to set it wins); default: the cores this process
-    may use (runtime/parallel.py). providers / sess_options are accepted for drop-in compatibility and
-    ignored (pmx runs on the CPU).
+    may use (runtime/parallel.py). workers="processes" runs the parts of kernel splits in
+    a forked worker process instead of worker threads (Linux; process-wide too, for
+    sessions that bind from then on; the PMX_WORKERS environment variable sets the same
+    at import): see the README's "Threads and tuning". providers / sess_options are
+    accepted for drop-in compatibility and ignored (pmx runs on the CPU).
     """
 
     # layouts kept per session (shared by threads) and bindings kept per thread
     PLAN_CACHE_SIZE = 8
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
-                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
+                 *, verify=False, num_threads=None, workers=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
                  plan_cache_size=PLAN_CACHE_SIZE):
         if not isinstance(path_or_bytes, (str, bytes)) and not hasattr(path_or_bytes, "__fspath__"):
             raise PmxInputError(f"InferenceSession takes a path to a .pmx file, got {type(path_or_bytes).__name__}")
@@ -159,6 +162,11 @@ class InferenceSession:
                 parallel.set_num_threads(num_threads)
             except (TypeError, ValueError) as e:
                 raise PmxInputError(f"num_threads: {e}") from None
+        if workers is not None:
+            try:
+                parallel.set_workers(workers)
+            except ValueError as e:
+                raise PmxInputError(str(e)) from None
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]

@@ -300,3 +300,40 @@ def test_split_thresholds_are_lower_for_worker_processes(processes):
         assert parallel.worth_splitting(half)
         assert not parallel.worth_splitting(parallel.SPLIT_MIN_ELEMENTS // parallel.PROCESS_SPLIT_DIVISOR - 1)
         assert parallel.split_minimum(1 << 20) == (1 << 20) // parallel.PROCESS_SPLIT_DIVISOR
+
+
+def test_a_session_option_and_the_cli_choose_worker_processes(check_model, monkeypatch, capsys):
+    """InferenceSession(..., workers=...) and `pmx run --workers` set the kind for the
+    bindings made from then on; anything else is refused by name."""
+    if not (hasattr(os, "fork") and sys.platform.startswith("linux") and parallel._spin() is not None):
+        pytest.skip("worker processes need fork and pthread spinlocks (Linux)")
+    import torch
+    from test_e2e_cnn_blocks import MobileNetV3Block
+
+    from pmx.compiler.cli import main
+    from pmx.runtime.errors import PmxInputError
+
+    monkeypatch.setattr(parallel, "PROCESS_WORKERS", False)
+    monkeypatch.setattr(parallel, "_process_workers", [])
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    torch.manual_seed(0)
+    x = torch.randn(1, 8, 112, 112)
+    session, _, _ = check_model("procworkers_mnv3", MobileNetV3Block().eval(), (x,))
+    path = session.model.path
+    feed = {session.get_inputs()[0].name: x.numpy()}
+    try:
+        with pytest.raises(PmxInputError, match="threads, processes"):
+            InferenceSession(path, workers="forks")
+        assert not parallel.process_workers()
+        with_processes = InferenceSession(path, workers="processes")
+        assert parallel.process_workers()
+        with_processes.run(None, feed)
+        [worker] = parallel._process_workers
+        assert worker.pid is not None
+        InferenceSession(path, workers="threads")
+        assert not parallel.process_workers()
+        assert main(["run", path, "--random", "--repeat", "1", "--workers", "processes"]) == 0
+        assert parallel.process_workers()
+        assert "median of 1 runs" in capsys.readouterr().out
+    finally:
+        parallel._stop_process_workers()
