@@ -486,15 +486,16 @@ def _get_workers(n):
 # over, a futex wake each time, so a split node gains little on two cores (a depthwise
 # conv of 576x7x7, 5x5, with bias and hardswish: 303 us on one thread, 231 split over two
 # threads). A forked worker process has a GIL of its own: the same split took 162 us.
-# With PMX_WORKERS=processes set before import, splits send their parts to worker
+# With PMX_WORKERS=processes set before import (or set_workers("processes"), which
+# InferenceSession(..., workers=...) calls), splits send their parts to worker
 # processes instead (Linux: fork, process-shared pthread spinlocks; elsewhere threads
 # stay). A worker is forked from the caller once the parts exist, and again when parts
 # made after its fork come (a new binding). A binding made in this mode puts the arrays
 # its kernels allocate in memory shared with the workers (shared_memory), so what one
 # process writes the other reads.
 
-PROCESS_WORKERS = (os.environ.get("PMX_WORKERS", "") == "processes" and hasattr(os, "fork")
-                   and sys.platform.startswith("linux"))
+_CAN_FORK_WORKERS = hasattr(os, "fork") and sys.platform.startswith("linux")
+PROCESS_WORKERS = os.environ.get("PMX_WORKERS", "") == "processes" and _CAN_FORK_WORKERS
 # A worker with no run inside sleeps after spinning this long without a part: runs back
 # to back keep it spinning, one run now and then costs this much CPU after it.
 PROCESS_LINGER_SECONDS = 0.002
@@ -527,7 +528,7 @@ def set_workers(kind: str) -> None:
     global PROCESS_WORKERS
     if kind not in WORKER_KINDS:
         raise ValueError(f"workers must be one of {', '.join(WORKER_KINDS)}, got {kind!r}")
-    PROCESS_WORKERS = kind == "processes" and hasattr(os, "fork") and sys.platform.startswith("linux")
+    PROCESS_WORKERS = kind == "processes" and _CAN_FORK_WORKERS
     if PROCESS_WORKERS:
         _stop_at_exit()
 
