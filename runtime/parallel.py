@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
 import os
 import sys
 import threading
+import time
 
 # below this many elements touched, a split's dispatch costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
@@ -552,9 +554,7 @@ class _SharedArena:
         np = self._np
         dtype = np.dtype(dtype)
         shape = tuple(shape) if np.iterable(shape) else (int(shape),)
-        nbytes = dtype.itemsize
-        for d in shape:
-            nbytes *= int(d)
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0 or order not in ("C", "K", "A"):
             return self._allocate(shape, dtype, order)
         if self._chunk is None or self._used + nbytes > len(self._chunk):
@@ -695,33 +695,34 @@ class _ProcessWorker:
         self._post_go()
 
     def wait(self):
-        error = None
         try:
-            done = self._wait_done()
-        except BaseException:
-            # interrupted (Ctrl-C): the worker still runs the part, and nothing may be
-            # posted to it before it is done
-            while True:
+            done, interrupted = self._wait_done_through_interrupts()
+            if interrupted is not None:
+                raise interrupted
+            if not done:
+                self._forget_dead()
                 try:
-                    self._wait_done()
-                    break
-                except BaseException:  # noqa: BLE001 - raised once the part is done
-                    continue
+                    _parts_registry[self._part]()
+                except BaseException as e:  # noqa: BLE001 - handed to the caller
+                    return e
+            elif self._failed.value:
+                at = self._ERROR_AT
+                return RuntimeError(self._ctl[at:at + self._ERROR_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace"))
+            return None
+        finally:
             self._part = None
             self.lock.release()
-            raise
-        if not done:
-            self._forget_dead()
+
+    def _wait_done_through_interrupts(self):
+        """(whether the worker posted "done", the first interruption meanwhile or None): a
+        Ctrl-C does not end the wait, since the worker still runs the part and nothing may
+        be posted to it before it is done."""
+        interrupted = None
+        while True:
             try:
-                _parts_registry[self._part]()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                error = e
-        elif self._failed.value:
-            at = self._ERROR_AT
-            error = RuntimeError(self._ctl[at:at + self._ERROR_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace"))
-        self._part = None
-        self.lock.release()
-        return error
+                return self._wait_done(), interrupted
+            except BaseException as e:  # noqa: BLE001 - the caller raises it after
+                interrupted = interrupted or e
 
     def unpark(self):
         """(caller holds self.lock) A run is inside: spin for parts however long apart."""
@@ -746,11 +747,10 @@ class _ProcessWorker:
         self._forget_dead()
 
     def _post_go(self):
-        if not self._spin_for(self._state):  # the worker died holding it
-            _spin()[2](self._state, 1)
-            self._trylock(self._state)
-        sleeping, self._sleeping.value = self._sleeping.value, 0
-        self._unlock_fn(self._state)
+        sleeping = False
+        if self._spin_for(self._state):  # False: the worker died (holding it); wait() finds out
+            sleeping, self._sleeping.value = self._sleeping.value, 0
+            self._unlock_fn(self._state)
         self._unlock_fn(self._go)
         if sleeping:
             try:
@@ -806,7 +806,6 @@ class _ProcessWorker:
         if self.pid is not None:
             self.stop()
         wake_r, wake_w = os.pipe()
-        self._cmd.value = self._failed.value = self._sleeping.value = 0
         self._inside.value = 1 if self.awake else 0
         with _lock:
             known = _next_part_id
@@ -860,7 +859,6 @@ class _ProcessWorker:
         PROCESS_LINGER_SECONDS without one (under "state", so the caller either sees
         the worker asleep and writes the pipe, or the worker sees "go"). Exit once the
         parent is gone (checked every 64K spins, a few ms)."""
-        import time
         trylock, unlock = self._trylock, self._unlock_fn
         go, state = self._go, self._state
         idle_since = None

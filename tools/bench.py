@@ -125,12 +125,11 @@ def worker_processes_private_mb():
     from pmx.runtime import parallel
 
     total_kb = 0
-    for w in getattr(parallel, "_process_workers", []):
-        try:
-            with open(f"/proc/{w.pid}/smaps_rollup") as f:
-                total_kb += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
-        except (OSError, TypeError):
+    for w in parallel._process_workers:
+        if w.pid is None:
             continue
+        with open(f"/proc/{w.pid}/smaps_rollup") as f:
+            total_kb += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
     return total_kb / 1024
 
 
