@@ -37,6 +37,19 @@ def close(got, want, tol=TOL, scale=None):
     assert err <= tol, f"relative error {err:.3g} > {tol}"
 
 
+def normalization_tol(x, rows, eps):
+    """TOL, or the float32 limit of normalizing `x` as `rows` rows where that is larger:
+    the row mean's rounding (a few units in the last place of max|x|) divided by
+    sqrt(var + eps). Rows of nearly equal values far from zero cancel: for a group norm
+    of [-2.011, -2.029], torch's own float32 result was 1.8e-5 off its float64 one (pmx:
+    1.3e-5), over TOL; on well-conditioned rows this stays TOL."""
+    r = x.astype(np.float64).reshape(rows, -1)
+    if r.size == 0:
+        return TOL
+    amplification = (np.abs(r).max(axis=1) / np.sqrt(r.var(axis=1) + eps)).max()
+    return max(TOL, 4 * np.finfo(np.float32).epsneg * amplification)
+
+
 @contextlib.contextmanager
 def scratch_limit(small):
     """Force the attention kernel to slice its scores buffer row by row."""
@@ -90,7 +103,7 @@ def test_layer_norm(seed, shape, data, affine, eps, n_threads):
     with threads(n_threads):
         got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps))[0]
     want = F.layer_norm(D(x), norm_shape, D(w) if w is not None else None, D(b) if b is not None else None, eps)
-    close(got, want)
+    close(got, want, normalization_tol(x, math.prod(shape[:len(shape) - k]), eps))
 
 
 @FAST
@@ -108,6 +121,7 @@ def test_rms_norm(seed, shape, weighted, n_threads):
 @given(seed=seeds, n=st.integers(1, 4), groups=st.integers(1, 4), per_group=st.integers(1, 3),
        spatial=st.lists(dims, min_size=0, max_size=3), affine=st.booleans(), n_threads=st.sampled_from([1, 2, 3]))
 @example(seed=0, n=1, groups=4, per_group=2, spatial=[3], affine=True, n_threads=3)  # one image, split by groups
+@example(seed=8241013, n=1, groups=1, per_group=2, spatial=[], affine=False, n_threads=1)  # [-2.011, -2.029]: cancels
 def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
     c = groups * per_group
     x = arr(seed, [n, c] + spatial, scale=2.0) - 0.7
@@ -115,7 +129,8 @@ def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
     assume(per_group * math.prod(spatial) > 1)  # torch refuses groups of a single value
     with threads(n_threads):  # one image: split by groups; more: by images
         got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5))[0]
-    close(got, F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5))
+    close(got, F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5),
+          normalization_tol(x, n * groups, 1e-5))
 
 
 @FAST
@@ -124,7 +139,7 @@ def test_instance_norm_as_group_norm(seed, n, c, spatial):
     x = arr(seed, [n, c] + spatial)
     w, b = arr(seed + 1, (c,)), arr(seed + 2, (c,))
     got = run_kernel("group_norm", [x, w, b], dict(groups=c, eps=1e-5))[0]
-    close(got, F.instance_norm(D(x), weight=D(w), bias=D(b), eps=1e-5))
+    close(got, F.instance_norm(D(x), weight=D(w), bias=D(b), eps=1e-5), normalization_tol(x, n * c, 1e-5))
 
 
 @FAST
