@@ -257,7 +257,7 @@ def test_conv_large_enough_to_split(kind, two_threads):
         "depthwise_reflect_s2": (2, 1, "reflect", c), "gemm_3x3": (1, 1, "zeros", 1),
         "gemm_3x3_small_map": (1, 1, "zeros", 1)}[kind]
     if groups == 1:
-        assert c * c * 9 * size * size >= conv.GEMM_SPLIT_MIN_MACS
+        assert c * c * 9 * size * size >= conv.gemm_split_minimum(False)
         assert conv._split_by_channels(2, groups, c, size * size) == (kind == "gemm_3x3_small_map")
     else:
         assert parallel.worth_splitting(batch * c * (size // stride) ** 2)

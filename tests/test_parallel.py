@@ -234,6 +234,32 @@ def test_gemm_split_matches_numpy(monkeypatch):
             assert seen == [part, part], f"rows_first={rows_first}: parts {seen} of {out.shape}, expected two {part}"
 
 
+def test_gemm_split_thresholds_for_matrices_and_vectors(monkeypatch):
+    """With worker threads, a product of two matrices splits from MATRIX_SPLIT_MIN_MACS
+    (384K multiply-adds) and a matrix-vector product only from GEMM_SPLIT_MIN_MACS
+    (1.5M); within a binding for worker processes both split from 1.5M / 4 = 384K."""
+    from pmx.runtime.kernels import common
+
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    assert common.MATRIX_SPLIT_MIN_MACS < common.GEMM_SPLIT_MIN_MACS
+
+    def splits(a_shape, b_shape):
+        a, b = np.ones(a_shape, np.float32), np.ones(b_shape, np.float32)
+        out = np.empty((a_shape[0], b_shape[1]), np.float32)
+        return common._gemm_split(a, b, out, 2, rows_first=True) is not None
+
+    # 64x96 @ 96x128: 786K, a 1x1 conv at 8x16 (rows first: by its 64 channels)
+    assert splits((64, 96), (96, 128))
+    assert not splits((64, 32), (32, 128))  # 262K
+    # 1x1024 @ 1024x1000 (1.0M): a classifier's GEMV stays whole with threads
+    assert not splits((1, 1024), (1024, 1000))
+    assert splits((1, 2048), (2048, 1000))  # 2.0M
+    monkeypatch.setattr(parallel, "_binding_for_processes", lambda: True)
+    assert parallel.split_minimum(common.GEMM_SPLIT_MIN_MACS) == common.MATRIX_SPLIT_MIN_MACS
+    assert splits((1, 1024), (1024, 1000)) and splits((64, 96), (96, 128))
+    assert not splits((64, 32), (32, 128))
+
+
 def _example_model(tmp_path):
     import pathlib
 

@@ -193,8 +193,11 @@ def along(x, axis, lo, hi):
     return x[(Ellipsis, slice(lo, hi)) + (slice(None),) * (-axis - 1)]
 
 
-# GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core)
+# GEMMs: split only products of at least this many multiply-adds (~0.15 ms on one core),
+# as measured with worker threads (gemm_split_minimum)
 GEMM_SPLIT_MIN_MACS = 3 << 19
+# ...except that products of a matrix by a matrix split from this many with threads too
+MATRIX_SPLIT_MIN_MACS = 3 << 17
 GEMM_SPLIT_MIN_COLUMNS = 512
 GEMM_SPLIT_MIN_ROWS = 64
 
@@ -257,12 +260,31 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     return split_activated(activation, out, parts)
 
 
+def gemm_split_minimum(vector):
+    """The fewest multiply-adds worth splitting a product over the threads; `vector`: a
+    matrix-vector product (one output row or column). Worker processes split from
+    GEMM_SPLIT_MIN_MACS / 4 (parallel.split_minimum). Worker threads split matrix
+    products from MATRIX_SPLIT_MIN_MACS, the same 384K, but vectors only from
+    GEMM_SPLIT_MIN_MACS: a GEMV reads its weights once, at the memory's speed, and a
+    second thread only adds its hand-off (see README: batch-1 GEMVs). Threads,
+    alternating fresh processes, 6 pairs each, medians of 100 runs, both at 1.5M -> this
+    rule: MobileNetV3-small 5.271 -> 5.181 ms (6 of 6 faster; eight 1x1 convs of 0.75M
+    to 1.35M at 7x7 to 56x56 now split), ShuffleNetV2 6.063 -> 6.014 (5 of 6; one
+    24->58 1x1 conv at 28x28), MobileNetV2, EfficientNet-B0, DenseNet-121 and ResNet-18
+    within 0.6% (no product of theirs changed how it splits). Lowering both kinds to 384K had split the
+    classifier GEMVs too: EfficientNet-B0 22.753 -> 22.885 (0 of 6; its only new split
+    was the 1280x1000 GEMV). 192K was no better than 384K on MobileNetV3-small,
+    ShuffleNetV2 and MobileNetV2; with processes, 96K was level with 384K."""
+    most = parallel.split_minimum(GEMM_SPLIT_MIN_MACS)
+    return most if vector else min(MATRIX_SPLIT_MIN_MACS, most)
+
+
 def _gemm_split(a, b, out, threads, rows_first=False):
     """((axis of a, of b, of out), length) to split along, axes counted from the end
     (None: that operand is whole in every part); None when the product is too small to
     pay for the dispatch or has a vector operand."""
     macs = math.prod(out.shape) * a.shape[-1]
-    if threads < 2 or macs < parallel.split_minimum(GEMM_SPLIT_MIN_MACS) or min(a.ndim, b.ndim) < 2:
+    if threads < 2 or min(a.ndim, b.ndim) < 2 or macs < gemm_split_minimum(1 in out.shape[-2:]):
         return None
     for i, d in enumerate(out.shape[:-2]):
         if d > 1:

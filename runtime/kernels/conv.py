@@ -66,7 +66,6 @@ from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
-    GEMM_SPLIT_MIN_MACS,
     GEMM_SPLIT_MIN_ROWS,
     SINGLE_THREAD,
     chain,
@@ -76,6 +75,7 @@ from pmx.runtime.kernels.common import (
     epilogue,
     fill_border,
     gemm,
+    gemm_split_minimum,
     node_threads,
     padded_buffer,
     phase_buffer,
@@ -253,7 +253,7 @@ def _gemm(node, x, w, b, out):
     k = w.shape[2:]
     o = math.prod(out.shape[2:])
     threads = node_threads(node)
-    if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < parallel.split_minimum(GEMM_SPLIT_MIN_MACS)):
+    if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < gemm_split_minimum(True)):
         return _gemv(node, x, w, b, out)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
@@ -269,7 +269,7 @@ def _gemm(node, x, w, b, out):
     cols = scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * math.prod(k) * o
-    threads = threads if macs >= parallel.split_minimum(GEMM_SPLIT_MIN_MACS) else 1
+    threads = threads if macs >= gemm_split_minimum(o == 1) else 1
     bands = parallel.ranges(out.shape[2], threads)
     row = o // out.shape[2]  # output positions per row of the first spatial axis
     first_axis = (slice(None),) * (2 + nd)  # (G, Cg, *k) come before the output rows
