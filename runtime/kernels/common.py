@@ -270,11 +270,12 @@ def gemm_split_minimum(vector):
     alternating fresh processes, 6 pairs each, medians of 100 runs, both at 1.5M -> this
     rule: MobileNetV3-small 5.271 -> 5.181 ms (6 of 6 faster; eight 1x1 convs of 0.75M
     to 1.35M at 7x7 to 56x56 now split), ShuffleNetV2 6.063 -> 6.014 (5 of 6; one
-    24->58 1x1 conv at 28x28), MobileNetV2, EfficientNet-B0, DenseNet-121 and ResNet-18
-    within 0.6% (no product of theirs changed how it splits). Lowering both kinds to 384K had split the
-    classifier GEMVs too: EfficientNet-B0 22.753 -> 22.885 (0 of 6; its only new split
-    was the 1280x1000 GEMV). 192K was no better than 384K on MobileNetV3-small,
-    ShuffleNetV2 and MobileNetV2; with processes, 96K was level with 384K."""
+    24->58 1x1 conv at 28x28), MobileNetV2, EfficientNet-B0, DenseNet-121 and
+    ResNet-18 within 0.6% (no product of theirs changed how it splits). Lowering both
+    kinds to 384K had split the classifier GEMVs too: EfficientNet-B0 22.753 -> 22.885
+    (0 of 6; its only new split was the 1280x1000 GEMV). 192K was no better than 384K
+    on MobileNetV3-small, ShuffleNetV2 and MobileNetV2; with processes, 96K was level
+    with 384K."""
     most = parallel.split_minimum(GEMM_SPLIT_MIN_MACS)
     return most if vector else min(MATRIX_SPLIT_MIN_MACS, most)
 
