@@ -507,10 +507,48 @@ PROCESS_LINGER_SECONDS = 0.002
 # processes: MobileNetV3-small 4.32-4.40 -> 3.99-4.08 -> 4.03-4.16, ShuffleNetV2
 # 5.32-5.47 -> 5.17-5.21 -> 5.16-5.17, MobileNetV2 11.19-11.27 -> 10.95-10.96 -> 11.04-11.13.
 PROCESS_SPLIT_DIVISOR = 4
+# OpenBLAS's pool threads spin for its thread timeout (2^28 cycles, ~0.1 s here) after
+# each call before they sleep. A fork shuts the pool down (OpenBLAS's fork handler), and
+# the end of that run restarts it, BLAS getting its N threads back between runs; the
+# restarted thread then spun on the worker's core and took whole scheduler ticks from
+# it: MobileNetV3-small's runs 2-13 after the first took 8.9-9.1 ms, against 4.2-4.3
+# with OPENBLAS_THREAD_TIMEOUT=4 (2^4 cycles: idle threads sleep at once; runs 14-40
+# 4.1 either way). See _calm_blas_restarts.
+BLAS_RESTART_TIMEOUT = 4
 _SHARED_CHUNK = 64 << 20
 _parts_registry: dict = {}  # part id -> callable, for parts a worker process may run
 _next_part_id = 0
 _EXIT = -1
+
+
+@functools.cache
+def _calm_blas_restarts():
+    """Have OpenBLAS pools started from now on (after each fork) put idle threads to
+    sleep at once (BLAS_RESTART_TIMEOUT); returns whether that took. OpenBLAS reads
+    OPENBLAS_THREAD_TIMEOUT into a static in openblas_read_env(), at load and when called,
+    and a pool (re)start reads that static: so the variable is set for one such call and
+    removed again. A timeout you set yourself is left alone. The cost: your own
+    multi-threaded BLAS calls between runs wake sleeping threads (a futex each) instead
+    of finding them spinning."""
+    if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+        return False
+    for path in blas_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        read_env, timeout = getattr(lib, "openblas_read_env", None), getattr(lib, "openblas_thread_timeout", None)
+        if read_env is None or timeout is None:
+            continue
+        read_env.argtypes, read_env.restype = [], None
+        timeout.argtypes, timeout.restype = [], ctypes.c_int
+        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_RESTART_TIMEOUT)
+        try:
+            read_env()
+        finally:
+            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+        return timeout() == BLAS_RESTART_TIMEOUT
+    return False
 
 
 def process_workers() -> bool:
@@ -805,6 +843,7 @@ class _ProcessWorker:
         import warnings
         if self.pid is not None:
             self.stop()
+        _calm_blas_restarts()
         wake_r, wake_w = os.pipe()
         self._inside.value = 1 if self.awake else 0
         with _lock:

@@ -199,6 +199,50 @@ def test_the_worker_dies_with_its_parent(tmp_path):
     assert _until(lambda: _state(int(pid)) in (None, "Z")), "the worker outlived its parent"
 
 
+@pytest.mark.parametrize("user_timeout", [None, "12"])
+def test_blas_pools_restarted_after_the_fork_sleep_at_once(user_timeout):
+    """The fork shuts OpenBLAS's pool down and the run's end restarts it. Before the
+    first fork, OpenBLAS's thread timeout (read from OPENBLAS_THREAD_TIMEOUT into a
+    static) is set to parallel.BLAS_RESTART_TIMEOUT, so the restarted pool's idle
+    threads sleep at once instead of spinning on the worker's core; the environment is
+    left as it was, and a timeout the user set is kept."""
+    if not (hasattr(os, "fork") and sys.platform.startswith("linux") and parallel._spin() is not None):
+        pytest.skip("worker processes need fork and pthread spinlocks (Linux)")
+    script = textwrap.dedent("""
+        import ctypes, os, numpy as np
+        from pmx.runtime import parallel
+        timeouts = [getattr(ctypes.CDLL(p), "openblas_thread_timeout", None) for p in parallel.blas_libraries()]
+        timeout = next((t for t in timeouts if t is not None), None)
+        if timeout is None:
+            print("no-openblas")
+            raise SystemExit(0)
+        timeout.restype = ctypes.c_int
+        before = timeout()
+        parallel.set_num_threads(2)
+        with parallel.shared_memory():
+            out = np.zeros(2)
+            split = parallel.split([lambda: out.__setitem__(0, 1), lambda: out.__setitem__(1, 2)])
+        with parallel.running():
+            split()
+        assert parallel._process_workers[0].pid is not None and out.tolist() == [1.0, 2.0]
+        print(before, timeout(), os.environ.get("OPENBLAS_THREAD_TIMEOUT"), parallel.blas_threads())
+    """)
+    env = dict(os.environ, PMX_WORKERS="processes")
+    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
+    if user_timeout is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no-openblas":
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    before, after, environ, blas_threads = done.stdout.split()
+    assert blas_threads == "2"  # BLAS has its threads back after the run
+    if user_timeout is None:
+        assert (before, after, environ) == ("0", str(parallel.BLAS_RESTART_TIMEOUT), "None")
+    else:
+        assert (before, after, environ) == (user_timeout, user_timeout, user_timeout)
+
+
 def test_a_model_gives_the_same_outputs_with_worker_processes(processes, check_model, monkeypatch):
     """A MobileNetV3 block (expand, depthwise, squeeze-and-excitation, project) large
     enough that its kernels split. With the split thresholds of worker threads the parts
