@@ -36,11 +36,7 @@ ENABLED = True
 @functools.cache
 def _sgemm():
     """(cblas_sgemm, its integer type) of the first loaded BLAS that has one, or None."""
-    for path in parallel.blas_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in parallel.blas_handles():
         for name, int_type in _SGEMM_ENTRY_POINTS:
             fn = getattr(lib, name, None)
             if fn is not None:

@@ -112,14 +112,23 @@ def blas_libraries():
 
 
 @functools.cache
+def blas_handles():
+    """ctypes handles of the loaded BLAS libraries (blas_libraries()) that open, in that
+    order: where the runtime looks up BLAS's C entry points."""
+    handles = []
+    for path in blas_libraries():
+        try:
+            handles.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return handles
+
+
+@functools.cache
 def _blas():
     """(setter, getter or None) of the first loaded BLAS with a known entry point, or
     (None, None). Looked up once."""
-    for path in blas_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in blas_handles():
         for set_name, get_name in _BLAS_ENTRY_POINTS:
             setter, getter = getattr(lib, set_name, None), getattr(lib, get_name, None)
             if setter is not None:
@@ -532,11 +541,7 @@ def _calm_blas_restarts():
     of finding them spinning."""
     if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
         return False
-    for path in blas_libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
+    for lib in blas_handles():
         read_env, timeout = getattr(lib, "openblas_read_env", None), getattr(lib, "openblas_thread_timeout", None)
         if read_env is None or timeout is None:
             continue

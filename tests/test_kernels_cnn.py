@@ -813,11 +813,11 @@ def test_long_row_means_and_sums_match_torch(size):
     (112x112 = 4 x 3136, 96x128 = 3 x 4096) whose sums are then added; lengths no chunk
     of 64 or more divides (4099 is prime, 8198 = 2 x 4099) take np.mean's float64 path.
     Float32 sums are only as exact as eps * sum|x|, so that is the bound."""
-    from pmx.runtime.kernels.reduce import row_sums
+    from pmx.runtime.kernels.reduce import _chunked_sum
 
     x = signed_input((2, 3) + size, 11) + 0.25  # a bias, so a dropped chunk shows
     x2 = x.reshape(6, -1)
-    assert (row_sums(x2, np.empty(6, np.float32)) is None) == (size[1] == 4099)
+    assert (_chunked_sum(x2, np.empty(6, np.float32)) is None) == (size[1] == 4099)
     for op, fn in (("reduce_mean", torch.mean), ("reduce_sum", torch.sum)):
         (got,) = run_kernel(op, [x], dict(axes=(2, 3), keepdim=False))
         want = fn(torch.from_numpy(x).double(), (2, 3)).numpy()

@@ -211,7 +211,7 @@ def test_blas_pools_restarted_after_the_fork_sleep_at_once(user_timeout):
     script = textwrap.dedent("""
         import ctypes, os, numpy as np
         from pmx.runtime import parallel
-        timeouts = [getattr(ctypes.CDLL(p), "openblas_thread_timeout", None) for p in parallel.blas_libraries()]
+        timeouts = [getattr(lib, "openblas_thread_timeout", None) for lib in parallel.blas_handles()]
         timeout = next((t for t in timeouts if t is not None), None)
         if timeout is None:
             print("no-openblas")

@@ -120,9 +120,8 @@ def export(name, model, x):
 
 def timed(fn, seconds=0.6, least=5, most=60):
     """Median ms of fn() over `least` to `most` runs, about `seconds` of them, after
-    warm-up runs (at least 3, about a fifth as long). The best of 3 runs after one
-    warm-up, as this used to time, still caught first-run effects: RegNetX-400MF showed
-    22.7 ms that way and 12.5 at steady state."""
+    warm-up runs (at least 3, about a fifth as long): the statistic tools/bench.py
+    reports, where this used to take the best of 3 runs after one warm-up."""
     start = time.perf_counter()
     warm = 0
     while warm < 3 or time.perf_counter() - start < seconds / 5:

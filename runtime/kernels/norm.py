@@ -10,9 +10,14 @@ those trailing dims.
 without running statistics is group_norm with groups = C.
 `lp_normalize`: inputs (x); attrs axis, p, eps: x / max(||x||_p, eps) (F.normalize).
 
-Statistics are two-pass (mean, then mean of squared deviations). The row sums are GEMVs
-with a vector of ones, rows over 4096 long cut into chunks whose sums are added pairwise
-(reduce.row_sums), which keeps float32 within torch's Welford results for long rows.
+Statistics are two-pass (mean, then mean of squared deviations), each row mean a
+reduce.reduction: a GEMV with a vector of ones, rows over 4096 long cut into chunks whose
+sums are added pairwise, then one divide; that keeps float32 within torch's Welford
+results for long rows. np.mean had paid numpy's reduction loop per short row (118 us for
+the means of 3136 rows of 96, 26 as a GEMV). Whole normalizations of ConvNeXt-tiny's and
+ViT-B/16's layer norms, one thread, us, np.mean -> GEMV for both statistics (medians of 3
+rounds of 50): 3136x96 475 -> 247, 784x192 212 -> 127, 197x768 194 -> 126, 49x768 66 ->
+38; max |error| against float64 5.4e-7 -> 5.5e-7 and 4.7e-7 -> 5.7e-7.
 """
 
 import math
@@ -22,7 +27,7 @@ import numpy as np
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import chain, split_threads, view_as
-from pmx.runtime.kernels.reduce import row_sums
+from pmx.runtime.kernels.reduce import reduction
 
 
 def same_as_input(node, shapes, dtypes):
@@ -76,11 +81,11 @@ def _normalize_rows(x2, out2, eps, rms=False):
     rows = max(1, min(m, SCRATCH_ELEMENTS // max(k, 1)))
     sq = np.empty((rows, k), dt)
     src = x2 if rms else out2  # rms: mean of x^2; otherwise of (x - mean)^2, held in out2
-    row_mean = None if rms else _row_means(x2, mean)
+    row_mean = None if rms else reduction("mean", x2, mean, (1,))
     blocks = []
     for r in range(0, m, rows):
         b = slice(r, min(m, r + rows))
-        blocks.append((src[b], sq[:b.stop - r], _row_means(sq[:b.stop - r], var[b])))
+        blocks.append((src[b], sq[:b.stop - r], reduction("mean", sq[:b.stop - r], var[b], (1,))))
 
     def run():
         if row_mean is not None:
@@ -94,24 +99,6 @@ def _normalize_rows(x2, out2, eps, rms=False):
         np.divide(src, var, out=out2)
 
     return run
-
-
-def _row_means(rows, means):
-    """Callable writing each row's mean of the (M, K) `rows` into `means` (M, 1): the row
-    sums as a GEMV with ones (reduce.row_sums), then one divide by K, which rounds once,
-    as np.mean's does; np.mean where row_sums does not apply (float16, strided rows, K a
-    prime over 4096). np.mean pays numpy's reduction loop per short row (118 us for the
-    means of 3136 rows of 96, 26 as a GEMV). Whole normalizations of ConvNeXt-tiny's and
-    ViT-B/16's layer norms, one thread, us, np.mean -> GEMV for both statistics (medians
-    of 3 rounds of 50): 3136x96 475 -> 247, 784x192 212 -> 127, 197x768 194 -> 126,
-    49x768 66 -> 38; max |error| against float64 5.4e-7 -> 5.5e-7 and 4.7e-7 -> 5.7e-7."""
-    m, k = rows.shape
-    total = None
-    if k and rows.dtype in (np.float32, np.float64) and rows.flags.c_contiguous and means.flags.c_contiguous:
-        total = row_sums(rows, view_as(means, (m,)))
-    if total is None:
-        return lambda: np.mean(rows, axis=1, keepdims=True, out=means)
-    return lambda: (total(), np.divide(means, k, out=means))
 
 
 def _affine(out, weight, bias, shape):

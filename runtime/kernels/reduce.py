@@ -34,7 +34,7 @@ def _axes(axes, ndim):
 # rounding grows with the length faster than np.add.reduce's pairwise summation does.
 # Measured against float64 on signed data: equal to np.mean's error up to ~200 values,
 # 2-4x it from ~800 on. Global pooling rows (7x7 to 64x64) stay under the limit; longer
-# rows are cut into equal chunks no longer than this (row_sums).
+# rows are cut into equal chunks no longer than this (_chunked_sum).
 ROWS_GEMV_MAX_LENGTH = 1 << 12
 
 
@@ -43,7 +43,7 @@ def _trailing_reduction(kind, x, out, lead):
     or "min"), as one call on x seen as a (rows, positions) matrix: sum as a GEMV with a
     vector of ones (mean: then divided by positions), max and min as np.maximum/minimum.reduce
     along the rows. None when that does not apply (non-contiguous operands, another
-    output dtype, long rows that no chunk length divides (row_sums), integer sums,
+    output dtype, long rows that no chunk length divides (_chunked_sum), integer sums,
     empty rows); the caller then reduces with np.mean & co. np.mean/np.max over several axes
     go through Python-level wrappers and numpy's generic reduction: measured on one
     thread (us per call), 1x576x7x7 to 1x576x1x1 mean 25 -> 3.6, 1x240x14x14 22 -> 3.8,
@@ -59,7 +59,7 @@ def _trailing_reduction(kind, x, out, lead):
         return lambda: fn.reduce(x2, axis=1, out=o1)
     if x.dtype not in (np.float32, np.float64):
         return None  # float16 sums would overflow and round; integers sum in int64
-    total = row_sums(x2, o1)
+    total = _chunked_sum(x2, o1)
     if total is None or kind == "sum":
         return total
     # the sum divided by the count: a GEMV with weights 1/positions rounds every term by
@@ -68,7 +68,7 @@ def _trailing_reduction(kind, x, out, lead):
     return lambda: (total(), np.divide(o1, positions, out=o1))
 
 
-def row_sums(x2, o1):
+def _chunked_sum(x2, o1):
     """Callable writing the row sums of the C-contiguous (rows, positions) matrix `x2`
     into `o1`: a GEMV with a vector of ones, rows longer than ROWS_GEMV_MAX_LENGTH cut
     into k equal chunks (a (rows * k, positions / k) view) whose k sums per row are then
