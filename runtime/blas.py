@@ -13,6 +13,11 @@ The entry point is looked up by name among the loaded BLAS libraries (numpy's bu
 OpenBLAS exports scipy_cblas_sgemm64_, with 64-bit integers); when none is found, or
 the operands are not float32 matrices BLAS can read in place, callers keep np.matmul.
 ctypes releases the GIL for the call, so split parts still run concurrently.
+
+`transposed_copy` calls OpenBLAS's cblas_?omatcopy extension, a blocked out-of-place
+transpose, for what numpy does as a strided copy: 3x faster on the NCHW <-> NHWC
+permutes of channels-last blocks (ConvNeXt's), one thread, float32, us: 96x3136 ->
+3136x96 151 -> 49, 192x784 74 -> 25, 768x49 25 -> 7.
 """
 
 from __future__ import annotations
@@ -24,25 +29,29 @@ import numpy as np
 
 from pmx.runtime import parallel
 
-# (symbol, integer type): ILP64 builds first, as numpy's wheels ship
-_SGEMM_ENTRY_POINTS = (("scipy_cblas_sgemm64_", ctypes.c_int64), ("cblas_sgemm64_", ctypes.c_int64),
-                       ("scipy_cblas_sgemm", ctypes.c_int), ("cblas_sgemm", ctypes.c_int))
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 
-# set False to keep np.matmul everywhere (A/B measurements, debugging)
+# set False to keep numpy everywhere (A/B measurements, debugging)
 ENABLED = True
 
 
 @functools.cache
-def _sgemm():
-    """(cblas_sgemm, its integer type) of the first loaded BLAS that has one, or None."""
+def _entry_point(routine):
+    """(cblas_<routine>, its integer type) of the first loaded BLAS that has it, or None.
+    ILP64 spellings first, as numpy's wheels ship them (scipy_cblas_sgemm64_)."""
+    spellings = ((f"scipy_cblas_{routine}64_", ctypes.c_int64), (f"cblas_{routine}64_", ctypes.c_int64),
+                 (f"scipy_cblas_{routine}", ctypes.c_int), (f"cblas_{routine}", ctypes.c_int))
     for lib in parallel.blas_handles():
-        for name, int_type in _SGEMM_ENTRY_POINTS:
+        for name, int_type in spellings:
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype = None
                 return fn, int_type
     return None
+
+
+def _sgemm():
+    return _entry_point("sgemm")
 
 
 def _operand(m):
@@ -80,4 +89,33 @@ def sgemm_accumulate(a, b, out):
             one, ctypes.c_void_p(out.ctypes.data), integer(tc[1]))
     run = functools.partial(fn, *args)
     run.operands = (a, b, out)  # the arrays whose addresses it passes stay alive with it
+    return run
+
+
+# the omatcopy routine and the C type of its alpha, per item type
+_OMATCOPY = {np.dtype(np.float32): ("somatcopy", ctypes.c_float), np.dtype(np.float64): ("domatcopy", ctypes.c_double)}
+
+
+def transposed_copy(src, dst):
+    """Callable writing dst = src.T (cblas_?omatcopy, alpha = 1), or None when it cannot:
+    no such entry point (only OpenBLAS has one), not both 2-D native float32 or float64
+    with rows of unit stride, an empty matrix, or dst overlapping src. Values are copied
+    exactly: multiplying by 1 changes no finite, infinite or subnormal value, and a NaN
+    stays a NaN."""
+    routine = _OMATCOPY.get(getattr(src, "dtype", None))
+    if not ENABLED or routine is None or not isinstance(dst, np.ndarray) or dst.dtype != src.dtype:
+        return None
+    found = _entry_point(routine[0])
+    if (found is None or src.ndim != 2 or dst.shape != src.shape[::-1] or src.size == 0 or not src.dtype.isnative
+            or not (src.flags.aligned and dst.flags.aligned) or np.may_share_memory(src, dst)):
+        return None
+    (trans_a, lda), (trans_b, ldb) = _operand(src) or (None, 0), _operand(dst) or (None, 0)
+    if trans_a != _NO_TRANS or trans_b != _NO_TRANS:
+        return None
+    fn, integer = found
+    rows, cols = src.shape
+    run = functools.partial(fn, _ROW_MAJOR, _TRANS, integer(rows), integer(cols), routine[1](1.0),
+                            ctypes.c_void_p(src.ctypes.data), integer(lda), ctypes.c_void_p(dst.ctypes.data),
+                            integer(ldb))
+    run.operands = (src, dst)  # the arrays whose addresses it passes stay alive with it
     return run

@@ -254,6 +254,58 @@ def test_slice_and_select(x, data):
     close(got, torch.from_numpy(x).select(a, i))
 
 
+@given(shape=shapes(min_rank=2, max_rank=5), dtype=st.sampled_from([np.float32, np.float64]), data=st.data())
+def test_transposes_trading_two_runs_of_axes_go_through_blas(shape, dtype, data):
+    """A permutation that keeps the leading axes and trades two runs of the others
+    (NCHW -> NHWC, NHWC -> NCHW, .T) is a batch of matrix transposes: BLAS's blocked
+    transpose runs them on 1-3 threads and copies every value bit for bit (NaN, inf,
+    -0.0, subnormals). Other permutations keep numpy's strided copy."""
+    from unittest import mock
+
+    from pmx.runtime import blas, parallel
+
+    rank = len(shape)
+    k = data.draw(st.integers(0, rank - 2))
+    m = data.draw(st.integers(k + 1, rank - 1))
+    perm = tuple(range(k)) + tuple(range(m, rank)) + tuple(range(k, m))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal(shape).astype(dtype)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, np.finfo(dtype).smallest_subnormal], dtype)
+    x.flat[rng.integers(0, x.size, x.size // 2)] = rng.choice(specials, x.size // 2)
+    made = []
+    real = blas.transposed_copy
+    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1), \
+            mock.patch.object(blas, "transposed_copy", lambda s, d: made.append(real(s, d)) or made[-1]):
+        (got,) = run_kernel("transpose", [x], dict(perm=perm))
+    assert made and all(c is not None for c in made), perm
+    want = x.transpose(perm)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(f"u{got.itemsize}"), want[~nan].view(f"u{got.itemsize}"))
+
+
+def test_only_batches_of_matrix_transposes_go_through_blas():
+    """(batch, rows, cols) for permutations that keep leading axes and trade two runs of
+    the rest; None for the others, which keep numpy's strided copy."""
+    from unittest import mock
+
+    from pmx.runtime import blas
+    from pmx.runtime.kernels.shape import _matrix_swap
+
+    shape = (2, 3, 4, 5)
+    assert _matrix_swap(shape, (0, 2, 3, 1)) == (2, 3, 20)  # NCHW -> NHWC
+    assert _matrix_swap(shape, (0, 3, 1, 2)) == (2, 12, 5)  # NHWC -> NCHW
+    assert _matrix_swap(shape, (2, 3, 0, 1)) == (1, 6, 20)
+    assert _matrix_swap((3, 4), (1, 0)) == (1, 3, 4)
+    x = np.arange(120, dtype=np.float32).reshape(shape)
+    for perm in [(0, 1, 2, 3), (1, 0, 2, 3), (0, 2, 1, 3), (3, 2, 1, 0), (0, 3, 2, 1), (2, 0, 3, 1)]:
+        assert _matrix_swap(shape, perm) is None, perm
+        with mock.patch.object(blas, "transposed_copy", lambda s, d: pytest.fail(f"BLAS for {perm}")):
+            (got,) = run_kernel("transpose", [x], dict(perm=perm))
+        np.testing.assert_array_equal(got, x.transpose(perm))
+
+
 @given(x=floats(), data=st.data())
 def test_transpose_concat_split(x, data):
     """Transposes split along their output's first axis with a part per thread: run on
