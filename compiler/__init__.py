@@ -1,5 +1,6 @@
 """pmx compiler: PNNX frontend, IR, passes, .pmx writer and the `pmx` CLI."""
 
+import pmx.runtime  # noqa: F401 - first: it sets how numpy's OpenBLAS starts (runtime/__init__.py)
 from pmx.compiler.driver import compile_model
 
 __all__ = ["compile_model"]

@@ -400,6 +400,7 @@ def running():
 
 def _enter_first_run():
     """(caller holds _lock) BLAS and numexpr to one thread; the workers to wake."""
+    _calm_blas_pool()
     _apply_blas_threads()
     setter = _blas()[0]
     if setter is not None and _num_threads > 1:
@@ -531,6 +532,26 @@ _EXIT = -1
 
 
 @functools.cache
+def _openblas_pool_functions():
+    """(openblas_read_env, openblas_thread_timeout, blas_thread_shutdown_) of the first
+    loaded BLAS that has all three (OpenBLAS), or None."""
+    for lib in blas_handles():
+        functions = [getattr(lib, name, None) for name in ("openblas_read_env", "openblas_thread_timeout",
+                                                           "blas_thread_shutdown_")]
+        if None not in functions:
+            read_env, timeout, shutdown = functions
+            read_env.argtypes, read_env.restype = [], None
+            timeout.argtypes, timeout.restype = [], ctypes.c_int
+            shutdown.argtypes, shutdown.restype = [], ctypes.c_int
+            return read_env, timeout, shutdown
+    return None
+
+
+def _user_set_blas_timeout():
+    return bool({"OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"} & set(os.environ))
+
+
+@functools.cache
 def _calm_blas_restarts():
     """Have OpenBLAS pools started from now on (after each fork) put idle threads to
     sleep at once (BLAS_RESTART_TIMEOUT); returns whether that took. OpenBLAS reads
@@ -539,21 +560,44 @@ def _calm_blas_restarts():
     removed again. A timeout you set yourself is left alone. The cost: your own
     multi-threaded BLAS calls between runs wake sleeping threads (a futex each) instead
     of finding them spinning."""
-    if "OPENBLAS_THREAD_TIMEOUT" in os.environ:
+    found = _openblas_pool_functions()
+    if found is None or _user_set_blas_timeout():
         return False
-    for lib in blas_handles():
-        read_env, timeout = getattr(lib, "openblas_read_env", None), getattr(lib, "openblas_thread_timeout", None)
-        if read_env is None or timeout is None:
-            continue
-        read_env.argtypes, read_env.restype = [], None
-        timeout.argtypes, timeout.restype = [], ctypes.c_int
-        os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_RESTART_TIMEOUT)
-        try:
-            read_env()
-        finally:
-            del os.environ["OPENBLAS_THREAD_TIMEOUT"]
-        return timeout() == BLAS_RESTART_TIMEOUT
-    return False
+    read_env, timeout, _ = found
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_RESTART_TIMEOUT)
+    try:
+        read_env()
+    finally:
+        del os.environ["OPENBLAS_THREAD_TIMEOUT"]
+    return timeout() == BLAS_RESTART_TIMEOUT
+
+
+_blas_pool_settled = False  # the pool's idle timeout is short, or pmx may not change it
+
+
+def _calm_blas_pool():
+    """(caller holds _lock, at a first run's entry) When numpy loaded OpenBLAS before
+    pmx.runtime could set its idle timeout (runtime/__init__.py), the pool's threads spin
+    ~0.1 s after each of your BLAS calls on the core pmx's worker needs. Then the pool is
+    shut down with the timeout static at BLAS_RESTART_TIMEOUT, and OpenBLAS starts it
+    again at the next multi-threaded call with threads that sleep at once. Only while no
+    Python thread exists but the caller and pmx's workers: a pool shut down under another
+    thread's BLAS call loses that call's job and hangs it. Tried again at later first
+    runs until done, or until it cannot apply (no OpenBLAS, a timeout you set, or one set
+    as numpy loaded)."""
+    global _blas_pool_settled
+    if _blas_pool_settled:
+        return
+    found = _openblas_pool_functions()
+    if found is None or _user_set_blas_timeout() or found[1]() != 0:
+        _blas_pool_settled = True
+        return
+    ours = {threading.get_native_id()} | {w.native_id for w in _workers}
+    if any(t.native_id not in ours for t in threading.enumerate()):
+        return
+    if _calm_blas_restarts():
+        found[2]()  # blas_thread_shutdown_: the next multi-threaded call starts the pool
+    _blas_pool_settled = True
 
 
 def process_workers() -> bool:

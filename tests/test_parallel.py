@@ -203,6 +203,90 @@ def test_blas_gets_the_thread_count_at_the_first_run_not_at_load(threads):
         parallel.blas_threads()
 
 
+@pytest.mark.parametrize("order,user_timeout", [("pmx.runtime first", None), ("pmx.compiler first", None),
+                                                 ("pmx.runtime first", "12"), ("numpy first", None)])
+def test_openblas_pool_started_by_pmx_sleeps_at_once(order, user_timeout):
+    """When pmx.runtime (or the compiler, which imports it first) loads numpy, OpenBLAS's
+    pool starts with a 2^4-cycle idle timeout (parallel.BLAS_RESTART_TIMEOUT), so its
+    threads do not spin on the core pmx's worker needs; the variable pmx sets for that
+    is gone afterwards. A timeout the user set is kept, and a numpy loaded before pmx
+    keeps its own."""
+    import subprocess
+    import sys
+    import textwrap
+
+    first = {"pmx.runtime first": "import pmx.runtime", "pmx.compiler first": "import pmx.compiler",
+             "numpy first": "import numpy, pmx.runtime"}[order]
+    script = first + textwrap.dedent("""
+        import ctypes, os
+        from pmx.runtime import parallel
+        found = [getattr(lib, "openblas_thread_timeout", None) for lib in parallel.blas_handles()]
+        timeout = next((t for t in found if t is not None), None)
+        if timeout is None:
+            print("no-openblas")
+            raise SystemExit(0)
+        timeout.restype = ctypes.c_int
+        print(timeout(), os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    if user_timeout is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no-openblas":
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    want = {None: f"{parallel.BLAS_RESTART_TIMEOUT} None", "12": "12 12"}[user_timeout]
+    assert done.stdout.split() == (["0", "None"] if order == "numpy first" else want.split())
+
+
+@pytest.mark.parametrize("first,other_thread", [("numpy", False), ("numpy", True), ("pmx.runtime", False)])
+def test_openblas_pool_started_before_pmx_is_restarted_calm_at_the_first_run(first, other_thread):
+    """numpy loaded before pmx.runtime: OpenBLAS's pool runs with the default idle
+    timeout. The first run's entry shuts it down with the timeout static at
+    parallel.BLAS_RESTART_TIMEOUT (its thread exits; OpenBLAS starts a new one when pmx
+    sets its thread count), and BLAS gives the right result after. With another Python
+    thread alive (it might be inside BLAS) the pool is left alone, and a pool pmx.runtime
+    started calm is not restarted."""
+    import subprocess
+    import sys
+    import textwrap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("counts threads in /proc")
+    script = f"import {first}\n" + textwrap.dedent(f"""
+        import os, threading, numpy as np
+        a = np.random.default_rng(0).standard_normal((300, 300)).astype(np.float32)
+        a @ a  # the pool has run
+        from pmx.runtime import parallel
+        found = parallel._openblas_pool_functions()
+        if found is None:
+            print("no-openblas")
+            raise SystemExit(0)
+        if {other_thread}:
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        tasks = lambda: set(os.listdir("/proc/self/task"))
+        parallel.set_num_threads(2)
+        before, timeout_before = tasks(), found[1]()
+        with parallel.running():
+            inside = tasks()
+        product = a @ a
+        exact = np.abs(product - a.astype(np.float64) @ a).max() < 1e-3
+        print(timeout_before, found[1](), len(before - inside), exact, parallel.blas_threads())
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no-openblas":
+        pytest.skip("numpy's BLAS is not OpenBLAS")
+    if first == "pmx.runtime":
+        assert done.stdout.split() == [str(parallel.BLAS_RESTART_TIMEOUT)] * 2 + ["0", "True", "2"]
+    elif other_thread:
+        assert done.stdout.split() == ["0", "0", "0", "True", "2"]
+    else:  # the pool's one thread (2 threads: the caller's and one more) was replaced
+        assert done.stdout.split() == ["0", str(parallel.BLAS_RESTART_TIMEOUT), "1", "True", "2"]
+
+
 def test_gemm_split_matches_numpy(monkeypatch):
     """kernels/common.gemm by batch, columns and rows (rows first when asked: 1x1 convs),
     each part with its share of the bias, and the activation seeing each part (the
