@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import OPENBLAS_PREAMBLE, run_openblas_script
 
 from pmx.runtime import InferenceSession, parallel
 from pmx.runtime.errors import PmxInputError
@@ -211,32 +212,12 @@ def test_openblas_pool_started_by_pmx_sleeps_at_once(order, user_timeout):
     threads do not spin on the core pmx's worker needs; the variable pmx sets for that
     is gone afterwards. A timeout the user set is kept, and a numpy loaded before pmx
     keeps its own."""
-    import subprocess
-    import sys
-    import textwrap
-
     first = {"pmx.runtime first": "import pmx.runtime", "pmx.compiler first": "import pmx.compiler",
              "numpy first": "import numpy, pmx.runtime"}[order]
-    script = first + textwrap.dedent("""
-        import ctypes, os
-        from pmx.runtime import parallel
-        found = [getattr(lib, "openblas_thread_timeout", None) for lib in parallel.blas_handles()]
-        timeout = next((t for t in found if t is not None), None)
-        if timeout is None:
-            print("no-openblas")
-            raise SystemExit(0)
-        timeout.restype = ctypes.c_int
-        print(timeout(), os.environ.get("OPENBLAS_THREAD_TIMEOUT"))
-    """)
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
-    if user_timeout is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if done.stdout.strip() == "no-openblas":
-        pytest.skip("numpy's BLAS is not OpenBLAS")
+    script = first + OPENBLAS_PREAMBLE + 'import os\nprint(timeout(), os.environ.get("OPENBLAS_THREAD_TIMEOUT"))\n'
+    words = run_openblas_script(script, user_timeout)
     want = {None: f"{parallel.BLAS_RESTART_TIMEOUT} None", "12": "12 12"}[user_timeout]
-    assert done.stdout.split() == (["0", "None"] if order == "numpy first" else want.split())
+    assert words == (["0", "None"] if order == "numpy first" else want.split())
 
 
 @pytest.mark.parametrize("first,other_thread", [("numpy", False), ("numpy", True), ("pmx.runtime", False)])
@@ -247,44 +228,34 @@ def test_openblas_pool_started_before_pmx_is_restarted_calm_at_the_first_run(fir
     sets its thread count), and BLAS gives the right result after. With another Python
     thread alive (it might be inside BLAS) the pool is left alone, and a pool pmx.runtime
     started calm is not restarted."""
-    import subprocess
     import sys
     import textwrap
 
     if not sys.platform.startswith("linux"):
         pytest.skip("counts threads in /proc")
-    script = f"import {first}\n" + textwrap.dedent(f"""
+    script = f"import {first}\n" + textwrap.dedent("""
         import os, threading, numpy as np
         a = np.random.default_rng(0).standard_normal((300, 300)).astype(np.float32)
         a @ a  # the pool has run
-        from pmx.runtime import parallel
-        found = parallel._openblas_pool_functions()
-        if found is None:
-            print("no-openblas")
-            raise SystemExit(0)
+    """) + OPENBLAS_PREAMBLE + textwrap.dedent(f"""
         if {other_thread}:
             threading.Thread(target=threading.Event().wait, daemon=True).start()
         tasks = lambda: set(os.listdir("/proc/self/task"))
         parallel.set_num_threads(2)
-        before, timeout_before = tasks(), found[1]()
+        before, timeout_before = tasks(), timeout()
         with parallel.running():
             inside = tasks()
         product = a @ a
         exact = np.abs(product - a.astype(np.float64) @ a).max() < 1e-3
-        print(timeout_before, found[1](), len(before - inside), exact, parallel.blas_threads())
+        print(timeout_before, timeout(), len(before - inside), exact, parallel.blas_threads())
     """)
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
-    env["OPENBLAS_NUM_THREADS"] = "2"
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if done.stdout.strip() == "no-openblas":
-        pytest.skip("numpy's BLAS is not OpenBLAS")
+    words = run_openblas_script(script, OPENBLAS_NUM_THREADS="2")
     if first == "pmx.runtime":
-        assert done.stdout.split() == [str(parallel.BLAS_RESTART_TIMEOUT)] * 2 + ["0", "True", "2"]
+        assert words == [str(parallel.BLAS_RESTART_TIMEOUT)] * 2 + ["0", "True", "2"]
     elif other_thread:
-        assert done.stdout.split() == ["0", "0", "0", "True", "2"]
+        assert words == ["0", "0", "0", "True", "2"]
     else:  # the pool's one thread (2 threads: the caller's and one more) was replaced
-        assert done.stdout.split() == ["0", str(parallel.BLAS_RESTART_TIMEOUT), "1", "True", "2"]
+        assert words == ["0", str(parallel.BLAS_RESTART_TIMEOUT), "1", "True", "2"]
 
 
 def test_gemm_split_matches_numpy(monkeypatch):

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import OPENBLAS_PREAMBLE, run_openblas_script
 
 from pmx.runtime import InferenceSession, parallel
 
@@ -208,15 +209,7 @@ def test_blas_pools_restarted_after_the_fork_sleep_at_once(user_timeout):
     left as it was, and a timeout the user set is kept."""
     if not (hasattr(os, "fork") and sys.platform.startswith("linux") and parallel._spin() is not None):
         pytest.skip("worker processes need fork and pthread spinlocks (Linux)")
-    script = textwrap.dedent("""
-        import ctypes, os, numpy as np
-        from pmx.runtime import parallel
-        timeouts = [getattr(lib, "openblas_thread_timeout", None) for lib in parallel.blas_handles()]
-        timeout = next((t for t in timeouts if t is not None), None)
-        if timeout is None:
-            print("no-openblas")
-            raise SystemExit(0)
-        timeout.restype = ctypes.c_int
+    script = "import os, numpy as np\n" + OPENBLAS_PREAMBLE + textwrap.dedent("""
         before = timeout()
         parallel.set_num_threads(2)
         with parallel.shared_memory():
@@ -227,15 +220,7 @@ def test_blas_pools_restarted_after_the_fork_sleep_at_once(user_timeout):
         assert parallel._process_workers[0].pid is not None and out.tolist() == [1.0, 2.0]
         print(before, timeout(), os.environ.get("OPENBLAS_THREAD_TIMEOUT"), parallel.blas_threads())
     """)
-    env = dict(os.environ, PMX_WORKERS="processes")
-    env.pop("OPENBLAS_THREAD_TIMEOUT", None)
-    if user_timeout is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if done.stdout.strip() == "no-openblas":
-        pytest.skip("numpy's BLAS is not OpenBLAS")
-    before, after, environ, blas_threads = done.stdout.split()
+    before, after, environ, blas_threads = run_openblas_script(script, user_timeout, PMX_WORKERS="processes")
     assert blas_threads == "2"  # BLAS has its threads back after the run
     if user_timeout is None:
         assert (before, after, environ) == ("0", str(parallel.BLAS_RESTART_TIMEOUT), "None")
