@@ -801,12 +801,11 @@ def _leaf_dtypes(t, dtypes):
 def _numexpr_compiler():
     """numexpr is imported only when a model uses it (it costs ~10 ms), and given the
     runtime's thread count then (runtime/parallel.py sets it on later changes)."""
-    import numexpr
     from numexpr.necompiler import NumExpr, getType
 
     from pmx.runtime import parallel
 
-    numexpr.set_num_threads(parallel.numexpr_threads())
+    parallel.adopt_numexpr()
     return NumExpr, getType
 
 

@@ -258,6 +258,29 @@ def test_openblas_pool_started_before_pmx_is_restarted_calm_at_the_first_run(fir
         assert words == ["0", str(parallel.BLAS_RESTART_TIMEOUT), "1", "True", "2"]
 
 
+def test_numexpr_loaded_by_others_keeps_its_thread_count(monkeypatch):
+    """pmx sets numexpr's thread count (1 inside runs) only once numexpr runs pmx's
+    programs; a numexpr someone else loaded (pandas does) is left alone, sparing each
+    run two set_num_threads calls."""
+    numexpr = pytest.importorskip("numexpr")
+    before = numexpr.get_num_threads()
+    monkeypatch.setattr(parallel, "_numexpr_adopted", False)
+    monkeypatch.setattr(parallel, "_num_threads", 2)
+    try:
+        numexpr.set_num_threads(3)
+        with parallel.running():
+            assert numexpr.get_num_threads() == 3
+        parallel.set_num_threads(2)
+        assert numexpr.get_num_threads() == 3
+        parallel.adopt_numexpr()
+        assert numexpr.get_num_threads() == 2
+        with parallel.running():
+            assert numexpr.get_num_threads() == 1
+        assert numexpr.get_num_threads() == 2
+    finally:
+        numexpr.set_num_threads(before)
+
+
 def test_gemm_split_matches_numpy(monkeypatch):
     """kernels/common.gemm by batch, columns and rows (rows first when asked: 1x1 convs),
     each part with its share of the bias, and the activation seeing each part (the
