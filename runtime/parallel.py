@@ -592,7 +592,8 @@ def _calm_blas_pool():
     pmx.runtime could set its idle timeout (runtime/__init__.py), the pool's threads spin
     ~0.1 s after each of your BLAS calls on the core pmx's worker needs. Then the pool is
     shut down with the timeout static at BLAS_RESTART_TIMEOUT, and OpenBLAS starts it
-    again at the next multi-threaded call with threads that sleep at once. Only while no
+    again (when its thread count is next set, as below, or at its next multi-threaded
+    call) with threads that sleep at once. Only while no
     Python thread exists but the caller and pmx's workers: a pool shut down under another
     thread's BLAS call loses that call's job and hangs it. Tried again at later first
     runs until done, or until it cannot apply (no OpenBLAS, a timeout you set, or one set
@@ -608,7 +609,7 @@ def _calm_blas_pool():
     if any(t.native_id not in ours for t in threading.enumerate()):
         return
     if _calm_blas_restarts():
-        found[2]()  # blas_thread_shutdown_: the next multi-threaded call starts the pool
+        found[2]()  # blas_thread_shutdown_
     _blas_pool_settled = True
 
 
