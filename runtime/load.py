@@ -647,9 +647,11 @@ def _read_tensors(r, pos):
                 _fail(path, f"tensor {i} dim range {a}..{b} does not contain its planned size {d}")
     codes = c["dtypes"]
     dtypes = list(map(ENUM_TO_NUMPY.get, codes))
-    if None in dtypes:
-        i = dtypes.index(None)
-        _fail(path, f"tensor {i} has dtype code {codes[i]}, not one of {sorted(ENUM_TO_NAME)}")
+    # by identity: np.dtype("float64") == None is True (None converts to float64), so
+    # `None in dtypes` and dtypes.index(None) would refuse every float64 tensor
+    unknown = next((i for i, d in enumerate(dtypes) if d is None), None)
+    if unknown is not None:
+        _fail(path, f"tensor {unknown} has dtype code {codes[unknown]}, not one of {sorted(ENUM_TO_NAME)}")
     return list(map(TensorInfo, names, c["kinds"], dtypes, shapes, c["data_offsets"], c["data_sizes"],
                     c["arena_offsets"], c["alias_of"], c["alias_offsets"], strides, dim_min, dim_max))
 

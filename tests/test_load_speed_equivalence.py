@@ -373,6 +373,29 @@ def test_ranks_above_max_rank_are_refused(files, tmp_path):
         InferenceSession(str(_write(tmp_path, bad)))
 
 
+@pytest.mark.parametrize("code,dtype", [("f64", np.float64), ("f32", np.float32), ("f16", np.float16),
+                                        ("i64", np.int64), ("i32", np.int32), ("i16", np.int16),
+                                        ("i8", np.int8), ("u8", np.uint8), ("bool", np.bool_)])
+def test_tensors_of_every_dtype_load_and_run(tmp_path, code, dtype):
+    """The dtype check names only unknown codes. It had refused every float64 tensor:
+    np.dtype("float64") == None is True, so `None in dtypes` matched it."""
+    from ziputil import build_zip
+
+    param = tmp_path / "m.pnnx.param"
+    ops = [f"pnnx.Input in 0 1 0 #0=(2,3){code}",
+           f"torch.flatten flat 1 1 0 1 end_dim=-1 start_dim=0 $input=0 #0=(2,3){code} #1=(6){code}",
+           "pnnx.Output out 1 0 1"]
+    param.write_text("\n".join(["7767517", f"{len(ops)} {len(ops) - 1}", *ops]) + "\n")
+    (tmp_path / "m.pnnx.bin").write_bytes(build_zip([]).data)
+    out = str(tmp_path / "m.pmx")
+    compile_model(str(param), output=out)
+    x = (np.arange(6).reshape(2, 3) % 3).astype(dtype)
+    session = InferenceSession(out)
+    (y,) = session.run(None, {session.get_inputs()[0].name: x})
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(y, x.reshape(-1))
+
+
 def test_older_format_versions_are_refused_with_a_way_out(files, tmp_path):
     data = bytearray(files["cnn"])
     struct.pack_into("<I", data, 8, 1)  # the version, after the 8-byte magic
