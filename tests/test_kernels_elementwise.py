@@ -574,3 +574,31 @@ def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
             run()
     for x, out in zip(originals, xs):
         np.testing.assert_allclose(out, x / (1 + np.exp(-x.astype(np.float64))), rtol=1e-6, atol=1e-7)
+
+
+def test_aten_clamp_and_zero_spellings(tmp_path):
+    """pnnx writes F.normalize's clamp (torchvision's SwinV2) as aten::clamp_min with the
+    bound as a second input, and zero_() as aten::zero: they compile to the clamp and
+    zeros torch computes."""
+    from ziputil import build_zip
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    ops = ["pnnx.Input in 0 1 0 #0=(2,3)f32",
+           "pnnx.Expression lo_bound 0 1 1 expr=-5.000000e-01",
+           "pnnx.Expression hi_bound 0 1 2 expr=2.500000e-01",
+           "aten::clamp_min lo 2 1 0 1 3 #0=(2,3)f32 #3=(2,3)f32",
+           "aten::clamp_max hi 2 1 3 2 4 #3=(2,3)f32 #4=(2,3)f32",
+           "aten::zero z 1 1 0 5 #0=(2,3)f32 #5=(2,3)f32",
+           "pnnx.Expression sum 2 1 4 5 6 expr=add(@0,@1) #4=(2,3)f32 #5=(2,3)f32 #6=(2,3)f32",
+           "pnnx.Output out 1 0 6"]
+    param = tmp_path / "m.pnnx.param"
+    param.write_text("\n".join(["7767517", f"{len(ops)} 7", *ops]) + "\n")
+    (tmp_path / "m.pnnx.bin").write_bytes(build_zip([]).data)
+    compile_model(str(param), output=str(tmp_path / "m.pmx"))
+    session = InferenceSession(str(tmp_path / "m.pmx"))
+    x = np.array([[-2.0, -0.5, 0.0], [0.1, 0.25, 3.0]], np.float32)
+    (y,) = session.run(None, {session.get_inputs()[0].name: x})
+    want = torch.clamp_max(torch.clamp_min(torch.from_numpy(x), -0.5), 0.25) + torch.zeros(2, 3)
+    np.testing.assert_array_equal(y, want.numpy())

@@ -114,18 +114,22 @@ def prelu(node, ctx):
 
 
 @rule("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip", "torch.clamp_min", "Tensor.clamp_min",
-      "torch.clamp_max", "Tensor.clamp_max")
+      "torch.clamp_max", "Tensor.clamp_max", "aten::clamp_min", "aten::clamp_max")
 def clamp(node, ctx):
-    """Bounds are numbers (params) or tensors ($min / $max inputs); an integer bound on an
-    integer tensor stays integer, as in torch."""
+    """Bounds are numbers (params) or tensors ($min / $max inputs, or the second input of
+    aten::clamp_min / aten::clamp_max, as pnnx writes F.normalize's clamp); an integer
+    bound on an integer tensor stays integer, as in torch."""
     x = data_input(node)
     tensors, e = [x], "@0"
     names = {"torch.clamp_min": ("min",), "Tensor.clamp_min": ("min",), "torch.clamp_max": ("max",),
-             "Tensor.clamp_max": ("max",)}.get(node.op, ("min", "max"))
+             "Tensor.clamp_max": ("max",), "aten::clamp_min": ("min",), "aten::clamp_max": ("max",)}.get(
+        node.op, ("min", "max"))
     for key, fn in (("min", "maximum"), ("max", "minimum")):
         if key not in names:
             continue
         v = node.named_input(key)
+        if v is None and node.op.startswith("aten::"):
+            v = data_input(node, key, 1)
         if v is not None:
             tensors.append(v)
             e = f"{fn}({e},@{len(tensors) - 1})"

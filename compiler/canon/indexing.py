@@ -332,7 +332,7 @@ def _filled(node, ctx, fill):
     return Forward(ctx.const(node.outputs[0].name, np.full(shape, fill, dtype=dtype)))
 
 
-@rule("torch.zeros_like", "torch.zeros", "Tensor.new_zeros")
+@rule("torch.zeros_like", "torch.zeros", "Tensor.new_zeros", "aten::zero")  # aten::zero: zero_()'s functional form
 def zeros(node, ctx):
     return _filled(node, ctx, 0)
 
