@@ -313,7 +313,11 @@ def test_matmul_broadcasting(seed, a_batch, b_batch, m, k, n, a_vec, b_vec):
 
 
 EINSUMS = ["bhid,bhjd->bhij", "bhij,bhjd->bhid", "bij,bjk->bik", "bchw,bkc->bkhw", "ij->ji", "ii->i",
-           "bij->b", "i,j->ij", "...ij,...jk->...ik", "bik,bjk", "ijk,jl,lk->i"]
+           "bij->b", "i,j->ij", "...ij,...jk->...ik", "bik,bjk", "ijk,jl,lk->i", "bhcid,bhcjd->bhcij",
+           "bhjd,bhid->bhij", "bhid,bhdj->bhji", "bhid,bhjd->hbij"]
+# the batched matmuls among them (linalg._batched_matmul_axes), which run through gemm
+BATCHED_MATMULS = {"bhid,bhjd->bhij", "bhij,bhjd->bhid", "bij,bjk->bik", "...ij,...jk->...ik",
+                   "bhcid,bhcjd->bhcij", "bhjd,bhid->bhij", "bhid,bhdj->bhji", "bhid,bhjd->hbij"}
 
 
 @FAST
@@ -328,8 +332,22 @@ def test_einsum(seed, eq, sizes, ellipsis):
         shape = tuple(ellipsis) if "..." in term else ()
         shapes.append(shape + tuple(size[c] for c in term.replace("...", "")))
     ops = [arr(seed + i, s) for i, s in enumerate(shapes)]
-    got = run_kernel("einsum", ops, dict(equation=eq))[0]
+    from unittest import mock
+
+    from pmx.runtime import parallel
+    from pmx.runtime.kernels import linalg
+
+    products = []
+    real_gemm = linalg.gemm
+    from pmx.runtime.kernels import common
+
+    # every product split over two threads, along a batch axis or out's rows or columns
+    with mock.patch.object(parallel, "_num_threads", 2), mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
+            mock.patch.object(common, "GEMM_SPLIT_MIN_ROWS", 1), mock.patch.object(common, "GEMM_SPLIT_MIN_COLUMNS", 1), \
+            mock.patch.object(linalg, "gemm", lambda *a, **k: products.append(a) or real_gemm(*a, threads=2)):
+        got = run_kernel("einsum", ops, dict(equation=eq))[0]
     close(got, torch.einsum(eq, *[T(o) for o in ops]))
+    assert bool(products) == (eq in BATCHED_MATMULS), eq
 
 
 @FAST
