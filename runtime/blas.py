@@ -50,10 +50,6 @@ def _entry_point(routine):
     return None
 
 
-def _sgemm():
-    return _entry_point("sgemm")
-
-
 def _operand(m):
     """(transpose flag, leading dimension) for a 2-D float32 array BLAS can read as it
     is, else None."""
@@ -71,7 +67,7 @@ def sgemm_accumulate(a, b, out):
     cannot: no such BLAS entry point, not all float32 2-D, a vector product (numpy's GEMV
     path is as fast), out not row-major with unit column stride, or out overlapping an
     operand."""
-    found = _sgemm() if ENABLED else None
+    found = _entry_point("sgemm") if ENABLED else None
     if found is None or not all(isinstance(m, np.ndarray) and m.ndim == 2 and m.dtype == np.float32
                                 and m.flags.aligned for m in (a, b, out)):
         return None

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from pmx.runtime import openblas_env
+
 # below this many elements touched, a split's dispatch costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
 
@@ -536,7 +538,7 @@ PROCESS_SPLIT_DIVISOR = 4
 # it: MobileNetV3-small's runs 2-13 after the first took 8.9-9.1 ms, against 4.2-4.3
 # with OPENBLAS_THREAD_TIMEOUT=4 (2^4 cycles: idle threads sleep at once; runs 14-40
 # 4.1 either way). See _calm_blas_restarts.
-BLAS_RESTART_TIMEOUT = 4
+BLAS_RESTART_TIMEOUT = openblas_env.SHORT_TIMEOUT
 _SHARED_CHUNK = 64 << 20
 _parts_registry: dict = {}  # part id -> callable, for parts a worker process may run
 _next_part_id = 0
@@ -559,10 +561,6 @@ def _openblas_pool_functions():
     return None
 
 
-def _user_set_blas_timeout():
-    return bool({"OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"} & set(os.environ))
-
-
 @functools.cache
 def _calm_blas_restarts():
     """Have OpenBLAS pools started from now on (after each fork) put idle threads to
@@ -573,14 +571,11 @@ def _calm_blas_restarts():
     multi-threaded BLAS calls between runs wake sleeping threads (a futex each) instead
     of finding them spinning."""
     found = _openblas_pool_functions()
-    if found is None or _user_set_blas_timeout():
+    if found is None or openblas_env.user_set_timeout():
         return False
     read_env, timeout, _ = found
-    os.environ["OPENBLAS_THREAD_TIMEOUT"] = str(BLAS_RESTART_TIMEOUT)
-    try:
+    with openblas_env.short_timeout():
         read_env()
-    finally:
-        del os.environ["OPENBLAS_THREAD_TIMEOUT"]
     return timeout() == BLAS_RESTART_TIMEOUT
 
 
@@ -597,20 +592,17 @@ def _calm_blas_pool():
     Python thread exists but the caller and pmx's workers: a pool shut down under another
     thread's BLAS call loses that call's job and hangs it. Tried again at later first
     runs until done, or until it cannot apply (no OpenBLAS, a timeout you set, or one set
-    as numpy loaded)."""
+    as numpy loaded). While other threads live, a first run pays one thread count (~0.5 us)."""
     global _blas_pool_settled
-    if _blas_pool_settled:
-        return
-    found = _openblas_pool_functions()
-    if found is None or _user_set_blas_timeout() or found[1]() != 0:
-        _blas_pool_settled = True
+    if _blas_pool_settled or threading.active_count() > 1 + len(_workers):
         return
     ours = {threading.get_native_id()} | {w.native_id for w in _workers}
     if any(t.native_id not in ours for t in threading.enumerate()):
         return
-    if _calm_blas_restarts():
-        found[2]()  # blas_thread_shutdown_
     _blas_pool_settled = True
+    found = _openblas_pool_functions()
+    if found is not None and found[1]() == 0 and _calm_blas_restarts():
+        found[2]()  # blas_thread_shutdown_
 
 
 def process_workers() -> bool:

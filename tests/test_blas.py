@@ -21,7 +21,7 @@ def _matrix(rng, shape, transposed, wider):
 def test_numpys_blas_has_sgemm_and_omatcopy_entry_points():
     """Without them every layer silently keeps matmul + add and every transpose numpy's
     strided copy; numpy's wheels (OpenBLAS) ship both."""
-    assert blas._sgemm() is not None
+    assert blas._entry_point("sgemm") is not None
     assert blas._entry_point("somatcopy") is not None and blas._entry_point("domatcopy") is not None
 
 

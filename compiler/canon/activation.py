@@ -121,9 +121,7 @@ def clamp(node, ctx):
     bound on an integer tensor stays integer, as in torch."""
     x = data_input(node)
     tensors, e = [x], "@0"
-    names = {"torch.clamp_min": ("min",), "Tensor.clamp_min": ("min",), "torch.clamp_max": ("max",),
-             "Tensor.clamp_max": ("max",), "aten::clamp_min": ("min",), "aten::clamp_max": ("max",)}.get(
-        node.op, ("min", "max"))
+    names = (node.op[-3:],) if node.op.endswith(("clamp_min", "clamp_max")) else ("min", "max")
     for key, fn in (("min", "maximum"), ("max", "minimum")):
         if key not in names:
             continue

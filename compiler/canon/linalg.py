@@ -14,16 +14,7 @@ def linear(node, ctx):
     b = weight(node, "bias", required=False)
     if w.shape is None or len(w.shape) != 2 or x.shape is None or x.shape[-1] != w.shape[1]:
         fail(node, f"input {x.shape} does not match weight {w.shape} (expected input [..., {w.shape[1] if w.shape else '?'}])")
-    if b is not None and b.shape is not None and not _bias_fits(b.shape, w.shape[0]):
-        fail(node, f"bias {tuple(b.shape)} does not fit the weight's {w.shape[0]} output features "
-                   f"(expected ({w.shape[0]},))")
     return [make(node, "linear", [x, w] + ([b] if b is not None else []))]
-
-
-def _bias_fits(bias_shape, features):
-    """A bias torch's linear adds: it broadcasts onto the output's last dim ((features,),
-    (1,) or a 0-d number)."""
-    return len(bias_shape) <= 1 and (not bias_shape or bias_shape[0] in (1, features))
 
 
 def _operands(node, *labels):

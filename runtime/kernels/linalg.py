@@ -28,6 +28,8 @@ def linear_infer(node, shapes, dtypes):
     if not shapes[0] or shapes[0][-1] != shapes[1][1]:
         raise ValueError(f"input {tuple(shapes[0])} does not end in the weight's {shapes[1][1]} features")
     features = shapes[1][0]
+    # torch's linear adds a bias of (features,), (1,) or a number; the compiler's shape
+    # pass runs this rule too, so a file with any other is refused naming the node
     if len(shapes) > 2 and not (len(shapes[2]) <= 1 and (not shapes[2] or shapes[2][0] in (1, features))):
         raise ValueError(f"bias {tuple(shapes[2])} does not fit the weight's {features} output features")
     return [(tuple(shapes[0][:-1]) + (features,), dtypes[0])]
