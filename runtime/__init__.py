@@ -31,12 +31,14 @@ from pmx.runtime.errors import (
     PmxResourceError,
     PmxUnsupportedOpError,
 )
+from pmx.runtime.options import SessionOptions
 from pmx.runtime.session import InferenceSession, NodeArg
 
 __version__ = "0.1.0"
 
 __all__ = [
     "InferenceSession",
+    "SessionOptions",
     "NodeArg",
     "PmxError",
     "PmxFormatError",

@@ -33,6 +33,7 @@ from pmx.runtime import kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
+from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
 from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
 from pmx.schema import pmx_generated as fb
@@ -167,6 +168,8 @@ class InferenceSession:
                 parallel.set_workers(workers)
             except ValueError as e:
                 raise PmxInputError(str(e)) from None
+        self._options = sess_options if sess_options is not None else SessionOptions()
+        self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
