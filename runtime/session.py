@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import math
 import threading
 import time
@@ -191,6 +192,14 @@ class InferenceSession:
 
     def get_outputs(self):
         return list(self._outputs)
+
+    def get_session_options(self):
+        """A copy of the options this session runs with; intra_op_num_threads is the
+        resolved count (never 0), so callers can see what the default came to."""
+        options = copy.copy(self._options)
+        options._config = dict(self._options._config)
+        options.intra_op_num_threads = self._num_threads
+        return options
 
     def get_providers(self):
         return ["CPUExecutionProvider"]
