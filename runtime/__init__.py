@@ -32,6 +32,7 @@ from pmx.runtime.errors import (
     PmxUnsupportedOpError,
 )
 from pmx.runtime.options import SessionOptions
+from pmx.runtime.predictor import Predictor
 from pmx.runtime.session import InferenceSession, NodeArg
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "InferenceSession",
     "SessionOptions",
+    "Predictor",
     "NodeArg",
     "PmxError",
     "PmxFormatError",

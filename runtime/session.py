@@ -25,6 +25,7 @@ import collections
 import contextlib
 import copy
 import math
+import os
 import threading
 import time
 
@@ -179,6 +180,9 @@ class InferenceSession:
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
         self._max_arena_bytes = max_arena_bytes
+        self._reopen_with = dict(verify=verify, num_threads=num_threads, workers=workers,  # for __reduce__
+                                 max_arena_bytes=max_arena_bytes, plan_cache_size=plan_cache_size)
+        self._reopen_path = os.path.abspath(self._model.path)
         self._cache_size = max(1, int(plan_cache_size))
         self._compiled_key = tuple(m.tensors[i].shape for i in m.inputs)
         self._layouts = collections.OrderedDict({self._compiled_key: compiled_layout(m)})
@@ -200,6 +204,16 @@ class InferenceSession:
         options._config = dict(self._options._config)
         options.intra_op_num_threads = self._num_threads
         return options
+
+    def __reduce__(self):
+        """Pickle by path: the absolute path, the options and the constructor's keywords (so
+        Ray, Dask and process pools can ship a session); unpickling reopens and re-verifies
+        the file, which must exist at that path on the receiving machine, and resolves a
+        default thread count there. A session opened from the model's bytes pickles them."""
+        m = self._model
+        source = m._map if isinstance(m._map, (bytes, bytearray)) else self._reopen_path
+        identity = (m.file_size, m.preamble["header_crc"], m.preamble["data_crc"])
+        return _reopen_session, (source, self._options, self._reopen_with, identity)
 
     def get_providers(self):
         return ["CPUExecutionProvider"]
@@ -397,3 +411,17 @@ class InferenceSession:
                              in_shapes=in_shapes, out_shapes=[list(shapes[i]) for i in node.outputs], ms=ms))
         rows.sort(key=lambda r: -r["ms"])
         return rows
+
+
+def _reopen_session(source, sess_options, kwargs, identity):
+    """Unpickle an InferenceSession: reopen the file, check it is the one that was pickled."""
+    if isinstance(source, str) and not os.path.isfile(source):
+        raise PmxInputError(f"{source}: cannot reopen the pickled session: the .pmx must exist at that path on the "
+                            f"receiving machine (copy it there, or to shared storage at the same path)")
+    sess = InferenceSession(source, sess_options, **kwargs)
+    m = sess._model
+    found = (m.file_size, m.preamble["header_crc"], m.preamble["data_crc"])
+    if found != tuple(identity):
+        raise PmxInputError(f"{source}: cannot reopen the pickled session: the file at that path on this machine is "
+                            f"not the one that was pickled (size and checksums {found}, expected {tuple(identity)})")
+    return sess
