@@ -14,7 +14,6 @@ import os
 import threading
 
 import numpy as np
-
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.session import InferenceSession
@@ -68,7 +67,7 @@ class Predictor:
             self.session = path
         else:
             self.session = InferenceSession(path, sess_options, verify=verify, num_threads=num_threads)
-        self._args = dict(outputs=outputs, columns=columns, max_batch=max_batch)
+        self._args = {"outputs": outputs, "columns": columns, "max_batch": max_batch}
         inputs = self.session.get_inputs()
         names = [a.name for a in inputs]
         self.columns = _column_map(columns, names)
@@ -197,7 +196,7 @@ def _batch_step(inputs, path):
     """Rows per run the model requires (its fixed dim 0), or None when dim 0 is dynamic."""
     fixed = {a.name: a.shape[0] for a in inputs if a.shape and a.shape[0] is not None}
     if any(not a.shape for a in inputs):
-        raise PmxInputError(f"{path}: input {[a.name for a in inputs if not a.shape][0]!r} is a scalar: a model "
+        raise PmxInputError(f"{path}: input {next(a.name for a in inputs if not a.shape)!r} is a scalar: a model "
                             f"without a batch dim (dim 0) on every input cannot take batches")
     if len(set(fixed.values())) > 1:
         raise PmxInputError(f"{path}: the inputs' fixed batch dims differ ({fixed}): cannot split a batch for them")

@@ -74,7 +74,7 @@ def memory(pid="self"):
                 fields[parts[0][:-1]] = int(parts[1]) / 1024
     uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
     shared = fields.get("Shared_Clean", 0) + fields.get("Shared_Dirty", 0)
-    return dict(uss=uss, pss=fields.get("Pss", 0), shared=shared, rss=fields.get("Rss", 0))
+    return {"uss": uss, "pss": fields.get("Pss", 0), "shared": shared, "rss": fields.get("Rss", 0)}
 
 
 def worker(path, x, batch, ready, go, measure, results):
