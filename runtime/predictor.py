@@ -74,7 +74,7 @@ class Predictor:
         self.outputs = _output_names(outputs, [o.name for o in self.session.get_outputs()])
         self.max_batch = max_batch
         self._dtypes = {a.name: _NUMPY_DTYPE[a.type] for a in inputs}
-        self._step = _batch_step(inputs, path)
+        self._step = _batch_step(inputs, self.session.model.path)
         self._out_args = {o.name: o for o in self.session.get_outputs()}
 
     def __reduce__(self):
