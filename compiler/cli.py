@@ -141,7 +141,7 @@ def _run(args):
     from pmx.runtime import InferenceSession
 
     t0 = time.perf_counter()
-    sess = InferenceSession(args.model, num_threads=args.threads, workers=args.workers)
+    sess = InferenceSession(args.model, num_threads=args.threads)
     load_ms = (time.perf_counter() - t0) * 1e3
     feed = _feed(sess, args.input, args.random)
     t0 = time.perf_counter()
@@ -254,10 +254,7 @@ def build_parser():
     r.add_argument("--random", action="store_true", help="random inputs for those not given")
     r.add_argument("--repeat", type=int, default=10, help="timed runs after the first (default 10)")
     r.add_argument("--threads", type=int, default=None,
-                   help="threads for BLAS, numexpr and kernel splits (default: all cores)")
-    r.add_argument("--workers", choices=("threads", "processes"), default=None,
-                   help="what runs the second half of split kernels: worker threads (default) or a forked "
-                        "worker process (Linux; the PMX_WORKERS environment variable sets the same)")
+                   help="threads of this run's kernel splits (default: OMP_NUM_THREADS, else all cores)")
     r.add_argument("--profile", action="store_true", help="print per-node times")
     r.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 

@@ -799,14 +799,17 @@ def _leaf_dtypes(t, dtypes):
 
 @functools.cache
 def _numexpr_compiler():
-    """numexpr is imported only when a model uses it (it costs ~10 ms), and given the
-    runtime's thread count then (runtime/parallel.py sets it on later changes)."""
+    """numexpr is imported only when a model uses it (it costs ~10 ms)."""
     from numexpr.necompiler import NumExpr, getType
 
-    from pmx.runtime import parallel
-
-    parallel.adopt_numexpr()
     return NumExpr, getType
+
+
+def numexpr_threads() -> int:
+    """numexpr's own thread count (read, never set: it is process-wide)."""
+    import numexpr
+
+    return numexpr.get_num_threads()
 
 
 def compile_numexpr(tree, inputs, out):

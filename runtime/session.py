@@ -7,8 +7,9 @@ Load does no graph work: it verifies and wraps the file (runtime/load.py). Each 
 that calls run() gets its own binding, built once: an arena, a view of it per tensor, one
 scratch buffer all nodes share for their temporaries (runtime/kernels/__init__.py), and
 the list of kernel callables (weights shared by all threads, read-only). A run copies
-inputs into their arena slots, calls the list with BLAS held at one thread (kernels split
-their own work over runtime/parallel.py's workers), and copies the requested outputs out.
+inputs into their arena slots, calls the list (kernels split their work over the worker
+threads this session keeps for the calling thread: runtime/parallel.py), and copies the
+requested outputs out.
 
 What run() accepts (decided here, documented in the README):
   - a dict {input name: value}; every model input must be given, unknown names are refused
@@ -68,8 +69,8 @@ class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
     layout. Arena plus scratch count against max_arena_bytes."""
 
-    def __init__(self, model, layout, max_arena_bytes):
-        with parallel.shared_memory():  # worker processes must see what the kernels allocate
+    def __init__(self, model, layout, max_arena_bytes, pool):
+        with parallel.binding(pool):
             self._bind(model, layout, max_arena_bytes)
 
     def _bind(self, model, layout, max_arena_bytes):
@@ -139,36 +140,25 @@ class InferenceSession:
     """Load a .pmx file and run it. Mirrors onnxruntime.InferenceSession.
 
     verify=True checks the CRC32 checksums of the whole file at load (off by default so
-    load stays fast; the structural verifier always runs). num_threads sets the threads
-    BLAS, numexpr and pmx's own kernel splits use; like BLAS's and numexpr's own settings
-    it is process-wide (the last session to set it wins); default: the cores this process
-    may use (runtime/parallel.py). workers="processes" runs the parts of kernel splits in
-    a forked worker process instead of worker threads (Linux; process-wide too, for
-    sessions that bind from then on; the PMX_WORKERS environment variable sets the same
-    at import): see the README's "Threads and tuning". providers / sess_options are
-    accepted for drop-in compatibility and ignored (pmx runs on the CPU).
+    load stays fast; the structural verifier always runs). The thread count is this
+    session's own: num_threads= if given, else sess_options.intra_op_num_threads if not
+    0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
+    thread and up to that many minus one worker threads of the session's (one set per
+    calling thread, sleeping between runs); nothing process-wide changes. With
+    sess_options' "session.intra_op.allow_spinning" = "1", workers poll for work while a
+    run lasts. providers are accepted for drop-in compatibility (pmx runs on the CPU).
     """
 
     # layouts kept per session (shared by threads) and bindings kept per thread
     PLAN_CACHE_SIZE = 8
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
-                 *, verify=False, num_threads=None, workers=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
+                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
                  plan_cache_size=PLAN_CACHE_SIZE):
         if not isinstance(path_or_bytes, (str, bytes)) and not hasattr(path_or_bytes, "__fspath__"):
             raise PmxInputError(f"InferenceSession takes a path to a .pmx file, got {type(path_or_bytes).__name__}")
         self._model = open_model(str(path_or_bytes) if not isinstance(path_or_bytes, bytes) else path_or_bytes.decode(),
                                  verify_checksum=verify, max_arena_bytes=max_arena_bytes)
-        if num_threads is not None:
-            try:
-                parallel.set_num_threads(num_threads)
-            except (TypeError, ValueError) as e:
-                raise PmxInputError(f"num_threads: {e}") from None
-        if workers is not None:
-            try:
-                parallel.set_workers(workers)
-            except ValueError as e:
-                raise PmxInputError(str(e)) from None
         self._options = sess_options if sess_options is not None else SessionOptions()
         self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
@@ -210,6 +200,13 @@ class InferenceSession:
 
     # --- running --------------------------------------------------------------------
 
+    def _pool(self):
+        """This thread's worker pool (made on its first run, gone with the thread)."""
+        pool = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = self._local.pool = parallel.Pool(self._num_threads, self._options.allow_spinning)
+        return pool
+
     def _binding(self, key=None):
         """This thread's binding for the input shapes `key` (None: the compiled ones)."""
         key = self._compiled_key if key is None else key
@@ -223,7 +220,7 @@ class InferenceSession:
         layout = self._layout(key)
         try:
             with collector_paused():
-                b = _Binding(self._model, layout, self._max_arena_bytes)
+                b = _Binding(self._model, layout, self._max_arena_bytes, self._pool())
         except PmxError:
             raise
         except MemoryError:
@@ -351,7 +348,7 @@ class InferenceSession:
         steps = self._steps_for(binding, wanted)
         step = None
         try:
-            with np.errstate(all="ignore"), parallel.running():
+            with np.errstate(all="ignore"), self._pool().running():
                 for step in steps:
                     step()
         except PmxError:
@@ -381,7 +378,7 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"), parallel.running():
+        with np.errstate(all="ignore"), self._pool().running():
             for _ in range(repeat):
                 for j, step in enumerate(binding.steps):
                     if step is None:

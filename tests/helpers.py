@@ -110,35 +110,3 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
         with np.errstate(all="ignore"):
             fn()
     return outputs
-
-
-# The start of a script for run_openblas_script: `timeout` reads OpenBLAS's idle-timeout
-# static (0 until a timeout is set), or the script prints "no-openblas" and stops.
-OPENBLAS_PREAMBLE = """
-from pmx.runtime import parallel
-found = parallel._openblas_pool_functions()
-if found is None:
-    print("no-openblas")
-    raise SystemExit(0)
-timeout = found[1]
-"""
-
-
-def run_openblas_script(script, user_timeout=None, **env):
-    """Run `script` (which starts with OPENBLAS_PREAMBLE, after any imports whose order
-    matters) in a fresh Python, with no OpenBLAS timeout in its environment but
-    `user_timeout` and with `env` added; returns its output split in words. Skips the
-    test when numpy's BLAS is not OpenBLAS."""
-    import subprocess
-    import sys
-
-    import pytest
-
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")} | env
-    if user_timeout is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if done.stdout.strip() == "no-openblas":
-        pytest.skip("numpy's BLAS is not OpenBLAS")
-    return done.stdout.split()

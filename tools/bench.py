@@ -1,7 +1,9 @@
 """Side-by-side benchmark: pmx vs onnxruntime vs ncnn vs torch, one process tree.
 
-    # torchvision models (separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
-    /work/tvenv/bin/python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    # torchvision models (a separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
+    python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    # the same, alternating with another checkout's runtime on the same .pmx files
+    python tools/bench.py --baseline /tmp/base  # /tmp/base/pmx/{compiler,runtime,schema}
     # built-in small models, any venv with torch + pnnx
     python tools/bench.py --builtin
 
@@ -11,8 +13,7 @@ TorchScript module pnnx saves for torch) into --cache. Then every contender runs
 fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
 and reports: import time, load time, time to first result (import of the runtime + load +
 first run; numpy is already imported), steady-state latency (median of --runs runs after
-warm-up) and peak RSS (pmx with --pmx-workers processes: plus what its worker
-processes hold privately). Each contender runs in --rounds such processes (default 3), the
+warm-up) and peak RSS. Each contender runs in --rounds such processes (default 3), the
 contenders taking turns in an order rotated every round, and each number is the median
 over its rounds: on a shared VM a burst of load from elsewhere lasting one process had
 moved single samples by 1.5-2.5x (pmx on ResNet-18: 75, 46 and 29 ms in three runs).
@@ -38,7 +39,8 @@ import time
 
 import numpy as np
 
-CONTENDERS = ("pmx", "onnxruntime", "ncnn", "torch")
+CONTENDERS = ("pmx", "pmx-baseline", "onnxruntime", "ncnn", "torch")
+# pmx-baseline: pmx imported from --baseline DIR (another checkout), on the same .pmx files
 TORCHVISION_CNNS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
                     "efficientnet_b0", "densenet121", "googlenet")
 TRANSFORMERS = ("vit_b_16", "swin_t")
@@ -51,7 +53,7 @@ def worker(contender, model_dir, runs, threads):
     d = pathlib.Path(model_dir)
     x = np.load(d / "input.npy")
     t0 = time.perf_counter()
-    if contender == "pmx":
+    if contender in ("pmx", "pmx-baseline"):
         from pmx.runtime import InferenceSession
 
         t1 = time.perf_counter()
@@ -112,25 +114,8 @@ def worker(contender, model_dir, runs, threads):
         run()
         times.append(time.perf_counter() - s)
     np.save(d / f"out_{contender}.npy", np.asarray(y))
-    helpers = worker_processes_private_mb() if contender == "pmx" else 0.0
     return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
-                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb() + helpers,
-                worker_private_mb=helpers)
-
-
-def worker_processes_private_mb():
-    """Memory only pmx's worker processes hold (PMX_WORKERS=processes: pages they copied
-    on write or allocated), which this process's VmHWM does not count; the arena and
-    the other buffers they share with it are counted there already."""
-    from pmx.runtime import parallel
-
-    total_kb = 0
-    for w in parallel._process_workers:
-        if w.pid is None:
-            continue
-        with open(f"/proc/{w.pid}/smaps_rollup") as f:
-            total_kb += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    return total_kb / 1024
+                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb())
 
 
 def peak_rss_mb():
@@ -147,7 +132,7 @@ def batch_worker(contender, model_dir, batches, runs, threads):
     (pmx: re-plan + bind; onnxruntime: its own first-run cost) and steady throughput."""
     d = pathlib.Path(model_dir)
     x1 = np.load(d / "input.npy")
-    if contender == "pmx":
+    if contender in ("pmx", "pmx-baseline"):
         from pmx.runtime import InferenceSession
 
         sess = InferenceSession(str(d / "model.pmx"), num_threads=threads)
@@ -336,21 +321,28 @@ def compile_pmx(d, tune):
     return dict(compile_s=time.perf_counter() - t0, pnnx_ops=int(ops[1]), nodes=int(ops[5]))
 
 
-def worker_env(threads):
+BASELINE_PATH = None  # --baseline: where pmx-baseline's `pmx` package lies
+
+
+def worker_env(threads, contender=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if contender == "pmx-baseline":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (BASELINE_PATH, env.get("PYTHONPATH")) if p)
     return env
 
 
 def warm_bytecode(contender, threads):
     """One import in a throwaway process so the measured workers find .pyc files."""
-    mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
-    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads), capture_output=True, timeout=600)
+    mod = {"pmx": "pmx.runtime", "pmx-baseline": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn",
+           "torch": "torch"}[contender]
+    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads, contender), capture_output=True,
+                   timeout=600)
 
 
 def run_contender(contender, d, runs, threads):
-    env = worker_env(threads)
+    env = worker_env(threads, contender)
     p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs),
                         "--threads", str(threads)], capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
@@ -404,6 +396,8 @@ def run_batches(contender, d, batches, runs, threads):
 
 
 def available(contender):
+    if contender == "pmx-baseline":
+        return BASELINE_PATH is not None
     mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
     try:
         __import__(mod)
@@ -504,9 +498,9 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
-    p.add_argument("--pmx-workers", choices=("threads", "processes"),
-                   default="processes" if os.environ.get("PMX_WORKERS") == "processes" else "threads",
-                   help="pmx's split parts on worker threads (default) or worker processes (PMX_WORKERS)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="also run contender pmx-baseline: pmx imported from DIR (a folder holding another "
+                        "checkout's pmx package), on the same .pmx files, alternating with pmx")
     p.add_argument("--tune", action="store_true", help="compile the .pmx files with pmx compile --tune")
     args = p.parse_args()
     if args.worker and args.batches:
@@ -522,7 +516,8 @@ def main():
         names = args.models.split(",")
     else:
         names = list(TORCHVISION_CNNS) + ["vit_b_16"]
-    os.environ["PMX_WORKERS"] = args.pmx_workers  # every worker process inherits it
+    global BASELINE_PATH
+    BASELINE_PATH = args.baseline
     contenders = [c for c in args.contenders.split(",") if available(c)]
     for c in contenders:
         warm_bytecode(c, args.threads)
@@ -542,13 +537,12 @@ def main():
             results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
-          + f" · pmx worker {args.pmx_workers}"
           + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
     print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes,
-                                                           pmx_workers=args.pmx_workers, results=results), indent=1))
+                                                           results=results), indent=1))
 
 
 if __name__ == "__main__":
