@@ -1,7 +1,7 @@
 """Side-by-side benchmark: pmx vs onnxruntime vs ncnn vs torch, one process tree.
 
     # torchvision models (separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
-    /work/tvenv/bin/python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
     # built-in small models, any venv with torch + pnnx
     python tools/bench.py --builtin
 
