@@ -19,9 +19,10 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.load import MAX_RANK
+from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
 
-PRODUCER = "pmx 0.1.0"
+PRODUCER = f"pmx {__version__}"
 
 
 def _attr_fields(name, value):

@@ -34,7 +34,7 @@ from pmx.runtime.errors import (
 from pmx.runtime.options import SessionOptions
 from pmx.runtime.session import InferenceSession, NodeArg
 
-__version__ = "0.1.0"
+from pmx.runtime.version import __version__
 
 __all__ = [
     "InferenceSession",
