@@ -28,12 +28,12 @@ from pmx.runtime.errors import (
     PmxError,
     PmxFormatError,
     PmxInputError,
+    PmxInternalError,
     PmxResourceError,
     PmxUnsupportedOpError,
 )
 from pmx.runtime.options import SessionOptions
 from pmx.runtime.session import InferenceSession, NodeArg
-
 from pmx.runtime.version import __version__
 
 __all__ = [
@@ -45,5 +45,7 @@ __all__ = [
     "PmxCompileError",
     "PmxUnsupportedOpError",
     "PmxInputError",
+    "PmxInternalError",
     "PmxResourceError",
+    "__version__",
 ]
