@@ -190,7 +190,7 @@ def _check_model_arg(path, command):
 def _read_array(spec, what):
     from pmx.runtime.errors import PmxInputError
 
-    name, eq, path = spec.partition("=")
+    name, _, path = spec.partition("=")
     try:
         return name, np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:

@@ -38,9 +38,7 @@ class ModelMetadata(FrozenRecord):
 
 def model_metadata(model) -> ModelMetadata:
     name, _, version = (model.producer or "").partition(" ")
-    graph = os.path.basename(model.source or "")
-    for suffix in (".param", ".pnnx"):
-        graph = graph[: -len(suffix)] if graph.endswith(suffix) else graph
+    graph = os.path.basename(model.source or "").removesuffix(".param").removesuffix(".pnnx")
     return ModelMetadata(producer_name=name or "pmx", producer_version=version, graph_name=graph,
                          graph_description="", domain="", description="", version=0,
                          custom_metadata_map=dict(model.metadata))

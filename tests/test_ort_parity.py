@@ -273,7 +273,7 @@ def test_kernel_failure_at_bind_is_an_internal_error(models, monkeypatch):
 def test_verifier_failures_stay_format_errors(models):
     plain, _ = models
     data = bytearray(plain.read_bytes())
-    pre, header = _header(bytes(data))
+    pre, _ = _header(bytes(data))
     data[pre["header_offset"] + 4:pre["header_offset"] + 8] = b"XXXX"  # the file identifier
     with pytest.raises(PmxFormatError) as e:
         InferenceSession(bytes(data))
