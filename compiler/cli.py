@@ -145,11 +145,13 @@ def foreign_model_hint(path, command):
     PyTorch or ONNX file, an ncnn model, or a .pnnx.param not compiled yet), else None.
     Told by name and first bytes, before any attempt to read it as the wrong thing."""
     name = os.path.basename(str(path)).lower()
+    head = b""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        if os.path.isfile(path):  # not a FIFO or device, which a read could block on
+            with open(path, "rb") as f:
+                head = f.read(4096)
     except OSError:
-        head = b""
+        pass
     if name.endswith((".pt", ".pth", ".torchscript", ".ptl")) or (head.startswith(b"PK\x03\x04") and not name.endswith(".bin")):
         return (f"{path} is a PyTorch model; "
                 + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"))
@@ -272,7 +274,7 @@ def _compare(name, got, path, want, rtol, atol):
                 worst_value=float(a.reshape(-1)[worst]), expected_value=float(b.reshape(-1)[worst]))
 
 
-def _expectations(sess, specs, parser):
+def _expectations(sess, specs):
     from pmx.runtime.errors import PmxInputError
 
     names = [a.name for a in sess.get_outputs()]
@@ -296,7 +298,7 @@ def _run(args):
     sess = InferenceSession(args.model, num_threads=args.threads, workers=args.workers)
     load_ms = (time.perf_counter() - t0) * 1e3
     feed = _feed(sess, args.input, args.random, parser)
-    expect = _expectations(sess, args.expect, parser)
+    expect = _expectations(sess, args.expect)
     t0 = time.perf_counter()
     outputs = sess.run(None, feed)
     first_ms = (time.perf_counter() - t0) * 1e3
