@@ -12,13 +12,13 @@ from pmx.runtime.errors import (
     PmxError,
     PmxFormatError,
     PmxInputError,
+    PmxInternalError,
     PmxResourceError,
     PmxUnsupportedOpError,
 )
 from pmx.runtime.options import SessionOptions
 from pmx.runtime.session import InferenceSession, NodeArg
-
-__version__ = "0.1.0"
+from pmx.runtime.version import __version__
 
 __all__ = [
     "InferenceSession",
@@ -29,5 +29,7 @@ __all__ = [
     "PmxCompileError",
     "PmxUnsupportedOpError",
     "PmxInputError",
+    "PmxInternalError",
     "PmxResourceError",
+    "__version__",
 ]

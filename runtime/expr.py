@@ -800,9 +800,25 @@ def _leaf_dtypes(t, dtypes):
 @functools.cache
 def _numexpr_compiler():
     """numexpr is imported only when a model uses it (it costs ~10 ms)."""
-    from numexpr.necompiler import NumExpr, getType
+    from numexpr import NumExpr
 
-    return NumExpr, getType
+    return NumExpr, _numexpr_type
+
+
+def _numexpr_type(a):
+    """The type NumExpr's signature names for array `a` (numexpr 2's kinds: bool, int =
+    int32, long = int64, float = float32, double = float64, complex): numexpr's own
+    getType is internal to numexpr.necompiler, so the rule it follows is written out here."""
+    kind, size = a.dtype.kind, a.dtype.itemsize
+    if kind == "b":
+        return bool
+    if kind in "iu":
+        return np.int64 if size > 4 or (kind == "u" and size == 4) else np.int32
+    if kind == "f":
+        return np.float64 if size > 4 else float
+    if kind == "c":
+        return complex
+    raise PmxFormatError(f"numexpr cannot compute on {a.dtype.name} arrays")
 
 
 def numexpr_threads() -> int:

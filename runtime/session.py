@@ -26,14 +26,15 @@ import collections
 import contextlib
 import copy
 import math
+import os
 import threading
 import time
 
 import numpy as np
 
-from pmx.runtime import kernels, parallel
+from pmx.runtime import compat, kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
-from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
+from pmx.runtime.errors import PmxError, PmxInputError, PmxResourceError, internal_error
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
@@ -61,8 +62,8 @@ def _naming_node(model, node):
         raise
     except MemoryError:
         raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
-    except Exception as e:  # noqa: BLE001 - whatever the kernel raised
-        raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot be bound: {type(e).__name__}: {str(e)[:120]}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raised, on a file the verifier passed
+        raise internal_error(model.path, node, "bind", e) from e
 
 
 class _Binding:
@@ -113,6 +114,16 @@ class _Binding:
         return self.arena[start:start + nbytes].view(t.dtype).reshape(shape)
 
 
+def _model_source(path_or_bytes):
+    """What open_model takes: a path (str or os.PathLike), or the model's bytes (bytes,
+    bytearray, memoryview), which onnxruntime takes as the model's content too."""
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        return path_or_bytes
+    if isinstance(path_or_bytes, str) or hasattr(path_or_bytes, "__fspath__"):
+        return os.fspath(path_or_bytes)
+    raise PmxInputError(f"InferenceSession takes a path to a .pmx file or its bytes, got {type(path_or_bytes).__name__}")
+
+
 def _ranges(t):
     """[(min, max) per dim] of a tensor (max -1 = unbounded); fixed dims are (d, d)."""
     if t.dim_min is None:
@@ -145,8 +156,10 @@ class InferenceSession:
     0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
     thread and up to that many minus one worker threads of the session's (one set per
     calling thread, sleeping between runs); nothing process-wide changes. With
-    sess_options' "session.intra_op.allow_spinning" = "1", workers poll for work while a
-    run lasts. providers are accepted for drop-in compatibility (pmx runs on the CPU).
+    sess_options' "session.intra_op.allow_spinning" = "1", workers spin for work while a
+    run lasts. path_or_bytes is a path or the file's bytes (verified alike). providers
+    other than "CPUExecutionProvider" warn, as onnxruntime warns for one it lacks (pmx
+    runs on the CPU).
     """
 
     # layouts kept per session (shared by threads) and bindings kept per thread
@@ -155,10 +168,8 @@ class InferenceSession:
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
                  *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
                  plan_cache_size=PLAN_CACHE_SIZE):
-        if not isinstance(path_or_bytes, (str, bytes)) and not hasattr(path_or_bytes, "__fspath__"):
-            raise PmxInputError(f"InferenceSession takes a path to a .pmx file, got {type(path_or_bytes).__name__}")
-        self._model = open_model(str(path_or_bytes) if not isinstance(path_or_bytes, bytes) else path_or_bytes.decode(),
-                                 verify_checksum=verify, max_arena_bytes=max_arena_bytes)
+        self._model = open_model(_model_source(path_or_bytes), verify_checksum=verify, max_arena_bytes=max_arena_bytes)
+        compat.check_providers(providers)
         self._options = sess_options if sess_options is not None else SessionOptions()
         self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
@@ -174,6 +185,7 @@ class InferenceSession:
         self._layouts = collections.OrderedDict({self._compiled_key: compiled_layout(m)})
         self._layouts_lock = threading.Lock()
         self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
+        self._profiler = compat.Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
 
     # --- metadata -------------------------------------------------------------------
 
@@ -192,7 +204,19 @@ class InferenceSession:
         return options
 
     def get_providers(self):
-        return ["CPUExecutionProvider"]
+        return [compat.CPU_PROVIDER]
+
+    def get_modelmeta(self):
+        """onnxruntime's ModelMetadata: producer "pmx", graph name, and the user metadata
+        stored with `pmx compile --meta KEY=VALUE` as custom_metadata_map."""
+        return compat.model_metadata(self._model)
+
+    def end_profiling(self):
+        """With SessionOptions.enable_profiling: write the runs profiled so far as a Chrome
+        trace to <profile_file_prefix>_<time>.json, stop profiling, return the path
+        ("" when profiling is off), as onnxruntime does."""
+        profiler, self._profiler = self._profiler, None
+        return profiler.write() if profiler is not None else ""
 
     @property
     def model(self):
@@ -226,7 +250,7 @@ class InferenceSession:
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: cannot allocate the {layout.arena_size}-byte arena") from None
         except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
-            raise PmxFormatError(f"{self._model.path}: cannot bind the model: {type(e).__name__}: {str(e)[:120]}") from None
+            raise internal_error(self._model.path, None, "bind", e) from e
         cache[key] = b
         while len(cache) > self._cache_size:
             cache.popitem(last=False)
@@ -330,8 +354,8 @@ class InferenceSession:
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
-        if output_names is None:
-            wanted = list(self._model.outputs)
+        if output_names is None or (not isinstance(output_names, str) and len(output_names) == 0):
+            wanted = list(self._model.outputs)  # None or [] (onnxruntime): every output
         else:
             if isinstance(output_names, str):
                 raise PmxInputError("output_names must be a list of names or None, not a string")
@@ -349,24 +373,51 @@ class InferenceSession:
         step = None
         try:
             with np.errstate(all="ignore"), self._pool().running():
-                for step in steps:
-                    step()
+                if self._profiler is None:
+                    for step in steps:
+                        step()
+                else:
+                    self._run_profiled(binding, steps, self._profiler)
         except PmxError:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
-            raise PmxFormatError(f"{self._model.path}: {self._describe(binding, step)} failed: {type(e).__name__}: {str(e)[:120]}") from None
+            raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
         return [np.array(binding.views[i], copy=True) for i in wanted]
+
+    def _run_profiled(self, binding, steps, profiler):
+        """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
+        nodes = getattr(binding, "step_nodes", None)
+        if nodes is None:
+            nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
+        shapes = binding.layout.shapes
+        clock = time.perf_counter
+        start = clock()
+        for step in steps:
+            node = nodes[id(step)]
+            t0 = clock()
+            try:
+                step()
+            except (PmxError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - named here, where the node is known
+                raise internal_error(self._model.path, node, "run", e) from e
+            profiler.node(node, t0, clock(), [list(shapes[i]) for i in node.outputs])
+        profiler.run(start, clock())
 
     def _describe(self, binding, step):
         """'node NAME (op)' for the step that raised (found only after an error, so the
         loop in run() stays a bare loop)."""
+        node = self._node_of(binding, step)
+        return f"node {node.name[:40]!r} ({node.op})" if node is not None else "a node"
+
+    def _node_of(self, binding, step):
+        """The node whose kernel callable is `step` (None if none is)."""
         for j, fn in enumerate(binding.steps):
             if fn is step:
-                node = self._model.nodes[j]
-                return f"node {node.name[:40]!r} ({node.op})"
-        return "a node"
+                return self._model.nodes[j]
+        return None
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
