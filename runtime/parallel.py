@@ -13,12 +13,10 @@ pool binds kernels while the BLAS is limited to one thread (OPENBLAS_NUM_THREADS
 threadpoolctl), kernels split their GEMMs over the pool's threads; otherwise GEMMs run
 whole and BLAS's own threads share them out, so the two never multiply.
 
-Waiting workers sleep on locks (threading.Lock, which any thread may release). With
-spinning allowed (SessionOptions' "session.intra_op.allow_spinning"), a pool's workers
-and its caller instead spin on POSIX spinlocks, with the GIL released, while one of its
-runs is inside `running()`, and sleep again when it ends: a hand-off to a sleeping
-thread costs a kernel wake-up (tens to hundreds of microseconds on a VM), a spinning one
-a few. Each spinlock is unlocked only by the thread holding it (_SpinHandoff).
+Waiting workers sleep on locks (threading.Lock, which any thread may release); they never
+spin. A worker that spun for its lock would still sleep on the GIL when it got it, and a
+spinning thread on a busy host costs the others whole scheduler ticks
+(docs/performance.md, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import ctypes
 import functools
 import os
 import threading
-import time
 import weakref
 
 # below this many elements touched, a split's hand-off costs more than the second core saves
@@ -89,15 +86,12 @@ def blas_threads():
 
 class Pool:
     """Up to `threads - 1` worker threads (made on first use) that run split parts for one
-    caller thread at a time. `spinning`: workers poll for parts inside running().
-    `splits_gemms` (None: read BLAS's thread count now) says whether kernels bound on it
-    split their BLAS calls over its threads."""
+    caller thread at a time. `splits_gemms` (None: read BLAS's thread count now) says
+    whether kernels bound on it split their BLAS calls over its threads."""
 
-    def __init__(self, threads: int, spinning: bool = False, splits_gemms: bool | None = None):
+    def __init__(self, threads: int, splits_gemms: bool | None = None):
         self.threads = max(1, int(threads))
-        self.spinning = spinning
         self._workers: list[_Worker] = []
-        self._runs_inside = 0
         self._lock = threading.Lock()
         # read when kernels bind: whether their GEMMs are this pool's to split
         if splits_gemms is None:
@@ -110,27 +104,6 @@ class Pool:
             while len(self._workers) < n:
                 self._workers.append(_Worker())
             return self._workers[:n]
-
-    @contextlib.contextmanager
-    def running(self):
-        """A run on the pool's caller thread: with spinning allowed, the workers spin for
-        parts until it ends (and sleep again after)."""
-        if not self.spinning:
-            yield
-            return
-        with self._lock:
-            self._runs_inside += 1
-            workers = list(self._workers) if self._runs_inside == 1 else []
-        for w in workers:
-            w.begin_spinning()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._runs_inside -= 1
-                workers = list(self._workers) if self._runs_inside == 0 else []
-            for w in workers:
-                w.end_spinning()
 
 
 def _stop_all(workers):
@@ -169,14 +142,9 @@ def binding(pool: Pool):
         _context.pool = saved
 
 
-def using_threads(n: int, spinning: bool = False, splits_gemms: bool | None = None):
+def using_threads(n: int, splits_gemms: bool | None = None):
     """Kernels made inside split over a new pool of `n` threads (tests, tools)."""
-    return binding(Pool(n, spinning, splits_gemms))
-
-
-def running():
-    """The current pool's running() (see Pool.running)."""
-    return current_pool().running()
+    return binding(Pool(n, splits_gemms))
 
 
 def num_threads() -> int:
@@ -233,23 +201,19 @@ def split(parts):
 # --- workers -----------------------------------------------------------------------------
 
 _STOP = object()
-_SPIN_BEGIN, _SPIN_END = object(), object()
 
 
 class _Worker:
-    """A daemon thread running one callable per start()/wait() pair.
-
-    Asleep, it blocks on `_go`, a lock created held that the caller releases for each
-    part; it releases `_done`, made the same way, when the part is done (threading.Lock
-    may be released by any thread). While a spinning pool's run lasts, the worker and
-    its caller hand parts over with a _SpinHandoff instead."""
+    """A daemon thread running one callable per start()/wait() pair. It blocks on `_go`,
+    a lock created held that the caller releases for each part, and releases `_done`,
+    made the same way, when the part is done (threading.Lock may be released by any
+    thread). It sleeps in between, burning no CPU."""
 
     def __init__(self):
         self._go, self._done = threading.Lock(), threading.Lock()
         self._go.acquire()
         self._done.acquire()
         self._fn = self._error = None
-        self._spin = None  # the _SpinHandoff while spinning
         self.lock = threading.Lock()  # one caller at a time
         threading.Thread(target=self._loop, daemon=True, name="pmx-worker").start()
 
@@ -257,145 +221,26 @@ class _Worker:
         while True:
             self._go.acquire()
             fn = self._fn
-            if fn is _SPIN_BEGIN:
-                spin = self._spin
-                spin.worker_enter()
-                self._done.release()
-                self._serve_spinning(spin)
-                continue
             if fn is _STOP:
                 self._done.release()
                 return
-            self._call(fn)
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._error = e
             self._done.release()
-
-    def _serve_spinning(self, spin):
-        while True:
-            spin.worker_wait_go()
-            fn = self._fn
-            if fn is _SPIN_END:
-                spin.worker_leave()
-                return
-            self._call(fn)
-            spin.worker_post_done()
-
-    def _call(self, fn):
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
-            self._error = e
 
     def start(self, fn):
         self.lock.acquire()
         self._fn, self._error = fn, None
-        if self._spin is not None:
-            self._spin.caller_post_go()
-        else:
-            self._go.release()
+        self._go.release()
 
     def wait(self):
-        if self._spin is not None:
-            self._spin.caller_wait_done()
-        else:
-            self._done.acquire()
+        self._done.acquire()
         error, self._fn, self._error = self._error, None, None
         self.lock.release()
         return error
 
-    def begin_spinning(self):
-        """(on the thread that will post parts until end_spinning)"""
-        functions = _spinlock_functions()
-        if functions is None or self._spin is not None:
-            return
-        with self.lock:
-            spin = _SpinHandoff(functions)
-            spin.caller_enter()
-            self._fn = _SPIN_BEGIN
-            self._spin = spin
-            self._go.release()
-            self._done.acquire()
-            self._fn = None
-
-    def end_spinning(self):
-        spin = self._spin
-        if spin is None:
-            return
-        with self.lock:
-            self._fn = _SPIN_END
-            spin.caller_post_go()
-            spin.caller_leave()
-            self._spin = self._fn = None
-
     def stop(self):
         self.start(_STOP)
         self.wait()
-
-
-@functools.cache
-def _spinlock_functions():
-    """(init, destroy, lock, unlock) of the C library's POSIX spinlocks, or None (not
-    glibc/Linux). lock() goes through ctypes.CDLL, which releases the GIL while it spins;
-    unlock() through PyDLL, which keeps it: the call never blocks."""
-    try:
-        c, py = ctypes.CDLL(None), ctypes.PyDLL(None)
-        fns = (c.pthread_spin_init, c.pthread_spin_destroy, c.pthread_spin_lock, py.pthread_spin_unlock)
-    except (OSError, AttributeError):
-        return None
-    for f in fns:
-        f.argtypes, f.restype = [ctypes.c_void_p] + ([ctypes.c_int] if f is fns[0] else []), ctypes.c_int
-    return fns
-
-
-class _SpinHandoff:
-    """Parts handed between one caller thread and one worker over three POSIX spinlocks
-    used in rotation, so that every lock is only ever unlocked by the thread holding it
-    (POSIX leaves any other unlock undefined). In round r the caller holds locks r and
-    r+1 and the worker holds r+2 (mod 3): the caller unlocks r (go), the worker, spinning
-    on it, takes it, runs the part and unlocks r+2 (done), which the caller spins on.
-    Then the caller holds r+1 and r+2 and the worker r: round r+1's positions."""
-
-    def __init__(self, functions):
-        self._init, self._destroy, self._lock, self._unlock = functions
-        self._cells = (ctypes.c_int * 48)()  # three locks, each on its own cache line
-        self._addresses = [ctypes.addressof(self._cells) + 64 * k for k in range(3)]
-        for address in self._addresses:
-            self._init(address, 0)
-        self._caller_round = self._worker_round = 0
-
-    def _at(self, k):
-        return self._addresses[k % 3]
-
-    def caller_enter(self):
-        self._lock(self._at(0))
-        self._lock(self._at(1))
-
-    def worker_enter(self):
-        self._lock(self._at(2))
-
-    def caller_post_go(self):
-        self._unlock(self._at(self._caller_round))
-
-    def caller_wait_done(self):
-        self._lock(self._at(self._caller_round + 2))
-        self._caller_round += 1
-
-    def worker_wait_go(self):
-        self._lock(self._at(self._worker_round))
-
-    def worker_post_done(self):
-        self._unlock(self._at(self._worker_round + 2))
-        self._worker_round += 1
-
-    def worker_leave(self):
-        """The worker took round r's go and holds r and r+2: it frees both, r+2 last."""
-        self._unlock(self._at(self._worker_round))
-        self._unlock(self._at(self._worker_round + 2))
-
-    def caller_leave(self):
-        """After posting the worker's way out: wait until it has freed r+2, then free all."""
-        r = self._caller_round
-        self._lock(self._at(r + 2))
-        self._unlock(self._at(r + 1))
-        self._unlock(self._at(r + 2))
-        for address in self._addresses:
-            self._destroy(address)

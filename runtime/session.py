@@ -155,9 +155,8 @@ class InferenceSession:
     session's own: num_threads= if given, else sess_options.intra_op_num_threads if not
     0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
     thread and up to that many minus one worker threads of the session's (one set per
-    calling thread, sleeping between runs); nothing process-wide changes. With
-    sess_options' "session.intra_op.allow_spinning" = "1", workers spin for work while a
-    run lasts. path_or_bytes is a path or the file's bytes (verified alike). providers
+    calling thread, sleeping while they wait); nothing process-wide changes.
+    path_or_bytes is a path or the file's bytes (verified alike). providers
     other than "CPUExecutionProvider" warn, as onnxruntime warns for one it lacks (pmx
     runs on the CPU).
     """
@@ -228,7 +227,7 @@ class InferenceSession:
         """This thread's worker pool (made on its first run, gone with the thread)."""
         pool = getattr(self._local, "pool", None)
         if pool is None:
-            pool = self._local.pool = parallel.Pool(self._num_threads, self._options.allow_spinning)
+            pool = self._local.pool = parallel.Pool(self._num_threads)
         return pool
 
     def _binding(self, key=None):
@@ -372,7 +371,7 @@ class InferenceSession:
         steps = self._steps_for(binding, wanted)
         step = None
         try:
-            with np.errstate(all="ignore"), self._pool().running():
+            with np.errstate(all="ignore"):
                 if self._profiler is None:
                     for step in steps:
                         step()
@@ -429,7 +428,7 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"), self._pool().running():
+        with np.errstate(all="ignore"):
             for _ in range(repeat):
                 for j, step in enumerate(binding.steps):
                     if step is None:

@@ -2,7 +2,6 @@
 build on it (kernels/common.gemm). What a host process sees of pmx's threads is
 tested through the public API in test_threads_host.py."""
 
-import os
 import threading
 
 import numpy as np
