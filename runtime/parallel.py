@@ -13,8 +13,7 @@ pool binds kernels while the BLAS is limited to one thread (OPENBLAS_NUM_THREADS
 threadpoolctl), kernels split their GEMMs over the pool's threads; otherwise GEMMs run
 whole and BLAS's own threads share them out, so the two never multiply.
 
-Waiting workers sleep on locks (threading.Lock, which any thread may release); they never
-spin. A worker that spun for its lock would still sleep on the GIL when it got it, and a
+Waiting workers sleep in a blocking queue.get(); they never spin. A worker that spun for its lock would still sleep on the GIL when it got it, and a
 spinning thread on a busy host costs the others whole scheduler ticks
 (docs/performance.md, 2026-11-26).
 """
@@ -25,6 +24,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import queue
 import threading
 import weakref
 
@@ -170,9 +170,11 @@ def ranges(n: int, parts: int):
 
 
 def split(parts):
-    """One callable running the callables in `parts` concurrently (part 0 on the caller's
-    thread, the others on the current pool's workers); an exception of any part is raised
-    after all parts finish."""
+    """One callable running the callables in `parts` concurrently: part 0 on the caller's
+    thread, the others handed to the current pool's workers. A part no worker has started
+    by the time the caller is done with its own, the caller runs itself, so a worker that
+    is slow to wake (a busy host, a short part) costs no waiting. An exception of any part
+    is raised after all parts finish."""
     parts = [p for p in parts if p is not None]
     if len(parts) <= 1:
         return parts[0] if parts else None
@@ -181,16 +183,16 @@ def split(parts):
     workers = pool.workers(len(rest))
 
     def run():
-        for w, p in zip(workers, rest):
-            w.start(p)
+        tasks = [_Task(p) for p in rest]
+        for w, t in zip(workers, tasks):
+            w.queue.put(t)
         error = None
         try:
             first()
-        except BaseException as e:  # noqa: BLE001 - re-raised once the workers are done
+        except BaseException as e:  # noqa: BLE001 - re-raised once every part is done
             error = e
-        for w in workers:
-            e = w.wait()
-            error = error or e
+        for t in tasks:
+            error = t.run_here_or_wait() or error
         if error is not None:
             raise error
 
@@ -203,44 +205,52 @@ def split(parts):
 _STOP = object()
 
 
+class _Task:
+    """One part, claimed by whichever of the worker and the caller gets to it first."""
+
+    __slots__ = ("fn", "claim", "done", "error")
+
+    def __init__(self, fn):
+        self.fn, self.error = fn, None
+        self.claim, self.done = threading.Lock(), threading.Lock()
+        self.done.acquire()
+
+    def run_claimed(self):
+        """(worker) Run the part unless the caller took it; then post done."""
+        if self.claim.acquire(blocking=False):
+            try:
+                self.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self.error = e
+            self.done.release()
+
+    def run_here_or_wait(self):
+        """(caller) Run the part if no worker has started it, else wait for it; its error."""
+        if self.claim.acquire(blocking=False):
+            try:
+                self.fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                return e
+            return None
+        self.done.acquire()
+        return self.error
+
+
 class _Worker:
-    """A daemon thread running one callable per start()/wait() pair. It blocks on `_go`,
-    a lock created held that the caller releases for each part, and releases `_done`,
-    made the same way, when the part is done (threading.Lock may be released by any
-    thread). It sleeps in between, burning no CPU."""
+    """A daemon thread running the tasks put on its queue. It sleeps in queue.get()
+    between them (a blocking wait, never a spin), burning no CPU."""
 
     def __init__(self):
-        self._go, self._done = threading.Lock(), threading.Lock()
-        self._go.acquire()
-        self._done.acquire()
-        self._fn = self._error = None
-        self.lock = threading.Lock()  # one caller at a time
+        self.queue = queue.SimpleQueue()
         threading.Thread(target=self._loop, daemon=True, name="pmx-worker").start()
 
     def _loop(self):
+        get = self.queue.get
         while True:
-            self._go.acquire()
-            fn = self._fn
-            if fn is _STOP:
-                self._done.release()
+            task = get()
+            if task is _STOP:
                 return
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self._error = e
-            self._done.release()
-
-    def start(self, fn):
-        self.lock.acquire()
-        self._fn, self._error = fn, None
-        self._go.release()
-
-    def wait(self):
-        self._done.acquire()
-        error, self._fn, self._error = self._error, None, None
-        self.lock.release()
-        return error
+            task.run_claimed()
 
     def stop(self):
-        self.start(_STOP)
-        self.wait()
+        self.queue.put(_STOP)
