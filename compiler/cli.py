@@ -312,6 +312,7 @@ def _run(args):
     checks = [_compare(name, by_name[name], path, want, args.rtol, args.atol) for name, path, want in expect]
     saved = _save_outputs(args.save, names, outputs) if args.save else []
     profile = sess.profile(feed, repeat=max(args.repeat, 5)) if args.profile else None
+    overhead = _overhead(sess, feed, args.repeat) if args.profile else None
     if args.json:
         print(_dumps(dict(
             model=args.model, load_ms=load_ms, first_run_ms=first_ms, repeat=args.repeat,
@@ -321,7 +322,9 @@ def _run(args):
             outputs=[dict(name=n, shape=list(y.shape), dtype=y.dtype.name, declared_shape=a.shape,
                           first_values=_json_values(y.reshape(-1)[:6]))
                      for n, y, a in zip(names, outputs, sess.get_outputs())],
-            saved=saved, expect=checks, profile=profile)))
+            saved=saved, expect=checks, profile=profile,
+            framework_overhead=None if overhead is None else dict(
+                wall_ms=overhead.wall_ms, kernel_ms=overhead.kernel_ms, fraction=overhead.overhead))))
     elif not args.quiet:
         for name, y in zip(names, outputs):
             flat = y.reshape(-1)[:6]
@@ -336,6 +339,8 @@ def _run(args):
                       f"max rel error {c['max_rel_error']:.3g})")
         if profile is not None:
             _print_profile(profile)
+            print(f"framework overhead {100 * overhead.overhead:.1f}% of run() (run {overhead.wall_ms:.3f} ms, "
+                  f"kernels {overhead.kernel_ms:.3f} ms: the rest is feed checks, copies in and out, the loop)")
     failed = [c for c in checks if not c["ok"]]
     if failed:
         raise _Failure("; ".join(_mismatch_text(c) for c in failed))
@@ -466,6 +471,12 @@ def _run_batch(args):
     elif not args.quiet:
         print(f"ran {len(files)} files in {seconds:.2f} s; outputs in {args.save}")
     return 0
+
+
+def _overhead(sess, feed, repeat):
+    from pmx.runtime.overhead import framework_overhead
+
+    return framework_overhead(sess, feed, repeat=max(repeat, 5))
 
 
 def _print_profile(rows):

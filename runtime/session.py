@@ -224,8 +224,13 @@ class InferenceSession:
     # --- running --------------------------------------------------------------------
 
     def _pool(self):
-        """This thread's worker pool (made on its first run, gone with the thread)."""
+        """This thread's worker pool (made on its first run, gone with the thread). Kernels
+        split GEMMs over it only while BLAS runs on one thread (parallel.Pool), so when
+        BLAS's thread count has moved across that line since (threadpoolctl limits around
+        some runs), this thread's pool and bindings are made anew."""
         pool = getattr(self._local, "pool", None)
+        if pool is not None and pool.threads > 1 and pool.splits_gemms != (parallel.blas_threads() == 1):
+            pool = self._local.pool = self._local.bindings = None
         if pool is None:
             pool = self._local.pool = parallel.Pool(self._num_threads)
         return pool
@@ -233,6 +238,7 @@ class InferenceSession:
     def _binding(self, key=None):
         """This thread's binding for the input shapes `key` (None: the compiled ones)."""
         key = self._compiled_key if key is None else key
+        self._pool()
         cache = getattr(self._local, "bindings", None)
         if cache is None:
             cache = self._local.bindings = collections.OrderedDict()
