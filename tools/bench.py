@@ -114,8 +114,13 @@ def worker(contender, model_dir, runs, threads):
         run()
         times.append(time.perf_counter() - s)
     np.save(d / f"out_{contender}.npy", np.asarray(y))
+    overhead = None
+    if contender == "pmx":  # after the timed runs, so they are not disturbed
+        from pmx.runtime.overhead import framework_overhead
+
+        overhead = 100 * framework_overhead(sess, {name: x}, repeat=max(5, runs // 2)).overhead
     return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
-                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb())
+                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb(), overhead_pct=overhead)
 
 
 def peak_rss_mb():
@@ -322,12 +327,15 @@ def compile_pmx(d, tune):
 
 
 BASELINE_PATH = None  # --baseline: where pmx-baseline's `pmx` package lies
+PMX_BLAS_THREADS = None  # --pmx-blas-threads: BLAS's threads in pmx's processes
 
 
 def worker_env(threads, contender=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if contender in ("pmx", "pmx-baseline") and PMX_BLAS_THREADS is not None:
+        env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(PMX_BLAS_THREADS)
     if contender == "pmx-baseline":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (BASELINE_PATH, env.get("PYTHONPATH")) if p)
     return env
@@ -358,7 +366,7 @@ def run_contender(contender, d, runs, threads):
     return result
 
 
-METRICS = ("import_ms", "load_ms", "first_result_ms", "steady_ms", "peak_rss_mb")
+METRICS = ("import_ms", "load_ms", "first_result_ms", "steady_ms", "peak_rss_mb", "overhead_pct")
 
 
 def run_rounds(contenders, d, runs, threads, rounds):
@@ -465,8 +473,8 @@ def fmt(v, digits=1):
 
 def table(results):
     lines = ["| model | runtime | import ms | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | "
-             "x ort (first) | peak RSS MB | rel err |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "x ort (first) | peak RSS MB | rel err | framework overhead % |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model, per in results.items():
         ort = per.get("onnxruntime", {})
         for c in CONTENDERS:
@@ -474,7 +482,7 @@ def table(results):
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"| {model} | {c} | error: {r['error']} |||||||||")
+                lines.append(f"| {model} | {c} | error: {r['error']} ||||||||||")
                 continue
             rs = r["steady_ms"] / ort["steady_ms"] if ort.get("steady_ms") else None
             rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
@@ -482,7 +490,7 @@ def table(results):
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
             lines.append(f"| {model} | {c} | {fmt(r.get('import_ms'))} | {fmt(r.get('load_ms'))} | {fmt(r.get('first_result_ms'))} | "
                          f"{fmt(r.get('steady_ms'), 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
-                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} |")
+                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} | {fmt(r.get('overhead_pct'))} |")
     return "\n".join(lines)
 
 
@@ -498,6 +506,9 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
+    p.add_argument("--pmx-blas-threads", type=int, default=None, metavar="N",
+                   help="BLAS's thread count in pmx's processes (default: --threads, as for the others; "
+                        "1 is what the README recommends: pmx then splits GEMMs itself)")
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="also run contender pmx-baseline: pmx imported from DIR (a folder holding another "
                         "checkout's pmx package), on the same .pmx files, alternating with pmx")
@@ -516,8 +527,8 @@ def main():
         names = args.models.split(",")
     else:
         names = list(TORCHVISION_CNNS) + ["vit_b_16"]
-    global BASELINE_PATH
-    BASELINE_PATH = args.baseline
+    global BASELINE_PATH, PMX_BLAS_THREADS
+    BASELINE_PATH, PMX_BLAS_THREADS = args.baseline, args.pmx_blas_threads
     contenders = [c for c in args.contenders.split(",") if available(c)]
     for c in contenders:
         warm_bytecode(c, args.threads)
@@ -536,7 +547,9 @@ def main():
         else:
             results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
+    blas = "" if args.pmx_blas_threads is None else f" · pmx with BLAS on {args.pmx_blas_threads} thread(s)"
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
+          + blas
           + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
     print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
