@@ -218,7 +218,81 @@ def builtin_models():
         def forward(self, x):
             return self.fc(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
 
-    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112))}
+    class LSTM2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(128, 10)
+
+        def forward(self, x):
+            y, _ = self.lstm(x)
+            return self.fc(y[:, -1])
+
+    def block(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU(),
+                             nn.Conv2d(cout, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU())
+
+    class UNetSmall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down1, self.down2, self.mid = block(3, 16), block(16, 32), block(32, 64)
+            self.up2, self.up1 = block(64 + 32, 32), block(32 + 16, 16)
+            self.head = nn.Conv2d(16, 2, 1)
+
+        def forward(self, x):
+            d1 = self.down1(x)
+            d2 = self.down2(F.max_pool2d(d1, 2))
+            m = self.mid(F.max_pool2d(d2, 2))
+            u2 = self.up2(torch.cat([F.interpolate(m, scale_factor=2.0, mode="nearest"), d2], 1))
+            u1 = self.up1(torch.cat([F.interpolate(u2, scale_factor=2.0, mode="nearest"), d1], 1))
+            return self.head(u1)
+
+    def conv_silu(cin, cout, s=1):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, s, 1, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
+
+    class YoloHead(nn.Module):
+        """A YOLO-style neck and head: SiLU convs, an upsample, a concat, per-scale outputs."""
+
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(conv_silu(3, 16, 2), conv_silu(16, 32, 2), conv_silu(32, 64, 2))
+            self.down = conv_silu(64, 128, 2)
+            self.fuse = conv_silu(128 + 64, 64)
+            self.out_small, self.out_large = nn.Conv2d(64, 85, 1), nn.Conv2d(128, 85, 1)
+
+        def forward(self, x):
+            p3 = self.stem(x)
+            p4 = self.down(p3)
+            f = self.fuse(torch.cat([F.interpolate(p4, scale_factor=2.0, mode="nearest"), p3], 1))
+            return self.out_small(f).sigmoid(), self.out_large(p4).sigmoid()
+
+    class Transformer2(nn.Module):
+        """Two pre-norm encoder layers, hidden 256, 4 heads, 32 tokens (a small BERT/GPT body)."""
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict(dict(
+                n1=nn.LayerNorm(256), qkv=nn.Linear(256, 768), proj=nn.Linear(256, 256),
+                n2=nn.LayerNorm(256), fc1=nn.Linear(256, 1024), fc2=nn.Linear(1024, 256))) for _ in range(2))
+
+        def forward(self, x):
+            b, t, e = x.shape
+            for m in self.layers:
+                q, k, v = m["qkv"](m["n1"](x)).view(b, t, 3, 4, e // 4).permute(2, 0, 3, 1, 4)
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + m["proj"](a.transpose(1, 2).reshape(b, t, e))
+                x = x + m["fc2"](F.gelu(m["fc1"](m["n2"](x))))
+            return x
+
+    import torch
+
+    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112)),
+            "lstm2": (LSTM2, (1, 32, 64)), "unet_small": (UNetSmall, (1, 3, 128, 128)),
+            "yolo_head": (YoloHead, (1, 3, 256, 256)), "transformer2": (Transformer2, (1, 32, 256))}
+
+
+# small models where per-node work is small and framework overhead shows (--small)
+SMALL_MODELS = ("mobilenet_v3_small_050", "mnasnet0_5", "lstm2", "unet_small", "yolo_head", "transformer2")
 
 
 def make_model(name):
@@ -232,6 +306,8 @@ def make_model(name):
     import torchvision
 
     kwargs = {"weights": None}
+    if name == "mobilenet_v3_small_050":
+        name, kwargs["width_mult"] = "mobilenet_v3_small", 0.5
     if name == "googlenet":
         kwargs.update(aux_logits=False, init_weights=True)
     m = getattr(torchvision.models, name)(**kwargs).eval()
@@ -499,6 +575,7 @@ def main():
     p.add_argument("--worker", nargs=2, metavar=("CONTENDER", "DIR"))
     p.add_argument("--models", default=None, help="comma-separated torchvision model names")
     p.add_argument("--builtin", action="store_true", help="only the small built-in models (no torchvision)")
+    p.add_argument("--small", action="store_true", help="the small-model set (SMALL_MODELS; needs torchvision)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per contender; medians are reported")
@@ -523,6 +600,8 @@ def main():
         return
     if args.builtin:
         names = list(builtin_models())
+    elif args.small:
+        names = list(SMALL_MODELS)
     elif args.models:
         names = args.models.split(",")
     else:
