@@ -1,0 +1,373 @@
+"""Activations, elementwise functions, and pooling/window ops against torch.
+
+Each op runs as the compiler writes it: the canonicalization rule turns a pnnx node
+(attributes drawn by hypothesis) into canonical nodes, which run through their
+registered kernels one after another (both expression backends for elementwise
+nodes). End-to-end tests export small modules with pnnx and compare the compiled model
+with torch.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import run_kernel
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pmx.compiler.canon import RULES, Context, Forward
+from pmx.compiler.canon.math_ops import pnnx_expression_tree
+from pmx.compiler.ir import Node, Value
+from pmx.runtime import PmxError
+from pmx.runtime import expr as E
+
+VARIANTS = ("numexpr", "numpy")
+
+
+# --- running a pnnx node the way the compiler rewrites it --------------------------------
+
+
+def run_rule(op, attrs, arrays, out_shapes, out_dtypes=None, input_names=None, variant="numpy"):
+    """Outputs of pnnx node `op` over `arrays`: its canonical rule's nodes, each run by
+    its kernel in order (elementwise nodes with `variant`)."""
+    ins = [Value(f"in{i}", a.shape, str(a.dtype)) for i, a in enumerate(arrays)]
+    out_dtypes = out_dtypes or [str(arrays[0].dtype)] * len(out_shapes)
+    outs = [Value(f"out{i}", s, d) for i, (s, d) in enumerate(zip(out_shapes, out_dtypes))]
+    names = input_names or ["input"] + [None] * (len(ins) - 1)
+    node = Node(op, "n", ins, outs, attrs, input_names=names)
+    result = RULES[op](node, Context(None))
+    values = {v.uid: a for v, a in zip(ins, arrays)}
+    if isinstance(result, Forward):
+        return [values[result.value.uid]]
+    for new in result:
+        inputs = [None if v is None else values[v.uid] if v.uid in values else v.data for v in new.inputs]
+        got = run_kernel(new.op, inputs, new.attrs, expr=new.expr, variant=variant if new.op == "elementwise" else "")
+        for v, a in zip(new.outputs, got):
+            values[v.uid] = a
+    return [values[v.uid] for v in outs]
+
+
+def run1(op, attrs, x, variant="numpy", shape=None):
+    return run_rule(op, attrs, [x], [shape or x.shape], variant=variant)[0]
+
+
+def assert_same(got, want, tol=0.0, signed_zeros=False):
+    """Equal to torch within relative tolerance tol (NaN where torch has NaN, infinities
+    equal), with -0.0 / +0.0 told apart when signed_zeros."""
+    want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+        return
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got) & (got > 0), np.isinf(want) & (want > 0))
+    np.testing.assert_array_equal(np.isinf(got) & (got < 0), np.isinf(want) & (want < 0))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=tol, atol=tol * 1e-3)
+    if signed_zeros:
+        np.testing.assert_array_equal(np.signbit(got[want == 0]), np.signbit(want[want == 0]))
+
+
+@st.composite
+def shapes(draw, min_rank=1, max_rank=4, max_dim=6):
+    rank = draw(st.integers(min_rank, max_rank))
+    return tuple(draw(st.integers(1, max_dim)) for _ in range(rank))
+
+
+@st.composite
+def special_floats(draw, shape=None, scale=2.0):
+    """float32 data with exact zeros of both signs, NaN and infinities among normals."""
+    shape = shape if shape is not None else draw(shapes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = np.asarray(rng.standard_normal(shape) * scale, np.float32)
+    flat = x.reshape(-1)
+    picks = rng.random(flat.size)
+    specials = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 0.5, -0.5], np.float32)
+    mask = picks < 0.25
+    flat[mask] = specials[rng.integers(0, len(specials), int(mask.sum()))]
+    return x
+
+
+lambdas = st.sampled_from([0.0, 0.5, 0.1, 0.22, 1.0, 3.0]) | st.floats(0, 4, width=32)
+numbers = st.floats(-4, 4, width=32) | st.sampled_from([0.0, -0.0, 20.0, -1e9])
+
+
+# --- shrink, threshold, rrelu ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=special_floats(), lambd=lambdas)
+def test_hardshrink_softshrink(variant, x, lambd):
+    """Zeros' signs are compared for hardshrink only: torch's softshrink writes +0 in its
+    vectorized loop and x * 0 (-0 for negative x) in the scalar tail."""
+    t = torch.from_numpy(x)
+    for op, fn in (("F.hardshrink", F.hardshrink), ("nn.Hardshrink", F.hardshrink),
+                   ("F.softshrink", F.softshrink), ("nn.Softshrink", F.softshrink)):
+        assert_same(run1(op, {"lambd": lambd}, x, variant), fn(t, lambd), signed_zeros="hard" in op)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=special_floats(), threshold=numbers, value=numbers)
+def test_threshold(variant, x, threshold, value):
+    want = F.threshold(torch.from_numpy(x), threshold, value)
+    for op in ("F.threshold", "nn.Threshold"):
+        assert_same(run1(op, {"threshold": threshold, "value": value}, x, variant), want, signed_zeros=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=special_floats(), lower=st.floats(0, 1, width=32), width=st.floats(0, 1, width=32))
+def test_rrelu_in_eval_is_leaky_relu_of_the_mean_slope(variant, x, lower, width):
+    upper = lower + width
+    want = F.rrelu(torch.from_numpy(x), lower, upper, training=False)
+    for op in ("F.rrelu", "nn.RReLU"):
+        assert_same(run1(op, {"lower": lower, "upper": upper}, x, variant), want, tol=1e-6, signed_zeros=True)
+
+
+def test_shrink_refuses_negative_lambda():
+    with pytest.raises(PmxError, match="lambd"):
+        run1("F.softshrink", {"lambd": -0.5}, np.zeros(3, np.float32))
+
+
+# --- glu, softmin, softmax2d, positive --------------------------------------------------
+
+
+@st.composite
+def glu_case(draw):
+    shape = list(draw(shapes(max_rank=4)))
+    dim = draw(st.integers(-len(shape), len(shape) - 1))
+    shape[dim] = 2 * draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    return np.asarray(rng.standard_normal(shape) * 4, np.float32), dim
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(case=glu_case())
+def test_glu(variant, case):
+    x, dim = case
+    want = F.glu(torch.from_numpy(x), dim)
+    for op in ("F.glu", "nn.GLU"):
+        assert_same(run1(op, {"dim": dim}, x, variant, shape=tuple(want.shape)), want, tol=1e-6)
+
+
+def test_glu_refuses_an_odd_dim():
+    with pytest.raises(PmxError, match="even"):
+        run1("F.glu", {"dim": 1}, np.zeros((2, 3), np.float32), shape=(2, 1))
+
+
+@st.composite
+def with_dim(draw, min_rank=1):
+    shape = draw(shapes(min_rank=min_rank))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = np.asarray(rng.standard_normal(shape) * 5, np.float32)
+    return x, draw(st.integers(-len(shape), len(shape) - 1))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(case=with_dim())
+def test_softmin(variant, case):
+    x, dim = case
+    want = F.softmin(torch.from_numpy(x), dim)
+    for op in ("F.softmin", "nn.Softmin"):
+        assert_same(run1(op, {"dim": dim}, x, variant), want, tol=1e-5)
+
+
+@given(x=st.builds(lambda s, seed: np.asarray(np.random.default_rng(seed).standard_normal(s) * 4, np.float32),
+                   shapes(min_rank=3, max_rank=4), st.integers(0, 2**32 - 1)))
+def test_softmax2d(x):
+    assert_same(run1("nn.Softmax2d", {}, x), nn.Softmax2d()(torch.from_numpy(x)), tol=1e-5)
+
+
+def test_softmax2d_refuses_other_ranks():
+    with pytest.raises(PmxError, match="3-d or 4-d"):
+        run1("nn.Softmax2d", {}, np.zeros((2, 3), np.float32))
+
+
+def test_positive_is_the_input():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (got,) = run_rule("torch.positive", {}, [x], [x.shape])
+    assert got is x
+
+
+# --- lgamma, logaddexp, expm1, log1p, shifts -------------------------------------------------
+
+
+@st.composite
+def lgamma_inputs(draw):
+    """Normals of several scales, negative non-integers near the poles, the poles
+    themselves, lgamma's zeros 1 and 2 and their neighbours, tiny and huge values."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([0.5, 3.0, 30.0, 1e4, 1e30]))
+    n = draw(st.integers(1, 300))
+    x = rng.standard_normal(n) * scale
+    near_poles = -rng.integers(0, 40, n) + rng.choice([0.0, 1e-3, -1e-3, 0.5, 1e-6], n)
+    fixed = [0.0, -0.0, -1.0, -2.0, 1.0, 2.0, 1 + 1e-6, 2 - 1e-6, np.inf, -np.inf, np.nan, 1e-30, -1e-30,
+             3e38, -3e38, 0.5, -0.5, -2.4570825, 1e-45, 171.5, 35.0]
+    return np.concatenate([x, near_poles, fixed]).astype(np.float32)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=lgamma_inputs())
+def test_lgamma(variant, x):
+    """Within 1e-6 of torch: absolute where |lgamma| < 1 (near its zeros 1 and 2 and the
+    negative ones torch's own float32 result rounds there too), relative above."""
+    got = run1("torch.lgamma", {}, x, variant)
+    want = torch.lgamma(torch.from_numpy(x)).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    fin = np.isfinite(want)
+    err = np.abs(got[fin].astype(np.float64) - want[fin]) / np.maximum(1.0, np.abs(want[fin]))
+    assert err.max(initial=0) < 1e-6, (x[fin][err.argmax()], err.max())
+
+
+def test_lgamma_of_integers_is_float32():
+    x = np.arange(-3, 8, dtype=np.int64)
+    got = run1("torch.lgamma", {}, x)
+    assert_same(got, torch.lgamma(torch.from_numpy(x)), tol=1e-6)
+
+
+@st.composite
+def broadcast_floats(draw):
+    shape = draw(shapes(max_rank=3))
+    other = tuple(d if draw(st.booleans()) else 1 for d in shape)[draw(st.integers(0, len(shape))):]
+    a = draw(special_floats(shape=shape, scale=30.0))
+    b = draw(special_floats(shape=other, scale=30.0))
+    return a, b
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(pair=broadcast_floats())
+def test_logaddexp(variant, pair):
+    a, b = pair
+    want = torch.logaddexp(torch.from_numpy(a), torch.from_numpy(b))
+    got = run_rule("torch.logaddexp", {}, [a, b], [tuple(want.shape)], input_names=["input", "other"],
+                   variant=variant)[0]
+    assert_same(got, want, tol=1e-6)
+    (got,) = run_kernel("elementwise", [a, b], expr="logaddexp(@0,@1)", variant=variant)
+    assert_same(got, want, tol=1e-6)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", ["expm1", "log1p"])
+@given(x=special_floats(scale=1e-3) | special_floats(scale=3.0))
+def test_expm1_log1p_keep_small_arguments_exact(variant, name, x):
+    want = getattr(torch, name)(torch.from_numpy(x))
+    assert_same(run1(f"torch.{name}", {}, x, variant), want, tol=1e-6)
+    tree = pnnx_expression_tree(f"{name},@0", 1)  # as pnnx writes the call
+    (got,) = run_kernel("elementwise", [x], expr=E.to_text(tree), variant=variant)
+    assert_same(got, want, tol=1e-6)
+
+
+INT_DTYPES = [np.int8, np.int16, np.int32, np.int64, np.uint8]
+
+
+@st.composite
+def shift_case(draw):
+    dtype = np.dtype(draw(st.sampled_from(INT_DTYPES)))
+    bits = 8 * dtype.itemsize
+    shape = draw(shapes(max_rank=3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    info = np.iinfo(dtype)
+    a = rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+    # shift amounts inside the width and past it (torch and numpy give 0 / the sign there)
+    b = rng.integers(0, bits + 4, shape[-1:]).astype(dtype)
+    return a, b, int(draw(st.integers(0, bits - 1)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(case=shift_case())
+def test_bitwise_shifts(variant, case):
+    a, b, k = case
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+    for op, fn, sym in (("torch.bitwise_left_shift", torch.bitwise_left_shift, "lshift"),
+                        ("torch.bitwise_right_shift", torch.bitwise_right_shift, "rshift")):
+        want = fn(ta, tb)
+        got = run_rule(op, {}, [a, b], [tuple(want.shape)], input_names=["input", "other"], variant=variant)[0]
+        assert_same(got, want)
+        # a number as the second operand, and the expression pnnx writes for `x << k`
+        want = fn(ta, k)
+        assert_same(run1(op, {"other": k}, a, variant), want)
+        (got,) = run_kernel("elementwise", [a], expr=f"{sym}(@0,{k})", variant=variant)
+        assert_same(got, want)
+
+
+# --- pnnx's expression spelling ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,canonical", [
+    ("expm1,sub(@0,0.5)", "expm1(sub(@0,0.5))"),
+    ("log1p,@0", "log1p(@0)"),
+    ("add(neg,@0,exp,@1)", "add(neg(@0),exp(@1))"),
+    ("logaddexp(@0,@1)", "logaddexp(@0,@1)"),
+    ("sub(add(mul(@0,10),1.0),1.2)", "sub(add(mul(@0,10),1.0),1.2)"),
+    ("lshift(@0,3)", "lshift(@0,3)"),
+])
+def test_pnnx_prefix_spelling(text, canonical):
+    assert pnnx_expression_tree(text, 2) == E.parse(canonical, 2)
+
+
+@pytest.mark.parametrize("text", ["expm1,", "add(@0)", "@0,@1", "bogus,@0", "add(@0,@3)", "", "exp(@0x)"])
+def test_pnnx_prefix_spelling_refuses_malformed_text(text):
+    with pytest.raises(PmxError):
+        pnnx_expression_tree(text, 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_literals_equal_in_python_stay_apart(variant):
+    """1, 1.0 and True, or 0.0 and -0.0, compare equal as tree leaves; memoized dtypes,
+    plans and desugared trees must still tell them apart (whichever is asked first)."""
+    i = np.array([3, -4], np.int32)
+    for first, second in (("add(@0,1)", "add(@0,1.0)"), ("add(@0,1.0)", "add(@0,1)")):
+        for text in (first, second):
+            (got,) = run_kernel("elementwise", [i], expr=text, variant=variant)
+            want = torch.from_numpy(i) + (1.0 if "1.0" in text else 1)
+            assert_same(got, want)
+    x = np.array([-0.0, 0.0, 2.0], np.float32)
+    for value in (0.0, -0.0, 0.0):
+        (got,) = run_kernel("elementwise", [x], expr=f"where(le(@0,0.0),{value!r},@0)", variant=variant)
+        assert_same(got, F.threshold(torch.from_numpy(x), 0.0, value), signed_zeros=True)
+    assert E.result_dtype(E.parse("mul(@0,2)"), [np.int64]) == np.int64
+    assert E.result_dtype(E.parse("mul(@0,2.0)"), [np.int64]) == np.float32
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+
+class Activations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.glu = nn.GLU(dim=1)
+        self.hard = nn.Hardshrink(0.3)
+        self.soft = nn.Softshrink(0.2)
+        self.thr = nn.Threshold(0.1, 20.0)
+        self.rrelu = nn.RReLU(0.1, 0.3)
+        self.softmin = nn.Softmin(dim=2)
+        self.softmax2d = nn.Softmax2d()
+
+    def forward(self, x, y):
+        a = self.glu(x) + F.glu(x, dim=-1).sum()
+        b = self.hard(x) + F.hardshrink(x, 0.5) + self.soft(x) + F.softshrink(x, 1.0)
+        c = self.thr(x) + F.threshold(x, -0.2, -3.0) + self.rrelu(x) + F.rrelu(x, 0.2, 0.4)
+        d = self.softmin(x) + F.softmin(x, dim=0) + self.softmax2d(x) + torch.positive(x)
+        e = torch.lgamma(y + 0.5) + torch.expm1(x - 0.5) + torch.log1p(y) + torch.logaddexp(x, y * 3)
+        return a, b, c, d, e
+
+
+class IntegerShifts(nn.Module):
+    def forward(self, x, s):
+        return x << 3, x >> 2, torch.bitwise_left_shift(x, s), torch.bitwise_right_shift(x, s), (x * 2) >> s
+
+
+def test_end_to_end_activations(check_model):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 6, 8) * 2
+    y = torch.rand(2, 4, 6, 8) * 5
+    check_model("activations_elementwise", Activations(), (x, y))
+
+
+def test_end_to_end_shifts(check_model):
+    torch.manual_seed(0)
+    x = torch.randint(-1000, 1000, (3, 16), dtype=torch.int32)
+    s = torch.randint(0, 12, (3, 16), dtype=torch.int32)
+    check_model("integer_shifts", IntegerShifts(), (x, s))
