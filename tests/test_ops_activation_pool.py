@@ -7,6 +7,9 @@ nodes). End-to-end tests export small modules with pnnx and compare the compiled
 with torch.
 """
 
+import math
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -36,12 +39,12 @@ def run_rule(op, attrs, arrays, out_shapes, out_dtypes=None, input_names=None, v
     outs = [Value(f"out{i}", s, d) for i, (s, d) in enumerate(zip(out_shapes, out_dtypes))]
     names = input_names or ["input"] + [None] * (len(ins) - 1)
     node = Node(op, "n", ins, outs, attrs, input_names=names)
-    result = RULES[op](node, Context(None))
+    result = RULES[op](node, Context(types.SimpleNamespace(outputs=outs)))
     values = {v.uid: a for v, a in zip(ins, arrays)}
     if isinstance(result, Forward):
         return [values[result.value.uid]]
     for new in result:
-        inputs = [None if v is None else values[v.uid] if v.uid in values else v.data for v in new.inputs]
+        inputs = [None if v is None else values.get(v.uid, v.data) for v in new.inputs]
         got = run_kernel(new.op, inputs, new.attrs, expr=new.expr, variant=variant if new.op == "elementwise" else "")
         for v, a in zip(new.outputs, got):
             values[v.uid] = a
@@ -371,3 +374,175 @@ def test_end_to_end_shifts(check_model):
     x = torch.randint(-1000, 1000, (3, 16), dtype=torch.int32)
     s = torch.randint(0, 12, (3, 16), dtype=torch.int32)
     check_model("integer_shifts", IntegerShifts(), (x, s))
+
+
+# --- pooling with indices, LP pools, local response norm, unfold / fold ----------------------
+
+POOL_F = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+@st.composite
+def pool_data(draw, nd, batched=True, max_side=9):
+    """(x, torch tensor): float32 with ties (few distinct values), and sometimes NaN and
+    -inf, so the index rules for ties and NaN are exercised."""
+    lead = (draw(st.integers(1, 2)), draw(st.integers(1, 3))) if batched else (draw(st.integers(1, 3)),)
+    shape = lead + tuple(draw(st.integers(1, max_side)) for _ in range(nd))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = rng.integers(-3, 4, shape).astype(np.float32) if draw(st.booleans()) else \
+        rng.standard_normal(shape).astype(np.float32)
+    if draw(st.booleans()):
+        flat = x.reshape(-1)
+        flat[rng.random(flat.size) < 0.1] = -np.inf
+        flat[rng.random(flat.size) < 0.05] = np.nan
+    return x, torch.from_numpy(x.copy())
+
+
+def _torch_or_reject(fn):
+    """torch's result, or None for parameter combinations torch refuses."""
+    try:
+        return fn()
+    except (RuntimeError, ValueError):
+        return None
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@given(data=st.data())
+def test_max_pool_with_indices(nd, data):
+    x, t = data.draw(pool_data(nd, batched=data.draw(st.booleans()), max_side=8 if nd < 3 else 5))
+    k = tuple(data.draw(st.integers(1, 4)) for _ in range(nd))
+    stride = tuple(data.draw(st.integers(1, 3)) for _ in range(nd))
+    pad = tuple(data.draw(st.integers(0, ki // 2)) for ki in k)
+    dil = tuple(data.draw(st.integers(1, 2)) for _ in range(nd))
+    ceil = data.draw(st.booleans())
+    want = _torch_or_reject(lambda: POOL_F[nd](t, k, stride, pad, dil, ceil_mode=ceil, return_indices=True))
+    if want is None:
+        return
+    values, indices = want
+    attrs = {"kernel_size": k, "stride": stride, "padding": pad, "dilation": dil, "ceil_mode": ceil,
+             "return_indices": True}
+    for op in (f"F.max_pool{nd}d", f"nn.MaxPool{nd}d"):
+        got_v, got_i = run_rule(op, attrs, [x], [tuple(values.shape)] * 2, ["float32", "int64"])
+        assert_same(got_v, values)
+        assert_same(got_i, indices)
+
+
+ADAPTIVE_F = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+@given(data=st.data())
+def test_adaptive_max_pool_with_indices(nd, data):
+    x, t = data.draw(pool_data(nd, batched=data.draw(st.booleans()), max_side=9 if nd < 3 else 6))
+    size = tuple(data.draw(st.integers(0 if nd > 1 else 1, x.shape[-nd + i] + 2)) for i in range(nd))
+    torch_size = tuple(s or None for s in size)  # pnnx writes None (keep the size) as 0
+    values, indices = ADAPTIVE_F[nd](t, torch_size if nd > 1 else torch_size[0], return_indices=True)
+    for op in (f"F.adaptive_max_pool{nd}d", f"nn.AdaptiveMaxPool{nd}d"):
+        got_v, got_i = run_rule(op, {"output_size": size, "return_indices": True}, [x], [tuple(values.shape)] * 2,
+                                ["float32", "int64"])
+        assert_same(got_v, values)
+        assert_same(got_i, indices)
+
+
+@pytest.mark.parametrize("nd", [1, 2])
+@given(data=st.data(), p=st.sampled_from([1, 2, 3, 0.5, 1.2, 4.0, math.inf, -math.inf]))
+def test_lp_pool(nd, data, p):
+    shape = (data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))) + tuple(
+        data.draw(st.integers(1, 9)) for _ in range(nd))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = (rng.standard_normal(shape) * 2).astype(np.float32)
+    if data.draw(st.booleans()):
+        x = np.abs(x)  # fractional powers of negatives are NaN on both sides: mostly positive data
+    k = tuple(data.draw(st.integers(1, 4)) for _ in range(nd))
+    stride = data.draw(st.none() | st.tuples(*[st.integers(1, 3)] * nd))
+    ceil = data.draw(st.booleans())
+    fn = F.lp_pool1d if nd == 1 else F.lp_pool2d
+    want = _torch_or_reject(lambda: fn(torch.from_numpy(x), p, k if nd > 1 else k[0],
+                                       stride if nd > 1 or stride is None else stride[0], ceil))
+    if want is None:
+        return
+    attrs = {"norm_type": p, "kernel_size": k, "stride": stride, "ceil_mode": ceil}
+    for op in (f"F.lp_pool{nd}d", f"nn.LPPool{nd}d"):
+        assert_same(run1(op, attrs, x, shape=tuple(want.shape)), want, tol=2e-5)
+
+
+@given(data=st.data(), size=st.integers(1, 7), alpha=st.sampled_from([1e-4, 1e-2, 0.5]),
+       beta=st.sampled_from([0.75, 0.2, 1.0, 2.0]), k=st.sampled_from([1.0, 0.2, 2.0]))
+def test_local_response_norm(data, size, alpha, beta, k):
+    rank = data.draw(st.integers(3, 5))
+    shape = tuple(data.draw(st.integers(1, 6)) for _ in range(rank))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    want = F.local_response_norm(torch.from_numpy(x), size, alpha, beta, k)
+    attrs = {"size": size, "alpha": alpha, "beta": beta, "k": k}
+    for op in ("F.local_response_norm", "nn.LocalResponseNorm"):
+        assert_same(run1(op, attrs, x), want, tol=1e-5)
+
+
+@st.composite
+def window_geometry(draw):
+    k = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    return dict(kernel_size=k, stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+                padding=(draw(st.integers(0, 3)), draw(st.integers(0, 3))),
+                dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))))
+
+
+@given(data=st.data(), geometry=window_geometry(), batched=st.booleans())
+def test_unfold(data, geometry, batched):
+    shape = ((data.draw(st.integers(1, 2)),) if batched else ()) + (data.draw(st.integers(1, 3)),) + (
+        data.draw(st.integers(1, 10)), data.draw(st.integers(1, 10)))
+    x = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal(shape).astype(np.float32)
+    want = _torch_or_reject(lambda: F.unfold(torch.from_numpy(x), **geometry))
+    if want is None:
+        return
+    for op in ("F.unfold", "nn.Unfold"):
+        assert_same(run1(op, geometry, x, shape=tuple(want.shape)), want)
+
+
+@given(data=st.data(), geometry=window_geometry(), batched=st.booleans())
+def test_fold(data, geometry, batched):
+    size = (data.draw(st.integers(1, 10)), data.draw(st.integers(1, 10)))
+    k, s, p, d = (geometry[key] for key in ("kernel_size", "stride", "padding", "dilation"))
+    blocks = [(size[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2)]
+    if min(blocks) < 1:
+        return
+    c = data.draw(st.integers(1, 3))
+    shape = ((data.draw(st.integers(1, 2)),) if batched else ()) + (c * k[0] * k[1], blocks[0] * blocks[1])
+    x = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal(shape).astype(np.float32)
+    want = F.fold(torch.from_numpy(x), size, **geometry)
+    for op in ("F.fold", "nn.Fold"):
+        assert_same(run1(op, dict(geometry, output_size=size), x, shape=tuple(want.shape)), want, tol=1e-6)
+
+
+def test_fold_refuses_a_block_count_that_does_not_fit():
+    with pytest.raises(ValueError, match="blocks"):  # the shape rule (infer_shapes names the node)
+        run1("F.fold", dict(kernel_size=(2, 2), stride=(1, 1), padding=(0, 0), dilation=(1, 1), output_size=(4, 4)),
+             np.zeros((1, 4, 8), np.float32), shape=(1, 1, 4, 4))
+
+
+class Pools(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.adaptive = nn.AdaptiveMaxPool2d((3, 2), return_indices=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1, return_indices=True, ceil_mode=True)
+        self.unused = nn.AdaptiveMaxPool2d(2, return_indices=True)
+        self.lp = nn.LPPool2d(2, (2, 3), stride=(1, 2))
+        self.lrn = nn.LocalResponseNorm(3)
+        self.unfold = nn.Unfold((2, 3), dilation=(1, 2), padding=1, stride=2)
+        self.fold = nn.Fold((9, 10), (2, 3), dilation=(1, 2), padding=1, stride=2)
+
+    def forward(self, x):
+        a, ai = self.adaptive(x)
+        b, bi = self.maxpool(x)
+        c, _ = self.unused(x)
+        d, di = F.max_pool1d(x.flatten(2), 4, return_indices=True)
+        cols = self.unfold(x)
+        return a, ai, b, bi, c, d, di, F.lp_pool1d(x.flatten(2).abs(), 3, 4), self.lp(x), self.lrn(x), cols, self.fold(cols)
+
+
+def test_end_to_end_pools_and_windows(check_model):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 9, 10)
+    sess, got, _ = check_model("pools_windows", Pools(), (x,))
+    ops = {n.op for n in sess.model.nodes}
+    assert {"max_pool_indices", "adaptive_max_pool_indices", "unfold", "fold"} <= ops, ops
+    assert got[1].dtype == np.int64 and got[3].dtype == np.int64
