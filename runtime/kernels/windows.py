@@ -25,12 +25,29 @@ from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
 from pmx.runtime.kernels.pool import _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
 
 
-def _with_indices(infer):
-    def rule(node, shapes, dtypes):
-        ((shape, dtype),) = infer(node, shapes, dtypes)
-        return [(shape, dtype), (shape, np.int64)]
+# Taps of one window: far above any model's (a 224x224 global window is 50176), low
+# enough that a hostile file cannot make a kernel loop for minutes.
+MAX_WINDOW_TAPS = 1 << 20
 
-    return rule
+
+def _check_geometry(a, pads=True):
+    """Kernel, stride and dilation positive, pads non-negative, and a bounded window."""
+    k, s, d = a["kernel"], a["stride"], a.get("dilation") or (1,) * len(a["kernel"])
+    if min(k) < 1 or min(s) < 1 or min(d) < 1 or (pads and min(a["pads"]) < 0):
+        raise ValueError(f"kernel {k}, stride {s}, dilation {d} must be positive, pads {a['pads']} non-negative")
+    if math.prod(k) > MAX_WINDOW_TAPS:
+        raise ValueError(f"a window of {math.prod(k)} taps (kernel {k}) is more than {MAX_WINDOW_TAPS}")
+
+
+def _pool_indices_infer(node, shapes, dtypes):
+    _check_geometry(node.attrs)
+    ((shape, dtype),) = pool_infer(node, shapes, dtypes)
+    return [(shape, dtype), (shape, np.int64)]
+
+
+def _adaptive_indices_infer(node, shapes, dtypes):
+    ((shape, dtype),) = adaptive_infer(node, shapes, dtypes)
+    return [(shape, dtype), (shape, np.int64)]
 
 
 def _first_inside(out_len, n, k, s, d, pad):
@@ -53,7 +70,7 @@ def _flat_index(coords, spatial):
     return flat
 
 
-@register("max_pool_indices", infer=_with_indices(pool_infer))
+@register("max_pool_indices", infer=_pool_indices_infer)
 def make_max_pool_indices(node, inputs, outputs):
     """Maxima over strided tap views of the input padded with the lowest value, and for
     each the tap's input position, updated where a tap is greater (or NaN)."""
@@ -93,7 +110,7 @@ def make_max_pool_indices(node, inputs, outputs):
     return run
 
 
-@register("adaptive_max_pool_indices", infer=_with_indices(adaptive_infer))
+@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer)
 def make_adaptive_max_pool_indices(node, inputs, outputs):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
@@ -153,6 +170,7 @@ def _blocks(spatial, a):
 def unfold_infer(node, shapes, dtypes):
     x = shapes[0]
     a = node.attrs
+    _check_geometry(a)
     nd = len(a["kernel"])
     if len(x) not in (nd + 1, nd + 2):
         raise ValueError(f"unfold takes a {nd + 1}-d or {nd + 2}-d input, got shape {tuple(x)}")
@@ -191,6 +209,7 @@ def make_unfold(node, inputs, outputs):
 def fold_infer(node, shapes, dtypes):
     x = shapes[0]
     a = node.attrs
+    _check_geometry(a)
     size = tuple(a["output_size"])
     taps = math.prod(a["kernel"])
     if len(x) not in (2, 3) or x[-2] % taps:
