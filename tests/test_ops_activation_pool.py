@@ -127,6 +127,18 @@ def test_rrelu_in_eval_is_leaky_relu_of_the_mean_slope(variant, x, lower, width)
         assert_same(run1(op, {"lower": lower, "upper": upper}, x, variant), want, tol=1e-6, signed_zeros=True)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@given(x=special_floats(), single=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_prelu_with_a_slope_tensor_input(variant, x, single, seed):
+    """F.prelu(x, w) with w a graph input (not a weight): one slope, or one per channel
+    (dim 1; torch gives a 1-d input one channel)."""
+    channels = x.shape[1] if x.ndim > 1 else 1
+    w = np.random.default_rng(seed).standard_normal(1 if single else channels).astype(np.float32)
+    want = F.prelu(torch.from_numpy(x), torch.from_numpy(w))
+    got = run_rule("F.prelu", {}, [x, w], [x.shape], input_names=["input", "weight"], variant=variant)[0]
+    assert_same(got, want, tol=1e-6)
+
+
 def test_shrink_refuses_negative_lambda():
     with pytest.raises(PmxError, match="lambd"):
         run1("F.softshrink", {"lambd": -0.5}, np.zeros(3, np.float32))

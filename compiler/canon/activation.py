@@ -140,16 +140,23 @@ for _name, _f_name in _MATH.items():
 
 @rule("nn.PReLU", "F.prelu")
 def prelu(node, ctx):
+    """x where x > 0, else x times its channel's slope (channels on dim 1; a 1-d input
+    has one, as in torch; or one slope for all). A slope tensor that is a graph input
+    (F.prelu(x, w)) is reshaped at run time to broadcast the same way."""
     x = data_input(node)
     w = weight(node, "weight")
-    if not w.is_constant:
-        fail(node, "PReLU weight must be a constant")
-    c = w.data.size
-    if c != 1 and (x.shape is None or len(x.shape) < 2 or x.shape[1] != c):
-        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {x.shape[1] if x.shape and len(x.shape) > 1 else '?'} channels")
+    c = int(np.prod(w.shape)) if w.shape is not None else None
+    channels = (x.shape[1] if len(x.shape) > 1 else 1) if x.shape is not None else None
+    if c is None or (c != 1 and channels != c):
+        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {channels if channels is not None else '?'} channels")
     shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
-    slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
-    return [elementwise(node, "where(gt(@0,0),@0,mul(@0,@1))", [x, slopes])]
+    expr = "where(gt(@0,0),@0,mul(@0,@1))"
+    if w.is_constant:
+        slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
+        return [elementwise(node, expr, [x, slopes])]
+    slopes = ctx.temp(node, shape, w.dtype, "slope")
+    return [make(node, "reshape", [w], dict(shape=shape), outputs=[slopes], name=node.name + ".slope"),
+            elementwise(node, expr, [x, slopes])]
 
 
 @rule("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip", "torch.clamp_min", "Tensor.clamp_min",
