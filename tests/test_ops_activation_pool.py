@@ -322,7 +322,8 @@ def test_pnnx_prefix_spelling(text, canonical):
     assert pnnx_expression_tree(text, 2) == E.parse(canonical, 2)
 
 
-@pytest.mark.parametrize("text", ["expm1,", "add(@0)", "@0,@1", "bogus,@0", "add(@0,@3)", "", "exp(@0x)"])
+@pytest.mark.parametrize("text", ["expm1,", "add(@0)", "@0,@1", "bogus,@0", "add(@0,@3)", "", "exp(@0x)",
+                                  "neg," * 5000 + "@0", "neg(" * 5000 + "@0" + ")" * 5000, "@0" * 40000])
 def test_pnnx_prefix_spelling_refuses_malformed_text(text):
     with pytest.raises(PmxError):
         pnnx_expression_tree(text, 2)

@@ -14,22 +14,28 @@ def pnnx_expression_tree(text, num_inputs):
     tokens split at '(', ')' and ',', each function taking its fixed number of operands
     (tools/pnnx/src/ir.cpp, expand_expression), so it writes some unary calls as
     `expm1,sub(@0,0.5)` or `log1p,@0`. Read the same way here, then checked by the
-    strict grammar (E.parse) of the text pmx stores."""
+    strict grammar (E.parse) of the text pmx stores. Iterative, with the grammar's
+    length and depth limits checked on the way (a deep tree would overflow to_text's
+    recursion)."""
+    if len(text) > E.MAX_EXPR_LENGTH:
+        raise PmxFormatError(f"expression {text[:80]!r}... is longer than {E.MAX_EXPR_LENGTH} characters")
     tokens = [t.strip() for t in _PNNX_SEPARATORS.split(text)]
-    stack = []
+    stack = []  # (tree, depth)
     for t in reversed([t for t in tokens if t]):
         arity = E.FUNCTIONS.get(t)
         if arity is None:
-            stack.append(E.parse(t))  # an input or a literal (anything else is refused there)
+            stack.append((E.parse(t), 1))  # an input or a literal (anything else is refused there)
             continue
         if len(stack) < arity:
             raise PmxFormatError(f"expression {text[:80]!r}: {t} takes {arity} operands, finds {len(stack)}")
         args = [stack.pop() for _ in range(arity)]
-        stack.append((t, *args))
+        depth = 1 + max(d for _, d in args)
+        if depth > E.MAX_DEPTH:
+            raise PmxFormatError(f"expression {text[:80]!r} nests deeper than {E.MAX_DEPTH}")
+        stack.append(((t, *(a for a, _ in args)), depth))
     if len(stack) != 1:
         raise PmxFormatError(f"expression {text[:80]!r} holds {len(stack)} values, expected one expression")
-    tree = stack[0]
-    return E.parse(E.to_text(tree), num_inputs)
+    return E.parse(E.to_text(stack[0][0]), num_inputs)
 
 
 @rule("pnnx.Expression")
