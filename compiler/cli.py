@@ -480,11 +480,11 @@ def _overhead(sess, feed, repeat):
 
 
 def _print_profile(rows):
-    total = sum(r["ms"] for r in rows) or 1.0
+    total = sum(r["ms"] for r in rows)  # 0 for a model with no node
     print(f"\n{'op':<18} {'variant':<10} {'name':<28} {'input shapes':<30} {'ms':>8} {'%':>6}")
     for r in rows:
         shapes = " ".join("x".join(map(str, s)) for s in r["in_shapes"])[:30]
-        print(f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / total:>5.1f}%")
+        print(f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / (total or 1.0):>5.1f}%")
     print(f"{'total':<88} {total:>8.3f}")
 
 

@@ -197,5 +197,6 @@ from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects
     reduce,
     resample,
     shape,
+    windows,
     winograd,
 )
