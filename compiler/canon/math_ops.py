@@ -11,7 +11,7 @@ def expression(node, ctx):
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
     if text.startswith("[") and node.outputs[0].consumers and all(
-            c.op == "Tensor.index" for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
+            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
         from pmx.compiler.canon.indexing import attach_index_expression
 
         return attach_index_expression(node, ctx)
