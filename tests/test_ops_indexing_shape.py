@@ -234,6 +234,19 @@ def test_e2e_slice_copy_fill_index_put_slice_scatter(tmp_path):
     _check(tmp_path, SliceFillIndexPut(), (torch.rand(4, 6), torch.rand(4, 6), torch.rand(4)))
 
 
+class MaskAndListIndexPut(nn.Module):
+    def forward(self, x, y):
+        x = x.clone()
+        x[x > 0.7] = 0.0
+        x[:, torch.tensor([0, 2])] = y[:, :2]
+        x[torch.tensor([1, 2]), 1:3] += 1
+        return x, torch.topk(y.reshape(-1), 5)[1], torch.cumsum(y, -1, dtype=torch.float64)
+
+
+def test_e2e_index_put_with_mask_none_entries_and_index_then_slice_copy(tmp_path):
+    _check(tmp_path, MaskAndListIndexPut(), (torch.rand(4, 5), torch.rand(4, 3)))
+
+
 class ShapeMath(nn.Module):
     def forward(self, x, y, a, b):
         out = [x.reshape_as(y), torch.t(x), torch.diag(x, 1), torch.diag(x[0], -2),
@@ -293,6 +306,10 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
         np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
         (only,) = sess.run([sess.get_outputs()[2].name], {"in0": x.numpy(), "in1": y.numpy()})
         np.testing.assert_array_equal(only, got[2])
+    x, y = torch.rand(4, 3, 4), torch.rand(7, 6)  # another batch: re-planned at the new bound
+    got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})
+    np.testing.assert_array_equal(got[0], torch.masked_select(x, x > 0.5).numpy())
+    np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
 
 
 class MaskedSelectConsumed(nn.Module):
