@@ -328,8 +328,19 @@ class ArangeFromValues(nn.Module):
 
 
 def test_arange_sized_by_input_values_is_refused_naming_the_node(tmp_path):
-    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*depend on data"):
+    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*depend on the data"):
         _check(tmp_path, ArangeFromValues(), (torch.tensor([3, 1], dtype=torch.int32),))
+
+
+class RepeatsFromInput(nn.Module):
+    def forward(self, x, r):
+        return torch.repeat_interleave(x, r, dim=0)
+
+
+def test_repeat_interleave_with_repeats_from_an_input_is_refused_naming_the_node(tmp_path):
+    inputs = (torch.rand(3, 2), torch.tensor([1, 0, 2]))
+    with pytest.raises(PmxCompileError, match=r"repeat_interleave.*line \d+.*repeats are computed from tensor values"):
+        _check(tmp_path, RepeatsFromInput(), inputs)
 
 
 # arange as pnnx writes it when a bound is an operand: pnnx folds what it can, so these
@@ -366,3 +377,39 @@ def test_arange_spellings_fold_to_torch_values(tmp_path, params, end_expr, want)
     _, got = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
     assert got.dtype == want.numpy().dtype
     np.testing.assert_array_equal(got, want.numpy())
+
+
+class ArangeOfSize(nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(1)).float(), torch.arange(1, x.size(0), 2)
+
+
+def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
+    """pnnx's dynamic-shape export writes arange(x.size(1)) as size(@0,1) -> arange."""
+    import contextlib
+    import io
+    import os
+
+    import pnnx
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    module = ArangeOfSize().eval()
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(module, "m.pt", (torch.rand(4, 5),), (torch.rand(6, 7),))
+    finally:
+        os.chdir(cwd)
+    assert "size(@0,1)" in (tmp_path / "m.pnnx.param").read_text()
+    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"),
+                  plan_shapes={"in0": (4, 5)}, verify=True)
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(4, 5), (7, 3), (2, 9), (4, 5)]:
+        x = torch.rand(*shape)
+        got = sess.run(None, {"in0": x.numpy()})
+        for g, w in zip(got, module(x)):
+            assert g.dtype == w.numpy().dtype
+            np.testing.assert_array_equal(g, w.numpy())

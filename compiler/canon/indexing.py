@@ -7,6 +7,8 @@ Shapes and dtypes come from what pnnx recorded for the node's outputs; the kerne
 shape rules re-check them in infer_shapes.
 """
 
+import re
+
 import numpy as np
 
 from pmx.compiler.canon import (
@@ -380,16 +382,61 @@ def _scalar_param(node, label, default=_NO_DEFAULT):
         return param(node, label) if default is _NO_DEFAULT else param(node, label, default)
     n = _number(node, v, label)
     if n is None:
-        fail(node, f"{label} comes from the input's values ({v.name}): the output's size would depend on "
-                   f"data; pmx needs it constant")
+        fail(node, f"{label} is computed from tensor values (operand {v.name}), so the output's size would "
+                   f"depend on the data; pmx needs it known at compile time")
     return n
+
+
+_SIZE = re.compile(r"size\(@0,(-?\d+)\)")
+
+
+def attach_size_expression(node, ctx):
+    """`size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
+    arange(x.size(d))): each arange reads the tensor and dim directly, so its length is
+    a shape rule of that tensor's shape (re-planned like any other), not a value."""
+    m = _SIZE.fullmatch(node.attrs["expr"])
+    if m is None or len(node.inputs) != 1:
+        fail(node, f"expression {node.attrs['expr']!r} feeding arange must be size(@0,dim)")
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        label = c.input_names[i]
+        ctx.graph.set_input(c, i, node.inputs[0])
+        c.input_names[i] = f"{label}@size"
+        c.attrs[f"{label}@size"] = int(m.group(1))
+    return []
+
+
+def _arange_dtype(node, start, end, step):
+    dtype = node.outputs[0].dtype
+    named = node.attrs.get("dtype")
+    if isinstance(named, str) and named in _TORCH_DTYPES:
+        dtype = _TORCH_DTYPES[named]
+    if dtype is None:
+        dtype = "int64" if all(isinstance(v, int) for v in (start, end, step)) else "float32"
+    return dtype
 
 
 @rule("torch.arange")
 def arange(node, ctx):
     """All of arange's spellings once its bounds are numbers at compile time (literals,
-    constants, folded expressions); bounds read from input values give a data-dependent
-    length, which pmx refuses naming the node."""
+    constants, folded expressions), or its end a dim of a tensor (x.size(d) in a
+    dynamic-shape export: the `arange` op, whose length follows that tensor's shape);
+    bounds read from input values give a data-dependent length, which pmx refuses
+    naming the node."""
+    sized = node.named_input("end@size")
+    if sized is not None:
+        start, step = _scalar_param(node, "start", 0), _scalar_param(node, "step", 1)
+        start, step = (0 if start is None else start), (1 if step is None else step)
+        rank = len(in_shape(node, sized))
+        axis = node.attrs["end@size"]
+        if not -rank <= axis < rank or not all(isinstance(v, (int, float)) for v in (start, step)) or step == 0:
+            fail(node, f"arange(start={start!r}, end=size(dim {axis}), step={step!r}) of a rank-{rank} tensor")
+        dtype = _arange_dtype(node, start, 0, step)
+        node.outputs[0].dtype = dtype
+        n = max(0, int(np.ceil((sized.shape[axis] - start) / step)))
+        if node.outputs[0].shape is None or None in node.outputs[0].shape:
+            node.outputs[0].shape = (n,)
+        return [make(node, "arange", [sized], dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype))))]
     start = _scalar_param(node, "start", 0)
     end = _scalar_param(node, "end", None)
     step = _scalar_param(node, "step", 1)
@@ -399,12 +446,7 @@ def arange(node, ctx):
     step = 1 if step is None else step
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end, step)) or step == 0:
         fail(node, f"arange({start!r}, {end!r}, {step!r}) needs numbers and a nonzero step")
-    dtype = node.outputs[0].dtype
-    named = node.attrs.get("dtype")
-    if isinstance(named, str) and named in _TORCH_DTYPES:
-        dtype = _TORCH_DTYPES[named]
-    if dtype is None:
-        dtype = "int64" if all(isinstance(v, int) for v in (start, end, step)) else "float32"
+    dtype = _arange_dtype(node, start, end, step)
     n = max(0, int(np.ceil((end - start) / step)))
     # torch computes start + i * step in int64 for integer bounds, else in double
     exact = all(isinstance(v, int) for v in (start, end, step))
@@ -638,8 +680,8 @@ def repeat_interleave(node, ctx):
         reps = rv.data.reshape(-1)
         reps = int(reps[0]) if reps.size == 1 else reps.astype(np.int64)
     else:
-        fail(node, f"repeats come from input values ({rv.name}): the output's size would depend on data; "
-                   f"pmx needs them constant")
+        fail(node, f"repeats are computed from tensor values (operand {rv.name}), so the output's size would "
+                   f"depend on the data; pmx needs them known at compile time")
     if isinstance(reps, int):
         if reps < 0:
             fail(node, f"repeats={reps} must be non-negative")

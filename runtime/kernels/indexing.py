@@ -36,9 +36,12 @@
 `as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
           the input's contiguous storage, copied out.
 `repeat_interleave` attrs repeats (one int), axis (torch.repeat_interleave with an int).
+`arange`  input x; attrs start, step, axis, dtype: start, start + step, ... below
+          x.shape[axis] (torch.arange(start, x.size(axis), step)), a shape rule of x.
 """
 
 import itertools
+import math
 
 import numpy as np
 
@@ -483,3 +486,21 @@ def make_repeat_interleave(node, inputs, outputs):
         return lambda: np.copyto(out, np.repeat(x, r, axis=axis))
     src = np.expand_dims(x, axis + 1)
     return lambda: np.copyto(dst, src)
+
+
+def _arange_length(node, shapes):
+    end, start, step = shapes[0][node.attrs["axis"]], node.attrs["start"], node.attrs["step"]
+    return max(0, math.ceil((end - start) / step))
+
+
+def arange_infer(node, shapes, dtypes):
+    return [((_arange_length(node, shapes),), np.dtype(node.attrs["dtype"]))]
+
+
+@register("arange", infer=arange_infer)
+def make_arange(node, inputs, outputs):
+    out, start, step = outputs[0], node.attrs["start"], node.attrs["step"]
+    exact = isinstance(start, int) and isinstance(step, int)
+    # torch computes start + i * step in int64 for integer bounds, else in double
+    values = (start + np.arange(out.shape[0], dtype=np.int64 if exact else np.float64) * step).astype(out.dtype)
+    return lambda: np.copyto(out, values)
