@@ -137,8 +137,13 @@ def _counted_outputs(model):
     counted = {}
     for node in model.nodes:
         k = node.attrs.get("count_output")
-        if isinstance(k, int) and 0 < k < len(node.outputs):
-            counted[node.outputs[0]] = node.outputs[k]
+        if not (isinstance(k, int) and 0 < k < len(node.outputs)):
+            continue
+        out, count = model.tensors[node.outputs[0]], model.tensors[node.outputs[k]]
+        if len(out.shape) != 1 or tuple(count.shape) != (1,) or count.dtype != np.int64:
+            raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) declares a counted output "
+                                 f"but its outputs are {list(out.shape)} and {list(count.shape)} {count.dtype}")
+        counted[node.outputs[0]] = node.outputs[k]
     return counted
 
 
@@ -376,7 +381,7 @@ class InferenceSession:
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
             raise PmxFormatError(f"{self._model.path}: {self._describe(binding, step)} failed: {type(e).__name__}: {str(e)[:120]}") from None
         if self._counted:
-            return [np.array(binding.views[i][:int(binding.views[self._counted[i]][0])] if i in self._counted
+            return [np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))] if i in self._counted
                              else binding.views[i], copy=True) for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
 

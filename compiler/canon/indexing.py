@@ -436,7 +436,8 @@ def arange(node, ctx):
         n = max(0, int(np.ceil((sized.shape[axis] - start) / step)))
         if node.outputs[0].shape is None or None in node.outputs[0].shape:
             node.outputs[0].shape = (n,)
-        return [make(node, "arange", [sized], dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype))))]
+        attrs = dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype)))
+        return [make(node, "arange", [sized], attrs)]
     start = _scalar_param(node, "start", 0)
     end = _scalar_param(node, "end", None)
     step = _scalar_param(node, "step", 1)

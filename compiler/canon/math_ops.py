@@ -10,8 +10,8 @@ def expression(node, ctx):
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
-    if text.startswith("[") and node.outputs[0].consumers and all(
-            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
+    if text.startswith("[") and node.outputs[0].consumers and all(  # x[:, ids]: [None,@0]
+            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):
         from pmx.compiler.canon.indexing import attach_index_expression
 
         return attach_index_expression(node, ctx)

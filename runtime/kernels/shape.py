@@ -313,7 +313,6 @@ def _shuffle_into_parts(x, outputs, g):
     return run
 
 
-
 @register("slice_assign", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])], inplace=True)
 def make_slice_assign(node, inputs, outputs):
     x, src, out = inputs[0], inputs[1], outputs[0]
