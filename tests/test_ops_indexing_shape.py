@@ -312,6 +312,30 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
     np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
 
 
+def test_masked_select_of_constants_computed_by_other_ops_stays_counted(tmp_path):
+    """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
+    masked_select, written here) must leave the counted op to run time."""
+    from ziputil import write_bin
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    ops = ["pnnx.Input in 0 1 x #x=(2)f32",
+           "pnnx.Attribute w 0 1 a @data=(3,4)f32 #a=(3,4)f32",
+           "torch.gt gt 1 1 a m other=0.2 $input=a #a=(3,4)f32 #m=(3,4)bool",
+           "torch.masked_select sel 2 1 a m s $input=a $mask=m #s=(12)f32",
+           "pnnx.Expression add 1 1 x y expr=add(@0,1) #y=(2)f32",
+           "pnnx.Output out 2 0 s y"]
+    (tmp_path / "m.pnnx.param").write_text("\n".join(["7767517", f"{len(ops)} 5", *ops]) + "\n")
+    write_bin(tmp_path / "m.pnnx.bin", {"w.data": w})
+    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    got, _ = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
+    t = torch.from_numpy(w)
+    np.testing.assert_array_equal(got, torch.masked_select(t, t > 0.2).numpy())
+
+
 class MaskedSelectConsumed(nn.Module):
     def forward(self, x):
         return torch.masked_select(x, x > 0.5) * 2
