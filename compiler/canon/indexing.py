@@ -640,8 +640,10 @@ def masked_select(node, ctx):
 
 @rule("torch.as_strided", "Tensor.as_strided")
 def as_strided(node, ctx):
-    """Reads the input's storage in its contiguous order (pmx's tensors are contiguous;
-    pnnx writes as_strided on the tensor as computed)."""
+    """Reads the input in its contiguous (row-major) order, which is torch's storage
+    order for any tensor an op computed. Torch reads a view's underlying storage instead
+    (x.t().as_strided(...) sees x's order); pmx's tensors are contiguous, so there the
+    two differ. storage_offset is honoured when the .param has it (pnnx drops it)."""
     x = data_input(node)
     numel = int(np.prod(in_shape(node, x), dtype=np.int64))
     size, stride = param(node, "size"), param(node, "stride")
