@@ -135,10 +135,28 @@ def _shape_allowed(shape, ranges):
     return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
 
 
-def _node_arg(t):
+def _node_arg(t, counted=False):
     """onnxruntime-style NodeArg: dims that may change are None."""
-    shape = [d if lo == hi else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
+    shape = [d if lo == hi and not counted else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
     return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
+
+
+def _counted_outputs(model):
+    """{output tensor: count tensor} for nodes whose output 0 has a data-dependent length
+    (attrs count_output: the output holding it): the planned buffer is the upper bound,
+    and run() returns its first `count` elements. The compiler keeps the count alive to
+    the end and lets no node read such an output."""
+    counted = {}
+    for node in model.nodes:
+        k = node.attrs.get("count_output")
+        if not (isinstance(k, int) and 0 < k < len(node.outputs)):
+            continue
+        out, count = model.tensors[node.outputs[0]], model.tensors[node.outputs[k]]
+        if len(out.shape) != 1 or tuple(count.shape) != (1,) or count.dtype != np.int64:
+            raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) declares a counted output "
+                                 f"but its outputs are {list(out.shape)} and {list(count.shape)} {count.dtype}")
+        counted[node.outputs[0]] = node.outputs[k]
+    return counted
 
 
 def _aligned_empty(nbytes, align=64):
@@ -173,7 +191,9 @@ class InferenceSession:
         self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
-        self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
+        # outputs whose length is known only at run time (masked_select): tensor -> count tensor
+        self._counted = _counted_outputs(m)
+        self._outputs = [_node_arg(m.tensors[i], i in self._counted) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
@@ -389,6 +409,9 @@ class InferenceSession:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+        if self._counted:
+            return [np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))] if i in self._counted
+                             else binding.views[i], copy=True) for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
 
     def _run_profiled(self, binding, steps, profiler):

@@ -43,11 +43,16 @@ def expression(node, ctx):
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
-    if text.startswith("[") and node.outputs[0].consumers and all(
-            c.op == "Tensor.index" for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
+    if text.startswith("[") and node.outputs[0].consumers and all(  # x[:, ids]: [None,@0]
+            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):
         from pmx.compiler.canon.indexing import attach_index_expression
 
         return attach_index_expression(node, ctx)
+    if text.startswith("size(") and node.outputs[0].consumers and all(
+            c.op == "torch.arange" for c in node.outputs[0].consumers):  # arange(x.size(1)), dynamic export
+        from pmx.compiler.canon.indexing import attach_size_expression
+
+        return attach_size_expression(node, ctx)
     if "size(" in text or "[" in text or "int(" in text:
         fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:
