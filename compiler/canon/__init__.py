@@ -192,4 +192,5 @@ from pmx.compiler.canon import (  # noqa: E402,F401  (registration side effects)
     resample,
     sampling,
     shape_ops,
+    spectral,
 )

@@ -198,5 +198,6 @@ from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects
     resample,
     sampling,
     shape,
+    spectral,
     winograd,
 )
