@@ -43,7 +43,7 @@ def torch_outputs(module, inputs):
 
     def walk(o):
         if isinstance(o, torch.Tensor):
-            flat.append(o.detach().numpy())
+            flat.append(o.detach().resolve_conj().resolve_neg().numpy())  # fft outputs may carry a lazy conj bit
         elif isinstance(o, (list, tuple)):
             for e in o:
                 walk(e)

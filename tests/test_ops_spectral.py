@@ -203,3 +203,32 @@ class Vocoder(nn.Module):
 def test_e2e_stft_istft(check_model):
     torch.manual_seed(1)
     check_model("spectral_vocoder", Vocoder(), (torch.randn(2, 256),))
+
+
+class ComplexArithmetic(nn.Module):
+    """Complex literals in pnnx expressions ("%e+%ej") and elementwise ops on complex tensors."""
+
+    def forward(self, x, c):
+        a = x - 4j
+        b = x * (1.2 - 0.9j - (x + 3))
+        d = c * c + a / (c - 2.5j)
+        return a, b, d, d.abs()
+
+
+def test_e2e_complex_arithmetic(check_model):
+    torch.manual_seed(2)
+    check_model("spectral_complex_arith", ComplexArithmetic(),
+                (torch.randn(3, 5), torch.randn(3, 5, dtype=torch.complex64)))
+
+
+@pytest.mark.parametrize("text", ["mul(@0,1.200000e+00-9.000000e-01j)", "sub(@0,0.000000e+00+4.000000e+00j)",
+                                  "add(@0,1.0e+00+-2.0e+00j)"])
+def test_complex_literal_parses_and_round_trips(text):
+    from pmx.runtime import expr as E
+
+    tree = E.parse(text, 1)
+    value = tree[2][1]
+    assert isinstance(value, complex)
+    assert E.parse(E.to_text(tree), 1) == tree
+    x = np.arange(4, dtype=np.float32)
+    assert E.result_dtype(tree, [x.dtype]) == np.complex64

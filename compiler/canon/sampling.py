@@ -3,7 +3,7 @@ F.pairwise_distance / nn.PairwiseDistance -> elementwise difference + reduce_nor
 (torch's definition: the p-norm of x1 - x2 + eps over the last dim).
 """
 
-from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, param, rule
+from pmx.compiler.canon import data_input, elementwise, fail, in_shape, ints, make, param, rule, weight
 
 GRID_MODES = ("bilinear", "nearest", "bicubic")
 PADDING_MODES = ("zeros", "border", "reflection")
@@ -89,3 +89,45 @@ def _broadcast(a, b):
         out.append(max(x, y) if min(x, y) != 0 else 0)
     return tuple(out)
 
+
+
+@rule("torchvision.ops.RoIAlign")
+def roi_align(node, ctx):
+    x, rois = data_input(node, "input", 0), data_input(node, "rois", 1)
+    xs, rs = in_shape(node, x), in_shape(node, rois)
+    if len(xs) != 4 or len(rs) != 2 or rs[1] != 5:
+        fail(node, f"input {xs} and rois {rs}: expected (N, C, H, W) and (K, 5) rows (batch, x1, y1, x2, y2)")
+    size = ints(node, "output_size", 2)
+    ratio = param(node, "sampling_ratio", -1)
+    if not isinstance(ratio, int) or isinstance(ratio, bool):
+        fail(node, f"sampling_ratio={ratio!r} must be an int")
+    attrs = dict(output_size=size, spatial_scale=_number(node, "spatial_scale", 1.0), sampling_ratio=ratio,
+                 aligned=bool(param(node, "aligned", False)))
+    return [make(node, "roi_align", [x, rois], attrs)]
+
+
+@rule("torchvision.ops.DeformConv2d")
+def deform_conv2d(node, ctx):
+    x, offset = data_input(node, "input", 0), data_input(node, "offset", 1)
+    unnamed = [v for v, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")]
+    mask = node.named_input("mask")
+    if mask is None and len(unnamed) > 2:
+        mask = unnamed[2]
+    w = weight(node, "weight")
+    b = weight(node, "bias", required=False)
+    xs, os_, ws = in_shape(node, x), in_shape(node, offset), in_shape(node, w)
+    groups = param(node, "groups", 1)
+    if len(xs) != 4 or len(ws) != 4 or len(os_) != 4:
+        fail(node, f"input {xs}, offset {os_}, weight {ws}: expected 4-d tensors")
+    if not isinstance(groups, int) or groups < 1 or xs[1] != ws[1] * groups or ws[0] % groups:
+        fail(node, f"weight {ws} with groups={groups!r} does not fit input channels {xs[1]}")
+    k = ws[2] * ws[3]
+    if os_[1] % (2 * k) or xs[1] % (os_[1] // (2 * k) or 1) or os_[1] == 0:
+        fail(node, f"offset {os_}: expected 2 * offset_groups * {k} channels, offset_groups dividing {xs[1]}")
+    if mask is not None and in_shape(node, mask)[1] != os_[1] // 2:
+        fail(node, f"mask {mask.shape}: expected {os_[1] // 2} channels")
+    attrs = dict(stride=ints(node, "stride", 2, 1), pads=ints(node, "padding", 2, 0),
+                 dilation=ints(node, "dilation", 2, 1), groups=groups, has_mask=mask is not None,
+                 has_bias=b is not None)
+    inputs = [x, offset, w] + ([mask] if mask is not None else []) + ([b] if b is not None else [])
+    return [make(node, "deform_conv", inputs, attrs)]

@@ -175,3 +175,136 @@ def make_affine_grid(node, inputs, outputs):
         np.matmul(base, theta.transpose(0, 2, 1), out=target)
 
     return run
+
+
+# --- torchvision: roi_align, deform_conv ---------------------------------------------------
+# `roi_align`    input (N, C, H, W), rois (K, 5) rows (batch index, x1, y1, x2, y2) -> (K, C, *output_size);
+#                attrs output_size, spatial_scale, sampling_ratio (<= 0: ceil(roi size / bin) points per
+#                bin), aligned. Each bin averages bilinear samples; a sample beyond one pixel outside the
+#                input reads 0, one within it reads the nearest edge (torchvision's roi_align_kernel).
+# `deform_conv`  inputs x (N, C, H, W), offset (N, 2 * G * kh * kw, Ho, Wo), weight (O, C / groups, kh, kw),
+#                then mask (N, G * kh * kw, Ho, Wo) if attrs has_mask and bias (O,) if has_bias; attrs
+#                stride, pads, dilation, groups. G (offset groups) = offset channels / (2 kh kw); each
+#                group of C / G input channels samples at its own offsets (bilinear, zero outside).
+
+
+def roi_align_infer(node, shapes, dtypes):
+    x, r = tuple(shapes[0]), tuple(shapes[1])
+    if len(x) != 4 or len(r) != 2 or r[1] != 5:
+        raise ValueError(f"roi_align: input {x} and rois {r} must be (N, C, H, W) and (K, 5)")
+    return [((r[0], x[1]) + tuple(node.attrs["output_size"]), dtypes[0])]
+
+
+def _roi_bilinear(plane, y, x):
+    """plane (C, H, W); y, x float64 arrays of one shape -> (C, *shape)."""
+    h, w = plane.shape[1:]
+    outside = (y < -1.0) | (y > h) | (x < -1.0) | (x > w)
+    y, x = np.maximum(y, 0.0), np.maximum(x, 0.0)
+    y0, x0 = np.minimum(y.astype(np.int64), h - 1), np.minimum(x.astype(np.int64), w - 1)
+    y = np.where(y0 >= h - 1, y0.astype(np.float64), y)
+    x = np.where(x0 >= w - 1, x0.astype(np.float64), x)
+    y1, x1 = np.minimum(y0 + 1, h - 1), np.minimum(x0 + 1, w - 1)
+    ly, lx = y - y0, x - x0
+    hy, hx = 1.0 - ly, 1.0 - lx
+    val = (hy * hx * plane[:, y0, x0] + hy * lx * plane[:, y0, x1] + ly * hx * plane[:, y1, x0]
+           + ly * lx * plane[:, y1, x1])
+    return np.where(outside, 0.0, val)
+
+
+@register("roi_align", infer=roi_align_infer)
+def make_roi_align(node, inputs, outputs):
+    x, rois, out = inputs[0], inputs[1], outputs[0]
+    a = node.attrs
+    ph, pw = a["output_size"]
+    scale, ratio, aligned = float(a["spatial_scale"]), int(a["sampling_ratio"]), bool(a["aligned"])
+    n = x.shape[0]
+
+    def run():
+        boxes = rois.astype(np.float64)
+        shift = 0.5 if aligned else 0.0
+        for k in range(boxes.shape[0]):
+            b = int(boxes[k, 0])
+            if not 0 <= b < n:
+                raise ValueError(f"roi_align: roi {k} names batch {b}, the input has {n}")
+            x1, y1, x2, y2 = boxes[k, 1:] * scale - shift
+            rw, rh = x2 - x1, y2 - y1
+            if not aligned:
+                rw, rh = max(rw, 1.0), max(rh, 1.0)
+            bh, bw = rh / ph, rw / pw
+            gh = ratio if ratio > 0 else int(np.ceil(rh / ph))
+            gw = ratio if ratio > 0 else int(np.ceil(rw / pw))
+            count = max(gh * gw, 1)
+            ys = y1 + np.arange(ph)[:, None] * bh + (np.arange(gh)[None, :] + 0.5) * bh / max(gh, 1)
+            xs = x1 + np.arange(pw)[:, None] * bw + (np.arange(gw)[None, :] + 0.5) * bw / max(gw, 1)
+            yy = np.broadcast_to(ys[:, :, None, None], (ph, gh, pw, gw))
+            xx = np.broadcast_to(xs[None, None, :, :], (ph, gh, pw, gw))
+            vals = _roi_bilinear(x[b].astype(np.float64), yy, xx)  # (C, ph, gh, pw, gw)
+            out[k] = vals.sum(axis=(2, 4)) / count
+
+    return run
+
+
+def deform_conv_infer(node, shapes, dtypes):
+    a = node.attrs
+    x, off, w = tuple(shapes[0]), tuple(shapes[1]), tuple(shapes[2])
+    kh, kw = w[2:]
+    ho = (x[2] + 2 * a["pads"][0] - a["dilation"][0] * (kh - 1) - 1) // a["stride"][0] + 1
+    wo = (x[3] + 2 * a["pads"][1] - a["dilation"][1] * (kw - 1) - 1) // a["stride"][1] + 1
+    if off[1] % (2 * kh * kw) or x[1] % (off[1] // (2 * kh * kw) or 1) or tuple(off[2:]) != (ho, wo):
+        raise ValueError(f"deform_conv: offset {off} does not fit input {x} and weight {w}")
+    return [((x[0], w[0], ho, wo), dtypes[0])]
+
+
+@register("deform_conv", infer=deform_conv_infer)
+def make_deform_conv(node, inputs, outputs):
+    a = node.attrs
+    x, offset, w, out = inputs[0], inputs[1], inputs[2], outputs[0]
+    rest = list(inputs[3:])
+    mask = rest.pop(0) if a.get("has_mask") else None
+    bias = rest.pop(0) if a.get("has_bias") else None
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    ho, wo = out.shape[2:]
+    k = kh * kw
+    p = ho * wo
+    groups = a["groups"]
+    og = offset.shape[1] // (2 * k)
+    sh, sw = a["stride"]
+    pad_h, pad_w = a["pads"]
+    dh, dw = a["dilation"]
+    # base sampling positions per kernel tap and output pixel, (k, p)
+    ki, kj = np.divmod(np.arange(k), kw)
+    oy, ox = np.divmod(np.arange(p), wo)
+    base_y = (oy * sh - pad_h)[None, :] + (ki * dh)[:, None]
+    base_x = (ox * sw - pad_w)[None, :] + (kj * dw)[:, None]
+    wmat = w.reshape(groups, o // groups, cg * k)
+    flat_x = x.reshape(n, c, h * wd)
+    cpg = c // og  # channels per offset group
+
+    def run():
+        cols = np.zeros((n, c, k, p), F32)
+        offs = offset.reshape(n, og, k, 2, p)
+        for g in range(og):
+            y = base_y + offs[:, g, :, 0, :]  # (n, k, p)
+            xx = base_x + offs[:, g, :, 1, :]
+            y0, x0 = np.floor(y), np.floor(xx)
+            ly, lx = (y - y0).astype(F32), (xx - x0).astype(F32)
+            y0, x0 = y0.astype(np.int64), x0.astype(np.int64)
+            acc = np.zeros((n, cpg, k * p), F32)
+            for yi, wy in ((y0, 1 - ly), (y0 + 1, ly)):
+                for xi, wx in ((x0, 1 - lx), (x0 + 1, lx)):
+                    ok = (yi >= 0) & (yi < h) & (xi >= 0) & (xi < wd)
+                    idx = np.where(ok, yi * wd + xi, 0).reshape(n, 1, k * p)
+                    vals = np.take_along_axis(flat_x[:, g * cpg:(g + 1) * cpg], idx, axis=2)
+                    acc += vals * np.where(ok, wy * wx, F32(0)).reshape(n, 1, k * p)
+            acc = acc.reshape(n, cpg, k, p)
+            if mask is not None:
+                acc *= mask.reshape(n, og, k, p)[:, g][:, None]
+            cols[:, g * cpg:(g + 1) * cpg] = acc
+        res = np.matmul(wmat[None], cols.reshape(n, groups, cg * k, p))  # (n, groups, o / groups, p)
+        res = res.reshape(n, o, p)
+        if bias is not None:
+            res += bias.reshape(1, o, 1)
+        out[...] = res.reshape(out.shape)
+
+    return run
