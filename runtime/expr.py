@@ -45,7 +45,10 @@ FUNCTIONS = {
 MAX_EXPR_LENGTH = 1 << 16
 MAX_DEPTH = 200
 
-_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)|(-inf)|(\()|(\))|(,))")
+# a number, or a complex one as pnnx writes it: "%e+%ej", the "+" kept before a negative part
+_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)"
+                    r"|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:\+?[-+](?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?j)?)"
+                    r"|(-inf)|(\()|(\))|(,))")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -82,6 +85,8 @@ def _parse_at(tokens, i, text, depth):
     if inp:
         return ("@", int(inp[1:])), i + 1
     if num:
+        if num.endswith("j"):
+            return ("#", complex(num.replace("+-", "-"))), i + 1
         value = float(num) if any(c in num for c in ".eE") else int(num)
         return ("#", value), i + 1
     if neginf:
@@ -128,6 +133,8 @@ def to_text(tree) -> str:
             if math.isinf(v):
                 return "inf" if v > 0 else "-inf"
             return repr(float(np.float32(v))) if float(np.float32(v)) == v else repr(v)
+        if isinstance(v, complex):
+            return f"{v.real!r}{'+' if v.imag >= 0 else ''}{v.imag!r}j"
         return str(v)
     return kind + "(" + ",".join(to_text(a) for a in tree[1:]) + ")"
 
@@ -265,7 +272,9 @@ def numexpr_supported(tree) -> bool:
 
 
 def _ne_ok(tree) -> bool:
-    if tree[0] in ("@", "#"):
+    if tree[0] == "#":
+        return not isinstance(tree[1], complex)  # to_numexpr makes float32 constants
+    if tree[0] == "@":
         return True
     if tree[0] in _NE_UNSUPPORTED:
         return False

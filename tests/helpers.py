@@ -43,7 +43,7 @@ def torch_outputs(module, inputs):
 
     def walk(o):
         if isinstance(o, torch.Tensor):
-            flat.append(o.detach().numpy())
+            flat.append(o.detach().resolve_conj().resolve_neg().numpy())  # fft outputs may carry a lazy conj bit
         elif isinstance(o, (list, tuple)):
             for e in o:
                 walk(e)
@@ -53,8 +53,10 @@ def torch_outputs(module, inputs):
 
 
 def rel_error(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
+    # complex outputs compare as complex: a float64 cast would drop the imaginary parts
+    kind = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    a = np.asarray(a, kind)
+    b = np.asarray(b, kind)
     if b.size == 0:
         return 0.0
     scale = max(float(np.abs(b).max()), 1e-12)
