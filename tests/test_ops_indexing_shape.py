@@ -408,28 +408,33 @@ class ArangeOfSize(nn.Module):
         return x + torch.arange(x.size(1)).float(), torch.arange(1, x.size(0), 2)
 
 
-def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
-    """pnnx's dynamic-shape export writes arange(x.size(1)) as size(@0,1) -> arange."""
+def _export_dynamic(tmp_path, module, inputs, inputs2):
+    """pnnx export with a second example input, so dims that differ are written '?'."""
     import contextlib
     import io
     import os
 
     import pnnx
 
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
-
-    module = ArangeOfSize().eval()
     cwd = os.getcwd()
     try:
         os.chdir(tmp_path)
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            pnnx.export(module, "m.pt", (torch.rand(4, 5),), (torch.rand(6, 7),))
+            pnnx.export(module.eval(), "m.pt", inputs, inputs2)
     finally:
         os.chdir(cwd)
-    assert "size(@0,1)" in (tmp_path / "m.pnnx.param").read_text()
-    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"),
-                  plan_shapes={"in0": (4, 5)}, verify=True)
+    return str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin")
+
+
+def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
+    """pnnx's dynamic-shape export writes arange(x.size(1)) as size(@0,1) -> arange."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    module = ArangeOfSize().eval()
+    param, bin_ = _export_dynamic(tmp_path, module, (torch.rand(4, 5),), (torch.rand(6, 7),))
+    assert "size(@0,1)" in open(param).read()
+    compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (4, 5)}, verify=True)
     sess = InferenceSession(str(tmp_path / "m.pmx"))
     for shape in [(4, 5), (7, 3), (2, 9), (4, 5)]:
         x = torch.rand(*shape)
@@ -437,3 +442,16 @@ def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
         for g, w in zip(got, module(x)):
             assert g.dtype == w.numpy().dtype
             np.testing.assert_array_equal(g, w.numpy())
+
+
+class ArangeFromSize(nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(0), 10)[:1].float()
+
+
+def test_arange_starting_at_a_dynamic_size_is_refused_naming_the_node(tmp_path):
+    from pmx.compiler.driver import compile_model
+
+    param, bin_ = _export_dynamic(tmp_path, ArangeFromSize(), (torch.rand(2, 5),), (torch.rand(3, 7),))
+    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*start is a tensor's size"):
+        compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (2, 5)})

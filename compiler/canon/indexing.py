@@ -423,6 +423,9 @@ def arange(node, ctx):
     dynamic-shape export: the `arange` op, whose length follows that tensor's shape);
     bounds read from input values give a data-dependent length, which pmx refuses
     naming the node."""
+    for label in ("start", "step"):
+        if f"{label}@size" in node.attrs:
+            fail(node, f"{label} is a tensor's size; pmx follows sizes only as arange's end (arange(x.size(d)))")
     sized = node.named_input("end@size")
     if sized is not None:
         start, step = _scalar_param(node, "start", 0), _scalar_param(node, "step", 1)
