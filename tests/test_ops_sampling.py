@@ -348,3 +348,13 @@ def test_e2e_roi_align_with_constant_rois(tmp_path):
     got, got_adaptive = compile_and_run(tmp_path, lines, {"rois.data": rois.numpy()}, {"in0": x.numpy()})
     check(got, want)
     check(got_adaptive, want_adaptive)
+
+
+def test_roi_align_refuses_a_batch_index_beyond_the_input():
+    from pmx.runtime.errors import PmxInputError
+
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    rois = np.array([[3, 0, 0, 2, 2]], np.float32)
+    with pytest.raises(PmxInputError, match="batch 3"):
+        run_one_op("torchvision.ops.RoIAlign", "aligned=False output_size=(2,2) sampling_ratio=2 spatial_scale=1.0",
+                   [x, rois], [np.zeros((1, 1, 2, 2), np.float32)])
