@@ -32,7 +32,8 @@ def run_one_op(op, params, inputs, expected, labels=None, weights=None):
     weight_text = " ".join(f"@{k}=" + operand(k, v)[len(k) + 2:] for k, v in weights.items())
     types = " ".join([operand(n, a) for n, a in zip(names, inputs)] + [operand(n, a) for n, a in zip(outs, expected)])
     lines = [f"pnnx.Input in{i} 0 1 {n} {operand(n, a)}" for i, (n, a) in enumerate(zip(names, inputs))]
-    lines.append(f"{op} the_op {len(names)} {len(outs)} {' '.join(names)} {' '.join(outs)} {params} {weight_text} {label_text} {types}")
+    operands = f"{len(names)} {len(outs)} {' '.join(names)} {' '.join(outs)}"
+    lines.append(f"{op} the_op {operands} {params} {weight_text} {label_text} {types}")
     lines += [f"pnnx.Output out{i} 1 0 {n}" for i, n in enumerate(outs)]
     with tempfile.TemporaryDirectory() as d:
         d = pathlib.Path(d)

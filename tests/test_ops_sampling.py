@@ -271,3 +271,90 @@ def test_deform_conv2d(data):
     inputs = [x.numpy(), offset.numpy()] + ([mask.numpy()] if mask is not None else [])
     (got,) = run_one_op("torchvision.ops.DeformConv2d", params, inputs, [want.numpy()], weights=weights)
     check(got, want)
+
+
+def compile_and_run(tmp_path, lines, weights, feeds):
+    from ziputil import write_bin
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    operands = {t for line in lines for t in line.split()[4:4 + int(line.split()[2]) + int(line.split()[3])]}
+    param = tmp_path / "m.pnnx.param"
+    param.write_text("\n".join(["7767517", f"{len(lines)} {len(operands)}", *lines]) + "\n")
+    write_bin(tmp_path / "m.pnnx.bin", weights)
+    compile_model(str(param), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
+    return InferenceSession(str(tmp_path / "m.pmx"), verify=True).run(None, feeds)
+
+
+def shape_text(t):
+    return "(" + ",".join(map(str, t.shape)) + ")f32"
+
+
+def test_e2e_deform_conv_block(tmp_path):
+    """The upstream DeformConv2d model's graph (offsets and a sigmoid mask from plain
+    convolutions, two DeformConv2d layers) as pnnx writes it, against the reference."""
+    torch.manual_seed(3)
+    x = torch.rand(1, 4, 10, 10)
+    convs = {"conv_0": nn.Conv2d(4, 2 * 9, 3), "conv_2": nn.Conv2d(4, 9, 3)}
+    deform = {name: (torch.randn(6, 4, 3, 3) * 0.2, torch.randn(6)) for name in ("conv_1", "conv_3")}
+    with torch.no_grad():
+        offset = convs["conv_0"](x) * 3
+        mask = torch.sigmoid(convs["conv_2"](x))
+    want1 = deform_conv_reference(x, offset, *deform["conv_1"], (1, 1), (0, 0), (1, 1), 1, None)
+    want2 = deform_conv_reference(x, offset, *deform["conv_3"], (1, 1), (0, 0), (1, 1), 1, mask)
+    conv_params = "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) padding=(0,0) " \
+                  "padding_mode=zeros stride=(1,1)"
+    deform_params = "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) out_channels=6 " \
+                    "padding=(0,0) stride=(1,1) @weight=(6,4,3,3)f32 @bias=(6)f32"
+    lines = [
+        f"pnnx.Input in0 0 1 x #x={shape_text(x)}",
+        f"nn.Conv2d conv_0 1 1 x off0 {conv_params} out_channels=18 @weight=(18,4,3,3)f32 @bias=(18)f32 "
+        f"#x={shape_text(x)} #off0={shape_text(offset)}",
+        f"pnnx.Expression scale 1 1 off0 off expr=mul(@0,3) #off0={shape_text(offset)} #off={shape_text(offset)}",
+        f"torchvision.ops.DeformConv2d conv_1 2 1 x off y1 {deform_params} #y1={shape_text(want1)}",
+        f"nn.Conv2d conv_2 1 1 x m0 {conv_params} out_channels=9 @weight=(9,4,3,3)f32 @bias=(9)f32 "
+        f"#m0={shape_text(mask)}",
+        f"F.sigmoid sigmoid 1 1 m0 m #m={shape_text(mask)}",
+        f"torchvision.ops.DeformConv2d conv_3 3 1 x off m y2 {deform_params} #y2={shape_text(want2)}",
+        "pnnx.Output out 2 0 y1 y2",
+    ]
+    weights = {}
+    for name, conv in convs.items():
+        weights[f"{name}.weight"], weights[f"{name}.bias"] = conv.weight.detach().numpy(), conv.bias.detach().numpy()
+    for name, (w, b) in deform.items():
+        weights[f"{name}.weight"], weights[f"{name}.bias"] = w.numpy(), b.numpy()
+    got1, got2 = compile_and_run(tmp_path, lines, weights, {"in0": x.numpy()})
+    check(got1, want1, 1e-4)
+    check(got2, want2, 1e-4)
+
+
+def test_e2e_roi_align_with_constant_rois(tmp_path):
+    """The upstream RoIAlign model: rois a parameter (a pnnx.Attribute), aligned=False."""
+    torch.manual_seed(4)
+    x = torch.rand(1, 3, 12, 16)
+    rois = torch.tensor([[0, 0, 10, 12, 20], [0, 3.5, 2.25, 40, 30]], dtype=torch.float32)
+    want = roi_align_reference(x, rois, (3, 3), 0.25, 3, False)
+    want_adaptive = roi_align_reference(x, rois, (2, 4), 0.5, -1, True)
+    lines = [
+        f"pnnx.Input in0 0 1 x #x={shape_text(x)}",
+        "pnnx.Attribute rois 0 1 r @data=(2,5)f32 #r=(2,5)f32",
+        f"torchvision.ops.RoIAlign roi_align 2 1 x r y aligned=False output_size=(3,3) sampling_ratio=3 "
+        f"spatial_scale=2.500000e-01 #y={shape_text(want)}",
+        f"torchvision.ops.RoIAlign roi_align2 2 1 x r z aligned=True output_size=(2,4) sampling_ratio=-1 "
+        f"spatial_scale=5.000000e-01 #z={shape_text(want_adaptive)}",
+        "pnnx.Output out 2 0 y z",
+    ]
+    got, got_adaptive = compile_and_run(tmp_path, lines, {"rois.data": rois.numpy()}, {"in0": x.numpy()})
+    check(got, want)
+    check(got_adaptive, want_adaptive)
+
+
+def test_roi_align_refuses_a_batch_index_beyond_the_input():
+    from pmx.runtime.errors import PmxInputError
+
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    rois = np.array([[3, 0, 0, 2, 2]], np.float32)
+    with pytest.raises(PmxInputError, match="batch 3"):
+        run_one_op("torchvision.ops.RoIAlign", "aligned=False output_size=(2,2) sampling_ratio=2 spatial_scale=1.0",
+                   [x, rois], [np.zeros((1, 1, 2, 2), np.float32)])

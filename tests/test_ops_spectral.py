@@ -232,3 +232,19 @@ def test_complex_literal_parses_and_round_trips(text):
     assert E.parse(E.to_text(tree), 1) == tree
     x = np.arange(4, dtype=np.float32)
     assert E.result_dtype(tree, [x.dtype]) == np.complex64
+
+
+def test_istft_refuses_a_window_whose_overlap_add_vanishes():
+    """As torch does: with center=False a window shorter than n_fft leaves the first samples
+    with a zero envelope."""
+    from pmx.runtime.errors import PmxInputError
+
+    spec = torch.stft(torch.randn(16), 8, hop_length=1, win_length=5, window=torch.ones(5), center=False,
+                      return_complex=True)
+    with pytest.raises(RuntimeError):
+        torch.istft(spec, 8, hop_length=1, win_length=5, window=torch.ones(5), center=False)
+    params = ("center=False hop_length=1 length=None n_fft=8 normalized=False onesided=True return_complex=False "
+              "win_length=5")
+    with pytest.raises(PmxInputError, match="overlap-add"):
+        run_one_op("torch.istft", params, [spec.numpy(), np.ones(5, np.float32)], [np.zeros(16, np.float32)],
+                   ["input", "window"])

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 
 F32 = np.float32
@@ -225,7 +226,7 @@ def make_roi_align(node, inputs, outputs):
         for k in range(boxes.shape[0]):
             b = int(boxes[k, 0])
             if not 0 <= b < n:
-                raise ValueError(f"roi_align: roi {k} names batch {b}, the input has {n}")
+                raise PmxInputError(f"{node.name} (roi_align): roi {k} names batch {b}, the input has {n}")
             x1, y1, x2, y2 = boxes[k, 1:] * scale - shift
             rw, rh = x2 - x1, y2 - y1
             if not aligned:

@@ -19,6 +19,7 @@ complex inputs are the matching float dtype.
 
 import numpy as np
 
+from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 
 COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"), np.dtype("float64"): np.dtype("complex128"),
@@ -262,7 +263,11 @@ def make_istft(node, inputs, outputs):
         end = min(start + length, total)
         y = acc[..., start:end]
         e = env[start:end]
-        y = y / np.where(e > 1e-11, e, 1.0)
+        if e.size and np.abs(e).min() < 1e-11:
+            # torch refuses too: those samples cannot be recovered (the NOLA condition fails)
+            raise PmxInputError(f"{node.name} (istft): the window's overlap-add is zero at some samples "
+                                f"(n_fft={n_fft}, hop_length={hop}, win_length={a['win_length']})")
+        y = y / e
         out[...] = 0
         np.copyto(out[..., :end - start], y, casting="unsafe")
 
