@@ -2,5 +2,6 @@
 
 import pmx.runtime  # noqa: F401 - first: it sets how numpy's OpenBLAS starts (runtime/__init__.py)
 from pmx.compiler.driver import compile_model
+from pmx.runtime.version import __version__
 
-__all__ = ["compile_model"]
+__all__ = ["compile_model", "__version__"]

@@ -1,15 +1,45 @@
 """The `pmx` command: compile, run, inspect, verify.
 
-Errors print one line and exit non-zero (1 for a PmxError, 2 for usage, 3 for an
-internal error); --debug shows the traceback instead.
+Conventions (also in `pmx --help`):
+  - exit status 0 ok, 1 a failure (a PmxError, an output that does not match --expect),
+    2 a usage error (argparse's), 3 an internal error (a bug of pmx: report it);
+  - errors print one line on stderr; --debug shows the traceback instead;
+  - a closed output pipe (`pmx run m.pmx --random | head -1`) ends pmx quietly with
+    status 0, as ripgrep does (not 141 as git's SIGPIPE death: a pipeline under
+    `set -o pipefail` should not fail because its reader had seen enough);
+  - -q/--quiet prints nothing but errors (and what --json asks for); --json prints one
+    JSON document on stdout, dims that may change at run time as null;
+  - progress goes to stderr, only when stderr is a terminal.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+EPILOG = """exit status:
+  0  success
+  1  failure: an error in the model, a file or the inputs, or outputs that do not match --expect
+  2  usage error (a wrong or missing argument)
+  3  internal error: a bug in pmx; please report it with the model file and the command
+
+A closed output pipe (pmx run m.pmx --random | head -1) ends pmx quietly with status 0.
+"""
+
+
+def _version():
+    from pmx.runtime.version import __version__
+
+    return __version__
+
+
+class _Failure(Exception):
+    """A check the command made failed (an --expect mismatch): exit 1, message printed."""
 
 
 def _compile(args):
@@ -18,7 +48,10 @@ def _compile(args):
     r = compile_model(args.param, args.bin, args.output, keep=args.keep or (), verify=args.verify,
                       disabled=args.disable or (), no_opt=args.no_opt,
                       dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static,
-                      plan_shapes=parse_plan_shapes(args.shape or ()), tune=args.tune)
+                      plan_shapes=parse_plan_shapes(args.shape or ()), tune=args.tune,
+                      metadata=dict(args.meta or ()))
+    if args.quiet:
+        return 0
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
@@ -102,24 +135,87 @@ def _list_ops(args):
     return 0
 
 
-def _feed(sess, inputs, random):
+# --- what a file is, when it is not a .pmx ----------------------------------------------
+
+_PNNX_HINT = "export it with pnnx first (pip install pnnx): {cmd}, then: pmx compile model.pnnx.param"
+
+
+def foreign_model_hint(path, command):
+    """What to do with `path` when it is a model pmx does not take where it was given (a
+    PyTorch or ONNX file, an ncnn model, or a .pnnx.param not compiled yet), else None.
+    Told by name and first bytes, before any attempt to read it as the wrong thing."""
+    name = os.path.basename(str(path)).lower()
+    head = b""
+    try:
+        if os.path.isfile(path):  # not a FIFO or device, which a read could block on
+            with open(path, "rb") as f:
+                head = f.read(4096)
+    except OSError:
+        pass
+    if name.endswith((".pt", ".pth", ".torchscript", ".ptl")) or (head.startswith(b"PK\x03\x04") and not name.endswith(".bin")):
+        return (f"{path} is a PyTorch model; "
+                + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"))
+    if name.endswith(".onnx"):
+        return f"{path} is an ONNX model; " + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)")
+    text = head.lstrip()
+    is_param_text = text.startswith(b"7767517")
+    if name.endswith(".pnnx.param") or (is_param_text and b"pnnx.Input" in head):
+        if command == "compile":
+            return None
+        return f"{path} is a PNNX model, not compiled yet: pmx compile {path} -o model.pmx, then: pmx {command} model.pmx"
+    if name.endswith(".pnnx.bin"):
+        param = str(path)[: -len(".bin")] + ".param"
+        if command == "compile":
+            return f"{path} holds the weights; compile the graph beside it: pmx compile {param}"
+        return f"{path} holds PNNX weights; compile its graph first: pmx compile {param} -o model.pmx"
+    if name.endswith((".param", ".bin")) or is_param_text:
+        if command == "compile" and name.endswith(".param"):
+            return None  # the PNNX parser says what it found (an ncnn file, or where it broke)
+        return (f"{path} looks like an ncnn model: pnnx's ncnn output (model.ncnn.param/.bin) is not pmx input; "
+                f"compile the model.pnnx.param pnnx wrote beside it: pmx compile model.pnnx.param")
+    if command == "compile" and name.endswith(".pmx"):
+        return f"{path} is already compiled: pmx run {path} --random"
+    return None
+
+
+def _check_model_arg(path, command):
     from pmx.runtime.errors import PmxInputError
 
-    given = {}
-    for item in inputs or ():
-        name, eq, path = item.partition("=")
-        if not eq:
-            raise PmxInputError(f"--input {item!r}: expected name=file.npy")
-        try:
-            given[name] = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise PmxInputError(f"--input {name}: cannot read {path}: {e}") from None
+    hint = foreign_model_hint(path, command)
+    if hint is not None:
+        raise PmxInputError(hint)
+
+
+# --- pmx run -------------------------------------------------------------------------------
+
+
+def _read_array(spec, what):
+    from pmx.runtime.errors import PmxInputError
+
+    name, _, path = spec.partition("=")
+    try:
+        return name, np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PmxInputError(f"{what} {name}: cannot read {path}: {e}") from None
+
+
+def _feed(sess, inputs, random, parser):
+    """The inputs of one run: those given with --input, random values for the others
+    with --random; without --random a missing input is a usage error naming it."""
+    from pmx.runtime.errors import PmxInputError
+
+    given = dict(_read_array(item, "--input") for item in inputs or ())
+    names = [a.name for a in sess.get_inputs()]
+    unknown = [n for n in given if n not in names]
+    if unknown:
+        raise PmxInputError(f"--input {unknown[0]}: the model has no such input; its inputs are {names}")
+    missing = [a for a in sess.get_inputs() if a.name not in given]
+    if missing and not random:
+        listed = ", ".join(f"{a.name} {_shape_text(a.shape)} {_np_type(a.type)}" for a in missing)
+        example = " ".join(f"--input {a.name}={a.name}.npy" for a in missing)
+        parser.error(f"no value for input(s) {listed}: pass {example}, or --random for random values")
     rng = np.random.default_rng(0)
-    for arg in sess.get_inputs():
-        if arg.name in given:
-            continue
-        if not random and inputs:
-            continue
+    for arg in missing:
         shape = [d if d is not None else 1 for d in arg.shape]
         dtype = np.dtype(_np_type(arg.type))
         if dtype.kind == "f":
@@ -131,19 +227,78 @@ def _feed(sess, inputs, random):
     return given
 
 
+def _shape_text(shape):
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
 def _np_type(ort_type):
     from pmx.runtime.dtypes import ORT_TYPE
 
     return {v: k for k, v in ORT_TYPE.items()}[ort_type]
 
 
+def _file_stem(name):
+    """An output name as a file name: path separators and other odd characters become _."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in name).lstrip(".")
+    return safe or "output"
+
+
+def _save_outputs(directory, names, outputs):
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for name, y in zip(names, outputs):
+        path = os.path.join(directory, _file_stem(name) + ".npy")
+        np.save(path, y)
+        paths.append(path)
+    return paths
+
+
+def _compare(name, got, path, want, rtol, atol):
+    """One --expect check as a dict: ok, and the largest errors (|got - want| and that
+    over |want|) with where the worst one is."""
+    row = dict(name=name, file=path, ok=False, rtol=rtol, atol=atol)
+    if got.shape != want.shape:
+        row["error"] = f"shape {list(got.shape)} != expected {list(want.shape)}"
+        return row
+    if got.size == 0:
+        return dict(row, ok=True, max_abs_error=0.0, max_rel_error=0.0)
+    a, b = got.astype(np.float64), want.astype(np.float64)
+    diff = np.abs(a - b)
+    nan_ok = np.isnan(a) == np.isnan(b)
+    diff = np.where(np.isnan(a) & np.isnan(b), 0.0, diff)
+    worst = int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)))
+    rel = diff / np.maximum(np.abs(b), np.finfo(np.float64).tiny)
+    ok = bool(np.all(nan_ok) and np.all(diff <= atol + rtol * np.abs(b)))
+    return dict(row, ok=ok, max_abs_error=float(diff.max()), max_rel_error=float(np.nanmax(rel)),
+                worst_index=[int(i) for i in np.unravel_index(worst, got.shape)] if got.ndim else [],
+                worst_value=float(a.reshape(-1)[worst]), expected_value=float(b.reshape(-1)[worst]))
+
+
+def _expectations(sess, specs):
+    from pmx.runtime.errors import PmxInputError
+
+    names = [a.name for a in sess.get_outputs()]
+    out = []
+    for spec in specs or ():
+        name, array = _read_array(spec, "--expect")
+        if name not in names:
+            raise PmxInputError(f"--expect {name}: the model has no such output; its outputs are {names}")
+        out.append((name, spec.partition("=")[2], array))
+    return out
+
+
 def _run(args):
     from pmx.runtime import InferenceSession
 
+    parser = args._parser
+    _check_model_arg(args.model, "run")
+    if args.batch_dir is not None:
+        return _run_batch(args)
     t0 = time.perf_counter()
-    sess = InferenceSession(args.model, num_threads=args.threads, workers=args.workers)
+    sess = InferenceSession(args.model, num_threads=args.threads)
     load_ms = (time.perf_counter() - t0) * 1e3
-    feed = _feed(sess, args.input, args.random)
+    feed = _feed(sess, args.input, args.random, parser)
+    expect = _expectations(sess, args.expect)
     t0 = time.perf_counter()
     outputs = sess.run(None, feed)
     first_ms = (time.perf_counter() - t0) * 1e3
@@ -152,27 +307,211 @@ def _run(args):
         t0 = time.perf_counter()
         sess.run(None, feed)
         times.append((time.perf_counter() - t0) * 1e3)
-    for arg, y in zip(sess.get_outputs(), outputs):
-        flat = y.reshape(-1)[:6]
-        print(f"{arg.name}: shape {list(y.shape)} {y.dtype}  first values {np.array2string(flat, precision=5, separator=', ')}")
-    steady = f", median of {args.repeat} runs {np.median(times):.2f} ms" if times else ""
-    print(f"load {load_ms:.2f} ms, first run {first_ms:.2f} ms{steady}")
-    if args.profile:
-        _print_profile(sess.profile(feed, repeat=max(args.repeat, 5)))
+    names = [a.name for a in sess.get_outputs()]
+    by_name = dict(zip(names, outputs))
+    checks = [_compare(name, by_name[name], path, want, args.rtol, args.atol) for name, path, want in expect]
+    saved = _save_outputs(args.save, names, outputs) if args.save else []
+    profile = sess.profile(feed, repeat=max(args.repeat, 5)) if args.profile else None
+    overhead = _overhead(sess, feed, args.repeat) if args.profile else None
+    if args.json:
+        print(_dumps(dict(
+            model=args.model, load_ms=load_ms, first_run_ms=first_ms, repeat=args.repeat,
+            median_ms=float(np.median(times)) if times else None,
+            inputs=[dict(name=a.name, shape=list(feed[a.name].shape), dtype=feed[a.name].dtype.name,
+                         declared_shape=a.shape) for a in sess.get_inputs()],
+            outputs=[dict(name=n, shape=list(y.shape), dtype=y.dtype.name, declared_shape=a.shape,
+                          first_values=_json_values(y.reshape(-1)[:6]))
+                     for n, y, a in zip(names, outputs, sess.get_outputs())],
+            saved=saved, expect=checks, profile=profile,
+            framework_overhead=None if overhead is None else dict(
+                wall_ms=overhead.wall_ms, kernel_ms=overhead.kernel_ms, fraction=overhead.overhead))))
+    elif not args.quiet:
+        for name, y in zip(names, outputs):
+            flat = y.reshape(-1)[:6]
+            print(f"{name}: shape {list(y.shape)} {y.dtype}  first values {np.array2string(flat, precision=5, separator=', ')}")
+        steady = f", median of {args.repeat} runs {np.median(times):.2f} ms" if times else ""
+        print(f"load {load_ms:.2f} ms, first run {first_ms:.2f} ms{steady}")
+        for path in saved:
+            print(f"saved {path}")
+        for c in checks:
+            if c["ok"]:
+                print(f"{c['name']}: matches {c['file']} (max abs error {c['max_abs_error']:.3g}, "
+                      f"max rel error {c['max_rel_error']:.3g})")
+        if profile is not None:
+            _print_profile(profile)
+            print(f"framework overhead {100 * overhead.overhead:.1f}% of run() (run {overhead.wall_ms:.3f} ms, "
+                  f"kernels {overhead.kernel_ms:.3f} ms: the rest is feed checks, copies in and out, the loop)")
+    failed = [c for c in checks if not c["ok"]]
+    if failed:
+        raise _Failure("; ".join(_mismatch_text(c) for c in failed))
     return 0
 
 
+def _dumps(obj):
+    """Strict JSON (no NaN or Infinity tokens, which many parsers refuse), indented."""
+    def strict(o):
+        if isinstance(o, float):
+            return _json_number(o)
+        if isinstance(o, dict):
+            return {k: strict(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [strict(v) for v in o]
+        return o
+
+    return json.dumps(strict(obj), indent=1, allow_nan=False)
+
+
+def _json_values(a):
+    """Values as strict JSON: complex as [real, imag], non-finite floats as strings
+    ("nan", "inf", "-inf"), which JSON has no numbers for."""
+    if a.dtype.kind == "c":
+        return [[_json_number(v.real), _json_number(v.imag)] for v in a.tolist()]
+    return [_json_number(v) for v in a.tolist()]
+
+
+def _json_number(v):
+    return v if not isinstance(v, float) or np.isfinite(v) else str(v)
+
+
+def _mismatch_text(c):
+    if "error" in c:
+        return f"{c['name']} does not match {c['file']}: {c['error']}"
+    return (f"{c['name']} does not match {c['file']}: max abs error {c['max_abs_error']:.6g} at "
+            f"{tuple(c['worst_index'])} (got {c['worst_value']:.6g}, expected {c['expected_value']:.6g}), "
+            f"max rel error {c['max_rel_error']:.6g}; allowed atol {c['atol']:g} + rtol {c['rtol']:g} x |expected|")
+
+
+def batch_files(directory):
+    """The files `pmx run --batch-dir` runs, sorted by name: each .npy (the one input of a
+    single-input model) and each .npz (one array per input name)."""
+    from pmx.runtime.errors import PmxInputError
+
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith((".npy", ".npz")))
+    except OSError as e:
+        raise PmxInputError(f"--batch-dir {directory}: {e.strerror or e}") from None
+    if not names:
+        raise PmxInputError(f"--batch-dir {directory}: no .npy or .npz files in it")
+    return [os.path.join(directory, n) for n in names]
+
+
+def _batch_feed(sess, path):
+    """A .npy is the model's one input; a .npz holds one array per input name."""
+    from pmx.runtime.errors import PmxInputError
+
+    inputs = [a.name for a in sess.get_inputs()]
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise PmxInputError(f"{path}: cannot read: {e}") from None
+    if isinstance(loaded, np.ndarray):
+        if len(inputs) != 1:
+            raise PmxInputError(f"{path}: a .npy file feeds a model with one input; this one has {inputs}: "
+                                f"give each run as a .npz with one array per input name")
+        return {inputs[0]: loaded}
+    with loaded:
+        feed = {k: loaded[k] for k in loaded.files}
+    if sorted(feed) != sorted(inputs):
+        raise PmxInputError(f"{path}: holds arrays {sorted(feed)}, the model's inputs are {inputs}")
+    return feed
+
+
+class _Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total, enabled):
+        self.total, self.enabled, self.t0 = total, enabled and sys.stderr.isatty(), time.perf_counter()
+
+    def show(self, done, name):
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * done // self.total
+        rate = done / max(time.perf_counter() - self.t0, 1e-9)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {rate:.1f}/s {name[:30]:<30}")
+        sys.stderr.flush()
+
+    def close(self):
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _run_batch(args):
+    """pmx run model.pmx --batch-dir IN --save OUT: every .npy/.npz of IN, sorted by name,
+    run once; outputs saved as OUT/<stem>.npy (one output) or OUT/<stem>.npz (one array
+    per output name)."""
+    from pmx.runtime import InferenceSession
+
+    files = batch_files(args.batch_dir)
+    sess = InferenceSession(args.model, num_threads=args.threads)
+    names = [a.name for a in sess.get_outputs()]
+    os.makedirs(args.save, exist_ok=True)
+    progress = _Progress(len(files), not args.quiet)
+    t0 = time.perf_counter()
+    written = []
+    try:
+        for k, path in enumerate(files):
+            progress.show(k, os.path.basename(path))
+            outputs = sess.run(None, _batch_feed(sess, path))
+            stem = os.path.splitext(os.path.basename(path))[0]
+            if len(outputs) == 1:
+                target = os.path.join(args.save, stem + ".npy")
+                np.save(target, outputs[0])
+            else:
+                target = os.path.join(args.save, stem + ".npz")
+                np.savez(target, **dict(zip(names, outputs)))
+            written.append(dict(input=path, output=target))
+        progress.show(len(files), "")
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(_dumps(dict(model=args.model, files=written, seconds=seconds)))
+    elif not args.quiet:
+        print(f"ran {len(files)} files in {seconds:.2f} s; outputs in {args.save}")
+    return 0
+
+
+def _overhead(sess, feed, repeat):
+    from pmx.runtime.overhead import framework_overhead
+
+    return framework_overhead(sess, feed, repeat=max(repeat, 5))
+
+
 def _print_profile(rows):
-    total = sum(r["ms"] for r in rows) or 1.0
+    total = sum(r["ms"] for r in rows)  # 0 for a model with no node
     print(f"\n{'op':<18} {'variant':<10} {'name':<28} {'input shapes':<30} {'ms':>8} {'%':>6}")
     for r in rows:
         shapes = " ".join("x".join(map(str, s)) for s in r["in_shapes"])[:30]
-        print(f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / total:>5.1f}%")
+        print(f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / (total or 1.0):>5.1f}%")
     print(f"{'total':<88} {total:>8.3f}")
 
 
+# --- pmx inspect, pmx verify -----------------------------------------------------------------
+
+
+def _declared_shape(t):
+    """A graph input's or output's shape as get_inputs() reports it: None for dims that
+    may change at run time."""
+    if t.dim_min is None:
+        return list(t.shape)
+    return [d if lo == hi else None for d, lo, hi in zip(t.shape, t.dim_min, t.dim_max)]
+
+
+def _io_entry(t):
+    from pmx.runtime.replan import format_ranges
+
+    entry = dict(name=t.name, shape=_declared_shape(t), dtype=t.dtype.name, planned_shape=list(t.shape))
+    if t.dim_min is not None:
+        entry["allowed"] = format_ranges(list(zip(t.dim_min, t.dim_max)))
+    return entry
+
+
 def inspect_dict(model):
-    """Everything `pmx inspect` reports, as one JSON-able dict."""
+    """Everything `pmx inspect` reports, as one JSON-able dict. Inputs and outputs carry
+    their shape as get_inputs() reports it (null for dims that may change), the shape
+    memory was planned for, and, where dims may change, the sizes they allow."""
     from pmx.runtime.plan import lower_bound
     from pmx.runtime.replan import root_buffers
     from pmx.schema.pmx_generated import TensorKind
@@ -185,8 +524,9 @@ def inspect_dict(model):
         "producer": model.producer,
         "source": model.source,
         "file_bytes": model.file_size,
-        "inputs": [dict(name=t[i].name, shape=list(t[i].shape), dtype=t[i].dtype.name) for i in model.inputs],
-        "outputs": [dict(name=t[i].name, shape=list(t[i].shape), dtype=t[i].dtype.name) for i in model.outputs],
+        "metadata": dict(model.metadata),
+        "inputs": [_io_entry(t[i]) for i in model.inputs],
+        "outputs": [_io_entry(t[i]) for i in model.outputs],
         "kept": [t[i].name for i in model.kept],
         "nodes": len(model.nodes),
         "constants": sum(1 for x in t if x.kind == TensorKind.Constant),
@@ -208,14 +548,19 @@ def inspect_dict(model):
 def _inspect(args):
     from pmx.runtime.load import open_model
 
+    _check_model_arg(args.model, "inspect")
     info = inspect_dict(open_model(args.model))
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(_dumps(info))
+        return 0
+    if args.quiet:
         return 0
     print(f"{info['file']}  ({info['file_bytes'] / 1e6:.2f} MB, {info['producer']}, from {info['source']})")
     for kind in ("inputs", "outputs"):
         for x in info[kind]:
-            print(f"  {kind[:-1]:<7} {x['name']:<12} {x['shape']} {x['dtype']}")
+            print(f"  {kind[:-1]:<7} {x['name']:<12} {x.get('allowed') or x['shape']} {x['dtype']}")
+    for key, value in info["metadata"].items():
+        print(f"  meta    {key} = {value}")
     print("passes (nodes before -> after):")
     for p in info["passes"]:
         print(f"  {p['name']:<22} {p['nodes_before']:>5} -> {p['nodes_after']}")
@@ -229,46 +574,136 @@ def _inspect(args):
 
 
 def _verify(args):
+    from pmx.runtime.errors import PmxError
     from pmx.runtime.load import open_model
 
-    model = open_model(args.model, verify_checksum=True)
+    _check_model_arg(args.model, "verify")
+    try:
+        model = open_model(args.model, verify_checksum=True)
+    except PmxError as e:
+        if args.json:
+            print(_dumps(dict(file=args.model, ok=False, error=str(e))))
+        raise
     pre = model.preamble
-    print(f"{args.model}: OK ({model.file_size} bytes, {len(model.nodes)} nodes, {len(model.tensors)} tensors, "
-          f"structure valid, header and data checksums match: "
-          f"{pre['header_crc']:#010x} {pre['data_crc']:#010x})")
+    if args.json:
+        print(_dumps(dict(file=args.model, ok=True, file_bytes=model.file_size, nodes=len(model.nodes),
+                              tensors=len(model.tensors), format_version=pre["version"],
+                              header_crc=f"{pre['header_crc']:#010x}", data_crc=f"{pre['data_crc']:#010x}")))
+    elif not args.quiet:
+        print(f"{args.model}: OK ({model.file_size} bytes, {len(model.nodes)} nodes, {len(model.tensors)} tensors, "
+              f"structure valid, header and data checksums match: "
+              f"{pre['header_crc']:#010x} {pre['data_crc']:#010x})")
     return 0
 
 
+# --- arguments -------------------------------------------------------------------------------
+
+
+def _int_at_least(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _tolerance(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+_tolerance.__name__ = "tolerance"
+
+
+def _name_equals(what):
+    def parse(text):
+        name, eq, value = text.partition("=")
+        if not eq or not name or not value:
+            raise argparse.ArgumentTypeError(f"expected NAME={what}, got {text!r}")
+        return text
+
+    parse.__name__ = f"NAME={what}"
+    return parse
+
+
+def _key_value(text):
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+_key_value.__name__ = "KEY=VALUE"
+
+
+def _common(sub):
+    """--debug and -q on a subcommand as on pmx itself (SUPPRESS: an option given before
+    the subcommand is not reset by the subcommand's default)."""
+    sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                     help="print nothing but errors (and --json output)")
+    sub.set_defaults(_parser=sub)
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="pmx", description="Compile PNNX models to .pmx and run them.")
+    p = argparse.ArgumentParser(prog="pmx", description="Compile PNNX models to .pmx and run them.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-V", "--version", action="version", version=f"pmx {_version()}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{compile,run,inspect,verify}")
 
-    c = sub.add_parser("compile", help="compile model.pnnx.param + model.pnnx.bin into model.pmx")
+    c = sub.add_parser("compile", help="compile model.pnnx.param + model.pnnx.bin into model.pmx", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_compile_args(c)
-    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    _common(c)
 
-    r = sub.add_parser("run", help="run a .pmx model on given or random inputs")
+    r = sub.add_parser("run", help="run a .pmx model on given or random inputs", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a .pmx model once (then --repeat more times, timed) and print its outputs. "
+                                   "Every input needs --input NAME=FILE.npy unless --random is given.")
     r.add_argument("model")
-    r.add_argument("--input", action="append", metavar="NAME=FILE.npy")
-    r.add_argument("--random", action="store_true", help="random inputs for those not given")
-    r.add_argument("--repeat", type=int, default=10, help="timed runs after the first (default 10)")
-    r.add_argument("--threads", type=int, default=None,
-                   help="threads for BLAS, numexpr and kernel splits (default: all cores)")
-    r.add_argument("--workers", choices=("threads", "processes"), default=None,
-                   help="what runs the second half of split kernels: worker threads (default) or a forked "
-                        "worker process (Linux; the PMX_WORKERS environment variable sets the same)")
+    r.add_argument("--input", action="append", metavar="NAME=FILE.npy", type=_name_equals("FILE.npy"),
+                   help="an input's value (repeat for each input)")
+    r.add_argument("--random", action="store_true", help="random values for the inputs not given with --input")
+    r.add_argument("--repeat", type=_int_at_least(0), default=10, help="timed runs after the first (default 10)")
+    r.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="threads of this run's kernel splits (default: OMP_NUM_THREADS, else all cores)")
     r.add_argument("--profile", action="store_true", help="print per-node times")
-    r.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    r.add_argument("--json", action="store_true", help="print the results as JSON")
+    r.add_argument("--save", metavar="DIR", help="save each output as DIR/<output name>.npy (with --batch-dir: "
+                                                 "DIR/<input file stem>.npy, or .npz for several outputs)")
+    r.add_argument("--expect", action="append", metavar="NAME=FILE.npy", type=_name_equals("FILE.npy"),
+                   help="compare output NAME with FILE.npy; exit 1 on a mismatch, printing the largest error")
+    r.add_argument("--rtol", type=_tolerance, default=1e-4, help="--expect: relative tolerance (default 1e-4)")
+    r.add_argument("--atol", type=_tolerance, default=1e-5,
+                   help="--expect: absolute tolerance (default 1e-5); passes where |out - expected| <= "
+                        "atol + rtol * |expected|")
+    r.add_argument("--batch-dir", metavar="DIR",
+                   help="run every .npy (the input of a single-input model) and .npz (one array per input name) "
+                        "in DIR, sorted by name; needs --save")
+    _common(r)
 
-    i = sub.add_parser("inspect", help="print inputs, outputs, passes, memory plan and nodes")
+    i = sub.add_parser("inspect", help="print inputs, outputs, metadata, passes, memory plan and nodes")
     i.add_argument("model")
-    i.add_argument("--json", action="store_true")
-    i.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    i.add_argument("--json", action="store_true", help="print it as JSON (dims that may change as null)")
+    _common(i)
 
     v = sub.add_parser("verify", help="check a .pmx file's structure and checksums")
     v.add_argument("model")
-    v.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    v.add_argument("--json", action="store_true", help="print the result as JSON ({\"ok\": false, ...} on failure)")
+    _common(v)
     return p
 
 
@@ -289,41 +724,87 @@ def add_compile_args(c):
     c.add_argument("--tune", action="store_true",
                    help="time each node's candidate kernels on this machine and store the fastest")
     c.add_argument("--verbose", action="store_true", help="with --tune: list every tuned node, not the top 10")
+    c.add_argument("--meta", action="append", metavar="KEY=VALUE", type=_key_value,
+                   help="store this metadata in the file (repeatable; InferenceSession.get_modelmeta()"
+                        ".custom_metadata_map)")
 
 
 def _dispatch(args):
+    parser = args._parser
     if args.command == "compile":
         if args.list_ops:
             return _list_ops(args)
         if not args.param:
-            raise SystemExit("pmx compile: a .pnnx.param file is required")
+            parser.error("a model.pnnx.param file is required")
+        keys = [k for k, _ in args.meta or ()]
+        if len(set(keys)) != len(keys):
+            parser.error(f"--meta {next(k for k in keys if keys.count(k) > 1)} given twice")
+        _check_model_arg(args.param, "compile")
         return _compile(args)
+    if args.command == "run":
+        if args.batch_dir is not None:
+            if not args.save:
+                parser.error("--batch-dir needs --save DIR for the outputs")
+            clash = [o for o, v in (("--input", args.input), ("--random", args.random), ("--expect", args.expect),
+                                    ("--profile", args.profile)) if v]
+            if clash:
+                parser.error(f"--batch-dir takes its inputs from the directory; it cannot be combined with {clash[0]}")
+        elif args.expect is None and (args.rtol != 1e-4 or args.atol != 1e-5):
+            parser.error("--rtol/--atol apply to --expect")
     return {"run": _run, "inspect": _inspect, "verify": _verify}[args.command](args)
 
 
 def main(argv=None, prog_args=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not hasattr(args, "_parser"):
+        args._parser = parser
     return guarded(lambda: _dispatch(args), args.debug)
 
 
 def guarded(fn, debug):
-    from pmx.runtime.errors import PmxError
+    """Run one command: its status, with errors as one line on stderr (see EPILOG)."""
+    from pmx.runtime.errors import PmxError, PmxInternalError
 
     try:
-        return fn()
+        status = fn()
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
+    except _Failure as e:
+        print(f"pmx: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except PmxInternalError as e:
+        if debug:
+            raise
+        print(f"pmx: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
     except PmxError as e:
         if debug:
             raise
         print(f"pmx: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI never shows a bare traceback
         if debug:
             raise
-        print(f"pmx: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
-        return 3
+        print(f"pmx: internal error: {type(e).__name__}: {e}. This is a bug in pmx; please report it with the "
+              f"model file and the command line (rerun with --debug for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _closed_pipe():
+    """The reader of stdout went away (`| head`): stop quietly. stdout is pointed at
+    /dev/null so the interpreter's final flush does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -113,7 +113,10 @@ def _internal_error(e, source):
 
 
 def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
-                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, tune=False, _fail_after_bytes=None):
+                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, tune=False, metadata=None,
+                  _fail_after_bytes=None):
+    """metadata: {key: value} strings stored in the file (pmx compile --meta KEY=VALUE),
+    read back as InferenceSession.get_modelmeta().custom_metadata_map."""
     t0 = time.perf_counter()
     if bin_path is None:
         bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
@@ -130,6 +133,7 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash
         raise _internal_error(e, param_path) from e
+    graph.metadata = dict(metadata or {})
     size = write(graph, output, _fail_after_bytes=_fail_after_bytes)
     consts = [v for v in graph.values() if v.is_constant]
     return CompileResult(

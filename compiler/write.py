@@ -19,9 +19,10 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.load import MAX_RANK
+from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
 
-PRODUCER = "pmx 0.1.0"
+PRODUCER = f"pmx {__version__}"
 
 
 def _attr_fields(name, value):
@@ -281,6 +282,7 @@ def build(graph):
     inputs_off = shared.numbers([index[v.uid] for v in graph.inputs])
     outputs_off = shared.numbers([index[v.uid] for v in graph.outputs])
     kept_off = shared.numbers([index[v.uid] for v in getattr(graph, "kept", [])])
+    metadata_off = _metadata(b, getattr(graph, "metadata", None) or {})
     fb.ModelStart(b)
     fb.ModelAddProducer(b, producer_off)
     fb.ModelAddTensors(b, tensors_off)
@@ -293,8 +295,28 @@ def build(graph):
     fb.ModelAddArenaSize(b, graph.arena_size)
     fb.ModelAddPassStats(b, stats_off)
     fb.ModelAddSource(b, source_off)
+    if metadata_off is not None:
+        fb.ModelAddMetadata(b, metadata_off)
     b.Finish(fb.ModelEnd(b), file_identifier=ff.FILE_IDENTIFIER)
     return bytes(b.Output()), blobs, data_size
+
+
+def _metadata(b, metadata):
+    """The user metadata as a vector of KeyValue tables, in the order given; None when
+    there is none, so such files keep the layout they had before the field existed."""
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise PmxCompileError(f"metadata {key!r}={value!r}: keys and values must be strings, keys non-empty")
+    if not metadata:
+        return None
+    entries = []
+    for key, value in metadata.items():
+        key_off, value_off = b.CreateString(key), b.CreateString(value)
+        fb.KeyValueStart(b)
+        fb.KeyValueAddKey(b, key_off)
+        fb.KeyValueAddValue(b, value_off)
+        entries.append(fb.KeyValueEnd(b))
+    return _table_vector(b, fb.ModelStartMetadataVector, entries)
 
 
 def _format_version(graph):

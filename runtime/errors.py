@@ -7,7 +7,8 @@ class PmxError(Exception):
 
 
 class PmxFormatError(PmxError):
-    """A .pmx, .param or .bin file is damaged, truncated, hostile or of another format."""
+    """A .pmx, .param or .bin file is damaged, truncated, hostile or of another format:
+    the loader's verifier (or the compiler's parser) refused it."""
 
 
 class PmxCompileError(PmxError):
@@ -24,3 +25,19 @@ class PmxInputError(PmxError, ValueError):
 
 class PmxResourceError(PmxError):
     """A file declares sizes beyond the configured limits."""
+
+
+class PmxInternalError(PmxError):
+    """A bug of pmx's own: a kernel failed while binding or running a file that passed
+    every check of the verifier. Its message names the node and asks for a bug report."""
+
+
+def internal_error(path, node, stage, exc):
+    """PmxInternalError for `exc` raised by `node`'s kernel at `stage` ("bind" or "run")
+    of the model at `path`. A file that passed the verifier must bind and run, so the
+    fault is pmx's (a kernel, or a check the verifier lacks), not the user's."""
+    where = f"node {node.name[:40]!r} ({node.op})" if node is not None else "the model"
+    return PmxInternalError(
+        f"{path}: internal error: {where} failed at {stage}: {type(exc).__name__}: {str(exc)[:160]}. "
+        f"This is a bug in pmx; please report it with the model file (the .pmx, or the "
+        f".pnnx.param and .pnnx.bin it was compiled from) and this message")

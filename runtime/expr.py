@@ -29,7 +29,7 @@ FUNCTIONS = {
     # pnnx binary spellings
     "add": 2, "sub": 2, "mul": 2, "div": 2, "pow": 2, "max": 2, "min": 2,
     "maximum": 2, "minimum": 2, "atan2": 2, "fmod": 2, "remainder": 2,
-    "floor_divide": 2, "and": 2, "or": 2, "xor": 2,
+    "floor_divide": 2, "and": 2, "or": 2, "xor": 2, "lshift": 2, "rshift": 2, "logaddexp": 2,
     # comparisons (produce bool)
     "gt": 2, "ge": 2, "lt": 2, "le": 2, "eq": 2, "ne": 2,
     # unary
@@ -37,7 +37,7 @@ FUNCTIONS = {
     "log1p": 1, "expm1": 1, "sign": 1, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
     "sin": 1, "cos": 1, "tan": 1, "asin": 1, "acos": 1, "atan": 1, "sinh": 1,
     "cosh": 1, "tanh": 1, "asinh": 1, "acosh": 1, "atanh": 1, "reciprocal": 1,
-    "square": 1, "sigmoid": 1, "erf": 1, "erfc": 1, "not": 1,
+    "square": 1, "sigmoid": 1, "erf": 1, "erfc": 1, "not": 1, "lgamma": 1,
     # ternary
     "where": 3,
 }
@@ -45,7 +45,10 @@ FUNCTIONS = {
 MAX_EXPR_LENGTH = 1 << 16
 MAX_DEPTH = 200
 
-_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)|(-inf)|(\()|(\))|(,))")
+# a number, or a complex one as pnnx writes it: "%e+%ej", the "+" kept before a negative part
+_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)"
+                    r"|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:\+?[-+](?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?j)?)"
+                    r"|(-inf)|(\()|(\))|(,))")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -82,6 +85,8 @@ def _parse_at(tokens, i, text, depth):
     if inp:
         return ("@", int(inp[1:])), i + 1
     if num:
+        if num.endswith("j"):
+            return ("#", complex(num.replace("+-", "-"))), i + 1
         value = float(num) if any(c in num for c in ".eE") else int(num)
         return ("#", value), i + 1
     if neginf:
@@ -128,6 +133,8 @@ def to_text(tree) -> str:
             if math.isinf(v):
                 return "inf" if v > 0 else "-inf"
             return repr(float(np.float32(v))) if float(np.float32(v)) == v else repr(v)
+        if isinstance(v, complex):
+            return f"{v.real!r}{'+' if v.imag >= 0 else ''}{v.imag!r}j"
         return str(v)
     return kind + "(" + ",".join(to_text(a) for a in tree[1:]) + ")"
 
@@ -256,7 +263,8 @@ _NE_UNARY = {"abs": "abs", "sqrt": "sqrt", "exp": "exp", "log": "log", "log10": 
              "atan": "arctan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh",
              "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh"}
 # numexpr computes these in float64 or lacks them; such expressions run on numpy.
-_NE_UNSUPPORTED = {"sign", "round", "trunc", "remainder", "floor_divide", "fmod", "not"}
+_NE_UNSUPPORTED = {"sign", "round", "trunc", "remainder", "floor_divide", "fmod", "not", "lshift", "rshift",
+                   "logaddexp", "lgamma"}
 
 
 def numexpr_supported(tree) -> bool:
@@ -264,7 +272,9 @@ def numexpr_supported(tree) -> bool:
 
 
 def _ne_ok(tree) -> bool:
-    if tree[0] in ("@", "#"):
+    if tree[0] == "#":
+        return not isinstance(tree[1], complex)  # to_numexpr makes float32 constants
+    if tree[0] == "@":
         return True
     if tree[0] in _NE_UNSUPPORTED:
         return False
@@ -354,6 +364,55 @@ def _where(c, a, b, out):
     np.copyto(out, a, where=c, casting="unsafe")
 
 
+# Lanczos' approximation of the gamma function, g = 7 with 9 coefficients (the widely
+# published set): relative error about 1e-15 in float64 for x >= 0.5.
+_LANCZOS_G = 7.0
+_LANCZOS = (0.99999999999980993, 676.5203681218851, -1259.1392167224028, 771.32342877765313,
+            -176.61502916214059, 12.507343278686905, -0.13857109526572012, 9.9843695780195716e-6,
+            1.5056327351493116e-7)
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _lgamma(x, out=None):
+    """log|Gamma(x)| as torch.lgamma: Lanczos' series in float64 for x >= 0.5, the
+    reflection log(pi / |sin(pi x)|) - lgamma(1 - x) below (sin's argument reduced to
+    [-0.5, 0.5] first, exact for float32 x), +inf at the poles 0, -1, -2, ... and at
+    +-inf. Error ~1e-14, absolute below 1 and relative above, far below float32's
+    rounding; numpy has no lgamma, and math.lgamma per element is ~3x slower. Its
+    float64 temporaries are allocated per call: lgamma is rare in models."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(all="ignore"):
+        reflect = x < 0.5
+        z = np.where(reflect, -x, x - 1.0)  # for the reflected, 1 - x = z + 1
+        series, tmp = np.full_like(z, _LANCZOS[0]), np.empty_like(z)
+        for i, c in enumerate(_LANCZOS[1:], 1):
+            np.add(z, i, out=tmp)
+            np.divide(c, tmp, out=tmp)
+            series += tmp
+        np.add(z, _LANCZOS_G + 0.5, out=tmp)  # t
+        z += 0.5
+        z *= np.log(tmp)
+        z -= tmp
+        np.log(series, out=series)
+        z += series
+        z += _HALF_LOG_2PI  # lgamma(z + 1)
+        if reflect.any():
+            np.round(x, out=tmp)
+            np.subtract(x, tmp, out=tmp)
+            tmp *= np.pi
+            np.sin(tmp, out=tmp)
+            np.abs(tmp, out=tmp)
+            np.divide(np.pi, tmp, out=tmp)
+            np.log(tmp, out=tmp)
+            tmp -= z
+            np.copyto(z, tmp, where=reflect)
+        z[np.isinf(x)] = np.inf
+    if out is None:
+        return z
+    np.copyto(out, z, casting="unsafe")
+    return out
+
+
 NUMPY_FUNCS = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
     "pow": np.power, "maximum": np.maximum, "minimum": np.minimum, "atan2": np.arctan2,
@@ -368,6 +427,7 @@ NUMPY_FUNCS = {
     "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh, "tanh": np.tanh,
     "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh,
     "reciprocal": np.reciprocal, "square": np.square, "sigmoid": _sigmoid, "where": _where,
+    "lshift": np.left_shift, "rshift": np.right_shift, "logaddexp": np.logaddexp, "lgamma": _lgamma,
 }
 
 
@@ -437,8 +497,33 @@ def _keeps_float_dtype(tree):
     return reads_input[id(tree)]
 
 
-@functools.lru_cache(maxsize=4096)
+class Exact:
+    """A tree as a memo key that tells its literals apart: trees are tuples, and Python
+    has 1 == 1.0 == True and 0.0 == -0.0, so add(@0,1) and add(@0,1.0) (an integer and a
+    float result for an integer input) or where(c,0.0,@0) and where(c,-0.0,@0) compare
+    equal and would share a memoized dtype, plan or desugared tree. repr keeps each
+    literal's type and sign."""
+
+    __slots__ = ("tree", "text", "_hash")
+
+    def __init__(self, tree):
+        self.tree, self.text = tree, repr(tree)
+        self._hash = hash(self.text)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, Exact) and self.text == other.text
+
+
 def _result_dtype(tree, input_dtypes):
+    return _result_dtype_exact(Exact(tree), input_dtypes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _result_dtype_exact(key, input_dtypes):
+    tree = key.tree
     samples = [np.ones((1,), dtype=d) for d in input_dtypes]
 
     def ev(t):
@@ -485,7 +570,7 @@ def compile_numpy(tree, inputs, out, empty=None):
     # check, conservative)
     out_free = final_into_out and not any(np.may_share_memory(out, x) for x in inputs if isinstance(x, np.ndarray))
     program, slot_shapes, slot_of, result = _numpy_plan(
-        tree, tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
+        Exact(tree), tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
         final_into_out, out.shape if out_free else None)
     slots = [(empty or np.empty)(shape, dtype) for shape, dtype in slot_shapes]
 
@@ -518,15 +603,20 @@ def compile_numpy(tree, inputs, out, empty=None):
     return run
 
 
-@functools.lru_cache(maxsize=1024)
 def _desugared(tree):
     """desugar(tree), memoized: trees are immutable tuples."""
-    return desugar(tree)
+    return _desugared_exact(Exact(tree))
 
 
 @functools.lru_cache(maxsize=1024)
-def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out, free_out_shape=None):
-    """The part of compile_numpy that depends on shapes and dtypes, not on the arrays:
+def _desugared_exact(key):
+    return desugar(key.tree)
+
+
+@functools.lru_cache(maxsize=1024)
+def _numpy_plan(key, input_shapes, input_dtypes, out_dtype, final_into_out, free_out_shape=None):
+    """The part of compile_numpy that depends on shapes and dtypes, not on the arrays
+    (key: the tree as an Exact):
     (program, temporary buffer slots as (shape, dtype), slot of each temporary, result
     ref). Memoized: a model binds the same activation for every conv and every split
     part of it (SiLU after each of EfficientNet-B0's 81 convs), and planning it cost
@@ -535,10 +625,11 @@ def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out, fre
     input overlaps out) lets a temporary of out's shape and dtype live in out itself
     (slot OUT_SLOT) while out is not yet written: an affine + ReLU chain then runs in
     out with no temporary (DenseNet-121's 62 BN + ReLU nodes had held 38 MB of them)."""
+    tree = key.tree
     float_dtype = out_dtype if out_dtype.kind in "fc" else None
     program = []  # (tree, operand refs, target ref, clip bounds or None)
     temps = []  # (shape, dtype) per temporary
-    memo = {}
+    memo = {}  # Exact(subtree) -> its temporary: equal subtrees are computed once
 
     def shape_of(ref):
         kind, v = ref
@@ -549,8 +640,9 @@ def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out, fre
             return ("in", t[1])
         if t[0] == "#":
             return ("lit", _literal(t[1], float_dtype))
-        if t in memo and not final:
-            return memo[t]
+        exact = Exact(t)
+        if exact in memo and not final:
+            return memo[exact]
         clip = _as_clip(t) if float_dtype is not None else None
         if clip is not None and result_dtype(_relabel(t), _leaf_dtypes(t, input_dtypes)).kind != "f":
             clip = None  # integer max/min: infinite bounds do not exist there
@@ -564,7 +656,7 @@ def _numpy_plan(tree, input_shapes, input_dtypes, out_dtype, final_into_out, fre
                 dtype = float_dtype
             target = ("tmp", len(temps))
             temps.append((shape, dtype))
-            memo[t] = target
+            memo[exact] = target
         program.append((t, operands, target, clip[1] if clip else None))
         return target
 
@@ -799,14 +891,33 @@ def _leaf_dtypes(t, dtypes):
 
 @functools.cache
 def _numexpr_compiler():
-    """numexpr is imported only when a model uses it (it costs ~10 ms), and given the
-    runtime's thread count then (runtime/parallel.py sets it on later changes)."""
-    from numexpr.necompiler import NumExpr, getType
+    """numexpr is imported only when a model uses it (it costs ~10 ms)."""
+    from numexpr import NumExpr
 
-    from pmx.runtime import parallel
+    return NumExpr, _numexpr_type
 
-    parallel.adopt_numexpr()
-    return NumExpr, getType
+
+def _numexpr_type(a):
+    """The type NumExpr's signature names for array `a` (numexpr 2's kinds: bool, int =
+    int32, long = int64, float = float32, double = float64, complex): numexpr's own
+    getType is internal to numexpr.necompiler, so the rule it follows is written out here."""
+    kind, size = a.dtype.kind, a.dtype.itemsize
+    if kind == "b":
+        return bool
+    if kind in "iu":
+        return np.int64 if size > 4 or (kind == "u" and size == 4) else np.int32
+    if kind == "f":
+        return np.float64 if size > 4 else float
+    if kind == "c":
+        return complex
+    raise PmxFormatError(f"numexpr cannot compute on {a.dtype.name} arrays")
+
+
+def numexpr_threads() -> int:
+    """numexpr's own thread count (read, never set: it is process-wide)."""
+    import numexpr
+
+    return numexpr.get_num_threads()
 
 
 def compile_numexpr(tree, inputs, out):

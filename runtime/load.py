@@ -101,10 +101,10 @@ class NodeInfo(Record):
 
 class Model(Record):
     __slots__ = ("path", "tensors", "nodes", "inputs", "outputs", "kept", "arena_size", "constants",
-                 "pass_stats", "producer", "source", "file_size", "preamble", "_map", "roots")
+                 "pass_stats", "producer", "source", "file_size", "preamble", "_map", "roots", "metadata")
 
     def __init__(self, path, tensors, nodes, inputs, outputs, kept, arena_size, constants, pass_stats,
-                 producer, source, file_size, preamble, _map=None, roots=None):
+                 producer, source, file_size, preamble, _map=None, roots=None, metadata=None):
         self.path, self.tensors, self.nodes = path, tensors, nodes
         self.inputs, self.outputs, self.kept, self.arena_size = inputs, outputs, kept, arena_size
         self.constants = constants  # tensor index -> read-only ndarray over the mmap
@@ -112,15 +112,30 @@ class Model(Record):
         self.file_size, self.preamble, self._map = file_size, preamble, _map
         # tensor index -> (root tensor index, byte offset into the root), filled by the verifier
         self.roots = [] if roots is None else roots
+        self.metadata = {} if metadata is None else metadata  # user metadata (pmx compile --meta)
 
 
 def _fail(path, msg):
     raise PmxFormatError(f"{path}: {msg}")
 
 
+# How messages name a model given as bytes instead of a path.
+BYTES_LABEL = "<model bytes>"
+
+
 def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES) -> Model:
-    """mmap and verify `path`. verify_checksum also checks the CRC32s of header and data
-    (reads every byte: `pmx verify`, InferenceSession(verify=True))."""
+    """mmap and verify `path`, or verify the bytes of a model given as bytes, bytearray
+    or memoryview (the same checks; weights are views of those bytes, copied first unless
+    they are immutable bytes, so a later change to the buffer cannot reach them).
+    verify_checksum also checks the CRC32s of header and data (reads every byte:
+    `pmx verify`, InferenceSession(verify=True))."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        buf = path if isinstance(path, bytes) else bytes(path)
+        path, size = BYTES_LABEL, len(buf)
+        if size < ff.PREAMBLE_SIZE:
+            _fail(path, f"{size} bytes, shorter than the {ff.PREAMBLE_SIZE}-byte preamble: bytes are read as the "
+                        f"model's content (pass a str or os.PathLike for a path)")
+        return _open_buffer(path, buf, size, verify_checksum, max_arena_bytes)
     try:
         f = open(path, "rb")
     except (OSError, ValueError) as e:
@@ -133,6 +148,11 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
             raise PmxFormatError(f"{path}: cannot map the file: {e}") from None
+    return _open_buffer(path, buf, size, verify_checksum, max_arena_bytes)
+
+
+def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
+    """Verify the model in `buf` (an mmap or bytes of `size` bytes) and wrap it."""
     pre = _check_preamble(path, buf, size)
     if verify_checksum:
         verify_checksums(path, buf, pre)
@@ -292,7 +312,8 @@ class _Layout:
 
 _MODEL = _Layout(fb.Model, producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
                  attr_sets="AttrSetsLength", inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
-                 arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source")
+                 arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source",
+                 metadata="MetadataLength")
 _TENSORS = _Layout(fb.Tensors, names="Names", name_ends="NameEndsAsNumpy", kinds="KindsAsNumpy",
                    dtypes="DtypesAsNumpy", ranks="RanksAsNumpy", dims="DimsAsNumpy",
                    data_offsets="DataOffsetsAsNumpy", data_sizes="DataSizesAsNumpy",
@@ -307,6 +328,7 @@ _ATTR_SET = _Layout(fb.AttrSet, attrs="AttrsLength")
 _ATTR = _Layout(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
                 strings="StringsLength")
 _PASS_STAT = _Layout(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
+_KEY_VALUE = _Layout(fb.KeyValue, key="Key", value="Value")
 _SOFFSET, _UOFFSET, _VOFFSET = (struct.Struct(f).unpack_from for f in ("<i", "<I", "<H"))
 
 
@@ -582,7 +604,23 @@ def _read_header(path, header, pre, size) -> Model:
     tensors = _read_tensors(r, tensors_at)
     nodes = _read_nodes(r, nodes_at, r.strings_at(strings, "model strings"), _read_attr_sets(r, attr_sets))
     return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), m.columns[M.arena_size][0], {},
-                 stats, producer, source, size, pre)
+                 stats, producer, source, size, pre, metadata=_read_metadata(r, m))
+
+
+def _read_metadata(r, m):
+    """The user metadata (absent in files written without it) as {key: value}: its
+    strings are read and charged like every other; a key given twice is refused."""
+    [entries] = r.targets(m, _MODEL.metadata, "metadata")
+    if not entries:
+        return {}
+    t = r.tables(_KEY_VALUE, entries, "metadata entries")
+    keys = r.strings(t, _KEY_VALUE.key, "metadata keys")
+    values = r.strings(t, _KEY_VALUE.value, "metadata values")
+    metadata = dict(zip(keys, values))
+    if len(metadata) != len(keys):
+        key = next(k for k in keys if keys.count(k) > 1)
+        _fail(r.path, f"metadata key {key[:40]!r} appears more than once")
+    return metadata
 
 
 def _same_lengths(path, what, n, columns):
@@ -665,7 +703,8 @@ def _read_nodes(r, pos, strings, attr_sets):
     picked = []
     for column, table, what in ((c["ops"], strings, "model strings"), (c["exprs"], strings, "model strings"),
                                 (c["variants"], strings, "model strings"), (c["attr_sets"], attr_sets, "attribute sets")):
-        if max(column, default=0) >= len(table):
+        # an empty column (a model with no nodes, or none with attributes) names nothing
+        if column and max(column) >= len(table):
             j = next(j for j, i in enumerate(column) if i >= len(table))
             _fail(path, f"node {j} names entry {column[j]} of the {len(table)} {what}")
         picked.append(list(map(table.__getitem__, column)))

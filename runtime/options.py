@@ -28,9 +28,8 @@ class SessionOptions:
     inter_op_num_threads: accepted for compatibility; pmx runs nodes in one stored order.
     enable_profiling / profile_file_prefix: per-node timings written as a Chrome trace by
         InferenceSession.end_profiling().
-    Config entry "session.intra_op.allow_spinning" ("1" or "0", default "0"): whether a
-        session's worker threads spin while waiting for work inside a run (faster
-        hand-offs, one busy core per worker while a run lasts). They never spin between runs.
+    Config entry "session.intra_op.allow_spinning" ("0" or "1"): accepted as onnxruntime
+        accepts it; pmx's worker threads always sleep while they wait, never spin.
     """
 
     def __init__(self):
@@ -51,10 +50,6 @@ class SessionOptions:
         if key not in self._config:
             raise PmxInputError(f"session config entry {key!r} is not set")
         return self._config[key]
-
-    @property
-    def allow_spinning(self) -> bool:
-        return self._config.get(ALLOW_SPINNING, "0") == "1"
 
     def __getstate__(self):
         return dict(self.__dict__)

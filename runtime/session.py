@@ -7,8 +7,9 @@ Load does no graph work: it verifies and wraps the file (runtime/load.py). Each 
 that calls run() gets its own binding, built once: an arena, a view of it per tensor, one
 scratch buffer all nodes share for their temporaries (runtime/kernels/__init__.py), and
 the list of kernel callables (weights shared by all threads, read-only). A run copies
-inputs into their arena slots, calls the list with BLAS held at one thread (kernels split
-their own work over runtime/parallel.py's workers), and copies the requested outputs out.
+inputs into their arena slots, calls the list (kernels split their work over the worker
+threads this session keeps for the calling thread: runtime/parallel.py), and copies the
+requested outputs out.
 
 What run() accepts (decided here, documented in the README):
   - a dict {input name: value}; every model input must be given, unknown names are refused
@@ -31,9 +32,9 @@ import time
 
 import numpy as np
 
-from pmx.runtime import kernels, parallel
+from pmx.runtime import compat, kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
-from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError
+from pmx.runtime.errors import PmxError, PmxInputError, PmxResourceError, internal_error
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
@@ -61,16 +62,16 @@ def _naming_node(model, node):
         raise
     except MemoryError:
         raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
-    except Exception as e:  # noqa: BLE001 - whatever the kernel raised
-        raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot be bound: {type(e).__name__}: {str(e)[:120]}") from None
+    except Exception as e:  # noqa: BLE001 - whatever the kernel raised, on a file the verifier passed
+        raise internal_error(model.path, node, "bind", e) from e
 
 
 class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
     layout. Arena plus scratch count against max_arena_bytes."""
 
-    def __init__(self, model, layout, max_arena_bytes):
-        with parallel.shared_memory():  # worker processes must see what the kernels allocate
+    def __init__(self, model, layout, max_arena_bytes, pool):
+        with parallel.binding(pool):
             self._bind(model, layout, max_arena_bytes)
 
     def _bind(self, model, layout, max_arena_bytes):
@@ -113,6 +114,16 @@ class _Binding:
         return self.arena[start:start + nbytes].view(t.dtype).reshape(shape)
 
 
+def _model_source(path_or_bytes):
+    """What open_model takes: a path (str or os.PathLike), or the model's bytes (bytes,
+    bytearray, memoryview), which onnxruntime takes as the model's content too."""
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        return path_or_bytes
+    if isinstance(path_or_bytes, str) or hasattr(path_or_bytes, "__fspath__"):
+        return os.fspath(path_or_bytes)
+    raise PmxInputError(f"InferenceSession takes a path to a .pmx file or its bytes, got {type(path_or_bytes).__name__}")
+
+
 def _ranges(t):
     """[(min, max) per dim] of a tensor (max -1 = unbounded); fixed dims are (d, d)."""
     if t.dim_min is None:
@@ -124,10 +135,28 @@ def _shape_allowed(shape, ranges):
     return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
 
 
-def _node_arg(t):
+def _node_arg(t, counted=False):
     """onnxruntime-style NodeArg: dims that may change are None."""
-    shape = [d if lo == hi else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
+    shape = [d if lo == hi and not counted else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
     return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
+
+
+def _counted_outputs(model):
+    """{output tensor: count tensor} for nodes whose output 0 has a data-dependent length
+    (attrs count_output: the output holding it): the planned buffer is the upper bound,
+    and run() returns its first `count` elements. The compiler keeps the count alive to
+    the end and lets no node read such an output."""
+    counted = {}
+    for node in model.nodes:
+        k = node.attrs.get("count_output")
+        if not (isinstance(k, int) and 0 < k < len(node.outputs)):
+            continue
+        out, count = model.tensors[node.outputs[0]], model.tensors[node.outputs[k]]
+        if len(out.shape) != 1 or tuple(count.shape) != (1,) or count.dtype != np.int64:
+            raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) declares a counted output "
+                                 f"but its outputs are {list(out.shape)} and {list(count.shape)} {count.dtype}")
+        counted[node.outputs[0]] = node.outputs[k]
+    return counted
 
 
 def _aligned_empty(nbytes, align=64):
@@ -140,41 +169,31 @@ class InferenceSession:
     """Load a .pmx file and run it. Mirrors onnxruntime.InferenceSession.
 
     verify=True checks the CRC32 checksums of the whole file at load (off by default so
-    load stays fast; the structural verifier always runs). num_threads sets the threads
-    BLAS, numexpr and pmx's own kernel splits use; like BLAS's and numexpr's own settings
-    it is process-wide (the last session to set it wins); default: the cores this process
-    may use (runtime/parallel.py). workers="processes" runs the parts of kernel splits in
-    a forked worker process instead of worker threads (Linux; process-wide too, for
-    sessions that bind from then on; the PMX_WORKERS environment variable sets the same
-    at import): see the README's "Threads and tuning". providers / sess_options are
-    accepted for drop-in compatibility and ignored (pmx runs on the CPU).
+    load stays fast; the structural verifier always runs). The thread count is this
+    session's own: num_threads= if given, else sess_options.intra_op_num_threads if not
+    0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
+    thread and up to that many minus one worker threads of the session's (one set per
+    calling thread, sleeping while they wait); nothing process-wide changes.
+    path_or_bytes is a path or the file's bytes (verified alike). providers
+    other than "CPUExecutionProvider" warn, as onnxruntime warns for one it lacks (pmx
+    runs on the CPU).
     """
 
     # layouts kept per session (shared by threads) and bindings kept per thread
     PLAN_CACHE_SIZE = 8
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
-                 *, verify=False, num_threads=None, workers=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
+                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
                  plan_cache_size=PLAN_CACHE_SIZE):
-        if not isinstance(path_or_bytes, (str, bytes)) and not hasattr(path_or_bytes, "__fspath__"):
-            raise PmxInputError(f"InferenceSession takes a path to a .pmx file, got {type(path_or_bytes).__name__}")
-        self._model = open_model(str(path_or_bytes) if not isinstance(path_or_bytes, bytes) else path_or_bytes.decode(),
-                                 verify_checksum=verify, max_arena_bytes=max_arena_bytes)
-        if num_threads is not None:
-            try:
-                parallel.set_num_threads(num_threads)
-            except (TypeError, ValueError) as e:
-                raise PmxInputError(f"num_threads: {e}") from None
-        if workers is not None:
-            try:
-                parallel.set_workers(workers)
-            except ValueError as e:
-                raise PmxInputError(str(e)) from None
+        self._model = open_model(_model_source(path_or_bytes), verify_checksum=verify, max_arena_bytes=max_arena_bytes)
+        compat.check_providers(providers)
         self._options = sess_options if sess_options is not None else SessionOptions()
         self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
-        self._outputs = [_node_arg(m.tensors[i]) for i in m.outputs]
+        # outputs whose length is known only at run time (masked_select): tensor -> count tensor
+        self._counted = _counted_outputs(m)
+        self._outputs = [_node_arg(m.tensors[i], i in self._counted) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
@@ -188,6 +207,7 @@ class InferenceSession:
         self._layouts = collections.OrderedDict({self._compiled_key: compiled_layout(m)})
         self._layouts_lock = threading.Lock()
         self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
+        self._profiler = compat.Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
 
     # --- metadata -------------------------------------------------------------------
 
@@ -216,7 +236,19 @@ class InferenceSession:
         return _reopen_session, (source, self._options, self._reopen_with, identity)
 
     def get_providers(self):
-        return ["CPUExecutionProvider"]
+        return [compat.CPU_PROVIDER]
+
+    def get_modelmeta(self):
+        """onnxruntime's ModelMetadata: producer "pmx", graph name, and the user metadata
+        stored with `pmx compile --meta KEY=VALUE` as custom_metadata_map."""
+        return compat.model_metadata(self._model)
+
+    def end_profiling(self):
+        """With SessionOptions.enable_profiling: write the runs profiled so far as a Chrome
+        trace to <profile_file_prefix>_<time>.json, stop profiling, return the path
+        ("" when profiling is off), as onnxruntime does."""
+        profiler, self._profiler = self._profiler, None
+        return profiler.write() if profiler is not None else ""
 
     @property
     def model(self):
@@ -224,9 +256,22 @@ class InferenceSession:
 
     # --- running --------------------------------------------------------------------
 
+    def _pool(self):
+        """This thread's worker pool (made on its first run, gone with the thread). Kernels
+        split GEMMs over it only while BLAS runs on one thread (parallel.Pool), so when
+        BLAS's thread count has moved across that line since (threadpoolctl limits around
+        some runs), this thread's pool and bindings are made anew."""
+        pool = getattr(self._local, "pool", None)
+        if pool is not None and pool.threads > 1 and pool.splits_gemms != (parallel.blas_threads() == 1):
+            pool = self._local.pool = self._local.bindings = None
+        if pool is None:
+            pool = self._local.pool = parallel.Pool(self._num_threads)
+        return pool
+
     def _binding(self, key=None):
         """This thread's binding for the input shapes `key` (None: the compiled ones)."""
         key = self._compiled_key if key is None else key
+        self._pool()
         cache = getattr(self._local, "bindings", None)
         if cache is None:
             cache = self._local.bindings = collections.OrderedDict()
@@ -237,13 +282,13 @@ class InferenceSession:
         layout = self._layout(key)
         try:
             with collector_paused():
-                b = _Binding(self._model, layout, self._max_arena_bytes)
+                b = _Binding(self._model, layout, self._max_arena_bytes, self._pool())
         except PmxError:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: cannot allocate the {layout.arena_size}-byte arena") from None
         except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
-            raise PmxFormatError(f"{self._model.path}: cannot bind the model: {type(e).__name__}: {str(e)[:120]}") from None
+            raise internal_error(self._model.path, None, "bind", e) from e
         cache[key] = b
         while len(cache) > self._cache_size:
             cache.popitem(last=False)
@@ -347,8 +392,8 @@ class InferenceSession:
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
-        if output_names is None:
-            wanted = list(self._model.outputs)
+        if output_names is None or (not isinstance(output_names, str) and len(output_names) == 0):
+            wanted = list(self._model.outputs)  # None or [] (onnxruntime): every output
         else:
             if isinstance(output_names, str):
                 raise PmxInputError("output_names must be a list of names or None, not a string")
@@ -365,25 +410,55 @@ class InferenceSession:
         steps = self._steps_for(binding, wanted)
         step = None
         try:
-            with np.errstate(all="ignore"), parallel.running():
-                for step in steps:
-                    step()
+            with np.errstate(all="ignore"):
+                if self._profiler is None:
+                    for step in steps:
+                        step()
+                else:
+                    self._run_profiled(binding, steps, self._profiler)
         except PmxError:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
-            raise PmxFormatError(f"{self._model.path}: {self._describe(binding, step)} failed: {type(e).__name__}: {str(e)[:120]}") from None
+            raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+        if self._counted:
+            return [np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))] if i in self._counted
+                             else binding.views[i], copy=True) for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
+
+    def _run_profiled(self, binding, steps, profiler):
+        """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
+        nodes = getattr(binding, "step_nodes", None)
+        if nodes is None:
+            nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
+        shapes = binding.layout.shapes
+        clock = time.perf_counter
+        start = clock()
+        for step in steps:
+            node = nodes[id(step)]
+            t0 = clock()
+            try:
+                step()
+            except (PmxError, MemoryError):
+                raise
+            except Exception as e:  # noqa: BLE001 - named here, where the node is known
+                raise internal_error(self._model.path, node, "run", e) from e
+            profiler.node(node, t0, clock(), [list(shapes[i]) for i in node.outputs])
+        profiler.run(start, clock())
 
     def _describe(self, binding, step):
         """'node NAME (op)' for the step that raised (found only after an error, so the
         loop in run() stays a bare loop)."""
+        node = self._node_of(binding, step)
+        return f"node {node.name[:40]!r} ({node.op})" if node is not None else "a node"
+
+    def _node_of(self, binding, step):
+        """The node whose kernel callable is `step` (None if none is)."""
         for j, fn in enumerate(binding.steps):
             if fn is step:
-                node = self._model.nodes[j]
-                return f"node {node.name[:40]!r} ({node.op})"
-        return "a node"
+                return self._model.nodes[j]
+        return None
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
@@ -395,7 +470,7 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"), parallel.running():
+        with np.errstate(all="ignore"):
             for _ in range(repeat):
                 for j, step in enumerate(binding.steps):
                     if step is None:

@@ -43,7 +43,7 @@ def torch_outputs(module, inputs):
 
     def walk(o):
         if isinstance(o, torch.Tensor):
-            flat.append(o.detach().numpy())
+            flat.append(o.detach().resolve_conj().resolve_neg().numpy())  # fft outputs may carry a lazy conj bit
         elif isinstance(o, (list, tuple)):
             for e in o:
                 walk(e)
@@ -53,8 +53,10 @@ def torch_outputs(module, inputs):
 
 
 def rel_error(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
+    # complex outputs compare as complex: a float64 cast would drop the imaginary parts
+    kind = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+    a = np.asarray(a, kind)
+    b = np.asarray(b, kind)
     if b.size == 0:
         return 0.0
     scale = max(float(np.abs(b).max()), 1e-12)
@@ -110,35 +112,3 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
         with np.errstate(all="ignore"):
             fn()
     return outputs
-
-
-# The start of a script for run_openblas_script: `timeout` reads OpenBLAS's idle-timeout
-# static (0 until a timeout is set), or the script prints "no-openblas" and stops.
-OPENBLAS_PREAMBLE = """
-from pmx.runtime import parallel
-found = parallel._openblas_pool_functions()
-if found is None:
-    print("no-openblas")
-    raise SystemExit(0)
-timeout = found[1]
-"""
-
-
-def run_openblas_script(script, user_timeout=None, **env):
-    """Run `script` (which starts with OPENBLAS_PREAMBLE, after any imports whose order
-    matters) in a fresh Python, with no OpenBLAS timeout in its environment but
-    `user_timeout` and with `env` added; returns its output split in words. Skips the
-    test when numpy's BLAS is not OpenBLAS."""
-    import subprocess
-    import sys
-
-    import pytest
-
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")} | env
-    if user_timeout is not None:
-        env["OPENBLAS_THREAD_TIMEOUT"] = user_timeout
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    if done.stdout.strip() == "no-openblas":
-        pytest.skip("numpy's BLAS is not OpenBLAS")
-    return done.stdout.split()

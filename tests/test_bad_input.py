@@ -1,10 +1,11 @@
 """Bad .param / .bin input: each case raises a PmxError subclass whose message says what
 was wrong and where; the CLI turns each into one `pmx: error: ...` line and exit code 1."""
 
+import pathlib
 import re
-import shutil
 import struct
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -443,11 +444,12 @@ def test_cli_one_line_error(tmp_path, capsys, case, request):
 
 
 def test_cli_subprocess(tmp_path):
-    pmx = shutil.which("pmx", path="/work/venv/bin") or "/work/venv/bin/pmx"
+    """The console script installed with the interpreter under test (or, where there is
+    none, `python -m pmx.compiler`, which is `pmx compile`)."""
+    script = pathlib.Path(sys.executable).with_name("pmx")
+    cmd = [str(script), "compile"] if script.exists() else [sys.executable, "-m", "pmx.compiler"]
     param = write(tmp_path, param_text(ops_with(1, "nn.Frobnicate frob_1 1 1 0 1 #1=(1,4)f32")))
-    r = subprocess.run(
-        [pmx, "compile", param], capture_output=True, text=True, timeout=120, check=False
-    )
+    r = subprocess.run(cmd + [param], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1, r
     lines = r.stderr.strip("\n").split("\n")
     assert len(lines) == 1 and lines[0].startswith("pmx: error: "), r.stderr

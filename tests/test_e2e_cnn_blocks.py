@@ -488,15 +488,10 @@ class PoolIndices(nn.Module):
         return F.max_pool2d(x, 2, return_indices=True)
 
 
-def test_used_pool_indices_are_refused(exporter, tmp_path):
-    """pmx has no indices output; a model that returns them must fail at compile time,
-    naming the node, not run with wrong outputs."""
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime.errors import PmxCompileError
-
-    prefix = exporter("pool_indices", PoolIndices(), (_rand(1, 2, 6, 6),))
-    with pytest.raises(PmxCompileError, match=r"max_pool2d.*return_indices"):
-        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
+def test_used_pool_indices_match_torch(check_model):
+    """A model that returns max_pool2d's indices gets them, int64 as torch returns them."""
+    _, got, _ = check_model("pool_indices", PoolIndices(), (_rand(1, 2, 6, 6),))
+    assert got[1].dtype == np.int64
 
 
 def test_channel_shuffle_is_one_node_at_any_batch(exporter, tmp_path):

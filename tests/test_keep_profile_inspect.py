@@ -93,9 +93,12 @@ def test_profile_prints_nodes_by_time(prefix, tmp_path, capsys):
     assert cli.main(["run", out, "--random", "--profile", "--repeat", "3"]) == 0
     text = capsys.readouterr().out
     table = text[text.index("\nop ") + 1:]
-    rows = [line for line in table.splitlines()[1:] if line and not line.startswith("total")]
+    lines = table.splitlines()[1:]
+    rows = lines[:next(i for i, line in enumerate(lines) if line.startswith("total"))]
     sess = InferenceSession(out)
     assert len(rows) == len(sess.model.nodes)
+    overhead = next(line for line in lines if line.startswith("framework overhead"))
+    assert 0 <= float(overhead.split()[2].rstrip("%")) <= 100
     ms = [float(line.split()[-2]) for line in rows]
     assert ms == sorted(ms, reverse=True)
 

@@ -321,7 +321,7 @@ def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
     broadcast along the split axis, and relu6's clip fast path must keep NaN."""
     from pmx.runtime import parallel
 
-    monkeypatch.setattr(parallel, "_num_threads", 2)
+    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(s).astype(np.float32) for s in shapes_)
     a.flat[::97] = np.nan
@@ -334,16 +334,17 @@ def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
         assert rel_error(np.nan_to_num(got), np.nan_to_num(want)) <= TOL
 
 
-def test_numexpr_split_over_pmx_threads_inside_runs(monkeypatch):
-    """numexpr runs on one thread inside runs (its own pool would share a core with a
-    spinning pmx worker) and gets its threads back after; a numexpr node past
-    SPLIT_MIN_ELEMENTS is split into slabs over pmx's threads instead, and each slab
-    reads only its share of the inputs that are not broadcast."""
+@pytest.mark.parametrize("numexpr_threads", [1, 2])
+def test_numexpr_split_over_pmx_threads_only_when_numexpr_is_single_threaded(numexpr_threads, monkeypatch):
+    """pmx never changes numexpr's (process-wide) thread count. A numexpr node past
+    SPLIT_MIN_ELEMENTS is split into slabs over pmx's threads when numexpr runs on one
+    thread, each slab reading only its share of the inputs that are not broadcast; with
+    more, numexpr's own threads share the program out and pmx does not split it."""
     import numexpr
 
     from pmx.runtime import parallel
 
-    monkeypatch.setattr(parallel, "_num_threads", 2)
+    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((1, 96, 40, 40)).astype(np.float32)
     b = rng.standard_normal((96, 1, 1)).astype(np.float32)
@@ -351,14 +352,15 @@ def test_numexpr_split_over_pmx_threads_inside_runs(monkeypatch):
     pieces = []
     real_split = parallel.split
     monkeypatch.setattr(parallel, "split", lambda parts: pieces.append(len(parts)) or real_split(parts))
-    (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr")
-    assert pieces == [2], "the numexpr node was not split over the two threads"
+    before = numexpr.set_num_threads(numexpr_threads)
+    try:
+        (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr")
+        assert numexpr.get_num_threads() == numexpr_threads
+    finally:
+        numexpr.set_num_threads(before)
+    assert pieces == ([2] if numexpr_threads == 1 else []), pieces
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     assert rel_error(got, torch.where(ta > 0, ta, ta * tb).numpy()) <= TOL
-    numexpr.set_num_threads(2)
-    with parallel.running():
-        assert numexpr.get_num_threads() == 1
-    assert numexpr.get_num_threads() == 2
 
 
 # The numpy backend's table form of GELU and desugar's one-divide form of SiLU: the

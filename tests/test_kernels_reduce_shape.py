@@ -153,7 +153,7 @@ def test_softmax_any_dim(op, x, data):
     from pmx.runtime import parallel
 
     axis = data.draw(st.integers(0, x.ndim - 1))
-    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
             mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         (got,) = run_kernel(op, [x], dict(axis=axis))
     close(got, getattr(torch, op)(torch.from_numpy(x).double(), axis).float())
@@ -274,7 +274,7 @@ def test_transposes_trading_two_runs_of_axes_go_through_blas(shape, dtype, data)
     x.flat[rng.integers(0, x.size, x.size // 2)] = rng.choice(specials, x.size // 2)
     made = []
     real = blas.transposed_copy
-    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
             mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1), \
             mock.patch.object(blas, "transposed_copy", lambda s, d: made.append(real(s, d)) or made[-1]):
         (got,) = run_kernel("transpose", [x], dict(perm=perm))
@@ -319,7 +319,7 @@ def test_transpose_concat_split(x, data):
     from pmx.runtime import parallel
 
     perm = tuple(data.draw(st.permutations(range(x.ndim))))
-    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]))), \
+    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
             mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         (got,) = run_kernel("transpose", [x], dict(perm=perm))
     np.testing.assert_array_equal(got, torch.from_numpy(x).permute(perm).numpy())

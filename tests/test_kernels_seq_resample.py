@@ -35,7 +35,7 @@ def run_split(data, op, inputs, attrs, expr=""):
 
     from pmx.runtime import parallel
 
-    with mock.patch.object(parallel, "_num_threads", data.draw(st.sampled_from([1, 2, 3]), label="threads")), \
+    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3]), label="threads"), splits_gemms=True), \
             mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         return run_kernel(op, inputs, attrs, expr=expr)[0]
 

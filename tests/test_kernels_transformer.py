@@ -85,7 +85,7 @@ def threads(n):
 
     from pmx.runtime import parallel
 
-    with mock.patch.object(parallel, "_num_threads", n), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+    with parallel.using_threads(n, splits_gemms=True), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         yield
 
 
@@ -342,7 +342,7 @@ def test_einsum(seed, eq, sizes, ellipsis):
     from pmx.runtime.kernels import common
 
     # every product split over two threads, along a batch axis or out's rows or columns
-    with mock.patch.object(parallel, "_num_threads", 2), mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
+    with parallel.using_threads(2, splits_gemms=True), mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
             mock.patch.object(common, "GEMM_SPLIT_MIN_ROWS", 1), mock.patch.object(common, "GEMM_SPLIT_MIN_COLUMNS", 1), \
             mock.patch.object(linalg, "gemm", lambda *a, **k: products.append(a) or real_gemm(*a, threads=2)):
         got = run_kernel("einsum", ops, dict(equation=eq))[0]
@@ -379,7 +379,7 @@ def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s
     (only the first was, before the fix)."""
     from pmx.runtime import parallel
 
-    monkeypatch.setattr(parallel, "_num_threads", 2)
+    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     e = ev = 8
     q, k, v = arr(1, q_batch + (lq, e)), arr(2, k_batch + (s, e)), arr(3, v_batch + (s, ev))
     attrs = dict(heads=0, scale=1.0 / math.sqrt(e), causal=0, masks=(), masked_rows="zero")
@@ -397,7 +397,7 @@ def test_gemms_split_over_threads(kind, monkeypatch):
     from pmx.runtime import parallel
     from pmx.runtime.kernels import common
 
-    monkeypatch.setattr(parallel, "_num_threads", 2)
+    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     if kind.startswith("linear"):
         rows, fin, fout = (197, 256, 1024) if kind == "linear_columns" else (4096, 256, 64)
         x, w, b = arr(1, (1, rows, fin)), arr(2, (fout, fin)), arr(3, (fout,))

@@ -1,7 +1,9 @@
 """The runtime stays small: importing it pulls in numpy, numexpr and flatbuffers only."""
 
+import pathlib
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -39,3 +41,74 @@ def test_runtime_third_party_imports_are_numpy_numexpr_flatbuffers():
 @pytest.mark.parametrize("module", ["pmx.compiler", "pmx.runtime", "pmx.schema.pmx_generated"])
 def test_namespace_packages_import(module):
     __import__(module)
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "tools" / "example"
+
+WHEEL_CHECK = """
+import importlib.metadata, pathlib, sys
+import numpy as np
+import pmx.compiler, pmx.runtime
+from pmx.runtime import InferenceSession
+
+venv = pathlib.Path(sys.argv[1]).resolve()
+for mod in (pmx.runtime, pmx.compiler):
+    assert venv in pathlib.Path(mod.__file__).resolve().parents, mod.__file__
+assert pmx.runtime.__version__ == pmx.compiler.__version__ == importlib.metadata.version("pnnx-pmx")
+sess = InferenceSession(sys.argv[2])
+[y] = sess.run(None, {"in0": np.load(sys.argv[3])})
+expected = np.load(sys.argv[4])
+err = float(np.abs(y - expected).max() / np.abs(expected).max())
+assert err <= 1e-4, err
+print("ok", pmx.runtime.__version__, sess.model.producer)
+"""
+
+
+def test_wheel_installs_alone_and_runs_the_example(tmp_path):
+    """`pip wheel .` gives a wheel that, installed into a fresh venv, compiles and runs the
+    shipped example with its console script and matches torch's output. The venv gets
+    numpy, numexpr and flatbuffers from the interpreter under test through a .pth file
+    naming their directories (no download), and nothing else: an editable install
+    registers itself through a .pth file in its own site-packages, which a directory
+    added this way does not run, so pmx can only come from the wheel."""
+    import numexpr
+    import flatbuffers
+    import numpy
+
+    wheels = tmp_path / "wheels"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(wheels)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    [wheel] = wheels.glob("pnnx_pmx-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    for name in ("pmx/runtime/py.typed", "pmx/compiler/py.typed", "pmx/schema/py.typed", "pmx/schema/pmx.fbs",
+                 "pmx/runtime/version.py"):
+        assert name in names, name
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
+    assert "License-Expression: BSD-3-Clause" in metadata
+    assert "Requires-Dist: flatbuffers>=" in metadata and "==" not in metadata.split("Provides-Extra")[0]
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    dirs = sorted({str(pathlib.Path(m.__file__).resolve().parent.parent) for m in (numpy, numexpr, flatbuffers)})
+    pathlib.Path(purelib, "dependencies.pth").write_text("\n".join(dirs) + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
+                                "-q", str(wheel)], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+
+    env = {"PATH": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}
+    model = tmp_path / "cnn.pmx"
+    compiled = subprocess.run([str(venv / "bin" / "pmx"), "compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(model)],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert compiled.returncode == 0, compiled.stderr
+    checked = subprocess.run([str(py), "-c", WHEEL_CHECK, str(venv), str(model), str(EXAMPLE / "cnn_input.npy"),
+                              str(EXAMPLE / "cnn_expected.npy")], capture_output=True, text=True, cwd=tmp_path,
+                             env=env, timeout=300)
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.startswith("ok 0."), checked.stdout

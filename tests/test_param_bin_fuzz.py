@@ -150,9 +150,9 @@ def run_case(workdir, label, param: bytes, binary: bytes):
         frames = traceback.extract_tb(e.__traceback__)
         where = next(
             (
-                f"{f.filename.split('/work/main/')[-1]}:{f.lineno} {f.name}"
+                f"{f.filename.split(f'{ROOT}/')[-1]}:{f.lineno} {f.name}"
                 for f in reversed(frames)
-                if "/work/main/" in f.filename
+                if f.filename.startswith(f"{ROOT}/")
             ),
             "?",
         )

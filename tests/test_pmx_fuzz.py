@@ -1,9 +1,10 @@
 """Damaged and hostile .pmx files: mutate valid files and check that loading and running
 them raises only PmxError subclasses, within a time and a memory bound.
 
-Two valid files are mutated: the example CNN (tools/example) and a model with views
+Three valid files are mutated: the example CNN (tools/example), a model with views
 (reshape/flatten aliases, concat slices), pooling, linear, GELU (an erf expression) and
-softmax. Mutations:
+softmax, and a model with no node at all (an input passed through and a constant output:
+its node table is empty). Mutations:
   - truncation at every region boundary (preamble, header, padding, each constant, data
     end, and one byte either side) and at random points;
   - random byte flips in preamble, header and data, with the stored CRCs left alone and
@@ -72,6 +73,20 @@ class Views(nn.Module):
         return F.softmax(self.fc2(w).reshape(2, 3), dim=1)
 
 
+class NoNodes(nn.Module):
+    """Compiles to no node: the input passed through and a constant (pnnx folds c + 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("c", torch.arange(6.0).reshape(2, 3))
+
+    def forward(self, x):
+        return x, self.c + 1
+
+
+NAMES = ["cnn", "views", "empty"]
+
+
 # --- the files ------------------------------------------------------------------------
 
 
@@ -89,9 +104,13 @@ def valid_files(exporter, tmp_path_factory):
     compile_model(str(EXAMPLE) + ".pnnx.param", str(EXAMPLE) + ".pnnx.bin", str(d / "cnn.pmx"))
     prefix = exporter("fuzz_views", Views(), (torch.rand(1, 3, 8, 8),))
     compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "views.pmx"))
-    files = Files({name: (d / f"{name}.pmx").read_bytes() for name in ("cnn", "views")})
+    prefix = exporter("fuzz_empty", NoNodes(), (torch.rand(2, 3),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "empty.pmx"))
+    files = Files({name: (d / f"{name}.pmx").read_bytes() for name in NAMES})
     sess = InferenceSession(str(d / "views.pmx"))
     assert any(t.alias_of >= 0 for t in sess.model.tensors), "the views model should contain aliases"
+    empty = InferenceSession(str(d / "empty.pmx")).model
+    assert not empty.nodes and any(t.kind == 1 for t in empty.tensors), "the empty model: no node, a constant"
     for data in files.values():
         assert _attempt(data, d / "check.pmx", verify=True) is None, "unmutated files must load and run"
     return files
@@ -274,11 +293,11 @@ def region_boundaries(data: bytes):
 # --- the tests ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["cnn", "views"])
+@pytest.mark.parametrize("name", NAMES)
 def test_truncate_at_every_region_boundary(valid_files, name, tmp_path):
     data = valid_files[name]
     points = region_boundaries(data)
-    assert len(points) > 20
+    assert len(points) > (10 if name == "empty" else 20)
     for cut in points:
         msg = _attempt(data[:cut], tmp_path / "m.pmx", verify=False)
         assert msg is not None, f"a file truncated to {cut} of {len(data)} bytes loaded"
@@ -286,7 +305,7 @@ def test_truncate_at_every_region_boundary(valid_files, name, tmp_path):
 
 
 @fuzz(60)
-@given(name=st.sampled_from(["cnn", "views"]), frac=st.floats(0, 1, exclude_max=True))
+@given(name=st.sampled_from(NAMES), frac=st.floats(0, 1, exclude_max=True))
 def test_truncate_at_random_points(valid_files, tmp_path_factory, name, frac):
     data = valid_files[name]
     cut = int(frac * len(data))
@@ -296,7 +315,7 @@ def test_truncate_at_random_points(valid_files, tmp_path_factory, name, frac):
 
 
 @fuzz(250)
-@given(name=st.sampled_from(["cnn", "views"]), region=st.sampled_from(["preamble", "header", "data"]),
+@given(name=st.sampled_from(NAMES), region=st.sampled_from(["preamble", "header", "data"]),
        where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255), fix_crc=st.booleans(),
        verify=st.booleans())
 def test_flip_bytes(valid_files, tmp_path_factory, name, region, where, mask, fix_crc, verify):
@@ -320,7 +339,12 @@ def test_flip_bytes(valid_files, tmp_path_factory, name, region, where, mask, fi
 @pytest.fixture(scope="module")
 def sites(valid_files):
     out = {name: flatbuffer_sites(data) for name, data in valid_files.items()}
+    labels = {label for _, _, label in out["empty"]}
+    for want in ("Nodes soffset", "Nodes.ops vector length", "Tensors.data_offsets[]", "Model.outputs[]"):
+        assert want in labels, f"empty: walker found no {want}"
     for name, s in out.items():
+        if name == "empty":
+            continue
         labels = {label for _, _, label in s}
         for want in ("Tensors.dims[]", "Tensors.data_offsets[]", "Nodes.inputs[]", "Model.arena_size",
                      "Tensors.alias_of[]", "Attr.ints[]", "Tensors.name_ends vector length", "Tensors soffset",
@@ -330,7 +354,7 @@ def sites(valid_files):
 
 
 @fuzz(400)
-@given(name=st.sampled_from(["cnn", "views"]), pick=st.floats(0, 1, exclude_max=True),
+@given(name=st.sampled_from(NAMES), pick=st.floats(0, 1, exclude_max=True),
        value=st.one_of(st.sampled_from(EXTREMES), st.integers(-(2**63), 2**64 - 1), st.integers(-300, 300)),
        verify=st.booleans())
 def test_overwrite_fields_with_extreme_values(valid_files, sites, tmp_path_factory, name, pick, value, verify):
@@ -342,7 +366,7 @@ def test_overwrite_fields_with_extreme_values(valid_files, sites, tmp_path_facto
 
 
 @fuzz(80)
-@given(name=st.sampled_from(["cnn", "views"]), picks=st.lists(st.floats(0, 1, exclude_max=True), min_size=2, max_size=6),
+@given(name=st.sampled_from(NAMES), picks=st.lists(st.floats(0, 1, exclude_max=True), min_size=2, max_size=6),
        value=st.sampled_from(EXTREMES))
 def test_overwrite_several_fields(valid_files, sites, tmp_path_factory, name, picks, value):
     data = valid_files[name]

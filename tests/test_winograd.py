@@ -24,10 +24,8 @@ ACTIVATIONS = {"": lambda y: y, "maximum(@0,0)": F.relu, "mul(@0,sigmoid(@0))": 
 
 @pytest.fixture
 def two_threads():
-    before = parallel.num_threads()
-    parallel.set_num_threads(2)
-    yield
-    parallel.set_num_threads(before)
+    with parallel.using_threads(2, splits_gemms=True):
+        yield
 
 
 @contextlib.contextmanager
@@ -35,13 +33,12 @@ def split_everything():
     """Every conv_winograd splits over two threads, however small (the property test's
     shapes are far below SPLIT_MIN_MACS). A context manager, not a fixture: hypothesis
     runs many examples per function-scoped fixture."""
-    threads, min_macs = parallel.num_threads(), winograd.SPLIT_MIN_MACS
-    parallel.set_num_threads(2)
+    min_macs = winograd.SPLIT_MIN_MACS
     winograd.SPLIT_MIN_MACS = 0
     try:
-        yield
+        with parallel.using_threads(2, splits_gemms=True):
+            yield
     finally:
-        parallel.set_num_threads(threads)
         winograd.SPLIT_MIN_MACS = min_macs
 
 

@@ -1,7 +1,9 @@
 """Side-by-side benchmark: pmx vs onnxruntime vs ncnn vs torch, one process tree.
 
-    # torchvision models (separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
-    /work/tvenv/bin/python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    # torchvision models (a separate venv: torch 2.14.1 + torchvision 0.29.1 + onnxruntime + ncnn + pnnx)
+    python tools/bench.py --models resnet18,mobilenet_v2 --json bench.json
+    # the same, alternating with another checkout's runtime on the same .pmx files
+    python tools/bench.py --baseline /tmp/base  # /tmp/base/pmx/{compiler,runtime,schema}
     # built-in small models, any venv with torch + pnnx
     python tools/bench.py --builtin
 
@@ -11,8 +13,7 @@ TorchScript module pnnx saves for torch) into --cache. Then every contender runs
 fresh subprocess (so imports, page cache effects and peak RSS are its own) with 2 threads,
 and reports: import time, load time, time to first result (import of the runtime + load +
 first run; numpy is already imported), steady-state latency (median of --runs runs after
-warm-up) and peak RSS (pmx with --pmx-workers processes: plus what its worker
-processes hold privately). Each contender runs in --rounds such processes (default 3), the
+warm-up) and peak RSS. Each contender runs in --rounds such processes (default 3), the
 contenders taking turns in an order rotated every round, and each number is the median
 over its rounds: on a shared VM a burst of load from elsewhere lasting one process had
 moved single samples by 1.5-2.5x (pmx on ResNet-18: 75, 46 and 29 ms in three runs).
@@ -38,7 +39,8 @@ import time
 
 import numpy as np
 
-CONTENDERS = ("pmx", "onnxruntime", "ncnn", "torch")
+CONTENDERS = ("pmx", "pmx-baseline", "onnxruntime", "ncnn", "torch")
+# pmx-baseline: pmx imported from --baseline DIR (another checkout), on the same .pmx files
 TORCHVISION_CNNS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
                     "efficientnet_b0", "densenet121", "googlenet")
 TRANSFORMERS = ("vit_b_16", "swin_t")
@@ -51,7 +53,7 @@ def worker(contender, model_dir, runs, threads):
     d = pathlib.Path(model_dir)
     x = np.load(d / "input.npy")
     t0 = time.perf_counter()
-    if contender == "pmx":
+    if contender in ("pmx", "pmx-baseline"):
         from pmx.runtime import InferenceSession
 
         t1 = time.perf_counter()
@@ -112,25 +114,13 @@ def worker(contender, model_dir, runs, threads):
         run()
         times.append(time.perf_counter() - s)
     np.save(d / f"out_{contender}.npy", np.asarray(y))
-    helpers = worker_processes_private_mb() if contender == "pmx" else 0.0
+    overhead = None
+    if contender == "pmx":  # after the timed runs, so they are not disturbed
+        from pmx.runtime.overhead import framework_overhead
+
+        overhead = 100 * framework_overhead(sess, {name: x}, repeat=max(5, runs // 2)).overhead
     return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
-                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb() + helpers,
-                worker_private_mb=helpers)
-
-
-def worker_processes_private_mb():
-    """Memory only pmx's worker processes hold (PMX_WORKERS=processes: pages they copied
-    on write or allocated), which this process's VmHWM does not count; the arena and
-    the other buffers they share with it are counted there already."""
-    from pmx.runtime import parallel
-
-    total_kb = 0
-    for w in parallel._process_workers:
-        if w.pid is None:
-            continue
-        with open(f"/proc/{w.pid}/smaps_rollup") as f:
-            total_kb += sum(int(line.split()[1]) for line in f if line.startswith(("Private_Clean:", "Private_Dirty:")))
-    return total_kb / 1024
+                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb(), overhead_pct=overhead)
 
 
 def peak_rss_mb():
@@ -147,7 +137,7 @@ def batch_worker(contender, model_dir, batches, runs, threads):
     (pmx: re-plan + bind; onnxruntime: its own first-run cost) and steady throughput."""
     d = pathlib.Path(model_dir)
     x1 = np.load(d / "input.npy")
-    if contender == "pmx":
+    if contender in ("pmx", "pmx-baseline"):
         from pmx.runtime import InferenceSession
 
         sess = InferenceSession(str(d / "model.pmx"), num_threads=threads)
@@ -228,7 +218,81 @@ def builtin_models():
         def forward(self, x):
             return self.fc(F.adaptive_avg_pool2d(self.features(x), 1).flatten(1))
 
-    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112))}
+    class LSTM2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = nn.LSTM(64, 128, num_layers=2, batch_first=True)
+            self.fc = nn.Linear(128, 10)
+
+        def forward(self, x):
+            y, _ = self.lstm(x)
+            return self.fc(y[:, -1])
+
+    def block(cin, cout):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU(),
+                             nn.Conv2d(cout, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU())
+
+    class UNetSmall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down1, self.down2, self.mid = block(3, 16), block(16, 32), block(32, 64)
+            self.up2, self.up1 = block(64 + 32, 32), block(32 + 16, 16)
+            self.head = nn.Conv2d(16, 2, 1)
+
+        def forward(self, x):
+            d1 = self.down1(x)
+            d2 = self.down2(F.max_pool2d(d1, 2))
+            m = self.mid(F.max_pool2d(d2, 2))
+            u2 = self.up2(torch.cat([F.interpolate(m, scale_factor=2.0, mode="nearest"), d2], 1))
+            u1 = self.up1(torch.cat([F.interpolate(u2, scale_factor=2.0, mode="nearest"), d1], 1))
+            return self.head(u1)
+
+    def conv_silu(cin, cout, s=1):
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, s, 1, bias=False), nn.BatchNorm2d(cout), nn.SiLU())
+
+    class YoloHead(nn.Module):
+        """A YOLO-style neck and head: SiLU convs, an upsample, a concat, per-scale outputs."""
+
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(conv_silu(3, 16, 2), conv_silu(16, 32, 2), conv_silu(32, 64, 2))
+            self.down = conv_silu(64, 128, 2)
+            self.fuse = conv_silu(128 + 64, 64)
+            self.out_small, self.out_large = nn.Conv2d(64, 85, 1), nn.Conv2d(128, 85, 1)
+
+        def forward(self, x):
+            p3 = self.stem(x)
+            p4 = self.down(p3)
+            f = self.fuse(torch.cat([F.interpolate(p4, scale_factor=2.0, mode="nearest"), p3], 1))
+            return self.out_small(f).sigmoid(), self.out_large(p4).sigmoid()
+
+    class Transformer2(nn.Module):
+        """Two pre-norm encoder layers, hidden 256, 4 heads, 32 tokens (a small BERT/GPT body)."""
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict(dict(
+                n1=nn.LayerNorm(256), qkv=nn.Linear(256, 768), proj=nn.Linear(256, 256),
+                n2=nn.LayerNorm(256), fc1=nn.Linear(256, 1024), fc2=nn.Linear(1024, 256))) for _ in range(2))
+
+        def forward(self, x):
+            b, t, e = x.shape
+            for m in self.layers:
+                q, k, v = m["qkv"](m["n1"](x)).view(b, t, 3, 4, e // 4).permute(2, 0, 3, 1, 4)
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                x = x + m["proj"](a.transpose(1, 2).reshape(b, t, e))
+                x = x + m["fc2"](F.gelu(m["fc1"](m["n2"](x))))
+            return x
+
+    import torch
+
+    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112)),
+            "lstm2": (LSTM2, (1, 32, 64)), "unet_small": (UNetSmall, (1, 3, 128, 128)),
+            "yolo_head": (YoloHead, (1, 3, 256, 256)), "transformer2": (Transformer2, (1, 32, 256))}
+
+
+# small models where per-node work is small and framework overhead shows (--small)
+SMALL_MODELS = ("mobilenet_v3_small_050", "mnasnet0_5", "lstm2", "unet_small", "yolo_head", "transformer2")
 
 
 def make_model(name):
@@ -242,6 +306,8 @@ def make_model(name):
     import torchvision
 
     kwargs = {"weights": None}
+    if name == "mobilenet_v3_small_050":
+        name, kwargs["width_mult"] = "mobilenet_v3_small", 0.5
     if name == "googlenet":
         kwargs.update(aux_logits=False, init_weights=True)
     m = getattr(torchvision.models, name)(**kwargs).eval()
@@ -336,21 +402,31 @@ def compile_pmx(d, tune):
     return dict(compile_s=time.perf_counter() - t0, pnnx_ops=int(ops[1]), nodes=int(ops[5]))
 
 
-def worker_env(threads):
+BASELINE_PATH = None  # --baseline: where pmx-baseline's `pmx` package lies
+PMX_BLAS_THREADS = None  # --pmx-blas-threads: BLAS's threads in pmx's processes
+
+
+def worker_env(threads, contender=None):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
                MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
     env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if contender in ("pmx", "pmx-baseline") and PMX_BLAS_THREADS is not None:
+        env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(PMX_BLAS_THREADS)
+    if contender == "pmx-baseline":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (BASELINE_PATH, env.get("PYTHONPATH")) if p)
     return env
 
 
 def warm_bytecode(contender, threads):
     """One import in a throwaway process so the measured workers find .pyc files."""
-    mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
-    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads), capture_output=True, timeout=600)
+    mod = {"pmx": "pmx.runtime", "pmx-baseline": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn",
+           "torch": "torch"}[contender]
+    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads, contender), capture_output=True,
+                   timeout=600)
 
 
 def run_contender(contender, d, runs, threads):
-    env = worker_env(threads)
+    env = worker_env(threads, contender)
     p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs),
                         "--threads", str(threads)], capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
@@ -366,7 +442,7 @@ def run_contender(contender, d, runs, threads):
     return result
 
 
-METRICS = ("import_ms", "load_ms", "first_result_ms", "steady_ms", "peak_rss_mb")
+METRICS = ("import_ms", "load_ms", "first_result_ms", "steady_ms", "peak_rss_mb", "overhead_pct")
 
 
 def run_rounds(contenders, d, runs, threads, rounds):
@@ -404,6 +480,8 @@ def run_batches(contender, d, batches, runs, threads):
 
 
 def available(contender):
+    if contender == "pmx-baseline":
+        return BASELINE_PATH is not None
     mod = {"pmx": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn", "torch": "torch"}[contender]
     try:
         __import__(mod)
@@ -471,8 +549,8 @@ def fmt(v, digits=1):
 
 def table(results):
     lines = ["| model | runtime | import ms | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | "
-             "x ort (first) | peak RSS MB | rel err |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "x ort (first) | peak RSS MB | rel err | framework overhead % |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model, per in results.items():
         ort = per.get("onnxruntime", {})
         for c in CONTENDERS:
@@ -480,7 +558,7 @@ def table(results):
             if r is None:
                 continue
             if "error" in r:
-                lines.append(f"| {model} | {c} | error: {r['error']} |||||||||")
+                lines.append(f"| {model} | {c} | error: {r['error']} ||||||||||")
                 continue
             rs = r["steady_ms"] / ort["steady_ms"] if ort.get("steady_ms") else None
             rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
@@ -488,7 +566,7 @@ def table(results):
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
             lines.append(f"| {model} | {c} | {fmt(r.get('import_ms'))} | {fmt(r.get('load_ms'))} | {fmt(r.get('first_result_ms'))} | "
                          f"{fmt(r.get('steady_ms'), 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
-                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} |")
+                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} | {fmt(r.get('overhead_pct'))} |")
     return "\n".join(lines)
 
 
@@ -497,6 +575,7 @@ def main():
     p.add_argument("--worker", nargs=2, metavar=("CONTENDER", "DIR"))
     p.add_argument("--models", default=None, help="comma-separated torchvision model names")
     p.add_argument("--builtin", action="store_true", help="only the small built-in models (no torchvision)")
+    p.add_argument("--small", action="store_true", help="the small-model set (SMALL_MODELS; needs torchvision)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--runs", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per contender; medians are reported")
@@ -504,9 +583,12 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
-    p.add_argument("--pmx-workers", choices=("threads", "processes"),
-                   default="processes" if os.environ.get("PMX_WORKERS") == "processes" else "threads",
-                   help="pmx's split parts on worker threads (default) or worker processes (PMX_WORKERS)")
+    p.add_argument("--pmx-blas-threads", type=int, default=None, metavar="N",
+                   help="BLAS's thread count in pmx's processes (default: --threads, as for the others; "
+                        "1 is what the README recommends: pmx then splits GEMMs itself)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="also run contender pmx-baseline: pmx imported from DIR (a folder holding another "
+                        "checkout's pmx package), on the same .pmx files, alternating with pmx")
     p.add_argument("--tune", action="store_true", help="compile the .pmx files with pmx compile --tune")
     args = p.parse_args()
     if args.worker and args.batches:
@@ -518,11 +600,14 @@ def main():
         return
     if args.builtin:
         names = list(builtin_models())
+    elif args.small:
+        names = list(SMALL_MODELS)
     elif args.models:
         names = args.models.split(",")
     else:
         names = list(TORCHVISION_CNNS) + ["vit_b_16"]
-    os.environ["PMX_WORKERS"] = args.pmx_workers  # every worker process inherits it
+    global BASELINE_PATH, PMX_BLAS_THREADS
+    BASELINE_PATH, PMX_BLAS_THREADS = args.baseline, args.pmx_blas_threads
     contenders = [c for c in args.contenders.split(",") if available(c)]
     for c in contenders:
         warm_bytecode(c, args.threads)
@@ -541,14 +626,15 @@ def main():
         else:
             results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
+    blas = "" if args.pmx_blas_threads is None else f" · pmx with BLAS on {args.pmx_blas_threads} thread(s)"
     print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
-          + f" · pmx worker {args.pmx_workers}"
+          + blas
           + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
     print(batch_table(results) if args.batches else table(results))
     print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes,
-                                                           pmx_workers=args.pmx_workers, results=results), indent=1))
+                                                           results=results), indent=1))
 
 
 if __name__ == "__main__":

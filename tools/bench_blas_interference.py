@@ -4,17 +4,14 @@
     python tools/bench_blas_interference.py a.pmx b.pmx --runs 200
 
 OpenBLAS's pool threads spin for its thread timeout after each multi-threaded call
-(2^28 cycles by default, ~0.1 s), on the core pmx's worker thread needs. pmx starts or
-restarts the pool with a short timeout (runtime/__init__.py, parallel._calm_blas_pool);
-this measures what that is worth. For each model and setup, in a fresh process per
-round (rounds alternate between setups), it prints the median of --runs runs back to
-back and of --runs runs each right after a float32 --matmul x --matmul matrix product
-(run on BLAS's own threads). Setups:
-  pmx first             `import pmx.runtime` loads numpy (the pool starts calm)
-  numpy first           numpy loaded before pmx (the first run restarts the pool)
-  numpy first, thread   as above with another Python thread alive (pmx leaves the pool)
-  default timeout       OPENBLAS_THREAD_TIMEOUT=28 set by the user: OpenBLAS's default,
-                        which pmx leaves alone (how every run went before)
+(2^28 cycles by default, ~0.1 s), on the cores pmx's worker thread needs. pmx leaves
+BLAS's settings alone; the user can shorten the timeout or give BLAS one thread. For
+each model and setup, in a fresh process per round (rounds alternate between setups),
+this prints the median of --runs runs back to back and of --runs runs each right after
+a float32 --matmul x --matmul matrix product (on BLAS's own threads). Setups:
+  default               numpy, then pmx, as they come
+  timeout 4             OPENBLAS_THREAD_TIMEOUT=4 set by the user: idle BLAS threads sleep at once
+  BLAS on one thread    OPENBLAS_NUM_THREADS=1: pmx splits GEMMs over its own threads
 Models default to tools/example/cnn.pnnx.param compiled into a temporary directory.
 """
 
@@ -28,12 +25,12 @@ import sys
 import tempfile
 
 SETUPS = {
-    "pmx first": ("import pmx.runtime\nimport numpy as np\n", {}),
-    "numpy first": ("import numpy as np\nimport pmx.runtime\n", {}),
-    "numpy first, thread": ("import numpy as np\nimport pmx.runtime\nimport threading\n"
-                            "threading.Thread(target=threading.Event().wait, daemon=True).start()\n", {}),
-    "default timeout": ("import numpy as np\nimport pmx.runtime\n", {"OPENBLAS_THREAD_TIMEOUT": "28"}),
+    "default": {},
+    "timeout 4": {"OPENBLAS_THREAD_TIMEOUT": "4"},
+    "BLAS on one thread": {"OPENBLAS_NUM_THREADS": "1"},
 }
+
+_IMPORTS = "import numpy as np\nimport pmx.runtime\n"
 
 _WORKER = """
 import json, sys, time
@@ -61,11 +58,12 @@ print(json.dumps(dict(plain_ms=median(plain), after_matmul_ms=median(after))))
 
 
 def measure(path, setup, runs, size):
-    imports, extra_env = SETUPS[setup]
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")}
+    extra_env = SETUPS[setup]
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT",
+                                                              "OPENBLAS_NUM_THREADS")}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # or each process recompiles the sources
     env.update(extra_env)
-    done = subprocess.run([sys.executable, "-c", imports + _WORKER, str(path), str(runs), str(size)],
+    done = subprocess.run([sys.executable, "-c", _IMPORTS + _WORKER, str(path), str(runs), str(size)],
                           env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{path} ({setup}): {done.stderr.strip()[-500:]}")

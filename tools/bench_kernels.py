@@ -6,9 +6,9 @@ reaches on the same shapes.
 
 Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
 outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
-views are. The callable is what gets timed, as a session's run() calls it: inside
-parallel.running(), BLAS on one thread and the kernel splitting its work
-over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
+views are. The callable is what gets timed, as a session's run() calls it: bound with
+BLAS on one thread (run it with OPENBLAS_NUM_THREADS=1 for pmx's own GEMM splits) and the
+kernel splitting its work over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
 more than one GEMM (attention: QK^T and PV; conv: the GEMM after im2col, also for the
 Winograd rows, which count the direct conv's FLOPs) the reference is
@@ -251,12 +251,11 @@ def samples(fn, n, sample_s):
 
 
 def measure(pmx, ref, runs, sample_s, stat=np.median):
-    """Seconds per call of the pmx kernel (BLAS single-threaded, as in a session's run())
+    """Seconds per call of the pmx kernel (as a session's run() calls it)
     and of the reference (BLAS on its default threads): `stat` over `runs` samples each."""
     pmx_samples, ref_samples = [], []
     for _ in range(ROUNDS):
-        with parallel.running():
-            pmx_samples += samples(pmx, max(1, runs // ROUNDS), sample_s)
+        pmx_samples += samples(pmx, max(1, runs // ROUNDS), sample_s)
         ref_samples += samples(ref, max(1, runs // ROUNDS), sample_s)
     return float(stat(pmx_samples)), float(stat(ref_samples))
 
@@ -277,7 +276,7 @@ def header(args):
             f"BLAS threads: {threads}, {machine_load()}\n"
             f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
             f"after warm-ups, each sample the mean of back-to-back calls lasting "
-            f"~{args.sample_ms:g} ms; pmx as in a session's run() (BLAS 1 thread, pmx splits over "
+            f"~{args.sample_ms:g} ms; pmx as in a session's run() (pmx splits over "
             f"{parallel.num_threads()} threads), numpy with BLAS's own threads; float32; GFLOP/s "
             f"count 2*M*N*K per GEMM on both sides\n")
 

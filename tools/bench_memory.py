@@ -2,8 +2,8 @@
 arena against the live-bytes lower bound of the stored order and the naive sum (one
 buffer per tensor, no reuse), with and without the optimizing passes.
 
-    /work/venv/bin/python tools/bench_memory.py            # test-suite models
-    /work/tvenv/bin/python tools/bench_memory.py --tv      # + torchvision models
+    python tools/bench_memory.py                           # test-suite models
+    python tools/bench_memory.py --tv                      # + torchvision models (a venv with torchvision)
     ... --check                                            # also run and compare with torch
 
 Test-suite models are the CNN blocks of tests/test_e2e_cnn_blocks.py and
@@ -164,7 +164,7 @@ def main(argv=None):
         sys.path.insert(0, str(ROOT / "tests"))
         try:
             suite = suite_models()
-        except ImportError as e:  # the torchvision venv has no pytest: run the suite part in /work/venv
+        except ImportError as e:  # the torchvision venv has no pytest: run the suite part in the test venv
             print(f"test-suite models skipped: {e}", file=sys.stderr)
         for name, module, inputs in suite:
             try:

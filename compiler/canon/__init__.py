@@ -190,5 +190,7 @@ from pmx.compiler.canon import (  # noqa: E402,F401  (registration side effects)
     pool,
     recurrent,
     resample,
+    sampling,
     shape_ops,
+    spectral,
 )

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from pmx.compiler.canon import data_input, elementwise, fail, param, rule, weight
+from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule, weight
 
 SELU_ALPHA = 1.6732632423543772
 SELU_SCALE = 1.0507009873554805
@@ -48,6 +48,41 @@ def softplus_expr(beta=1.0, threshold=20.0):
             f"div(log1p(exp(mul(@0,{_f(beta)}))),{_f(beta)}))")
 
 
+def _number(node, key, default):
+    v = param(node, key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        fail(node, f"{key}={v!r} must be a number")
+    return float(v)
+
+
+def hardshrink_expr(lambd):
+    # torch zeroes -lambd <= x <= lambd and keeps everything else (NaN too)
+    return f"where(le(abs(@0),{_f(lambd)}),0.0,@0)"
+
+
+def softshrink_expr(lambd):
+    # the middle is x - x: +0 (torch's vectorized loop writes +0 there, its scalar tail
+    # x * 0) and NaN for NaN
+    return f"where(gt(@0,{_f(lambd)}),sub(@0,{_f(lambd)}),where(lt(@0,{_f(-lambd)}),add(@0,{_f(lambd)}),sub(@0,@0)))"
+
+
+def threshold_expr(threshold, value):
+    return f"where(le(@0,{_f(threshold)}),{_f(value)},@0)"
+
+
+def rrelu_expr(lower, upper):
+    """Eval-mode RReLU: a leaky ReLU of slope (lower + upper) / 2 (pnnx records no
+    training flag, and a training-mode RReLU draws random slopes)."""
+    return f"where(gt(@0,0),@0,mul(@0,{_f((lower + upper) / 2)}))"
+
+
+def _shrink_lambda(node):
+    lambd = _number(node, "lambd", 0.5)
+    if lambd < 0:
+        fail(node, f"lambd={lambd} must be >= 0 (as in torch)")
+    return lambd
+
+
 def _unary(expr_fn):
     def fn(node, ctx):
         return [elementwise(node, expr_fn(node), [data_input(node)])]
@@ -82,6 +117,10 @@ _SIMPLE = {
     ("F.softsign", "nn.Softsign"): lambda n: "div(@0,add(abs(@0),1))",
     ("F.logsigmoid", "nn.LogSigmoid"): lambda n: "neg(" + softplus_expr().replace("@0", "neg(@0)") + ")",
     ("F.tanhshrink", "nn.Tanhshrink"): lambda n: tanhshrink_expr(),
+    ("F.hardshrink", "nn.Hardshrink"): lambda n: hardshrink_expr(_shrink_lambda(n)),
+    ("F.softshrink", "nn.Softshrink"): lambda n: softshrink_expr(_shrink_lambda(n)),
+    ("F.threshold", "nn.Threshold"): lambda n: threshold_expr(_number(n, "threshold", None), _number(n, "value", None)),
+    ("F.rrelu", "nn.RReLU"): lambda n: rrelu_expr(_number(n, "lower", 1 / 8), _number(n, "upper", 1 / 3)),
 }
 
 # torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
@@ -90,7 +129,7 @@ _MATH = {"abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsq
          "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin", "acos": "acos",
          "atan": "atan", "sinh": "sinh", "cosh": "cosh", "reciprocal": "reciprocal",
          "square": "square", "log10": "log10", "log1p": "log1p", "expm1": "expm1",
-         "trunc": "trunc", "erf": "erf", "erfc": "erfc"}
+         "trunc": "trunc", "erf": "erf", "erfc": "erfc", "lgamma": "lgamma"}
 
 for _types, _fn in _SIMPLE.items():
     rule(*_types)(_unary(_fn))
@@ -101,16 +140,23 @@ for _name, _f_name in _MATH.items():
 
 @rule("nn.PReLU", "F.prelu")
 def prelu(node, ctx):
+    """x where x > 0, else x times its channel's slope (channels on dim 1; a 1-d input
+    has one, as in torch; or one slope for all). A slope tensor that is a graph input
+    (F.prelu(x, w)) is reshaped at run time to broadcast the same way."""
     x = data_input(node)
     w = weight(node, "weight")
-    if not w.is_constant:
-        fail(node, "PReLU weight must be a constant")
-    c = w.data.size
-    if c != 1 and (x.shape is None or len(x.shape) < 2 or x.shape[1] != c):
-        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {x.shape[1] if x.shape and len(x.shape) > 1 else '?'} channels")
+    c = int(np.prod(w.shape)) if w.shape is not None else None
+    channels = (x.shape[1] if len(x.shape) > 1 else 1) if x.shape is not None else None
+    if c is None or (c != 1 and channels != c):
+        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {channels if channels is not None else '?'} channels")
     shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
-    slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
-    return [elementwise(node, "where(gt(@0,0),@0,mul(@0,@1))", [x, slopes])]
+    expr = "where(gt(@0,0),@0,mul(@0,@1))"
+    if w.is_constant:
+        slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
+        return [elementwise(node, expr, [x, slopes])]
+    slopes = ctx.temp(node, shape, w.dtype, "slope")
+    return [make(node, "reshape", [w], dict(shape=shape), outputs=[slopes], name=node.name + ".slope"),
+            elementwise(node, expr, [x, slopes])]
 
 
 @rule("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip", "torch.clamp_min", "Tensor.clamp_min",
@@ -140,3 +186,22 @@ def clamp(node, ctx):
         lit = str(bound) if isinstance(bound, int) and x.dtype[0] in "iu" else _f(bound)
         e = f"{fn}({e},{lit})"
     return [elementwise(node, e, tensors)]
+
+
+@rule("F.glu", "nn.GLU")
+def glu(node, ctx):
+    """a * sigmoid(b) for the halves a, b of the input along dim: a split (two views
+    once aliased) and one elementwise node."""
+    x = data_input(node)
+    dim = param(node, "dim", -1)
+    rank = len(x.shape) if x.shape is not None else 0
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        fail(node, f"dim={dim!r} must be an int in range for an input of rank {rank}")
+    axis = dim % rank
+    if x.shape[axis] is None or x.shape[axis] % 2:
+        fail(node, f"GLU halves dim {dim}, of size {x.shape[axis]}: it must be even")
+    half = list(x.shape)
+    half[axis] //= 2
+    a, b = (ctx.temp(node, tuple(half), x.dtype, s) for s in ("a", "b"))
+    return [make(node, "split", [x], dict(axis=axis, sizes=(half[axis],) * 2), outputs=[a, b], name=node.name + ".split"),
+            elementwise(node, "mul(@0,sigmoid(@1))", [a, b])]

@@ -1,10 +1,13 @@
 """Canonicalization rules: indexing and data movement (roll, flip, expand, repeat/tile,
 stack, narrow, index_select/gather/Tensor.index (one index -> take, several -> index),
-where, masked_fill, dtype casts, constant factories).
+index_put, scatter_add, fill, where, masked_fill, masked_select, topk, cumsum/cumprod,
+diag, cross, as_strided, repeat_interleave, addcmul, dtype casts, constant factories).
 
 Shapes and dtypes come from what pnnx recorded for the node's outputs; the kernels'
 shape rules re-check them in infer_shapes.
 """
+
+import re
 
 import numpy as np
 
@@ -19,6 +22,9 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
+
+
+_NO_DEFAULT = object()
 
 
 def _dims(node, key, rank, default=None):
@@ -350,12 +356,363 @@ def full(node, ctx):
     return _filled(node, ctx, value)
 
 
+def _number(node, v, label):
+    """A scalar operand given as a tensor input, when it is known at compile time: a
+    one-element constant, or a pnnx.Expression that is a bare number (pnnx writes
+    addcmul's value and linalg_cross's dim so). None otherwise."""
+    if v.is_constant:
+        return v.data.reshape(-1)[0].item() if v.data.size == 1 else None
+    p = v.producer
+    text = None
+    if p is not None and not p.inputs:
+        text = p.attrs.get("expr") if p.op == "pnnx.Expression" else (p.expr if p.op == "elementwise" else None)
+    if isinstance(text, str):
+        for cast in (int, float):
+            try:
+                return cast(text)
+            except ValueError:
+                pass
+    return None
+
+
+def _scalar_param(node, label, default=_NO_DEFAULT):
+    """param or tensor input `label` as a compile-time number (None stays None)."""
+    v = node.named_input(label)
+    if v is None:
+        return param(node, label) if default is _NO_DEFAULT else param(node, label, default)
+    n = _number(node, v, label)
+    if n is None:
+        fail(node, f"{label} is computed from tensor values (operand {v.name}), so the output's size would "
+                   f"depend on the data; pmx needs it known at compile time")
+    return n
+
+
+_SIZE = re.compile(r"size\(@0,(-?\d+)\)")
+
+
+def attach_size_expression(node, ctx):
+    """`size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
+    arange(x.size(d))): each arange reads the tensor and dim directly, so its length is
+    a shape rule of that tensor's shape (re-planned like any other), not a value."""
+    m = _SIZE.fullmatch(node.attrs["expr"])
+    if m is None or len(node.inputs) != 1:
+        fail(node, f"expression {node.attrs['expr']!r} feeding arange must be size(@0,dim)")
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        label = c.input_names[i]
+        ctx.graph.set_input(c, i, node.inputs[0])
+        c.input_names[i] = f"{label}@size"
+        c.attrs[f"{label}@size"] = int(m.group(1))
+    return []
+
+
+def _arange_dtype(node, start, end, step):
+    dtype = node.outputs[0].dtype
+    named = node.attrs.get("dtype")
+    if isinstance(named, str) and named in _TORCH_DTYPES:
+        dtype = _TORCH_DTYPES[named]
+    if dtype is None:
+        dtype = "int64" if all(isinstance(v, int) for v in (start, end, step)) else "float32"
+    return dtype
+
+
 @rule("torch.arange")
 def arange(node, ctx):
-    start, end, step = param(node, "start", 0), param(node, "end"), param(node, "step", 1)
-    if not all(isinstance(v, (int, float)) for v in (start, end, step)):
-        fail(node, f"arange({start!r}, {end!r}, {step!r}) needs constant numbers")
-    data = np.arange(start, end, step).astype(node.outputs[0].dtype or "int64")
-    if node.outputs[0].shape is not None and tuple(node.outputs[0].shape) != data.shape:
-        fail(node, f"arange gives {data.shape} but pnnx recorded {node.outputs[0].shape}")
+    """All of arange's spellings once its bounds are numbers at compile time (literals,
+    constants, folded expressions), or its end a dim of a tensor (x.size(d) in a
+    dynamic-shape export: the `arange` op, whose length follows that tensor's shape);
+    bounds read from input values give a data-dependent length, which pmx refuses
+    naming the node."""
+    for label in ("start", "step"):
+        if f"{label}@size" in node.attrs:
+            fail(node, f"{label} is a tensor's size; pmx follows sizes only as arange's end (arange(x.size(d)))")
+    sized = node.named_input("end@size")
+    if sized is not None:
+        start, step = _scalar_param(node, "start", 0), _scalar_param(node, "step", 1)
+        start, step = (0 if start is None else start), (1 if step is None else step)
+        rank = len(in_shape(node, sized))
+        axis = node.attrs["end@size"]
+        if not -rank <= axis < rank or not all(isinstance(v, (int, float)) for v in (start, step)) or step == 0:
+            fail(node, f"arange(start={start!r}, end=size(dim {axis}), step={step!r}) of a rank-{rank} tensor")
+        dtype = _arange_dtype(node, start, 0, step)
+        node.outputs[0].dtype = dtype
+        n = max(0, int(np.ceil((sized.shape[axis] - start) / step)))
+        if node.outputs[0].shape is None or None in node.outputs[0].shape:
+            node.outputs[0].shape = (n,)
+        attrs = dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype)))
+        return [make(node, "arange", [sized], attrs)]
+    start = _scalar_param(node, "start", 0)
+    end = _scalar_param(node, "end", None)
+    step = _scalar_param(node, "step", 1)
+    if end is None:
+        fail(node, "arange needs an end")
+    start = 0 if start is None else start
+    step = 1 if step is None else step
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end, step)) or step == 0:
+        fail(node, f"arange({start!r}, {end!r}, {step!r}) needs numbers and a nonzero step")
+    dtype = _arange_dtype(node, start, end, step)
+    n = max(0, int(np.ceil((end - start) / step)))
+    # torch computes start + i * step in int64 for integer bounds, else in double
+    exact = all(isinstance(v, int) for v in (start, end, step))
+    data = (start + np.arange(n, dtype=np.int64 if exact else np.float64) * step).astype(dtype)
+    if node.outputs[0].shape is not None and None not in node.outputs[0].shape and \
+            int(np.prod(node.outputs[0].shape)) != n:
+        fail(node, f"arange gives {n} elements but pnnx recorded {node.outputs[0].shape}")
     return Forward(ctx.const(node.outputs[0].name, data))
+
+
+@rule("Tensor.fill", "Tensor.fill_", "torch.fill", "torch.fill_")
+def fill(node, ctx):
+    x = data_input(node)
+    v = node.named_input("value")
+    if v is not None:
+        n = _number(node, v, "value")
+        if n is None:
+            if v.shape is not None and None not in v.shape and int(np.prod(v.shape)) != 1:
+                fail(node, f"fill value {v.name} has shape {v.shape}; it must have one element")
+            return [make(node, "fill", [x, v], {})]
+        value = n
+    else:
+        value = param(node, "value")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(node, f"value={value!r} must be a number or a one-element tensor")
+    return [make(node, "fill", [x], dict(value=value))]
+
+
+@rule("Tensor.index_put", "Tensor.index_put_", "torch.index_put", "torch.index_put_")
+def index_put(node, ctx):
+    """x[i0, :, i1] = values (accumulate: +=). The indices arrive as the list expression
+    attach_index_expression moved onto this node: None entries are whole dims, @k
+    entries integer or boolean tensors."""
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    text = param(node, "expr", None)
+    parts = _split_top(text) if isinstance(text, str) else None
+    if parts is None:
+        fail(node, f"indices must be a list of tensors, got {text!r}")
+    axes, indices, dim = [], [], 0
+    for p in parts:
+        if p == "None":
+            dim += 1
+            continue
+        if not p.startswith("@"):
+            fail(node, f"index entry {p!r} in {text!r} is not supported")
+        v = node.named_input(f"expr{p}")
+        if v is None:
+            fail(node, f"missing index tensor {p}")
+        kind = np.dtype(v.dtype).kind
+        if kind not in "iub":
+            fail(node, f"index {v.name} must be an integer or boolean tensor, found {v.dtype}")
+        axes.append(dim)
+        indices.append(v)
+        dim += len(in_shape(node, v)) if kind == "b" else 1
+    if dim > rank:
+        fail(node, f"indices {text!r} index {dim} dims of a rank-{rank} input")
+    attrs = dict(axes=tuple(axes), accumulate=bool(param(node, "accumulate", False)))
+    values = node.named_input("values")
+    if values is None:
+        lit = param(node, "values")
+        if isinstance(lit, bool) or not isinstance(lit, (int, float)):
+            fail(node, f"values={lit!r} must be a tensor or a number")
+        attrs["value"] = lit
+    return [make(node, "index_put", [x, values] + indices, attrs)]
+
+
+@rule("torch.scatter_add", "Tensor.scatter_add", "Tensor.scatter_add_")
+def scatter_add(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    dim = _dims(node, "dim", rank)[0]
+    idx = _index_tensor(node, ctx, node.named_input("index"), "index")
+    src = node.named_input("src")
+    if src is None:
+        fail(node, "missing src tensor")
+    ishape, sshape = in_shape(node, idx), in_shape(node, src)
+    if len(ishape) != rank or len(sshape) != rank or any(i > s for i, s in zip(ishape, sshape)) or any(
+            i > s for d, (i, s) in enumerate(zip(ishape, x.shape)) if d != dim):
+        fail(node, f"index {ishape} must fit src {sshape} and input {x.shape} (except along dim {dim})")
+    return [make(node, "scatter_add", [x, idx, src], dict(axis=dim))]
+
+
+@rule("torch.diag", "Tensor.diag")
+def diag(node, ctx):
+    x = data_input(node)
+    if len(in_shape(node, x)) not in (1, 2):
+        fail(node, f"diag takes a 1-d or 2-d input, got shape {x.shape}")
+    k = param(node, "diagonal", 0)
+    if not isinstance(k, int) or isinstance(k, bool):
+        fail(node, f"diagonal={k!r} must be an int")
+    return [make(node, "diag", [x], dict(diagonal=k))]
+
+
+@rule("torch.cross", "Tensor.cross", "torch.linalg.cross", "aten::linalg_cross")
+def cross(node, ctx):
+    """torch.cross without dim takes the first dim of size 3 (its old default);
+    torch.linalg.cross defaults to the last dim."""
+    a = data_input(node, "input", 0)
+    b = node.named_input("other")
+    if b is None:
+        b = data_input(node, "other", 1)
+    shape = np.broadcast_shapes(tuple(in_shape(node, a)), tuple(in_shape(node, b)))
+    if node.op == "aten::linalg_cross" and len(node.inputs) > 2:
+        dim = _number(node, node.inputs[2], "dim")
+        if not isinstance(dim, int):
+            fail(node, "dim must be a constant int")
+    else:
+        dim = param(node, "dim", None)
+    if dim is None:
+        dim = -1 if "linalg" in node.op else next((d for d, n in enumerate(shape) if n == 3), None)
+        if dim is None:
+            fail(node, f"no dim of size 3 in {shape}")
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape) or shape[dim] != 3:
+        fail(node, f"dim={dim!r} must name a dim of size 3 of {shape}")
+    return [make(node, "cross", [a, b], dict(axis=dim % len(shape)))]
+
+
+def _cumulative(op):
+    def fn(node, ctx):
+        x = data_input(node)
+        rank = len(in_shape(node, x))
+        dim = param(node, "dim")
+        if not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
+            fail(node, f"dim={dim!r} must be an int in range for rank {rank}")
+        out = node.outputs[0].dtype
+        named = node.attrs.get("dtype")
+        if isinstance(named, str) and named in _TORCH_DTYPES:
+            out = _TORCH_DTYPES[named]
+        if out is None:  # torch widens integers (and bool) to int64
+            out = "int64" if np.dtype(x.dtype).kind in "biu" else x.dtype
+        return [make(node, op, [x], dict(axis=dim % max(rank, 1), dtype=str(np.dtype(out))))]
+    return fn
+
+
+rule("torch.cumsum", "Tensor.cumsum", "Tensor.cumsum_")(_cumulative("cumsum"))
+rule("torch.cumprod", "Tensor.cumprod", "Tensor.cumprod_")(_cumulative("cumprod"))
+
+
+@rule("torch.topk", "Tensor.topk")
+def topk(node, ctx):
+    x = data_input(node)
+    shape = in_shape(node, x)
+    rank = len(shape)
+    k, dim = param(node, "k"), param(node, "dim", -1)
+    if not isinstance(k, int) or not isinstance(dim, int) or not -max(rank, 1) <= dim < max(rank, 1):
+        fail(node, f"k={k!r} and dim={dim!r} must be ints, dim in range for rank {rank}")
+    axis = dim % max(rank, 1)
+    if not 0 <= k <= (shape[axis] if rank else 1):
+        fail(node, f"k={k} out of range for dim {axis} of {shape}")
+    attrs = dict(axis=axis, k=k, largest=bool(param(node, "largest", True)), sorted=bool(param(node, "sorted", True)))
+    outputs = list(node.outputs)
+    if len(outputs) == 1:
+        outputs.append(ctx.temp(node, node.outputs[0].shape, "int64"))
+    return [make(node, "topk", [x], attrs, outputs=outputs)]
+
+
+@rule("torch.masked_select", "Tensor.masked_select")
+def masked_select(node, ctx):
+    """The output's length is the number of True mask elements, known only at run time:
+    it is planned at its upper bound and the kernel writes the count into a second,
+    kept tensor that the session trims the output by. Only a graph output may have such
+    a length; a node reading it would need a planned shape, so that is refused."""
+    x = data_input(node)
+    mask = node.named_input("mask")
+    if mask is None:
+        fail(node, "missing mask")
+    if np.dtype(mask.dtype).kind != "b":
+        fail(node, f"mask must be a boolean tensor, found {mask.dtype}")
+    try:
+        shape = np.broadcast_shapes(tuple(in_shape(node, x)), tuple(in_shape(node, mask)))
+    except ValueError:
+        fail(node, f"mask {mask.shape} does not broadcast with input {x.shape}")
+    out = node.outputs[0]
+    if x.is_constant and mask.is_constant:
+        data = np.broadcast_to(x.data, shape)[np.broadcast_to(mask.data, shape)]
+        return Forward(ctx.const(out.name, data))
+    if out.consumers:
+        reader = out.consumers[0]
+        fail(node, f"its output has a length known only at run time and {reader.where()} reads it; pmx supports "
+                   f"such outputs only as model outputs")
+    out.shape = (int(np.prod(shape, dtype=np.int64)),)
+    count = ctx.temp(node, (1,), "int64", suffix="count")
+    kept = getattr(ctx.graph, "kept", None)
+    if kept is None:
+        kept = ctx.graph.kept = []
+    kept.append(count)
+    return [make(node, "masked_select", [x, mask], dict(count_output=1), outputs=[out, count])]
+
+
+@rule("torch.as_strided", "Tensor.as_strided")
+def as_strided(node, ctx):
+    """Reads the input in its contiguous (row-major) order, which is torch's storage
+    order for any tensor an op computed. Torch reads a view's underlying storage instead
+    (x.t().as_strided(...) sees x's order); pmx's tensors are contiguous, so there the
+    two differ. storage_offset is honoured when the .param has it (pnnx drops it)."""
+    x = data_input(node)
+    numel = int(np.prod(in_shape(node, x), dtype=np.int64))
+    size, stride = param(node, "size"), param(node, "stride")
+    offset = param(node, "storage_offset", 0) or 0
+    size = (size,) if isinstance(size, int) else size
+    stride = (stride,) if isinstance(stride, int) else stride
+    ok = all(isinstance(t, tuple) and all(isinstance(e, int) and e >= 0 for e in t) for t in (size, stride))
+    if not ok or len(size) != len(stride) or not isinstance(offset, int) or offset < 0:
+        fail(node, f"size={size!r} stride={stride!r} storage_offset={offset!r} must be non-negative ints of one rank")
+    if all(size) and offset + sum((n - 1) * s for n, s in zip(size, stride)) >= numel:
+        fail(node, f"size={size} stride={stride} storage_offset={offset} reach past the input's {numel} elements")
+    return [make(node, "as_strided", [x], dict(size=tuple(size), stride=tuple(stride), offset=offset))]
+
+
+@rule("torch.repeat_interleave", "Tensor.repeat_interleave")
+def repeat_interleave(node, ctx):
+    """An int repeat -> repeat_interleave; a repeats tensor known at compile time -> take
+    with the repeated indices; repeats read from input values are data-dependent."""
+    x = data_input(node)
+    shape = tuple(in_shape(node, x))
+    dim = param(node, "dim", None)
+    nodes = []
+    if dim is None:  # torch flattens first
+        n = int(np.prod(shape, dtype=np.int64))
+        if shape != (n,):
+            flat = ctx.temp(node, (n,), x.dtype)
+            nodes.append(make(node, "reshape", [x], dict(shape=(n,)), outputs=[flat], name=node.name + ".flat"))
+            x, shape = flat, (n,)
+        dim = 0
+    if not isinstance(dim, int) or not -len(shape) <= dim < len(shape):
+        fail(node, f"dim={dim!r} out of range for rank {len(shape)}")
+    dim %= len(shape)
+    rv = node.named_input("repeats")
+    if rv is None:
+        reps = param(node, "repeats")
+    elif rv.is_constant:
+        reps = rv.data.reshape(-1)
+        reps = int(reps[0]) if reps.size == 1 else reps.astype(np.int64)
+    else:
+        fail(node, f"repeats are computed from tensor values (operand {rv.name}), so the output's size would "
+                   f"depend on the data; pmx needs them known at compile time")
+    if isinstance(reps, int):
+        if reps < 0:
+            fail(node, f"repeats={reps} must be non-negative")
+        return nodes + [make(node, "repeat_interleave", [x], dict(axis=dim, repeats=reps))]
+    if not isinstance(reps, np.ndarray) or reps.shape != (shape[dim],) or (reps < 0).any():
+        fail(node, f"repeats {reps!r} must be {shape[dim]} non-negative ints (one per element along dim {dim})")
+    idx = ctx.const(f"{node.name}.index", np.repeat(np.arange(shape[dim], dtype=np.int64), reps))
+    return nodes + [make(node, "take", [x, idx], dict(axis=dim))]
+
+
+@rule("torch.addcmul", "Tensor.addcmul", "aten::addcmul")
+def addcmul(node, ctx):
+    """input + value * tensor1 * tensor2; aten::addcmul (as pnnx writes torch.addcmul)
+    passes value as a fourth input."""
+    if node.op == "aten::addcmul":
+        if len(node.inputs) < 3:
+            fail(node, "addcmul needs input, tensor1 and tensor2")
+        x, t1, t2 = node.inputs[:3]
+        value = _number(node, node.inputs[3], "value") if len(node.inputs) > 3 else 1
+    else:
+        x, t1, t2 = data_input(node), node.named_input("tensor1"), node.named_input("tensor2")
+        if t1 is None or t2 is None:
+            fail(node, "addcmul needs tensor1 and tensor2")
+        value = param(node, "value", 1)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(node, f"value={value!r} must be a constant number")
+    product = "mul(@1,@2)" if value == 1 else f"mul({_lit(float(value))},mul(@1,@2))"
+    return [elementwise(node, f"add(@0,{product})", [x, t1, t2])]

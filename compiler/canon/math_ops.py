@@ -1,8 +1,41 @@
 """pnnx.Expression, binary arithmetic spellings, reductions and softmax."""
 
-from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule
+import re
+
+from pmx.compiler.canon import Forward, data_input, elementwise, fail, make, param, rule
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
+
+_PNNX_SEPARATORS = re.compile(r"[(),]")
+
+
+def pnnx_expression_tree(text, num_inputs):
+    """The tree pnnx means by `text`: pnnx reads its expressions as prefix notation over
+    tokens split at '(', ')' and ',', each function taking its fixed number of operands
+    (tools/pnnx/src/ir.cpp, expand_expression), so it writes some unary calls as
+    `expm1,sub(@0,0.5)` or `log1p,@0`. Read the same way here, then checked by the
+    strict grammar (E.parse) of the text pmx stores. Iterative, with the grammar's
+    length and depth limits checked on the way (a deep tree would overflow to_text's
+    recursion)."""
+    if len(text) > E.MAX_EXPR_LENGTH:
+        raise PmxFormatError(f"expression {text[:80]!r}... is longer than {E.MAX_EXPR_LENGTH} characters")
+    tokens = [t.strip() for t in _PNNX_SEPARATORS.split(text)]
+    stack = []  # (tree, depth)
+    for t in reversed([t for t in tokens if t]):
+        arity = E.FUNCTIONS.get(t)
+        if arity is None:
+            stack.append((E.parse(t), 1))  # an input or a literal (anything else is refused there)
+            continue
+        if len(stack) < arity:
+            raise PmxFormatError(f"expression {text[:80]!r}: {t} takes {arity} operands, finds {len(stack)}")
+        args = [stack.pop() for _ in range(arity)]
+        depth = 1 + max(d for _, d in args)
+        if depth > E.MAX_DEPTH:
+            raise PmxFormatError(f"expression {text[:80]!r} nests deeper than {E.MAX_DEPTH}")
+        stack.append(((t, *(a for a, _ in args)), depth))
+    if len(stack) != 1:
+        raise PmxFormatError(f"expression {text[:80]!r} holds {len(stack)} values, expected one expression")
+    return E.parse(E.to_text(stack[0][0]), num_inputs)
 
 
 @rule("pnnx.Expression")
@@ -10,15 +43,20 @@ def expression(node, ctx):
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
-    if text.startswith("[") and node.outputs[0].consumers and all(
-            c.op == "Tensor.index" for c in node.outputs[0].consumers):  # x[:, ids]: [None,@0]
+    if text.startswith("[") and node.outputs[0].consumers and all(  # x[:, ids]: [None,@0]
+            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):
         from pmx.compiler.canon.indexing import attach_index_expression
 
         return attach_index_expression(node, ctx)
+    if text.startswith("size(") and node.outputs[0].consumers and all(
+            c.op == "torch.arange" for c in node.outputs[0].consumers):  # arange(x.size(1)), dynamic export
+        from pmx.compiler.canon.indexing import attach_size_expression
+
+        return attach_size_expression(node, ctx)
     if "size(" in text or "[" in text or "int(" in text:
         fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:
-        tree = E.parse(text, len(node.inputs))
+        tree = pnnx_expression_tree(text, len(node.inputs))
     except PmxFormatError as e:
         fail(node, str(e))
     return [elementwise(node, E.to_text(tree), list(node.inputs))]
@@ -27,7 +65,8 @@ def expression(node, ctx):
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
            "maximum": "maximum", "minimum": "minimum", "atan2": "atan2", "fmod": "fmod",
            "remainder": "remainder", "floor_divide": "floor_divide",
-           "gt": "gt", "ge": "ge", "lt": "lt", "le": "le", "eq": "eq", "ne": "ne"}
+           "gt": "gt", "ge": "ge", "lt": "lt", "le": "le", "eq": "eq", "ne": "ne",
+           "logaddexp": "logaddexp", "bitwise_left_shift": "lshift", "bitwise_right_shift": "rshift"}
 
 
 def _binary(fn_name):
@@ -96,6 +135,31 @@ def _softmax(op):
 
 rule("F.softmax", "nn.Softmax", "torch.softmax", "Tensor.softmax")(_softmax("softmax"))
 rule("F.log_softmax", "nn.LogSoftmax", "torch.log_softmax", "Tensor.log_softmax")(_softmax("log_softmax"))
+
+
+@rule("F.softmin", "nn.Softmin")
+def softmin(node, ctx):
+    """softmax(-x), as torch defines it: a negation the elementwise passes can fuse
+    into the producer, then the softmax kernel."""
+    (soft,) = _softmax("softmax")(node, ctx)
+    x = soft.inputs[0]
+    neg = ctx.temp(node, x.shape, x.dtype, "neg")
+    soft.inputs = [neg]
+    return [elementwise(node, "neg(@0)", [x], outputs=[neg], name=node.name + ".neg"), soft]
+
+
+@rule("nn.Softmax2d")
+def softmax2d(node, ctx):
+    """Softmax over the channels of a (C, H, W) or (N, C, H, W) input: dim -3."""
+    x = data_input(node)
+    if x.shape is None or len(x.shape) not in (3, 4):
+        fail(node, f"Softmax2d needs a 3-d or 4-d input, found shape {x.shape}")
+    return [make(node, "softmax", [x], dict(axis=len(x.shape) - 3))]
+
+
+@rule("torch.positive", "Tensor.positive")
+def positive(node, ctx):
+    return Forward(data_input(node))
 
 
 # --- logical and bitwise ops on bool / integer tensors ---------------------------------

@@ -1,10 +1,14 @@
-"""Shape ops: reshape spellings, cat, chunk/split, slice/select, permute/transpose,
-channel shuffle, and identities (Dropout, Identity, contiguous) which are removed.
+"""Shape ops: reshape spellings (reshape_as too), cat, chunk/split, slice/select,
+slice assignment (slice_copy, slice_scatter), permute/transpose/t, channel shuffle, and
+identities (Dropout, Identity, contiguous) which are removed.
 
 Reshape-like ops keep the concrete output shape pnnx recorded (`shape`) and, for later
 re-planning at other input shapes, the shape argument as written (`pnnx_shape`).
 """
 
+import numpy as np
+
+from pmx.runtime.kernels.shape import slice_infer
 from pmx.compiler.canon import (
     Forward,
     data_input,
@@ -104,10 +108,7 @@ def _slice_params(node):
     return dims, starts, ends, steps, selects
 
 
-@rule("Tensor.slice")
-def slice_(node, ctx):
-    x = data_input(node)
-    rank = len(in_shape(node, x))
+def _slice_attrs(node, rank):
     dims, starts, ends, steps, selects = _slice_params(node)
     axes, st, en, sp, squeeze = [], [], [], [], []
     for d, s, e, p, sel in zip(dims, starts, ends, steps, selects):
@@ -117,8 +118,56 @@ def slice_(node, ctx):
             squeeze.append(d)
         else:
             axes.append(d), st.append(s), en.append(e), sp.append(p)
-    attrs = dict(axes=tuple(axes), starts=tuple(st), ends=tuple(en), steps=tuple(sp), squeeze=tuple(squeeze))
-    return [make(node, "slice", [x], attrs)]
+    return dict(axes=tuple(axes), starts=tuple(st), ends=tuple(en), steps=tuple(sp), squeeze=tuple(squeeze))
+
+
+@rule("Tensor.slice")
+def slice_(node, ctx):
+    x = data_input(node)
+    return [make(node, "slice", [x], _slice_attrs(node, len(in_shape(node, x))))]
+
+
+def _slice_assign(node, x, src, attrs):
+    new = make(node, "slice_assign", [x, src], attrs)
+    probe = slice_infer(new, [tuple(in_shape(node, x))], [None])[0][0]  # the shape `slice` would read
+    try:
+        fits = np.broadcast_shapes(tuple(in_shape(node, src)), probe) == probe
+    except ValueError:
+        fits = False
+    if not fits:
+        fail(node, f"src of shape {src.shape} does not fit the slice of shape {probe}")
+    return [new]
+
+
+@rule("Tensor.slice_copy")
+def slice_copy(node, ctx):
+    """x[2:10, 3] = src as pnnx writes it: the slice's parameters (as Tensor.slice) on
+    $self, the values in $src; a copy of self with the slice replaced."""
+    x = node.named_input("self") or data_input(node)
+    src = node.named_input("src")
+    if src is None:
+        fail(node, "missing src tensor")
+    return _slice_assign(node, x, src, _slice_attrs(node, len(in_shape(node, x))))
+
+
+@rule("torch.slice_scatter", "Tensor.slice_scatter")
+def slice_scatter(node, ctx):
+    x = data_input(node)
+    src = node.named_input("src")
+    if src is None:
+        fail(node, "missing src tensor")
+    rank = len(in_shape(node, x))
+    dim = param(node, "dim", 0)
+    start, end, step = param(node, "start", None), param(node, "end", None), param(node, "step", 1)
+    start = 0 if start is None else start
+    end = 2**31 - 1 if end is None else end
+    step = 1 if step is None else step
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, start, end, step)) or step <= 0:
+        fail(node, f"dim={dim!r} start={start!r} end={end!r} step={step!r} must be constant ints, step positive")
+    if not -rank <= dim < rank:
+        fail(node, f"dim={dim} out of range for rank {rank}")
+    attrs = dict(axes=(dim % rank,), starts=(start,), ends=(end,), steps=(step,), squeeze=())
+    return _slice_assign(node, x, src, attrs)
 
 
 @rule("Tensor.select", "torch.select")
@@ -135,6 +184,29 @@ def select(node, ctx):
     index %= n
     attrs = dict(axes=(dim,), starts=(index,), ends=(index + 1,), steps=(1,), squeeze=(dim,))
     return [make(node, "slice", [x], attrs)]
+
+
+@rule("Tensor.reshape_as")
+def reshape_as(node, ctx):
+    x = data_input(node)
+    shape = out_shape(node)
+    other = node.named_input("other")
+    if other is not None and other.shape is not None and tuple(other.shape) != tuple(shape):
+        fail(node, f"output shape {shape} differs from other's {other.shape}")
+    if int(np.prod(in_shape(node, x))) != int(np.prod(shape)):
+        fail(node, f"cannot reshape {x.shape} to {shape}")
+    return [make(node, "reshape", [x], dict(shape=tuple(shape)))]
+
+
+@rule("torch.t", "Tensor.t")
+def t(node, ctx):
+    x = data_input(node)
+    rank = len(in_shape(node, x))
+    if rank > 2:
+        fail(node, f"t() takes a tensor of at most 2 dims, got {x.shape}")
+    if rank < 2:
+        return Forward(x)
+    return [make(node, "transpose", [x], dict(perm=(1, 0)))]
 
 
 @rule("torch.permute", "Tensor.permute")

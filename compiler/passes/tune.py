@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
-from pmx.runtime import parallel
 from pmx.runtime.kernels import conv, elementwise, get
 
 TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
@@ -62,16 +61,15 @@ def tune(graph) -> bool:
         return False
     report = graph.tune_report = []
     rng = np.random.default_rng(0)
-    with parallel.running():
-        for node in graph.nodes:
-            options = candidates(node)
-            if len(options) < 2:
-                continue
-            times, rounds = _time_candidates(node, options, rng)
-            if times:
-                chosen = _choose(times, node.variant, rounds)
-                report.append((node, node.variant, chosen, times, rounds))
-                node.variant = chosen
+    for node in graph.nodes:
+        options = candidates(node)
+        if len(options) < 2:
+            continue
+        times, rounds = _time_candidates(node, options, rng)
+        if times:
+            chosen = _choose(times, node.variant, rounds)
+            report.append((node, node.variant, chosen, times, rounds))
+            node.variant = chosen
     return False
 
 

@@ -196,6 +196,9 @@ from pmx.runtime.kernels import (  # noqa: E402,F401  (registration side effects
     recurrent,
     reduce,
     resample,
+    sampling,
     shape,
+    spectral,
+    windows,
     winograd,
 )

@@ -28,8 +28,8 @@ attrs:
              (it gives 0, as F.scaled_dot_product_attention's safe softmax).
 Output 0 has q's layout with v's feature size.
 
-How it runs (tools/bench_kernels.py has the numbers): BLAS is single-threaded inside a
-session's run(), so each slice of the scores is shared out to the runtime's threads along
+How it runs (tools/bench_kernels.py has the numbers): where BLAS runs on one thread
+(parallel.gemm_threads), each slice of the scores is shared out to the runtime's threads along
 its first batch axis longer than 1 (the heads; the query rows when there is none), and
 each thread runs every step on its share: q * scale (L*E multiplies, not L*S), QK^T,
 masks, the softmax (row max, subtract, exp in place; row sums as a GEMV with a ones
@@ -207,11 +207,10 @@ def _block_part(b, axis, lo, hi):
 
 def _over_threads(b, attend, mean_weights):
     """attend(part of block b) for each thread's share, when the block is big enough to
-    pay for the dispatch. BLAS runs single-threaded inside a session's run()
-    (parallel.running), so this is how both GEMMs and the softmax between
-    them get the other cores."""
+    pay for the dispatch, where BLAS runs on one thread (parallel.gemm_threads): then
+    this is how both GEMMs and the softmax between them get the other cores."""
     axis = _thread_axis(b, mean_weights)
-    parts = parallel.num_threads() if parallel.worth_splitting(b.scores.size) else 1
+    parts = parallel.gemm_threads() if parallel.worth_splitting(b.scores.size) else 1
     return parallel.split([attend(_block_part(b, axis, lo, hi))
                            for lo, hi in parallel.ranges(b.scores.shape[axis], parts)])
 

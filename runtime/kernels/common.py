@@ -94,6 +94,12 @@ def node_threads(node):
     return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
 
 
+def gemm_node_threads(node):
+    """Threads a node's kernel may split its BLAS calls over: node_threads(node) when the
+    pool splits GEMMs (BLAS on one thread), else 1 (BLAS's own threads share them)."""
+    return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.gemm_threads()
+
+
 def split_threads(node, elements):
     """Threads a node splits `elements` of work over: node_threads(node) when the work pays
     for a dispatch (parallel.worth_splitting), else 1."""
@@ -170,9 +176,12 @@ def split_expression(tree, inputs, out, threads, backend=None):
     E.compile_numexpr), as one slab per thread along the first axis at least `threads`
     long when the tensor is big enough to pay for the dispatch. Each slab is the same
     expression over slices of out and of every input not broadcast along that axis
-    (numpy's ufuncs and numexpr release the GIL, so slabs overlap; numexpr itself runs
-    on one thread inside runs, see parallel.running)."""
+    (numpy's ufuncs and numexpr release the GIL, so slabs overlap). A numexpr program
+    runs whole on numexpr's own threads unless numexpr has one thread: pmx never sets
+    numexpr's process-wide count, and slabs on both pools would oversubscribe the cores."""
     # numpy's temporaries come from the binding's shared pool (kernels.temporary_array)
+    if backend is not None and E.numexpr_threads() > 1:
+        threads = 1  # numexpr's own threads share the program out
     backend = backend or functools.partial(E.compile_numpy, empty=temporary_array)
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None or not parallel.worth_splitting(out.size):
@@ -207,8 +216,7 @@ def product(a, b, out, bias=None):
     bias, BLAS accumulates onto it where it can (blas.sgemm_accumulate: the bias copied
     into out, then sgemm with beta = 1), else np.matmul and an add. Which one is decided
     on the first call, not here: finding BLAS's entry point reads the process's memory
-    map (~0.6 ms), which load time would pay; the first run reads it anyway to set BLAS's
-    threads."""
+    map (~0.6 ms), which load time would pay."""
     if bias is None:
         return lambda: np.matmul(a, b, out=out)
     step = None
@@ -234,8 +242,8 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     columns -> rows (medians of 10x20 runs): MobileNetV2 24->144 at 56x56 0.478 -> 0.320
     ms, 32->192 at 28x28 0.203 -> 0.140; SqueezeNet 16->64 at 55x55 0.202 -> 0.121;
     DenseNet 64->128 at 56x56 0.559 -> 0.440. Linear layers keep columns: ViT-B/16's
-    3072->768 lost 6.6 -> 7.4 ms with rows. BLAS itself runs single-threaded inside run()
-    (parallel.running), so this is where GEMMs get the other cores.
+    3072->768 lost 6.6 -> 7.4 ms with rows. The split happens only where BLAS runs on
+    one thread (parallel.gemm_threads); otherwise BLAS's own threads share the product.
     `bias` (broadcast against out, or None) is added to each part with its product
     (`product`); `activation` (a node with a fused activation, or None) is applied as
     split_activated does. Measured on this 2-core machine with BLAS on one thread (idle
@@ -247,7 +255,7 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
     576->96 at 7x7 (2.7M) 0.088 -> 0.066, 48->288 at 14x14 + hardswish 0.128 -> 0.114;
     at 1.1M (24->58 at 28x28) it lost: 0.057 -> 0.067."""
-    threads = threads or parallel.num_threads()
+    threads = threads or parallel.gemm_threads()
     plan = _gemm_split(a, b, out, threads, rows_first)
     if plan is None:
         return split_activated(activation, out, [(product(a, b, out, bias), out)])
@@ -262,22 +270,11 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
 
 def gemm_split_minimum(vector):
     """The fewest multiply-adds worth splitting a product over the threads; `vector`: a
-    matrix-vector product (one output row or column). Worker processes split from
-    GEMM_SPLIT_MIN_MACS / 4 (parallel.split_minimum). Worker threads split matrix
-    products from MATRIX_SPLIT_MIN_MACS, the same 384K, but vectors only from
-    GEMM_SPLIT_MIN_MACS: a GEMV reads its weights once, at the memory's speed, and a
-    second thread only adds its hand-off (see README: batch-1 GEMVs). Threads,
-    alternating fresh processes, 6 pairs each, medians of 100 runs, both at 1.5M -> this
-    rule: MobileNetV3-small 5.271 -> 5.181 ms (6 of 6 faster; eight 1x1 convs of 0.75M
-    to 1.35M at 7x7 to 56x56 now split), ShuffleNetV2 6.063 -> 6.014 (5 of 6; one
-    24->58 1x1 conv at 28x28), MobileNetV2, EfficientNet-B0, DenseNet-121 and
-    ResNet-18 within 0.6% (no product of theirs changed how it splits). Lowering both
-    kinds to 384K had split the classifier GEMVs too: EfficientNet-B0 22.753 -> 22.885
-    (0 of 6; its only new split was the 1280x1000 GEMV). 192K was no better than 384K
-    on MobileNetV3-small, ShuffleNetV2 and MobileNetV2; with processes, 96K was level
-    with 384K."""
-    most = parallel.split_minimum(GEMM_SPLIT_MIN_MACS)
-    return most if vector else min(MATRIX_SPLIT_MIN_MACS, most)
+    matrix-vector product (one output row or column). Matrix products split from
+    MATRIX_SPLIT_MIN_MACS, vectors only from GEMM_SPLIT_MIN_MACS: a GEMV reads its
+    weights once, at the memory's speed, and a second thread only adds its hand-off
+    (docs/performance.md has the measurements)."""
+    return GEMM_SPLIT_MIN_MACS if vector else min(MATRIX_SPLIT_MIN_MACS, GEMM_SPLIT_MIN_MACS)
 
 
 def _gemm_split(a, b, out, threads, rows_first=False):

@@ -75,6 +75,7 @@ from pmx.runtime.kernels.common import (
     epilogue,
     fill_border,
     gemm,
+    gemm_node_threads,
     gemm_split_minimum,
     node_threads,
     padded_buffer,
@@ -226,7 +227,7 @@ def _scaled_pointwise(node, x, w, b, scale, out):
     x2 = view_as(x, (n, cin, -1))
     out2 = view_as(out, (n, cout, -1))
     bias = None if b is None else b.reshape(cout, 1)
-    threads = node_threads(node)
+    threads = gemm_node_threads(node)
     multiply = np.multiply
     steps = []
     for i in range(n):
@@ -252,7 +253,7 @@ def _gemm(node, x, w, b, out):
     cout, cg = w.shape[0], w.shape[1]
     k = w.shape[2:]
     o = math.prod(out.shape[2:])
-    threads = node_threads(node)
+    threads = gemm_node_threads(node)
     if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < gemm_split_minimum(True)):
         return _gemv(node, x, w, b, out)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
@@ -361,7 +362,7 @@ def _depthwise_plan(node, g, dtype):
     """(channel range per thread, channels per im2col block), as make() and the scratch
     sizing both need them."""
     elements = g.n * g.c * g.length * len(g.taps)
-    split = parallel.worth_splitting(elements) and elements >= parallel.split_minimum(DEPTHWISE_SPLIT_MIN_ELEMENTS)
+    split = parallel.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
     threads = node_threads(node) if split else 1
     parts = parallel.ranges(g.c, threads)
     per_channel = max(1, len(g.taps) * g.length * np.dtype(dtype).itemsize)

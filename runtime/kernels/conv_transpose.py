@@ -104,8 +104,8 @@ def make_conv_transpose(node, inputs, outputs):
     # 2x2/2 up-convolution) are written, not accumulated, so out needs no zero fill
     tiled = bool(np.all(coverage == 1))
     # one group: each thread takes a range of output channels, its rows of the GEMM and
-    # its part of col2im (BLAS runs on one thread inside runs)
-    threads = split_threads(node, cols.size) if groups == 1 else 1
+    # its part of col2im (where BLAS runs on one thread: parallel.gemm_threads)
+    threads = min(split_threads(node, cols.size), parallel.gemm_threads()) if groups == 1 else 1
     parts = []
     for c0, c1 in parallel.ranges(cout, threads):
         ch = slice(c0, c1)

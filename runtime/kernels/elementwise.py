@@ -4,8 +4,8 @@ Canonical op `elementwise`: any number of inputs (broadcast), node.expr holds th
 expression (runtime/expr.py grammar), node.variant "numexpr" or "numpy" says which
 backend runs it; the compiler chooses per node. Either backend splits big tensors into
 one slab per thread along the first axis long enough (each slab is the same expression
-over slices of the output and of every input that is not broadcast along that axis;
-numexpr itself runs on one thread inside runs, see parallel.running). Suffix "_1t" keeps
+over slices of the output and of every input that is not broadcast along that axis; a
+numexpr program is split only while numexpr's own pool has one thread). Suffix "_1t" keeps
 a numpy node on one thread (`pmx compile --tune` wrote it before it left threading to
 the rule; such files still run as stored).
 """

@@ -12,9 +12,36 @@
 `index`   inputs data, then one integer tensor per dim in attrs axes (x[i, :, j]).
 `cast`    attrs dtype (numpy name); C casting as torch does (float -> int truncates,
           nonzero -> True).
+`index_put` inputs data, values (absent when attrs value is given), then one index
+          tensor per dim in attrs axes (integer or boolean); attrs accumulate. A copy of
+          data with data[indices] = values (or += values, duplicates summed); torch's
+          index_put.
+`scatter_add` inputs data, index, src; attrs axis (torch.scatter_add: duplicates summed).
+`fill`    inputs data (for its shape and dtype), optional 0-d/one-element value tensor;
+          attrs value when no tensor: data's shape full of the value (Tensor.fill).
+`diag`    attrs diagonal: a vector -> the square matrix with it on that diagonal; a
+          matrix -> that diagonal as a vector (torch.diag).
+`cross`   inputs a, b (broadcast together); attrs axis of size 3 (torch.linalg.cross).
+`cumsum` / `cumprod` attrs axis; the output dtype is the node's (torch widens integers
+          to int64).
+`topk`    attrs axis, k, largest, sorted; outputs values and int64 indices. Equal values
+          come out in index order (lowest index first, a stable sort), which is torch's
+          order where torch's own is deterministic; NaN counts as the largest value, as in
+          torch. sorted=False returns them sorted as well (torch leaves the order open).
+`masked_select` inputs data, mask (broadcast together); outputs the selected elements
+          (1-d, planned at its upper bound, every element of the broadcast shape) and
+          their count (int64, shape (1,)). Only the first `count` elements are the result:
+          the session returns that many (see runtime/session.py); the compiler refuses
+          such an output feeding any other node, since those need a planned shape.
+`as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
+          the input's contiguous storage, copied out.
+`repeat_interleave` attrs repeats (one int), axis (torch.repeat_interleave with an int).
+`arange`  input x; attrs start, step, axis, dtype: start, start + step, ... below
+          x.shape[axis] (torch.arange(start, x.size(axis), step)), a shape rule of x.
 """
 
 import itertools
+import math
 
 import numpy as np
 
@@ -193,3 +220,287 @@ def make_index(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     key = _index_key(x.ndim, node.attrs["axes"], inputs[1:])
     return lambda: np.copyto(out, x[key])
+
+
+def _key_with(axes, indices):
+    """data[key] with indices at `axes`, whole dims before and between them; dims after
+    the last are left to numpy (a boolean index spans as many dims as it has), and the
+    Ellipsis keeps a key of plain ints a 0-d view rather than a copied scalar."""
+    key = [slice(None)] * (max(axes) + 1 if axes else 0)
+    for a, i in zip(axes, indices):
+        key[a] = i
+    return tuple(key) + (Ellipsis,)
+
+
+def index_put_infer(node, shapes, dtypes):
+    return [(tuple(shapes[0]), dtypes[0])]
+
+
+@register("index_put", infer=index_put_infer, inplace=True)
+def make_index_put(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    values = inputs[1] if "value" not in node.attrs else np.asarray(node.attrs["value"], x.dtype)
+    key = _key_with(node.attrs["axes"], inputs[2:])
+    copy = None if _same(x, out) else (lambda: np.copyto(out, x))
+    if node.attrs.get("accumulate"):
+        def put():
+            np.add.at(out, key, values)
+    else:
+        def put():
+            out[key] = values
+
+    return put if copy is None else _chain(copy, put)
+
+
+def _same(a, b):
+    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
+
+
+def _chain(first, second):
+    def run():
+        first()
+        second()
+
+    return run
+
+
+@register("scatter_add", infer=index_put_infer, inplace=True)
+def make_scatter_add(node, inputs, outputs):
+    x, idx, src, out = inputs[0], inputs[1], inputs[2], outputs[0]
+    axis = node.attrs["axis"] % x.ndim
+    # torch reads src only where index has elements: src's leading corner of index's shape
+    src = src[tuple(slice(0, n) for n in idx.shape)]
+    grids = np.indices(idx.shape, sparse=True)
+    n_axis = x.shape[axis]
+
+    def put():
+        if idx.size and (idx.min() < -n_axis or idx.max() >= n_axis):
+            raise IndexError(f"scatter_add index out of range for dim {axis} of size {n_axis}")
+        key = tuple(idx if d == axis else g for d, g in enumerate(grids))
+        np.add.at(out, key, src)
+
+    return put if _same(x, out) else _chain(lambda: np.copyto(out, x), put)
+
+
+@register("fill", infer=index_put_infer)
+def make_fill(node, inputs, outputs):
+    out = outputs[0]
+    if len(inputs) > 1 and inputs[1] is not None:
+        v = inputs[1]
+        if v.size != 1:
+            raise ValueError(f"fill value must have one element, got shape {v.shape}")
+        flat = v.reshape(())
+        return lambda: out.fill(flat)
+    value = node.attrs["value"]
+    return lambda: out.fill(value)
+
+
+def diag_infer(node, shapes, dtypes):
+    shape, k = tuple(shapes[0]), node.attrs["diagonal"]
+    if len(shape) == 1:
+        n = shape[0] + abs(k)
+        return [((n, n), dtypes[0])]
+    if len(shape) != 2:
+        raise ValueError(f"diag takes a 1-d or 2-d input, got shape {shape}")
+    rows, cols = shape
+    n = max(0, min(rows + min(k, 0), cols - max(k, 0)))
+    return [((n,), dtypes[0])]
+
+
+@register("diag", infer=diag_infer)
+def make_diag(node, inputs, outputs):
+    x, out, k = inputs[0], outputs[0], node.attrs["diagonal"]
+    if x.ndim == 1:
+        n = x.shape[0]
+        rows = np.arange(n) + max(-k, 0)
+        cols = np.arange(n) + max(k, 0)
+
+        def run():
+            out.fill(0)
+            out[rows, cols] = x
+
+        return run
+    src = np.diagonal(x, k)
+    return lambda: np.copyto(out, src)
+
+
+def cross_infer(node, shapes, dtypes):
+    shape = tuple(np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1])))
+    axis = node.attrs["axis"]
+    if not -len(shape) <= axis < len(shape) or shape[axis] != 3:
+        raise ValueError(f"cross needs size 3 along dim {axis}, got shape {shape}")
+    return [(shape, np.result_type(dtypes[0], dtypes[1]))]
+
+
+@register("cross", infer=cross_infer)
+def make_cross(node, inputs, outputs):
+    a, b, out = inputs[0], inputs[1], outputs[0]
+    axis = node.attrs["axis"] % out.ndim
+    a = np.broadcast_to(a, out.shape)
+    b = np.broadcast_to(b, out.shape)
+
+    a0, a1, a2 = (a[_key_with((axis,), (i,))] for i in range(3))  # views: read at run time
+    b0, b1, b2 = (b[_key_with((axis,), (i,))] for i in range(3))
+    o0, o1, o2 = (out[_key_with((axis,), (i,))] for i in range(3))
+
+    def run():
+        np.subtract(a1 * b2, a2 * b1, out=o0)
+        np.subtract(a2 * b0, a0 * b2, out=o1)
+        np.subtract(a0 * b1, a1 * b0, out=o2)
+
+    return run
+
+
+def cumulative_infer(node, shapes, dtypes):
+    dtype = node.attrs.get("dtype")
+    return [(tuple(shapes[0]), np.dtype(dtype) if dtype else dtypes[0])]
+
+
+@register("cumsum", infer=cumulative_infer)
+def make_cumsum(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axis = node.attrs["axis"] % max(x.ndim, 1)
+    if x.ndim == 0:
+        return lambda: np.copyto(out, x, casting="unsafe")
+    return lambda: np.cumsum(x, axis=axis, dtype=out.dtype, out=out)
+
+
+@register("cumprod", infer=cumulative_infer)
+def make_cumprod(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axis = node.attrs["axis"] % max(x.ndim, 1)
+    if x.ndim == 0:
+        return lambda: np.copyto(out, x, casting="unsafe")
+    return lambda: np.cumprod(x, axis=axis, dtype=out.dtype, out=out)
+
+
+def topk_infer(node, shapes, dtypes):
+    shape = list(shapes[0])
+    axis, k = node.attrs["axis"] % max(len(shape), 1), node.attrs["k"]
+    if shape:
+        if not 0 <= k <= shape[axis]:
+            raise ValueError(f"topk k={k} out of range for dim {axis} of size {shape[axis]}")
+        shape[axis] = k
+    return [(tuple(shape), dtypes[0]), (tuple(shape), np.dtype(np.int64))]
+
+
+@register("topk", infer=topk_infer)
+def make_topk(node, inputs, outputs):
+    x, values, indices = inputs[0], outputs[0], outputs[1]
+    if x.ndim == 0:
+        def scalar():
+            np.copyto(values, x)
+            indices.fill(0)
+
+        return scalar
+    axis, k, largest = node.attrs["axis"] % x.ndim, node.attrs["k"], node.attrs["largest"]
+    kind = x.dtype.kind
+
+    def run():
+        if largest and kind == "f":
+            # negated, a stable ascending sort puts the largest first and keeps equal
+            # values in index order; NaN (the largest in torch) goes before everything
+            order = _stable_order(-x, ~np.isnan(x), axis)
+        elif largest:
+            order = np.argsort(~x, axis=axis, kind="stable")  # ~ reverses every integer order
+        else:
+            order = np.argsort(x, axis=axis, kind="stable")  # NaN sorts last: the largest
+        top = order[_key_with((axis,), (slice(0, k),))]
+        np.copyto(indices, top)
+        np.copyto(values, np.take_along_axis(x, top, axis=axis))
+
+    return run
+
+
+def _stable_order(key, secondary, axis):
+    """Argsort by (secondary, key), stable: NaNs (secondary False) first, then key."""
+    order = np.argsort(key, axis=axis, kind="stable")
+    sec = np.take_along_axis(secondary, order, axis=axis)
+    return np.take_along_axis(order, np.argsort(sec, axis=axis, kind="stable"), axis=axis)
+
+
+def masked_select_infer(node, shapes, dtypes):
+    shape = np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))
+    return [((int(np.prod(shape, dtype=np.int64)),), dtypes[0]), ((1,), np.dtype(np.int64))]
+
+
+@register("masked_select", infer=masked_select_infer)
+def make_masked_select(node, inputs, outputs):
+    x, mask, out, count = inputs[0], inputs[1], outputs[0], outputs[1]
+    shape = np.broadcast_shapes(x.shape, mask.shape)
+    xb, mb = np.broadcast_to(x, shape), np.broadcast_to(mask, shape)
+
+    def run():
+        picked = xb[mb]
+        n = picked.size
+        out[:n] = picked
+        count[0] = n
+
+    return run
+
+
+def as_strided_infer(node, shapes, dtypes):
+    size, stride, offset = node.attrs["size"], node.attrs["stride"], node.attrs.get("offset", 0)
+    numel = int(np.prod(shapes[0], dtype=np.int64))
+    if len(size) != len(stride) or any(s < 0 for s in size) or any(s < 0 for s in stride) or offset < 0:
+        raise ValueError(f"as_strided size={size} stride={stride} offset={offset} must be non-negative and of one rank")
+    if all(size):
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
+        if last >= numel:
+            raise ValueError(f"as_strided size={size} stride={stride} offset={offset} reaches element {last} "
+                             f"of an input with {numel}")
+    return [(tuple(size), dtypes[0])]
+
+
+@register("as_strided", infer=as_strided_infer)
+def make_as_strided(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    size, stride, offset = tuple(node.attrs["size"]), node.attrs["stride"], node.attrs.get("offset", 0)
+    if x.flags.c_contiguous:
+        flat = x.reshape(-1)
+        src = np.lib.stride_tricks.as_strided(flat[offset:], size, tuple(s * x.itemsize for s in stride),
+                                              writeable=False)
+        return lambda: np.copyto(out, src)
+
+    def run():  # a strided operand: its storage order is its logical order
+        flat = np.ascontiguousarray(x).reshape(-1)
+        np.copyto(out, np.lib.stride_tricks.as_strided(flat[offset:], size, tuple(s * x.itemsize for s in stride)))
+
+    return run
+
+
+def repeat_interleave_infer(node, shapes, dtypes):
+    shape = list(shapes[0])
+    axis, r = node.attrs["axis"] % len(shape), node.attrs["repeats"]
+    shape[axis] *= r
+    return [(tuple(shape), dtypes[0])]
+
+
+@register("repeat_interleave", infer=repeat_interleave_infer)
+def make_repeat_interleave(node, inputs, outputs):
+    x, out = inputs[0], outputs[0]
+    axis, r = node.attrs["axis"] % x.ndim, node.attrs["repeats"]
+    # out seen with the repeats as a new axis after `axis` receives x broadcast along it
+    dst = view_as(out, x.shape[:axis + 1] + (r,) + x.shape[axis + 1:]) if out.flags.c_contiguous else None
+    if dst is None:
+        return lambda: np.copyto(out, np.repeat(x, r, axis=axis))
+    src = np.expand_dims(x, axis + 1)
+    return lambda: np.copyto(dst, src)
+
+
+def _arange_length(node, shapes):
+    end, start, step = shapes[0][node.attrs["axis"]], node.attrs["start"], node.attrs["step"]
+    return max(0, math.ceil((end - start) / step))
+
+
+def arange_infer(node, shapes, dtypes):
+    return [((_arange_length(node, shapes),), np.dtype(node.attrs["dtype"]))]
+
+
+@register("arange", infer=arange_infer)
+def make_arange(node, inputs, outputs):
+    out, start, step = outputs[0], node.attrs["start"], node.attrs["step"]
+    exact = isinstance(start, int) and isinstance(step, int)
+    # torch computes start + i * step in int64 for integer bounds, else in double
+    values = (start + np.arange(out.shape[0], dtype=np.int64 if exact else np.float64) * step).astype(out.dtype)
+    return lambda: np.copyto(out, values)

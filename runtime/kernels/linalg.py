@@ -4,10 +4,10 @@
 transposed weight is a view, BLAS reads it without a copy. node.expr: fused activation.
 `matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
 node.expr: fused activation.
-BLAS runs single-threaded inside a session's run() (parallel.running), so
-both split their GEMMs over the runtime's threads themselves (`common.gemm`), each part
-with its share of the bias (BLAS accumulating onto it: runtime/blas.py) and followed by
-the activation while it is still in cache.
+Both go through `common.gemm`: one BLAS call on BLAS's own threads, or, where BLAS runs
+on one thread, parts split over the session's threads, each with its share of the bias
+(BLAS accumulating onto it: runtime/blas.py) and followed by the activation while it is
+still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
 The contraction order is found once in the factory (np.einsum_path) and reused.
 `embedding`: inputs (ids[...] int, weight[V, D]); output [..., D]. Ids outside [0, V) raise

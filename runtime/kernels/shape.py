@@ -11,6 +11,9 @@
            channels split along axis 1 into one output per size (a shuffle and the
            split after it, as the compiler fuses them: compiler/passes/fuse_shuffle_split.py).
 `copy`     identity copy (used where an output must not alias its input).
+`slice_assign` inputs data, src; attrs as `slice`: a copy of data whose slice (the
+           elements `slice` would read) is replaced by src, broadcast to the slice's
+           shape (Tensor.slice_copy: x[2:10] = y; torch.slice_scatter).
 """
 
 import math
@@ -180,7 +183,8 @@ def _slice_index(attrs, ndim):
     for ax in attrs.get("squeeze", ()):
         s = index[ax % ndim]
         index[ax % ndim] = s.start
-    return tuple(index)
+    # the Ellipsis keeps a selection of every dim a 0-d view, not a copied numpy scalar
+    return tuple(index) + (Ellipsis,)
 
 
 def slice_infer(node, shapes, dtypes):
@@ -308,3 +312,17 @@ def _shuffle_into_parts(x, outputs, g):
 
     return run
 
+
+@register("slice_assign", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])], inplace=True)
+def make_slice_assign(node, inputs, outputs):
+    x, src, out = inputs[0], inputs[1], outputs[0]
+    dst = out[_slice_index(node.attrs, out.ndim)]
+    np.broadcast_shapes(src.shape, dst.shape)  # a src that cannot fill the slice fails at bind
+    if _same_memory(x, out):
+        return lambda: np.copyto(dst, src)
+
+    def run():
+        np.copyto(out, x)
+        np.copyto(dst, src)
+
+    return run

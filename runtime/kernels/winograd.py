@@ -32,7 +32,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import chain, copy_strided, node_threads, split_activated
+from pmx.runtime.kernels.common import chain, copy_strided, gemm_node_threads, split_activated
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
 # numpy calls per part cost more than they save below it (measured: 4-11M lose, 14M
@@ -132,7 +132,7 @@ def _images(node, x, u, bias, out, buffers, phase_buffers):
     phases = phase_buffers[g.n]
     rows_combined, v, m = (buf[:math.prod(shape)].reshape(shape)
                            for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
-    threads = node_threads(node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
+    threads = gemm_node_threads(node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
     transform_in = [_input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
                     for lo, hi in parallel.ranges(g.c, threads)]
     multiply_out = [_output_part(u, bias, out, g, v, m, lo, hi) for lo, hi in parallel.ranges(g.k, threads)]

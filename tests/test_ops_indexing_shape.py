@@ -1,0 +1,457 @@
+"""Indexing and shape ops pnnx writes: slice_copy, fill, index_put, reshape_as, t, diag,
+cross, cumsum, cumprod, topk, masked_select, scatter_add, slice_scatter,
+repeat_interleave, as_strided, arange, addcmul. Kernels against torch (hypothesis where
+the op has parameters), then end-to-end through pnnx."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from helpers import compare_with_torch, export_pnnx, run_kernel
+from pmx.runtime.errors import PmxCompileError
+
+shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)
+
+
+def _floats(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# --- kernels -------------------------------------------------------------------------
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_cumsum_cumprod_match_torch(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    x = _floats(shape, seed) * 0.9
+    for op, fn in (("cumsum", torch.cumsum), ("cumprod", torch.cumprod)):
+        (got,) = run_kernel(op, [x], dict(axis=axis))
+        np.testing.assert_allclose(got, fn(torch.from_numpy(x), axis).numpy(), rtol=1e-5, atol=1e-6)
+    ints = np.random.default_rng(seed).integers(-5, 5, shape).astype(np.int32)
+    (got,) = run_kernel("cumsum", [ints], dict(axis=axis, dtype="int64"))
+    want = torch.cumsum(torch.from_numpy(ints), axis).numpy()
+    assert got.dtype == want.dtype == np.int64
+    np.testing.assert_array_equal(got, want)
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_topk_matches_torch_on_distinct_values(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    k = data.draw(st.integers(0, shape[axis]))
+    largest = data.draw(st.booleans())
+    dtype = data.draw(st.sampled_from([np.float32, np.int64]))
+    n = int(np.prod(shape))
+    x = np.random.default_rng(seed).permutation(n).reshape(shape).astype(dtype) - n // 2
+    values, indices = run_kernel("topk", [x], dict(axis=axis, k=k, largest=largest, sorted=True))
+    want = torch.topk(torch.from_numpy(x), k, dim=axis, largest=largest, sorted=True)
+    np.testing.assert_array_equal(values, want.values.numpy())
+    assert indices.dtype == np.int64
+    np.testing.assert_array_equal(indices, want.indices.numpy())
+
+
+@given(n=st.integers(1, 40), k=st.integers(0, 40), largest=st.booleans(), seed=st.integers(0, 2**16))
+def test_topk_ties_values_match_and_indices_take_the_lowest_first(n, k, largest, seed):
+    k = min(k, n)
+    x = np.random.default_rng(seed).integers(0, 3, n).astype(np.float32)
+    values, indices = run_kernel("topk", [x], dict(axis=0, k=k, largest=largest, sorted=True))
+    want = torch.topk(torch.from_numpy(x), k, largest=largest, sorted=True)
+    np.testing.assert_array_equal(values, want.values.numpy())
+    np.testing.assert_array_equal(x[indices], values)
+    # pmx's documented tie order (torch's depends on its selection algorithm)
+    order = np.argsort(-x if largest else x, kind="stable")[:k]
+    np.testing.assert_array_equal(indices, order)
+
+
+def test_topk_nan_is_largest_as_in_torch():
+    x = np.array([1.0, np.nan, 3.0, 2.0], np.float32)
+    for largest in (True, False):
+        values, indices = run_kernel("topk", [x], dict(axis=0, k=2, largest=largest, sorted=True))
+        want = torch.topk(torch.from_numpy(x), 2, largest=largest)
+        np.testing.assert_array_equal(values, want.values.numpy())
+        np.testing.assert_array_equal(indices, want.indices.numpy())
+
+
+@given(n=st.integers(1, 6), m=st.integers(1, 6), k=st.integers(-7, 7), vector=st.booleans(), seed=st.integers(0, 99))
+def test_diag_matches_torch(n, m, k, vector, seed):
+    x = _floats((n,) if vector else (n, m), seed)
+    (got,) = run_kernel("diag", [x], dict(diagonal=k))
+    np.testing.assert_array_equal(got, torch.diag(torch.from_numpy(x), k).numpy())
+
+
+@given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4), data=st.data(), seed=st.integers(0, 99))
+def test_cross_matches_torch_with_broadcast(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    shape = shape[:axis] + (3,) + shape[axis + 1:]
+    b_shape = tuple(1 if data.draw(st.booleans()) and i != axis else d for i, d in enumerate(shape))
+    a, b = _floats(shape, seed), _floats(b_shape, seed + 1)
+    (got,) = run_kernel("cross", [a, b], dict(axis=axis))
+    want = torch.linalg.cross(torch.from_numpy(a), torch.from_numpy(b), dim=axis).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_scatter_add_matches_torch(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    ishape = tuple(data.draw(st.integers(1, d)) for d in shape)
+    src_shape = tuple(d + data.draw(st.integers(0, 1)) for d in ishape)
+    rng = np.random.default_rng(seed)
+    x, src = _floats(shape, seed), _floats(src_shape, seed + 1)
+    idx = rng.integers(-shape[axis], shape[axis], ishape)
+    (got,) = run_kernel("scatter_add", [x, idx, src], dict(axis=axis))
+    want = torch.scatter_add(torch.from_numpy(x), axis, torch.from_numpy(idx % shape[axis]), torch.from_numpy(src))
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_index_put_matches_torch(shape, data, seed):
+    rng = np.random.default_rng(seed)
+    x = _floats(shape, seed)
+    n_idx = data.draw(st.integers(1, len(shape)))
+    axes = tuple(sorted(data.draw(st.permutations(range(len(shape))))[:n_idx]))
+    count = data.draw(st.integers(0, 6))
+    accumulate = data.draw(st.booleans())
+    sizes = [shape[a] for a in axes]
+    if accumulate:
+        indices = [rng.integers(0, n, count) for n in sizes]
+    else:  # torch leaves duplicate positions undefined without accumulate
+        cells = rng.permutation(int(np.prod(sizes)))[:count]
+        indices = [i.astype(np.int64) for i in np.unravel_index(cells, sizes)]
+    # aten::index_put (what pnnx writes) with None for the whole dims
+    key = [None] * (max(axes) + 1)
+    for a, i in zip(axes, indices):
+        key[a] = torch.from_numpy(i)
+    picked_shape = torch.from_numpy(x)[tuple(slice(None) if k is None else k for k in key)].shape
+    values = _floats(tuple(picked_shape), seed + 1)
+    (got,) = run_kernel("index_put", [x, values] + indices, dict(axes=axes, accumulate=accumulate))
+    want = torch.ops.aten.index_put(torch.from_numpy(x), key, torch.from_numpy(values), accumulate)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_index_put_boolean_mask_and_scalar_value():
+    x = _floats((3, 4), 1)
+    mask = x > 0
+    (got,) = run_kernel("index_put", [x, None, mask], dict(axes=(0,), accumulate=False, value=2.5))
+    want = torch.from_numpy(x.copy())
+    want[torch.from_numpy(mask)] = 2.5
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_slice_assign_matches_slice_scatter(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    n = shape[axis]
+    start = data.draw(st.integers(0, n))
+    end = data.draw(st.integers(start, n))
+    step = data.draw(st.integers(1, 3))
+    x = _floats(shape, seed)
+    part = tuple(len(range(start, end, step)) if d == axis else s for d, s in enumerate(shape))
+    src = _floats(part, seed + 1)
+    attrs = dict(axes=(axis,), starts=(start,), ends=(end,), steps=(step,), squeeze=())
+    (got,) = run_kernel("slice_assign", [x, src], attrs)
+    want = torch.slice_scatter(torch.from_numpy(x), torch.from_numpy(src), axis, start, end, step)
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 99))
+def test_repeat_interleave_matches_torch(shape, data, seed):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    r = data.draw(st.integers(0, 3))
+    x = _floats(shape, seed)
+    (got,) = run_kernel("repeat_interleave", [x], dict(axis=axis, repeats=r))
+    np.testing.assert_array_equal(got, torch.repeat_interleave(torch.from_numpy(x), r, dim=axis).numpy())
+
+
+@given(n=st.integers(1, 30), data=st.data(), seed=st.integers(0, 99))
+def test_as_strided_matches_torch(n, data, seed):
+    rank = data.draw(st.integers(1, 3))
+    size = tuple(data.draw(st.integers(1, 4)) for _ in range(rank))
+    stride = tuple(data.draw(st.integers(0, 4)) for _ in range(rank))
+    reach = sum((a - 1) * b for a, b in zip(size, stride))
+    if reach >= n:
+        n = reach + 1
+    offset = data.draw(st.integers(0, n - 1 - reach))
+    x = _floats((n,), seed)
+    (got,) = run_kernel("as_strided", [x], dict(size=size, stride=stride, offset=offset))
+    np.testing.assert_array_equal(got, torch.as_strided(torch.from_numpy(x), size, stride, offset).numpy())
+
+
+@given(shape=shapes, seed=st.integers(0, 99), value=st.floats(-10, 10, width=32))
+def test_fill_matches_torch(shape, seed, value):
+    x = _floats(shape, seed)
+    (got,) = run_kernel("fill", [x], dict(value=value))
+    np.testing.assert_array_equal(got, torch.from_numpy(x.copy()).fill_(value).numpy())
+    (got,) = run_kernel("fill", [x, np.array([value], np.float32)])
+    np.testing.assert_array_equal(got, torch.from_numpy(x.copy()).fill_(torch.tensor(value)).numpy())
+
+
+@given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
+def test_masked_select_kernel_writes_count_and_prefix(shape, data, seed):
+    mshape = tuple(1 if data.draw(st.booleans()) else d for d in shape)
+    x = _floats(shape, seed)
+    mask = np.random.default_rng(seed).random(mshape) > 0.5
+    out, count = run_kernel("masked_select", [x, mask])
+    want = torch.masked_select(torch.from_numpy(x), torch.from_numpy(mask)).numpy()
+    assert out.shape == (x.size,) and count.dtype == np.int64
+    np.testing.assert_array_equal(out[:count[0]], want)
+
+
+# --- end to end through pnnx ---------------------------------------------------------
+
+
+def _check(tmp_path, module, inputs, name="m"):
+    prefix = _export(tmp_path / name, module, inputs)
+    return compare_with_torch(prefix, module, inputs, tmp_path / f"{name}.pmx")
+
+
+def _export(directory, module, inputs):
+    """pnnx writes the .param and .bin, then imports the Python it generated; for aten::
+    ops (addcmul, linalg_cross) that Python does not parse, which is pnnx's own problem."""
+    try:
+        return export_pnnx(directory, module, inputs)
+    except SyntaxError:
+        prefix = str(directory / "model")
+        assert (directory / "model.pnnx.param").exists()
+        return prefix
+
+
+class SliceFillIndexPut(nn.Module):
+    def forward(self, x, y, w):
+        x = x.clone()
+        y = y.clone()
+        x[1:3, ::2] = x[0:2, 1::2] * 2
+        x[:, 1] = 7.0
+        y[:2].fill_(w[0])
+        x = x.index_put((torch.tensor([0, 3]),), torch.tensor(5.0))
+        x.index_put_((torch.tensor([1, 1, 2]), torch.tensor([0, 0, 4])), w[:3], accumulate=True)
+        return x, y, torch.slice_scatter(y, x[:, :2], dim=1, start=1, end=5, step=2)
+
+
+def test_e2e_slice_copy_fill_index_put_slice_scatter(tmp_path):
+    _check(tmp_path, SliceFillIndexPut(), (torch.rand(4, 6), torch.rand(4, 6), torch.rand(4)))
+
+
+class MaskAndListIndexPut(nn.Module):
+    def forward(self, x, y):
+        x = x.clone()
+        x[x > 0.7] = 0.0
+        x[:, torch.tensor([0, 2])] = y[:, :2]
+        x[torch.tensor([1, 2]), 1:3] += 1
+        return x, torch.topk(y.reshape(-1), 5)[1], torch.cumsum(y, -1, dtype=torch.float64)
+
+
+def test_e2e_index_put_with_mask_none_entries_and_index_then_slice_copy(tmp_path):
+    _check(tmp_path, MaskAndListIndexPut(), (torch.rand(4, 5), torch.rand(4, 3)))
+
+
+class ShapeMath(nn.Module):
+    def forward(self, x, y, a, b):
+        out = [x.reshape_as(y), torch.t(x), torch.diag(x, 1), torch.diag(x[0], -2),
+               torch.cumsum(x, 1), torch.cumprod(y, dim=0), torch.cumsum(x.long(), 0),
+               torch.cross(a, b, dim=1), torch.linalg.cross(a, b),
+               torch.repeat_interleave(x, 2), torch.repeat_interleave(x, 3, dim=1),
+               torch.repeat_interleave(y, torch.tensor([1, 0, 3]), dim=0),
+               torch.as_strided(x.reshape(-1) + 1, (3, 2), (2, 3)),
+               torch.arange(5), torch.arange(2, 9), torch.arange(1, 2, 0.25),
+               torch.arange(3, dtype=torch.float32), torch.arange(x.size(1)) * 2]
+        return tuple(out)
+
+
+def test_e2e_reshape_as_t_diag_cumulative_cross_repeat_as_strided_arange(tmp_path):
+    _check(tmp_path, ShapeMath(), (torch.rand(4, 6), torch.rand(3, 8), torch.rand(5, 3), torch.rand(5, 3)))
+
+
+class Addcmul(nn.Module):
+    def forward(self, x, y, z):
+        return torch.addcmul(x, y, z, value=0.5), x.addcmul(y, z), torch.addcmul(x, y, z[:1], value=-2)
+
+
+def test_e2e_addcmul(tmp_path):
+    _check(tmp_path, Addcmul(), (torch.rand(3, 5), torch.rand(3, 5), torch.rand(3, 5)))
+
+
+class TopK(nn.Module):
+    def forward(self, x, y):
+        a, i = torch.topk(x, 3)
+        b, j = torch.topk(y, k=2, dim=1, largest=False)
+        return a, i, b, j
+
+
+def test_e2e_topk_values_and_indices(tmp_path):
+    x = torch.randperm(60).reshape(3, 4, 5).float()
+    y = torch.randperm(60).reshape(3, 4, 5).float()
+    sess, got, want = _check(tmp_path, TopK(), (x, y))
+    assert got[1].dtype == np.int64
+
+
+class MaskedSelect(nn.Module):
+    def forward(self, x, y):
+        return torch.masked_select(x, x > 0.5), y * 2, torch.masked_select(y, y < 0.2)
+
+
+def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
+    module = MaskedSelect()
+    x, y = torch.rand(2, 3, 4), torch.rand(5, 6)
+    sess, _, _ = _check(tmp_path, module, (x, y))
+    assert sess.get_outputs()[0].shape == [None]
+    for seed in range(3):  # other data, same session: other lengths
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.rand(2, 3, 4, generator=g), torch.rand(5, 6, generator=g)
+        got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})
+        np.testing.assert_array_equal(got[0], torch.masked_select(x, x > 0.5).numpy())
+        np.testing.assert_array_equal(got[1], (y * 2).numpy())
+        np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
+        (only,) = sess.run([sess.get_outputs()[2].name], {"in0": x.numpy(), "in1": y.numpy()})
+        np.testing.assert_array_equal(only, got[2])
+    x, y = torch.rand(4, 3, 4), torch.rand(7, 6)  # another batch: re-planned at the new bound
+    got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})
+    np.testing.assert_array_equal(got[0], torch.masked_select(x, x > 0.5).numpy())
+    np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
+
+
+def test_masked_select_of_constants_computed_by_other_ops_stays_counted(tmp_path):
+    """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
+    masked_select, written here) must leave the counted op to run time."""
+    from ziputil import write_bin
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    ops = ["pnnx.Input in 0 1 x #x=(2)f32",
+           "pnnx.Attribute w 0 1 a @data=(3,4)f32 #a=(3,4)f32",
+           "torch.gt gt 1 1 a m other=0.2 $input=a #a=(3,4)f32 #m=(3,4)bool",
+           "torch.masked_select sel 2 1 a m s $input=a $mask=m #s=(12)f32",
+           "pnnx.Expression add 1 1 x y expr=add(@0,1) #y=(2)f32",
+           "pnnx.Output out 2 0 s y"]
+    (tmp_path / "m.pnnx.param").write_text("\n".join(["7767517", f"{len(ops)} 5", *ops]) + "\n")
+    write_bin(tmp_path / "m.pnnx.bin", {"w.data": w})
+    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    got, _ = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
+    t = torch.from_numpy(w)
+    np.testing.assert_array_equal(got, torch.masked_select(t, t > 0.2).numpy())
+
+
+class MaskedSelectConsumed(nn.Module):
+    def forward(self, x):
+        return torch.masked_select(x, x > 0.5) * 2
+
+
+def test_masked_select_feeding_another_op_is_refused_naming_the_reader(tmp_path):
+    with pytest.raises(PmxCompileError, match=r"masked_select.*length known only at run time.*reads it"):
+        _check(tmp_path, MaskedSelectConsumed(), (torch.rand(2, 3),))
+
+
+class ArangeFromValues(nn.Module):
+    def forward(self, x):
+        return torch.arange(x[0])
+
+
+def test_arange_sized_by_input_values_is_refused_naming_the_node(tmp_path):
+    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*depend on the data"):
+        _check(tmp_path, ArangeFromValues(), (torch.tensor([3, 1], dtype=torch.int32),))
+
+
+class RepeatsFromInput(nn.Module):
+    def forward(self, x, r):
+        return torch.repeat_interleave(x, r, dim=0)
+
+
+def test_repeat_interleave_with_repeats_from_an_input_is_refused_naming_the_node(tmp_path):
+    inputs = (torch.rand(3, 2), torch.tensor([1, 0, 2]))
+    with pytest.raises(PmxCompileError, match=r"repeat_interleave.*line \d+.*repeats are computed from tensor values"):
+        _check(tmp_path, RepeatsFromInput(), inputs)
+
+
+# arange as pnnx writes it when a bound is an operand: pnnx folds what it can, so these
+# .param texts are written here (the oracle is still torch.arange)
+ARANGE_CASES = [
+    ("end=5", None, torch.arange(5)),
+    ("start=2 end=9 step=3", None, torch.arange(2, 9, 3)),
+    ("start=1 end=2 step=0.25 dtype=None", None, torch.arange(1, 2, 0.25)),
+    ("start=0 end=3 dtype=torch.float", None, torch.arange(0, 3, dtype=torch.float)),
+    ("start=-1 $end=b", "expr=4", torch.arange(-1, 4)),
+    ("start=0.5 $end=b dtype=torch.float", "expr=2.5", torch.arange(0.5, 2.5, dtype=torch.float)),
+]
+
+
+@pytest.mark.parametrize("params,end_expr,want", ARANGE_CASES)
+def test_arange_spellings_fold_to_torch_values(tmp_path, params, end_expr, want):
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    dt = {torch.int64: "i64", torch.float32: "f32"}[want.dtype]
+    ops = ["pnnx.Input in 0 1 x #x=(2)f32"]
+    ins = "1 1 b" if end_expr else "0 1"
+    if end_expr:
+        ops.append(f"pnnx.Expression e 0 1 b {end_expr}")
+    ops += [f"torch.arange a {ins} r {params} #r=({len(want)}){dt}",
+            "pnnx.Expression add 1 1 x y expr=add(@0,0) #y=(2)f32",
+            "pnnx.Output out 2 0 y r"]
+    operands = 4 if end_expr else 3  # x, r, y (and b)
+    text = "\n".join(["7767517", f"{len(ops)} {operands}", *ops]) + "\n"
+    (tmp_path / "m.pnnx.param").write_text(text)
+    (tmp_path / "m.pnnx.bin").write_bytes(b"")
+    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    _, got = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
+    assert got.dtype == want.numpy().dtype
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+class ArangeOfSize(nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(1)).float(), torch.arange(1, x.size(0), 2)
+
+
+def _export_dynamic(tmp_path, module, inputs, inputs2):
+    """pnnx export with a second example input, so dims that differ are written '?'."""
+    import contextlib
+    import io
+    import os
+
+    import pnnx
+
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(module.eval(), "m.pt", inputs, inputs2)
+    finally:
+        os.chdir(cwd)
+    return str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin")
+
+
+def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
+    """pnnx's dynamic-shape export writes arange(x.size(1)) as size(@0,1) -> arange."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    module = ArangeOfSize().eval()
+    param, bin_ = _export_dynamic(tmp_path, module, (torch.rand(4, 5),), (torch.rand(6, 7),))
+    assert "size(@0,1)" in open(param).read()
+    compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (4, 5)}, verify=True)
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(4, 5), (7, 3), (2, 9), (4, 5)]:
+        x = torch.rand(*shape)
+        got = sess.run(None, {"in0": x.numpy()})
+        for g, w in zip(got, module(x)):
+            assert g.dtype == w.numpy().dtype
+            np.testing.assert_array_equal(g, w.numpy())
+
+
+class ArangeFromSize(nn.Module):
+    def forward(self, x):
+        return x + torch.arange(x.size(0), 10)[:1].float()
+
+
+def test_arange_starting_at_a_dynamic_size_is_refused_naming_the_node(tmp_path):
+    from pmx.compiler.driver import compile_model
+
+    param, bin_ = _export_dynamic(tmp_path, ArangeFromSize(), (torch.rand(2, 5),), (torch.rand(3, 7),))
+    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*start is a tensor's size"):
+        compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (2, 5)})

@@ -1,0 +1,254 @@
+"""What a host process sees of pmx's threads, through the public API only: per-session
+thread counts (SessionOptions, num_threads=, OMP_NUM_THREADS), nothing process-wide
+changed by import, load or runs, other threads' BLAS settings untouched, and no worker
+burning CPU between runs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import threadpoolctl
+
+from pmx.compiler.driver import compile_model
+from pmx.runtime import InferenceSession, PmxInputError, SessionOptions
+
+WORKER_NAME = "pmx-worker"
+
+
+def splitting_module():
+    """A conv stack big enough that its kernels split their work over two threads."""
+    import torch.nn as nn
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(16, 32, 3, padding=1)
+            self.depthwise = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+            self.pointwise = nn.Conv2d(32, 64, 1)
+            self.fc = nn.Linear(64, 10)
+
+        def forward(self, x):
+            x = nn.functional.hardswish(self.depthwise(self.conv(x).relu()))
+            x = self.pointwise(x).sigmoid().mean((2, 3))
+            return self.fc(x)
+
+    return Stack()
+
+
+@pytest.fixture(scope="module")
+def model_path(exporter, tmp_path_factory):
+    import torch
+
+    prefix = exporter("threads_host", splitting_module(), (torch.rand(1, 16, 64, 64),))
+    out = tmp_path_factory.mktemp("threads_host") / "model.pmx"
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out))
+    return str(out)
+
+
+def feed(seed=0):
+    return {"in0": np.random.default_rng(seed).standard_normal((1, 16, 64, 64)).astype(np.float32)}
+
+
+def options(threads, spinning=False):
+    so = SessionOptions()
+    so.intra_op_num_threads = threads
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    return so
+
+
+def pmx_workers():
+    return [t for t in threading.enumerate() if t.name == WORKER_NAME]
+
+
+def run_python(code, env=None):
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | (env or {})
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_import_load_and_runs_change_nothing_process_wide(model_path):
+    """os.environ, BLAS's and numexpr's thread counts (through threadpoolctl), numpy's
+    functions and every thread's CPU affinity are the same before import, after import,
+    after load and after runs with two threads."""
+    out = run_python(f"""
+        import os, sys
+        import numpy as np, numexpr, threadpoolctl
+
+        def state():
+            blas = sorted((i["internal_api"], i["num_threads"]) for i in threadpoolctl.threadpool_info())
+            funcs = tuple(id(getattr(np, f)) for f in ("empty", "zeros", "ones", "full", "empty_like", "matmul"))
+            tasks = sorted(int(t) for t in os.listdir("/proc/self/task"))
+            affinity = {{t: sorted(os.sched_getaffinity(t)) for t in tasks}}
+            return dict(os.environ), blas, numexpr.get_num_threads(), funcs, set(map(tuple, affinity.values()))
+
+        before = state()
+        import pmx.runtime
+        assert state() == before, "import"
+        sess = pmx.runtime.InferenceSession({model_path!r}, num_threads=2)
+        assert state() == before, "load"
+        x = np.random.default_rng(0).standard_normal((1, 16, 64, 64)).astype(np.float32)
+        for _ in range(3):
+            sess.run(None, {{"in0": x}})
+        after = state()
+        assert after[:4] == before[:4], "runs"
+        assert after[4] == before[4], ("affinities", after[4], before[4])
+        print("ok")
+    """)
+    assert out.split() == ["ok"]
+
+
+def test_other_threads_keep_their_blas_thread_count_during_runs(model_path):
+    """A thread sampling BLAS's thread count while another thread runs pmx sees the
+    count it had before every time."""
+    controller = threadpoolctl.ThreadpoolController()
+    blas = [c for c in controller.lib_controllers if c.user_api == "blas"]
+    if not blas:
+        pytest.skip("no BLAS threadpoolctl can see")
+    want = [c.get_num_threads() for c in blas]
+    sess = InferenceSession(model_path, num_threads=2)
+    stop = threading.Event()
+    seen = []
+
+    def sample():
+        while not stop.is_set() and len(seen) < 2000:
+            seen.append([c.get_num_threads() for c in blas])
+            a = np.ones((64, 64), np.float32)
+            np.matmul(a, a)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        for k in range(20):
+            sess.run(None, feed(k))
+    finally:
+        stop.set()
+        sampler.join()
+    assert seen and all(s == want for s in seen), f"{sum(s != want for s in seen)} of {len(seen)} samples differed"
+
+
+def test_two_sessions_with_their_own_thread_counts_run_concurrently_bit_identical(model_path):
+    one = InferenceSession(model_path, sess_options=options(1))
+    two = InferenceSession(model_path, sess_options=options(2))
+    assert one.get_session_options().intra_op_num_threads == 1
+    assert two.get_session_options().intra_op_num_threads == 2
+    feeds = [feed(k) for k in range(6)]
+    want = [one.run(None, f)[0] for f in feeds]
+    np.testing.assert_allclose(np.stack([two.run(None, f)[0] for f in feeds]), np.stack(want), rtol=1e-5, atol=1e-6)
+    sequential = {id(s): [s.run(None, f)[0] for f in feeds] for s in (one, two)}
+    got = {}
+    errors = []
+
+    def worker(sess):
+        try:
+            got[id(sess)] = [sess.run(None, f)[0] for f in feeds for _ in range(2)][::2]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (one, two)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for s in (one, two):
+        for g, w in zip(got[id(s)], sequential[id(s)]):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_session_starts_threads_minus_one_workers_per_calling_thread(model_path):
+    out = run_python(f"""
+        import threading
+        import numpy as np
+        from pmx.runtime import InferenceSession
+        x = {{"in0": np.ones((1, 16, 64, 64), np.float32)}}
+        count = lambda: sum(t.name == "pmx-worker" for t in threading.enumerate())
+        one = InferenceSession({model_path!r}, num_threads=1)
+        one.run(None, x)
+        print(count())
+        three = InferenceSession({model_path!r}, num_threads=3)
+        three.run(None, x)
+        print(count())
+        del three
+        import gc, time
+        gc.collect()
+        for _ in range(500):  # the workers are told to stop; they end on their own
+            if count() == 0:
+                break
+            time.sleep(0.01)
+        print(count())
+    """)
+    one, three, after = map(int, out.split())
+    assert (one, after) == (0, 0)
+    assert 1 <= three <= 2, "a 3-thread session uses at most two workers"
+
+
+def test_omp_num_threads_sets_the_default(model_path):
+    code = f"""
+        import threading
+        import numpy as np
+        from pmx.runtime import InferenceSession
+        sess = InferenceSession({model_path!r})
+        sess.run(None, {{"in0": np.ones((1, 16, 64, 64), np.float32)}})
+        print(sess.get_session_options().intra_op_num_threads, sum(t.name == "pmx-worker" for t in threading.enumerate()))
+    """
+    assert run_python(code, {"OMP_NUM_THREADS": "1"}).split() == ["1", "0"]
+    assert run_python(code, {"OMP_NUM_THREADS": "3"}).split()[0] == "3"
+    default = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert run_python(code).split()[0] == str(default)
+
+
+def test_thread_count_precedence_and_validation(model_path):
+    assert InferenceSession(model_path, sess_options=options(3)).get_session_options().intra_op_num_threads == 3
+    assert InferenceSession(model_path, sess_options=options(3), num_threads=1).get_session_options() \
+        .intra_op_num_threads == 1
+    for bad in (0, -2, "two"):
+        with pytest.raises(PmxInputError, match="thread count"):
+            InferenceSession(model_path, num_threads=bad)
+    so = options(-1)
+    with pytest.raises(PmxInputError, match="thread count"):
+        InferenceSession(model_path, sess_options=so)
+    with pytest.raises(PmxInputError, match="allow_spinning"):
+        SessionOptions().add_session_config_entry("session.intra_op.allow_spinning", "yes")
+
+
+def test_threadpool_limits_around_runs(model_path):
+    """threadpoolctl limits BLAS for what runs inside and restores it after; results
+    stay those of an unlimited run (within float32 rounding: BLAS may sum in another
+    order on one thread)."""
+    sess = InferenceSession(model_path, num_threads=2)
+    want = sess.run(None, feed())[0]
+    before = threadpoolctl.threadpool_info()
+    with threadpoolctl.threadpool_limits(1):
+        limited = sess.run(None, feed())[0]
+        assert all(i["num_threads"] == 1 for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+    assert threadpoolctl.threadpool_info() == before
+    np.testing.assert_allclose(limited, want, rtol=1e-5, atol=1e-6)
+
+
+def _cpu_seconds(native_id):
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="per-thread CPU times come from Linux's /proc")
+@pytest.mark.parametrize("spinning", [False, True])
+def test_no_worker_uses_cpu_between_runs(model_path, spinning):
+    """Workers sleep while they wait, whatever allow_spinning says (onnxruntime's key is
+    accepted; pmx's workers never spin)."""
+    sess = InferenceSession(model_path, sess_options=options(2, spinning))
+    for k in range(5):
+        sess.run(None, feed(k))
+    workers = pmx_workers()
+    assert workers, "a 2-thread session's run splits work onto a worker"
+    before = [_cpu_seconds(w.native_id) for w in workers]
+    time.sleep(0.5)
+    used = [_cpu_seconds(w.native_id) - b for w, b in zip(workers, before)]
+    assert max(used) < 0.05, f"workers used {used} s of CPU in 0.5 s between runs"
