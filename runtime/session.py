@@ -199,8 +199,8 @@ class InferenceSession:
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
         self._max_arena_bytes = max_arena_bytes
-        self._reopen_with = {"verify": verify, "num_threads": num_threads, "workers": workers,  # for __reduce__
-                             "max_arena_bytes": max_arena_bytes, "plan_cache_size": plan_cache_size}
+        self._reopen_with = {"verify": verify, "num_threads": num_threads, "max_arena_bytes": max_arena_bytes,
+                             "plan_cache_size": plan_cache_size}  # for __reduce__
         self._reopen_path = os.path.abspath(self._model.path)
         self._cache_size = max(1, int(plan_cache_size))
         self._compiled_key = tuple(m.tensors[i].shape for i in m.inputs)

@@ -164,6 +164,15 @@ def test_unpickle_refuses_another_file_at_that_path(models, tmp_path):
         pickle.loads(blob)
 
 
+def test_session_from_bytes_pickles_its_bytes(models, tmp_path):
+    content = pathlib.Path(models["dyn"]).read_bytes()
+    sess = InferenceSession(content)
+    blob = pickle.dumps(Predictor(sess))
+    assert len(blob) > len(content)  # the model travels with it: no file needed on the other side
+    x = images(3)
+    assert np.array_equal(pickle.loads(blob)({"in0": x})["out0"], sess.run(None, {"in0": x})[0])
+
+
 CHILD = """
 import pickle, sys
 import numpy as np
