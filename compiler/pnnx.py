@@ -102,6 +102,8 @@ _NCNN_LAYERS = set(
 
 _PACK = ("prim::TupleConstruct", "prim::ListConstruct")
 _UNPACK = ("prim::TupleUnpack", "prim::ListUnpack")
+# op types this frontend consumes itself; no canonicalization rule sees them
+FRONTEND_OPS = ("pnnx.Input", "pnnx.Output", "pnnx.Attribute") + _PACK + _UNPACK
 _WS = re.compile(r"[ \t\n\r\v\f]+")
 _INT = re.compile(r"[-+]?[0-9]+")
 _REAL = r"[-+]?(?:[0-9]+\.?[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|inf|nan)"
