@@ -673,6 +673,8 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
             data = data.reshape(v.shape)
         v.data, v.shape, v.dtype = data, data.shape, str(data.dtype)
         return
+    if op_type.startswith("nn.") and const_values:
+        inputs, input_names = _drop_tied_parameters(inputs, input_names, const_values)
     names = input_names + [f"@{k}" for k in const_values]
     node = Node(
         op_type,
@@ -684,6 +686,22 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
         line=lineno,
     )
     graph.add_node(node)
+
+
+def _drop_tied_parameters(inputs, input_names, weights):
+    """A module whose parameter is shared with another (a tied embedding / output layer)
+    reaches pnnx as the module op with its @weight plus, as an extra unlabelled operand,
+    the pnnx.Attribute of the same tensor. The attribute is the parameter: the operand
+    goes, so the module's data input is its only operand again."""
+    def tied(v, label):
+        return label is None and v.data is not None and any(
+            w.data is not None and w.data.shape == v.data.shape and w.data.dtype == v.data.dtype
+            and np.array_equal(w.data, v.data) for w in weights.values())
+
+    keep = [i for i, (v, label) in enumerate(zip(inputs, input_names)) if not tied(v, label)]
+    if not keep or len(keep) == len(inputs):
+        return inputs, input_names
+    return [inputs[i] for i in keep], [input_names[i] for i in keep]
 
 
 def _tuple_items(v, where):

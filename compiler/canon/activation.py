@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from pmx.compiler.canon import data_input, elementwise, fail, param, rule, weight
+from pmx.compiler.canon import data_input, elementwise, fail, in_shape, param, rule, weight
+from pmx.compiler.canon.norm import per_channel
 
 SELU_ALPHA = 1.6732632423543772
 SELU_SCALE = 1.0507009873554805
@@ -103,8 +104,11 @@ for _name, _f_name in _MATH.items():
 def prelu(node, ctx):
     x = data_input(node)
     w = weight(node, "weight")
-    if not w.is_constant:
-        fail(node, "PReLU weight must be a constant")
+    if not w.is_constant:  # F.prelu on a graph tensor: the slopes are known at run time only
+        if x.shape is None or len(x.shape) < 2 or len(in_shape(node, w)) != 1:
+            fail(node, f"PReLU weight {w.shape} on input {x.shape}: expected [C] slopes and an input [N, C, ...]")
+        slopes = per_channel(node, ctx, w, x, "slope")
+        return [slopes, elementwise(node, "where(gt(@0,0),@0,mul(@0,@1))", [x, slopes.outputs[0]])]
     c = w.data.size
     if c != 1 and (x.shape is None or len(x.shape) < 2 or x.shape[1] != c):
         fail(node, f"PReLU has {c} slopes but the input {x.shape} has {x.shape[1] if x.shape and len(x.shape) > 1 else '?'} channels")

@@ -1,0 +1,129 @@
+"""End-to-end: graph forms pnnx writes besides one module per op with its weights as
+@attributes. Weights, biases, batch-norm statistics and PReLU slopes that arrive as graph
+operands (graph inputs or computed tensors) run as real inputs; a module whose parameter
+pnnx writes both as @attribute and as an operand (a tied weight) uses the attribute.
+Every model is exported with pnnx and compared with torch."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def param_lines(exporter, name, module, inputs):
+    with open(exporter(name, module, inputs) + ".pnnx.param") as f:
+        return f.read().splitlines()
+
+
+class CalledTwice(nn.Module):
+    """One conv / batch norm / PReLU / linear module applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.PReLU(4)
+        self.fc = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1, generator=g(1))
+            self.bn.running_var.uniform_(0.5, 2, generator=g(2))
+            self.act.weight.uniform_(-0.5, 0.5, generator=g(3))
+
+    def forward(self, x):
+        y = self.act(self.bn(self.conv(x)))
+        y = self.act(self.bn(self.conv(y)))
+        return y, self.fc(self.fc(y))
+
+
+def test_module_called_twice(check_model):
+    check_model("gf_twice", CalledTwice(), (torch.randn(2, 4, 8, 8, generator=g(0)),))
+
+
+class Tied(nn.Module):
+    """Language-model head sharing the embedding matrix."""
+
+    def __init__(self, bias):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.head = nn.Linear(6, 11, bias=bias)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_tied_embedding_and_linear(check_model, exporter, bias):
+    torch.manual_seed(5)
+    model, ids = Tied(bias), torch.randint(0, 11, (2, 7), generator=g(4))
+    # the form under test: the linear carries its @weight and the shared tensor as an operand
+    head = [line for line in param_lines(exporter, f"gf_tied_{bias}", model, (ids,)) if line.startswith("nn.Linear")]
+    assert len(head) == 1 and head[0].split()[2:4] == ["2", "1"] and "@weight=" in head[0], head
+    check_model(f"gf_tied_{bias}", model, (ids,))
+
+
+class ComputedWeights(nn.Module):
+    """Convolution and linear weights / biases that are graph inputs or computed from them."""
+
+    def __init__(self, nd):
+        super().__init__()
+        self.nd = nd
+        self.base = nn.Parameter(torch.randn((6, 2) + (3,) * nd, generator=g(6)))
+        self.bias = nn.Parameter(torch.randn(6, generator=g(7)))
+        self.conv = (F.conv1d, F.conv2d, F.conv3d)[nd - 1]
+
+    def forward(self, x, scale, w_in, b_in):
+        w = self.base * scale.view((-1,) + (1,) * (self.nd + 1))  # known at run time only
+        a = self.conv(x, w, self.bias * scale, padding=1, groups=2)
+        b = self.conv(x, w_in, b_in, stride=2, groups=2)
+        c = F.linear(a.flatten(1)[:, :5], w_in.flatten(1)[:, :5], b_in)
+        return a, b, c
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_and_linear_weights_as_operands(check_model, nd):
+    size = (10, 8, 6)[nd - 1]
+    x = torch.randn((2, 4) + (size,) * nd, generator=g(8))
+    scale = torch.rand(6, generator=g(9)) + 0.5
+    w_in = torch.randn((6, 2) + (3,) * nd, generator=g(10))
+    b_in = torch.randn(6, generator=g(11))
+    check_model(f"gf_conv_w_{nd}d", ComputedWeights(nd), (x, scale, w_in, b_in))
+
+
+class BatchNormTensors(nn.Module):
+    """F.batch_norm with statistics and affine parameters that are graph tensors."""
+
+    def __init__(self, affine):
+        super().__init__()
+        self.affine = affine
+        self.var = nn.Parameter(torch.rand(5, generator=g(12)) + 0.5)
+
+    def forward(self, x, mean, var, w, b):
+        y = F.batch_norm(x, mean, var, w if self.affine else None, b if self.affine else None, False, 0.1, 1e-3)
+        z = F.batch_norm(x, mean * 2, self.var, None, b, False, 0.1, 1e-5)  # one computed, one constant
+        return y, z
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("shape", [(3, 5), (2, 5, 7), (2, 5, 4, 3)])
+def test_batch_norm_statistics_as_operands(check_model, affine, shape):
+    x = torch.randn(shape, generator=g(13))
+    mean, w, b = (torch.randn(5, generator=g(s)) for s in (14, 15, 16))
+    var = torch.rand(5, generator=g(17)) + 0.1
+    check_model(f"gf_bn_{affine}_{len(shape)}", BatchNormTensors(affine), (x, mean, var, w, b))
+
+
+class PReLUOperand(nn.Module):
+    def forward(self, x, slopes, one):
+        return F.prelu(x, slopes), F.prelu(x, one), F.prelu(x, slopes.abs() * 0.5)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 4, 5), (2, 4, 3, 3)])
+def test_prelu_slopes_as_operand(check_model, shape):
+    x = torch.randn(shape, generator=g(18))
+    check_model(f"gf_prelu_{len(shape)}", PReLUOperand(),
+                (x, torch.randn(4, generator=g(19)), torch.randn(1, generator=g(20))))
