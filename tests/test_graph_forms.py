@@ -127,3 +127,104 @@ def test_prelu_slopes_as_operand(check_model, shape):
     x = torch.randn(shape, generator=g(18))
     check_model(f"gf_prelu_{len(shape)}", PReLUOperand(),
                 (x, torch.randn(4, generator=g(19)), torch.randn(1, generator=g(20))))
+
+
+# ---- shapes pnnx writes besides the batched [N, C, ...] forms
+
+
+class UnbatchedConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(4, 6, 3, padding=1, padding_mode="reflect")
+        self.c2 = nn.Conv2d(4, 5, 3, stride=2, groups=1)
+        self.c3 = nn.Conv3d(4, 2, 2)
+
+    def forward(self, x, y, z, w):
+        return self.c1(x), F.conv1d(x, w, stride=2), self.c2(y), self.c3(z)
+
+
+def test_unbatched_conv(check_model):
+    inputs = (torch.randn(4, 10, generator=g(21)), torch.randn(4, 7, 9, generator=g(22)),
+              torch.randn(4, 3, 4, 5, generator=g(23)), torch.randn(3, 4, 2, generator=g(24)))
+    check_model("gf_unbatched_conv", UnbatchedConv(), inputs)
+
+
+class UnbatchedMha(nn.Module):
+    def __init__(self, batch_first, kdim, weights, average, mask):
+        super().__init__()
+        torch.manual_seed(25)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, kdim=kdim, vdim=kdim)
+        self.weights, self.average, self.mask = weights, average, mask
+
+    def forward(self, x, y, pad):
+        causal = torch.triu(torch.ones(x.shape[0], y.shape[0]), 1).bool() if self.mask else None
+        out = self.mha(x, y, y, key_padding_mask=pad.bool(), attn_mask=causal, need_weights=self.weights,
+                       average_attn_weights=self.average)
+        return out if self.weights else out[0]
+
+
+@pytest.mark.parametrize("batch_first,kdim,weights,average,mask", [
+    (False, None, False, True, False), (True, 6, True, True, True), (False, 6, True, False, False),
+    (True, None, True, False, True)])
+def test_unbatched_multihead_attention(tmp_path, batch_first, kdim, weights, average, mask):
+    import contextlib
+    import io
+    import os
+
+    import pnnx
+    from helpers import compare_with_torch
+
+    model = UnbatchedMha(batch_first, kdim, weights, average, mask).eval()
+    pad = torch.zeros(7, dtype=torch.uint8)
+    pad[[2, 5]] = 1  # pnnx's exporter cannot take bool graph inputs; the mask becomes bool inside
+    inputs = (torch.randn(5, 8, generator=g(26)), torch.randn(7, kdim or 8, generator=g(27)), pad)
+    cwd = os.getcwd()
+    try:  # torch's own trace check rejects the unbatched module's trace, pnnx's export does not need it
+        os.chdir(tmp_path)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(model, str(tmp_path / "model.pt"), inputs, check_trace=False)
+    finally:
+        os.chdir(cwd)
+    assert "nn.MultiheadAttention" in (tmp_path / "model.pnnx.param").read_text()
+    compare_with_torch(str(tmp_path / "model"), model, inputs, tmp_path / "model.pmx")
+
+
+class ExpandLike(nn.Module):
+    def forward(self, x, y):
+        return x.expand_as(y) * 2, x.expand(y.size()) + 1, x.expand(y.size(0), -1, y.size(2)) - 1
+
+
+def test_expand_to_another_tensors_size(check_model):
+    check_model("gf_expand_like", ExpandLike(), (torch.randn(1, 3, 1, generator=g(28)),
+                                                 torch.randn(2, 3, 4, generator=g(29))))
+
+
+class BoolLists(nn.Module):
+    def forward(self, x, z):
+        return x[[True, False, True]], z[[True, False], [False, False, True, False]], x[:, [False] * 6]
+
+
+def test_constant_bool_index_lists(check_model):
+    check_model("gf_bool_lists", BoolLists(), (torch.randn(3, 6, generator=g(30)),
+                                               torch.randn(2, 4, 5, generator=g(31))))
+
+
+class BoolMask(nn.Module):
+    def forward(self, x, m):
+        return x[m.bool()] * 2
+
+
+def test_bool_mask_index_is_refused_naming_the_node(exporter, tmp_path):
+    """x[mask] with a mask known at run time only has a data-dependent size: refused at
+    compile time, naming the node and its .param line."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime.errors import PmxCompileError
+
+    prefix = exporter("gf_bool_mask", BoolMask(), (torch.randn(3, 4), (torch.rand(3, 4) > 0.5).to(torch.uint8)))
+    lines = open(prefix + ".pnnx.param").read().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.startswith("Tensor.index "))
+    name = lines[line - 1].split()[1]
+    with pytest.raises(PmxCompileError) as info:
+        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
+    msg = str(info.value)
+    assert f"'{name}'" in msg and f"line {line}" in msg and "data-dependent" in msg, msg

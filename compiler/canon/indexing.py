@@ -242,11 +242,17 @@ def index(node, ctx):
             continue
         if not p.startswith("["):
             fail(node, f"index entry {p!r} in {text!r} is not supported")
-        try:
-            vals = [int(e) for e in p[1:-1].split(",")]
-        except ValueError:
-            fail(node, f"index list {p!r} must hold constant ints")
         n = x.shape[axis]
+        items = p[1:-1].split(",")
+        if items and all(e in ("True", "False") for e in items):
+            # a constant bool list selects the positions holding True (torch's nonzero)
+            if len(items) != n:
+                fail(node, f"boolean index list {p!r} has {len(items)} entries for dim {axis} of size {n}")
+            items = [str(i) for i, e in enumerate(items) if e == "True"]
+        try:
+            vals = [int(e) for e in items]
+        except ValueError:
+            fail(node, f"index list {p!r} must hold constant ints or bools")
         if any(not -n <= e < n for e in vals):
             fail(node, f"index list {p!r} out of range for dim {axis} of size {n}")
         indices.append(ctx.const(f"{node.name}.index{axis}", np.array([e % n for e in vals], np.int64)))
