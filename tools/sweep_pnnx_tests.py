@@ -2,6 +2,7 @@
 
 Usage: python tools/sweep_pnnx_tests.py --tests PATH/TO/tools/pnnx/tests [--jobs 2]
        [--timeout 300] [--json sweep.json] [--only test_F_conv2d.py ...]
+       python tools/sweep_pnnx_tests.py --report sweep.json   (tables of an earlier run)
 
 `--tests` is a checkout of ncnn's tools/pnnx/tests (its test_*.py files; the onnx/ and
 ncnn/ subfolders are not used). Each test file runs in its own subprocess, in a fresh
@@ -335,6 +336,13 @@ def print_failures(results, out=sys.stdout):
                 print(f"  {r['test']}[{r.get('case', 0)}]: {r.get('detail', '')[:300]}", file=out)
 
 
+def _write_json(path, results):
+    results.sort(key=lambda r: (r["test"], r.get("case", 0)))
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tests", help="directory of pnnx's upstream test_*.py files")
@@ -342,8 +350,15 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per test file")
     ap.add_argument("--json", default="sweep_pnnx_tests.json", help="where to write every case")
     ap.add_argument("--only", nargs="*", help="test file names to run (default: all)")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier sweep's JSON and exit")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            results = json.load(f)
+        print_tables(results)
+        print_failures(results)
+        return 0
     if args.child:
         try:
             results = run_one(args.child, _pnnx_executable(), args.timeout)
@@ -367,9 +382,8 @@ def main(argv=None):
             rs = fut.result()
             results.extend(rs)
             print(f"[{i}/{len(files)}] {futures[fut]}: {_file_status(rs)}", file=sys.stderr, flush=True)
-    results.sort(key=lambda r: (r["test"], r.get("case", 0)))
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1)
+            _write_json(args.json, results)  # kept current, so an interrupted sweep leaves its results
+    _write_json(args.json, results)
     print_tables(results)
     print_failures(results)
     return 0
