@@ -228,3 +228,40 @@ def test_bool_mask_index_is_refused_naming_the_node(exporter, tmp_path):
         compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
     msg = str(info.value)
     assert f"'{name}'" in msg and f"line {line}" in msg and "data-dependent" in msg, msg
+
+
+def test_expand_follows_another_tensor_in_a_dynamic_export(tmp_path):
+    """Exported with dynamic dims, pnnx writes x.expand(y.size()) as Tensor.expand reading a
+    size list `[size(@0,0),3,size(@0,2)]` of y, and expand_as with y as an operand: the
+    expanded size follows y at run time."""
+    import contextlib
+    import io
+    import os
+
+    import numpy as np
+    import pnnx
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    model = ExpandLike().eval()
+    x = torch.randn(1, 3, 1, generator=g(32))
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(model, str(tmp_path / "m.pt"), (x, torch.randn(2, 3, 4)), (x, torch.randn(5, 3, 6)))
+    finally:
+        os.chdir(cwd)
+    text = (tmp_path / "m.pnnx.param").read_text()
+    assert "size(@0,0)" in text and "Tensor.expand_as" in text and "(?,3,?)" in text
+    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"),
+                  verify=True, plan_shapes={"in1": (2, 3, 4)}, dynamic={"in1": {0: (1, 16), 2: (1, 16)}})
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in ((2, 3, 4), (5, 3, 7), (1, 3, 1)):
+        y = torch.randn(shape, generator=g(33))
+        got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})
+        with torch.no_grad():
+            want = model(x, y)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b.numpy(), rtol=1e-6, atol=1e-6)

@@ -6,6 +6,8 @@ Shapes and dtypes come from what pnnx recorded for the node's outputs; the kerne
 shape rules re-check them in infer_shapes.
 """
 
+import re
+
 import numpy as np
 
 from pmx.compiler.canon import (
@@ -88,9 +90,43 @@ def flipud(node, ctx):
     return [make(node, "flip", [data_input(node)], dict(axes=(0,)))]
 
 
+def attach_size_expression(node, ctx):
+    """A pnnx.Expression listing sizes (`[size(@0,0),-1,3]`, a dynamic-shape export of
+    x.expand(y.size())) that only feeds Tensor.expand: its text and its one tensor move
+    onto each consumer, which reads the sizes from that tensor at run time."""
+    if len(node.inputs) != 1:
+        fail(node, f"size list {node.attrs['expr']!r} must read one tensor")
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        ctx.graph.set_input(c, i, node.inputs[0])
+        c.input_names[i] = "like"
+        c.attrs["sizes_expr"] = node.attrs["expr"]
+    return []
+
+
+def _like_sizes(node, x, like):
+    """expand's sizes as expand_infer codes, from expand_as's other tensor or a size list."""
+    rank = len(in_shape(node, like))
+    if node.op == "Tensor.expand_as":
+        return tuple(-2 - k for k in range(rank))
+    codes = []
+    for item in _split_top(node.attrs["sizes_expr"]) or ():
+        m = re.fullmatch(r"size\(@0,(-?\d+)\)", item)
+        if m and -rank <= int(m.group(1)) < rank:
+            codes.append(-2 - int(m.group(1)) % rank)
+        elif re.fullmatch(r"-?\d+", item) and int(item) >= -1:
+            codes.append(int(item))
+        else:
+            fail(node, f"size list {node.attrs['sizes_expr']!r}: entry {item!r} is not an int or size(@0, dim)")
+    return tuple(codes)
+
+
 @rule("Tensor.expand", "Tensor.expand_as", "torch.broadcast_to", "Tensor.broadcast_to")
 def expand(node, ctx):
     x = data_input(node)
+    like = node.named_input("other") if node.op == "Tensor.expand_as" else node.named_input("like")
+    if like is not None:  # sizes that follow another tensor at run time
+        return [make(node, "expand", [x, like], dict(shape=_like_sizes(node, x, like)))]
     shape = out_shape(node)
     if tuple(in_shape(node, x)) == tuple(shape):
         return Forward(x)
@@ -190,7 +226,7 @@ def gather(node, ctx):
 
 
 def _split_top(text):
-    """'[None,[1,2],@0]' -> ['None', '[1,2]', '@0']"""
+    """'[None,[1,2],@0]' -> ['None', '[1,2]', '@0']; '[size(@0,0),3]' -> ['size(@0,0)', '3']"""
     if not (text.startswith("[") and text.endswith("]")):
         return None
     parts, depth, cur = [], 0, ""
@@ -199,7 +235,7 @@ def _split_top(text):
             parts.append(cur)
             cur = ""
             continue
-        depth += (ch == "[") - (ch == "]")
+        depth += (ch in "[(") - (ch in "])")
         cur += ch
     if cur:
         parts.append(cur)

@@ -15,6 +15,11 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_index_expression
 
         return attach_index_expression(node, ctx)
+    if text.startswith("[") and node.outputs[0].consumers and all(
+            c.op == "Tensor.expand" for c in node.outputs[0].consumers):  # x.expand(y.size())
+        from pmx.compiler.canon.indexing import attach_size_expression
+
+        return attach_size_expression(node, ctx)
     if "size(" in text or "[" in text or "int(" in text:
         fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:
