@@ -6,8 +6,8 @@ Every model is exported with pnnx and compared with torch."""
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def g(seed):
@@ -221,7 +221,8 @@ def test_bool_mask_index_is_refused_naming_the_node(exporter, tmp_path):
     from pmx.runtime.errors import PmxCompileError
 
     prefix = exporter("gf_bool_mask", BoolMask(), (torch.randn(3, 4), (torch.rand(3, 4) > 0.5).to(torch.uint8)))
-    lines = open(prefix + ".pnnx.param").read().splitlines()
+    with open(prefix + ".pnnx.param") as f:
+        lines = f.read().splitlines()
     line = next(i for i, text in enumerate(lines, 1) if text.startswith("Tensor.index "))
     name = lines[line - 1].split()[1]
     with pytest.raises(PmxCompileError) as info:
@@ -240,7 +241,6 @@ def test_expand_follows_another_tensor_in_a_dynamic_export(tmp_path):
 
     import numpy as np
     import pnnx
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 
