@@ -665,7 +665,7 @@ def _read_nodes(r, pos, strings, attr_sets):
     picked = []
     for column, table, what in ((c["ops"], strings, "model strings"), (c["exprs"], strings, "model strings"),
                                 (c["variants"], strings, "model strings"), (c["attr_sets"], attr_sets, "attribute sets")):
-        if max(column, default=0) >= len(table):
+        if max(column, default=-1) >= len(table):
             j = next(j for j, i in enumerate(column) if i >= len(table))
             _fail(path, f"node {j} names entry {column[j]} of the {len(table)} {what}")
         picked.append(list(map(table.__getitem__, column)))

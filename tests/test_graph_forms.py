@@ -265,3 +265,14 @@ def test_expand_follows_another_tensor_in_a_dynamic_export(tmp_path):
             want = model(x, y)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b.numpy(), rtol=1e-6, atol=1e-6)
+
+
+class NoNodes(nn.Module):
+    """pnnx writes no operator at all for identities and constant results."""
+
+    def forward(self, x):
+        return F.dropout(x, training=False), x.clone(), torch.ones(2, 5)
+
+
+def test_model_without_nodes(check_model):
+    check_model("gf_no_nodes", NoNodes(), (torch.randn(2, 3, generator=g(34)),))
