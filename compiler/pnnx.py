@@ -102,8 +102,10 @@ _NCNN_LAYERS = set(
 
 _PACK = ("prim::TupleConstruct", "prim::ListConstruct")
 _UNPACK = ("prim::TupleUnpack", "prim::ListUnpack")
-# op types this frontend consumes itself; no canonicalization rule sees them
-FRONTEND_OPS = ("pnnx.Input", "pnnx.Output", "pnnx.Attribute") + _PACK + _UNPACK
+# op types this frontend consumes itself (for `pmx compile --list-ops`); tuple packs as
+# pnnx writes them for a model returning a tuple. Unpacks are left out: only the unpack of
+# such a pack is read, not of a module's tuple result (max pool with indices)
+FRONTEND_OPS = ("pnnx.Input", "pnnx.Output", "pnnx.Attribute") + _PACK
 _WS = re.compile(r"[ \t\n\r\v\f]+")
 _INT = re.compile(r"[-+]?[0-9]+")
 _REAL = r"[-+]?(?:[0-9]+\.?[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|inf|nan)"
