@@ -125,13 +125,13 @@ def parse_dynamic(dynamic_specs, shape_specs):
 
 
 def _list_ops(args):
+    """Every pnnx op type `pmx compile` accepts: the canonicalization rules' keys plus the
+    structural ops the frontend consumes itself (inputs, outputs, weights, tuples)."""
     from pmx.compiler.canon import RULES
-    from pmx.runtime.kernels import REGISTRY
+    from pmx.compiler.pnnx import FRONTEND_OPS
 
-    print(f"{len(RULES)} PNNX op types:")
-    for t in sorted(RULES):
-        print(f"  {t}")
-    print(f"{len(REGISTRY)} canonical ops: {', '.join(sorted(REGISTRY))}")
+    ops = sorted(set(RULES) | set(FRONTEND_OPS))
+    print(json.dumps(ops) if args.json else "\n".join(ops))
     return 0
 
 
@@ -715,7 +715,8 @@ def add_compile_args(c):
     c.add_argument("--verify", action="store_true", help="check the graph after every pass")
     c.add_argument("--no-opt", action="store_true", help="skip the optimizing passes")
     c.add_argument("--disable", action="append", metavar="PASS", help="skip one optimizing pass")
-    c.add_argument("--list-ops", action="store_true", help="print the supported op types and exit")
+    c.add_argument("--list-ops", action="store_true", help="print the supported pnnx op types, one per line, and exit")
+    c.add_argument("--json", action="store_true", help="with --list-ops: print a JSON list")
     c.add_argument("--dynamic", action="append", metavar="NAME:DIM[,DIM]",
                    help="let these input dims take any size at run time (dim 0 is tried by default)")
     c.add_argument("--shape", action="append", metavar="NAME=1..16x3x224x224",

@@ -102,6 +102,10 @@ _NCNN_LAYERS = set(
 
 _PACK = ("prim::TupleConstruct", "prim::ListConstruct")
 _UNPACK = ("prim::TupleUnpack", "prim::ListUnpack")
+# op types this frontend consumes itself (for `pmx compile --list-ops`); tuple packs as
+# pnnx writes them for a model returning a tuple. Unpacks are left out: only the unpack of
+# such a pack is read, not of a module's tuple result (max pool with indices)
+FRONTEND_OPS = ("pnnx.Input", "pnnx.Output", "pnnx.Attribute") + _PACK
 _WS = re.compile(r"[ \t\n\r\v\f]+")
 _INT = re.compile(r"[-+]?[0-9]+")
 _REAL = r"[-+]?(?:[0-9]+\.?[0-9]*(?:[eE][-+]?[0-9]+)?|\.[0-9]+(?:[eE][-+]?[0-9]+)?|inf|nan)"
@@ -671,6 +675,8 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
             data = data.reshape(v.shape)
         v.data, v.shape, v.dtype = data, data.shape, str(data.dtype)
         return
+    if op_type.startswith("nn.") and const_values:
+        inputs, input_names = _drop_tied_parameters(inputs, input_names, const_values)
     names = input_names + [f"@{k}" for k in const_values]
     node = Node(
         op_type,
@@ -682,6 +688,22 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
         line=lineno,
     )
     graph.add_node(node)
+
+
+def _drop_tied_parameters(inputs, input_names, weights):
+    """A module whose parameter is shared with another (a tied embedding / output layer)
+    reaches pnnx as the module op with its @weight plus, as an extra unlabelled operand,
+    the pnnx.Attribute of the same tensor. The attribute is the parameter: the operand
+    goes, so the module's data input is its only operand again."""
+    def tied(v, label):
+        return label is None and v.data is not None and any(
+            w.data is not None and w.data.shape == v.data.shape and w.data.dtype == v.data.dtype
+            and np.array_equal(w.data, v.data) for w in weights.values())
+
+    keep = [i for i, (v, label) in enumerate(zip(inputs, input_names)) if not tied(v, label)]
+    if not keep or len(keep) == len(inputs):
+        return inputs, input_names
+    return [inputs[i] for i in keep], [input_names[i] for i in keep]
 
 
 def _tuple_items(v, where):

@@ -26,6 +26,7 @@ import math
 import numpy as np
 
 from pmx.compiler.canon import fail, in_shape, make, out_shape, param, rule, weight
+from pmx.compiler.ir import Node
 
 
 def _is_float(v):
@@ -229,8 +230,45 @@ def _project(node, ctx, a, q, k, v):
     return nodes, [qp, kp, vp], ""
 
 
+def _unbatched_mha(node, ctx):
+    """nn.MultiheadAttention on an unbatched query [L, E]: torch adds a batch axis of one
+    (axis 1 of q, k, v; axis 0 of a key_padding_mask [S] and of the weights output) and
+    removes it from the results, whatever batch_first says; so does this. Float [.., E]
+    operands are q, k, v (up to three, in order); other 2-d and 3-d operands are attention
+    masks [L, S] / [H, L, S], which need no batch axis."""
+    e, kdim, vdim = param(node, "embed_dim"), param(node, "kdim", None), param(node, "vdim", None)
+    nodes, inputs, n_data = [], [], 0
+    for v, label in zip(node.inputs, node.input_names):
+        if v is None or (label is not None and label.startswith("@")):
+            inputs.append(v)
+            continue
+        s = tuple(in_shape(node, v))
+        if _is_float(v) and len(s) == 2 and s[-1] in (e, kdim, vdim) and n_data < 3:
+            n_data += 1
+            shape = (s[0], 1, s[1])
+        elif len(s) == 1:
+            shape = (1, s[0])
+        else:
+            inputs.append(v)
+            continue
+        t = ctx.temp(node, shape, v.dtype, suffix="batched")
+        nodes.append(make(node, "reshape", [v], dict(shape=shape), outputs=[t], name=f"{t.name}.reshape"))
+        inputs.append(t)
+    outs = [out_shape(node, i) for i in range(len(node.outputs))]
+    batched = [(outs[0][0], 1, outs[0][1])] + [(1,) + tuple(s) for s in outs[1:]]
+    temps = [ctx.temp(node, b, v.dtype, suffix="batched_out") for b, v in zip(batched, node.outputs)]
+    copy = Node(node.op, node.name, inputs, temps, dict(node.attrs, batch_first=False),
+                input_names=node.input_names, line=node.line)
+    nodes += multihead_attention(copy, ctx)
+    for t, v, s in zip(temps, node.outputs, outs):
+        nodes.append(make(node, "reshape", [t], dict(shape=tuple(s)), outputs=[v], name=f"{v.name}.unbatch"))
+    return nodes
+
+
 @rule("nn.MultiheadAttention")
 def multihead_attention(node, ctx):
+    if len(out_shape(node, 0)) == 2:
+        return _unbatched_mha(node, ctx)
     a = _Mha(node)
     q, k, v, attn_mask, kp_mask = _split_operands(node, a)
     nodes, tensors, packed = _project(node, ctx, a, q, k, v)

@@ -1,6 +1,7 @@
 """Convolutions: nn.ConvNd / F.convNd -> conv."""
 
-from pmx.compiler.canon import data_input, fail, ints, make, param, rule, weight
+from pmx.compiler.canon import data_input, fail, ints, make, out_shape, param, rule, weight
+from pmx.compiler.ir import Node
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -40,10 +41,27 @@ def conv_pads(node, nd, kernel, dilation):
     return pads + pads
 
 
+def with_batch_of_one(node, ctx, x, convert):
+    """Run rule `convert` on a copy of `node` whose input `x` gets a leading batch axis of
+    one (and its output too), between reshapes: torch's unbatched call is exactly that."""
+    bx = ctx.temp(node, (1,) + tuple(x.shape), x.dtype, suffix="batched")
+    outs = [ctx.temp(node, (1,) + tuple(out_shape(node, i)), v.dtype, suffix="batched_out")
+            for i, v in enumerate(node.outputs)]
+    inputs = [bx if v is x else v for v in node.inputs]
+    copy = Node(node.op, node.name, inputs, outs, node.attrs, input_names=node.input_names, line=node.line)
+    nodes = [make(node, "reshape", [x], dict(shape=bx.shape), outputs=[bx], name=f"{node.name}.batch")]
+    nodes += convert(copy, ctx)
+    for o, v in zip(outs, node.outputs):
+        nodes.append(make(node, "reshape", [o], dict(shape=tuple(o.shape[1:])), outputs=[v], name=f"{v.name}.unbatch"))
+    return nodes
+
+
 @rule("nn.Conv1d", "nn.Conv2d", "nn.Conv3d", "F.conv1d", "F.conv2d", "F.conv3d")
 def conv(node, ctx):
     x = data_input(node)
     w = weight(node, "weight")
+    if w.shape is not None and x.shape is not None and len(x.shape) == len(w.shape) - 1 == int(node.op[-2]) + 1:
+        return with_batch_of_one(node, ctx, x, conv)  # unbatched input [C, *spatial]
     b = weight(node, "bias", required=False)
     if w.shape is None:
         fail(node, "weight has no shape")

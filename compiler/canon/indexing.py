@@ -94,9 +94,43 @@ def flipud(node, ctx):
     return [make(node, "flip", [data_input(node)], dict(axes=(0,)))]
 
 
+def attach_expand_sizes(node, ctx):
+    """A pnnx.Expression listing sizes (`[size(@0,0),-1,3]`, a dynamic-shape export of
+    x.expand(y.size())) that only feeds Tensor.expand: its text and its one tensor move
+    onto each consumer, which reads the sizes from that tensor at run time."""
+    if len(node.inputs) != 1:
+        fail(node, f"size list {node.attrs['expr']!r} must read one tensor")
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        ctx.graph.set_input(c, i, node.inputs[0])
+        c.input_names[i] = "like"
+        c.attrs["sizes_expr"] = node.attrs["expr"]
+    return []
+
+
+def _like_sizes(node, x, like):
+    """expand's sizes as expand_infer codes, from expand_as's other tensor or a size list."""
+    rank = len(in_shape(node, like))
+    if node.op == "Tensor.expand_as":
+        return tuple(-2 - k for k in range(rank))
+    codes = []
+    for item in _split_top(node.attrs["sizes_expr"]) or ():
+        m = re.fullmatch(r"size\(@0,(-?\d+)\)", item)
+        if m and -rank <= int(m.group(1)) < rank:
+            codes.append(-2 - int(m.group(1)) % rank)
+        elif re.fullmatch(r"-?\d+", item) and int(item) >= -1:
+            codes.append(int(item))
+        else:
+            fail(node, f"size list {node.attrs['sizes_expr']!r}: entry {item!r} is not an int or size(@0, dim)")
+    return tuple(codes)
+
+
 @rule("Tensor.expand", "Tensor.expand_as", "torch.broadcast_to", "Tensor.broadcast_to")
 def expand(node, ctx):
     x = data_input(node)
+    like = node.named_input("other") if node.op == "Tensor.expand_as" else node.named_input("like")
+    if like is not None:  # sizes that follow another tensor at run time
+        return [make(node, "expand", [x, like], dict(shape=_like_sizes(node, x, like)))]
     shape = out_shape(node)
     if tuple(in_shape(node, x)) == tuple(shape):
         return Forward(x)
@@ -196,7 +230,7 @@ def gather(node, ctx):
 
 
 def _split_top(text):
-    """'[None,[1,2],@0]' -> ['None', '[1,2]', '@0']"""
+    """'[None,[1,2],@0]' -> ['None', '[1,2]', '@0']; '[size(@0,0),3]' -> ['size(@0,0)', '3']"""
     if not (text.startswith("[") and text.endswith("]")):
         return None
     parts, depth, cur = [], 0, ""
@@ -205,7 +239,7 @@ def _split_top(text):
             parts.append(cur)
             cur = ""
             continue
-        depth += (ch == "[") - (ch == "]")
+        depth += (ch in "[(") - (ch in "])")
         cur += ch
     if cur:
         parts.append(cur)
@@ -248,11 +282,17 @@ def index(node, ctx):
             continue
         if not p.startswith("["):
             fail(node, f"index entry {p!r} in {text!r} is not supported")
-        try:
-            vals = [int(e) for e in p[1:-1].split(",")]
-        except ValueError:
-            fail(node, f"index list {p!r} must hold constant ints")
         n = x.shape[axis]
+        items = p[1:-1].split(",")
+        if items and all(e in ("True", "False") for e in items):
+            # a constant bool list selects the positions holding True (torch's nonzero)
+            if len(items) != n:
+                fail(node, f"boolean index list {p!r} has {len(items)} entries for dim {axis} of size {n}")
+            items = [str(i) for i, e in enumerate(items) if e == "True"]
+        try:
+            vals = [int(e) for e in items]
+        except ValueError:
+            fail(node, f"index list {p!r} must hold constant ints or bools")
         if any(not -n <= e < n for e in vals):
             fail(node, f"index list {p!r} out of range for dim {axis} of size {n}")
         indices.append(ctx.const(f"{node.name}.index{axis}", np.array([e % n for e in vals], np.int64)))
@@ -390,7 +430,7 @@ def _scalar_param(node, label, default=_NO_DEFAULT):
 _SIZE = re.compile(r"size\(@0,(-?\d+)\)")
 
 
-def attach_size_expression(node, ctx):
+def attach_arange_size(node, ctx):
     """`size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
     arange(x.size(d))): each arange reads the tensor and dim directly, so its length is
     a shape rule of that tensor's shape (re-planned like any other), not a value."""

@@ -50,9 +50,14 @@ def expression(node, ctx):
         return attach_index_expression(node, ctx)
     if text.startswith("size(") and node.outputs[0].consumers and all(
             c.op == "torch.arange" for c in node.outputs[0].consumers):  # arange(x.size(1)), dynamic export
-        from pmx.compiler.canon.indexing import attach_size_expression
+        from pmx.compiler.canon.indexing import attach_arange_size
 
-        return attach_size_expression(node, ctx)
+        return attach_arange_size(node, ctx)
+    if text.startswith("[") and node.outputs[0].consumers and all(
+            c.op == "Tensor.expand" for c in node.outputs[0].consumers):  # x.expand(y.size())
+        from pmx.compiler.canon.indexing import attach_expand_sizes
+
+        return attach_expand_sizes(node, ctx)
     if "size(" in text or "[" in text or "int(" in text:
         fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:

@@ -10,13 +10,51 @@ on computed tensors works too; absent ones are simply left out of the node's inp
 
 import numpy as np
 
-from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule, weight
+from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, param, rule, weight
+from pmx.compiler.ir import Node
+
+
+def per_channel(node, ctx, v, x, key):
+    """A per-channel operand [C] shaped to broadcast along axis 1 of `x`: a constant is
+    reshaped now, a graph tensor by a reshape node (it is only known at run time)."""
+    c = x.shape[1]
+    if tuple(in_shape(node, v)) not in ((c,), (1,)):
+        fail(node, f"{key} {v.name} has shape {v.shape}, expected ({c},)")
+    shape = (v.shape[0],) + (1,) * (len(x.shape) - 2)
+    if v.is_constant:
+        return ctx.const(f"{node.name}.{key}", v.data.reshape(shape))
+    t = ctx.temp(node, shape, v.dtype, suffix=key)
+    return make(node, "reshape", [v], dict(shape=shape), outputs=[t], name=f"{node.name}.{key}")
+
+
+def _batch_norm_of_tensors(node, ctx, x, eps, stats):
+    """Batch norm whose statistics or affine parameters are graph tensors (functional calls
+    on inputs or computed values): (x - mean) / sqrt(var + eps) * weight + bias, per
+    channel, evaluated at run time."""
+    nodes, inputs = [], [x]
+    for key, v in stats:
+        if v is None:
+            inputs.append(None)
+            continue
+        shaped = per_channel(node, ctx, v, x, key)
+        if isinstance(shaped, Node):
+            nodes.append(shaped)
+            shaped = shaped.outputs[0]
+        inputs.append(shaped)
+    e = f"div(sub(@0,@1),sqrt(add(@2,{float(eps)!r})))"
+    if inputs[3] is not None:
+        e = f"mul({e},@3)"
+    if inputs[4] is not None:
+        e = f"add({e},@{4 if inputs[3] is not None else 3})"
+    return nodes + [elementwise(node, e, [v for v in inputs if v is not None])]
 
 
 def _folded_batch_norm(node, ctx, x, mean, var, gamma, beta, eps):
-    for v in (mean, var, gamma, beta):
-        if v is not None and not v.is_constant:
-            fail(node, f"{v.name} must be a constant for inference-mode batch norm")
+    if x.shape is None or len(x.shape) < 2:
+        fail(node, f"input {x.shape} must have a channel axis 1")
+    if any(v is not None and not v.is_constant for v in (mean, var, gamma, beta)):
+        return _batch_norm_of_tensors(node, ctx, x, eps, [("mean", mean), ("var", var), ("weight", gamma),
+                                                           ("bias", beta)])
     c = mean.data.size
     if x.shape is None or len(x.shape) < 2 or x.shape[1] != c:
         fail(node, f"input {x.shape} must have {c} channels on axis 1")

@@ -98,9 +98,12 @@ def make_flip(node, inputs, outputs):
 
 
 def expand_infer(node, shapes, dtypes):
+    """Sizes: >= 0 literal, -1 the input's own, -2-k dim k of the optional second input
+    (expand_as / expand(y.size()): the size follows that tensor at run time)."""
     x, sizes = tuple(shapes[0]), tuple(node.attrs["shape"])
+    like = tuple(shapes[1]) if len(shapes) > 1 else ()
     lead = len(sizes) - len(x)
-    target = tuple(x[i - lead] if d == -1 else d for i, d in enumerate(sizes))
+    target = tuple(x[i - lead] if d == -1 else like[-2 - d] if d <= -2 else d for i, d in enumerate(sizes))
     return [(tuple(np.broadcast_shapes(x, target)), dtypes[0])]
 
 
