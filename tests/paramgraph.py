@@ -43,3 +43,20 @@ def run_one_op(op, params, inputs, expected, labels=None, weights=None):
         compile_model(str(param), str(d / "m.pnnx.bin"), str(d / "m.pmx"), verify=True)
         sess = InferenceSession(str(d / "m.pmx"), verify=True)
         return sess.run(None, {arg.name: a for arg, a in zip(sess.get_inputs(), inputs)})
+
+
+# --- hypothesis draws shared by the one-op property tests
+
+
+def generator(data):
+    """A torch generator seeded from the example, so inputs replay with it."""
+    import torch
+    from hypothesis import strategies as st
+
+    return torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+
+
+def sizes(data, lo, hi, n):
+    from hypothesis import strategies as st
+
+    return data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))

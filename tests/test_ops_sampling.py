@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
-from paramgraph import run_one_op
+from paramgraph import generator, run_one_op, sizes
 
 from pmx.runtime.errors import PmxCompileError
 
@@ -22,14 +22,6 @@ def check(got, want, tol=TOL):
     assert got.shape == want.shape, f"shape {got.shape} != torch {want.shape}"
     err = rel_error(got, want)
     assert err <= tol, f"max-normalized error {err:.3g} > {tol}"
-
-
-def generator(data):
-    return torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-
-
-def sizes(data, lo, hi, n):
-    return data.draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n))
 
 
 @given(st.data())
