@@ -247,8 +247,11 @@ def check_workers(pids, tokens, threads, want_threads):
     assert set(threads.tolist()) == {want_threads}
 
 
-def test_ray_data_map_batches(models):
+def test_ray_data_map_batches(models, monkeypatch):
     """The docs' Ray Data example, with Probe in place of Predictor."""
+    for name in list(os.environ):  # ray.init sets variables (OMP_NUM_THREADS) in this process too
+        monkeypatch.setenv(name, os.environ[name])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     import ray
     import ray.cloudpickle
 

@@ -1078,9 +1078,10 @@ def test_which_activations_run_after_split_parts():
 
     small = np.empty(parallel.SPLIT_MIN_ELEMENTS - 1, np.float32)
     big = np.empty(parallel.SPLIT_MIN_ELEMENTS, np.float32)
-    for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
-                       ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
-                       ("", False)]:
-        node = KernelNode("conv", {}, expr, "")
-        assert common.epilogue_after_parts(node, small) == want, expr
-        assert not common.epilogue_after_parts(node, big), expr
+    with parallel.using_threads(2):
+        for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
+                           ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
+                           ("", False)]:
+            node = KernelNode("conv", {}, expr, "")
+            assert common.epilogue_after_parts(node, small) == want, expr
+            assert not common.epilogue_after_parts(node, big), expr

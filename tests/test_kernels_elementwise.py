@@ -558,7 +558,7 @@ def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
     from kernels.temporary_array: the k-th request of every node gets the pool's k-th
     buffer, so nodes share them while the split parts of one node, which run at the
     same time, each get their own. Both nodes still compute SiLU exactly."""
-    from pmx.runtime import kernels
+    from pmx.runtime import kernels, parallel
     from pmx.runtime.kernels.common import split_expression
 
     rng = np.random.default_rng(0)
@@ -567,7 +567,7 @@ def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
     xs = [x.copy() for x in originals]
     pool, runs = [], []
     for x in xs:  # two nodes, bound one after the other
-        with kernels.scratch_scope(np.empty(0, np.uint8), {}, pool):
+        with kernels.scratch_scope(np.empty(0, np.uint8), {}, pool), parallel.using_threads(2):
             runs.append(split_expression(tree, [x], x, threads=2))
     assert len(pool) == 2, f"{len(pool)} pooled temporaries for two nodes of two parts each"
     assert not np.shares_memory(pool[0], pool[1])
