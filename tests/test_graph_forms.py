@@ -4,6 +4,7 @@ operands (graph inputs or computed tensors) run as real inputs; a module whose p
 pnnx writes both as @attribute and as an operand (a tied weight) uses the attribute.
 Every model is exported with pnnx and compared with torch."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -276,3 +277,26 @@ class NoNodes(nn.Module):
 
 def test_model_without_nodes(check_model):
     check_model("gf_no_nodes", NoNodes(), (torch.randn(2, 3, generator=g(34)),))
+
+
+def test_expand_output_shape_from_its_sizes_when_pnnx_left_it_out(tmp_path):
+    """pnnx leaves some outputs without a shape (a transformers attention mask's expand);
+    expand's shape follows from its sizes (-1 keeps the input's dim), as torch's does."""
+    import zipfile
+
+    import torch
+
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    param = tmp_path / "m.pnnx.param"
+    param.write_text("7767517\n3 2\n"
+                     "pnnx.Input in0 0 1 0 #0=(2,1,5,5)f32\n"
+                     "Tensor.expand e 1 1 0 1 sizes=(3,2,4,-1,5)\n"
+                     "pnnx.Output out0 1 0 1\n")
+    with zipfile.ZipFile(tmp_path / "m.pnnx.bin", "w"):
+        pass
+    compile_model(str(param), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), auto_batch=False)
+    x = np.random.default_rng(0).standard_normal((2, 1, 5, 5)).astype(np.float32)
+    (got,) = InferenceSession(str(tmp_path / "m.pmx")).run(None, {"in0": x})
+    np.testing.assert_array_equal(got, torch.from_numpy(x).expand(3, 2, 4, -1, 5).numpy())

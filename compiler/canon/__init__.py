@@ -121,7 +121,7 @@ def out_shape(node, i=0):
 
 
 def _shape_from_params(node, i):
-    """Output shape of reshape/flatten/squeeze/unsqueeze/chunk/split from parameters."""
+    """Output shape of reshape/flatten/squeeze/unsqueeze/expand/chunk/split from parameters."""
     x = next((v for v, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")), None)
     if x is None or x.shape is None or any(d is None for d in x.shape):
         return None
@@ -155,6 +155,10 @@ def _shape_from_params(node, i):
         if kind == "unsqueeze":
             d = a["dim"] % (rank + 1)
             return tuple(shape[:d] + [1] + shape[d:])
+        if kind == "expand" and isinstance(a.get("sizes"), tuple) and all(isinstance(d, int) for d in a["sizes"]):
+            sizes = list(a["sizes"])
+            lead = len(sizes) - rank  # torch: new leading dims first, -1 keeps the input's dim
+            return tuple(shape[j - lead] if d == -1 and j >= lead else d for j, d in enumerate(sizes))
         if kind in ("chunk", "split"):
             dim = a.get("dim", 0) % rank
             n = shape[dim]
