@@ -13,9 +13,9 @@ pool binds kernels while the BLAS is limited to one thread (OPENBLAS_NUM_THREADS
 threadpoolctl), kernels split their GEMMs over the pool's threads; otherwise GEMMs run
 whole and BLAS's own threads share them out, so the two never multiply.
 
-Waiting workers sleep in a blocking queue.get(); they never spin. A worker that spun for its lock would still sleep on the GIL when it got it, and a
-spinning thread on a busy host costs the others whole scheduler ticks
-(docs/performance.md, 2026-11-26).
+Waiting workers sleep in a blocking queue.get(); they never spin. A worker that spun
+for its part would still sleep on the GIL when it got it, and a spinning thread on a busy
+host costs the others whole scheduler ticks (docs/performance.md, 2026-11-26).
 """
 
 from __future__ import annotations
