@@ -34,7 +34,7 @@ import numpy as np
 
 from pmx.runtime import compat, kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
-from pmx.runtime.errors import PmxError, PmxInputError, PmxResourceError, internal_error
+from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError, internal_error
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
