@@ -26,6 +26,7 @@ import functools
 import os
 import queue
 import threading
+import time
 import weakref
 
 # below this many elements touched, a split's hand-off costs more than the second core saves
@@ -174,7 +175,12 @@ def split(parts):
     thread, the others handed to the current pool's workers. A part no worker has started
     by the time the caller is done with its own, the caller runs itself, so a worker that
     is slow to wake (a busy host, a short part) costs no waiting. An exception of any part
-    is raised after all parts finish."""
+    is raised after all parts finish.
+
+    Whether handing parts to workers pays is measured, not assumed: the callable times
+    its first calls both ways (_Chooser) and keeps the faster, since a worker's wake-up
+    and GIL hand-offs can cost more than a short part saves. Both ways run the same
+    parts, so results are the same bits."""
     parts = [p for p in parts if p is not None]
     if len(parts) <= 1:
         return parts[0] if parts else None
@@ -182,7 +188,7 @@ def split(parts):
     pool = current_pool()  # kept alive by run(): a collected pool stops its workers
     workers = pool.workers(len(rest))
 
-    def run():
+    def concurrent():
         tasks = [_Task(p) for p in rest]
         for w, t in zip(workers, tasks):
             w.queue.put(t)
@@ -196,8 +202,47 @@ def split(parts):
         if error is not None:
             raise error
 
+    def serial():
+        error = None
+        for p in parts:
+            try:
+                p()
+            except BaseException as e:  # noqa: BLE001 - raised once every part is done, as above
+                error = error or e
+        if error is not None:
+            raise error
+
+    run = _Chooser(concurrent, serial)
     run.pool = pool
     return run
+
+
+class _Chooser:
+    """Calls `a` or `b`: alternately for the first TRIALS calls of each, timing them, then
+    for good the one with the lower median time."""
+
+    TRIALS = 5
+
+    def __init__(self, a, b):
+        self._fns, self._times = (a, b), ([], [])
+        self._calls = 0
+        self._chosen = None
+
+    def __call__(self):
+        chosen = self._chosen
+        if chosen is not None:
+            return chosen()
+        k = self._calls % 2
+        self._calls += 1
+        t0 = time.perf_counter()
+        try:
+            self._fns[k]()
+        finally:
+            self._times[k].append(time.perf_counter() - t0)
+            if self._calls == 2 * self.TRIALS:
+                a, b = (sorted(t)[len(t) // 2] for t in self._times)
+                self._chosen = self._fns[0] if a <= b else self._fns[1]
+        return None
 
 
 # --- workers -----------------------------------------------------------------------------

@@ -116,3 +116,35 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
             np.testing.assert_array_equal(out, np.full((256, 1024), 512, np.float32))
     finally:
         parallel.split = real_split
+
+
+def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
+    """A split times its first calls run concurrently and serially (_Chooser), then keeps
+    the faster; either way every part runs once per call and errors surface after all
+    parts."""
+    import time
+
+    for slow in (0, 1):
+        ran = [0, 0]
+
+        def form(k, slow=slow, ran=ran):
+            ran[k] += 1
+            if k == slow:
+                time.sleep(0.002)
+
+        chooser = parallel._Chooser(lambda: form(0), lambda: form(1))
+        for _ in range(2 * parallel._Chooser.TRIALS + 10):
+            chooser()
+        assert ran[slow] == parallel._Chooser.TRIALS, f"form {slow} is slower and ran after its trials"
+        assert ran[1 - slow] == parallel._Chooser.TRIALS + 10
+
+    def failing():
+        raise ValueError("part failed")
+
+    done = []
+    with parallel.using_threads(2):
+        bad = parallel.split([failing, lambda: done.append(1)])
+    for _ in range(2 * parallel._Chooser.TRIALS + 2):
+        with pytest.raises(ValueError, match="part failed"):
+            bad()
+    assert len(done) == 2 * parallel._Chooser.TRIALS + 2, "the other part ran every time, in both forms"
