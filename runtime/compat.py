@@ -1,6 +1,6 @@
 """onnxruntime's API beyond run(): model metadata, execution providers, profiling traces.
 
-Kept apart from session.py so the session only calls into it: a session asks for its
+Kept apart from session.py so the InferenceSession only calls into it: an InferenceSession asks for its
 metadata record, checks the providers it was given, and, when profiling is enabled,
 hands each node's timing to a Profiler that writes a Chrome trace.
 """
@@ -46,7 +46,7 @@ def model_metadata(model) -> ModelMetadata:
 
 def check_providers(providers):
     """Warn, as onnxruntime does for a provider it does not have, about any provider but
-    the CPU one: the session still runs, on the CPU. Entries may be names or (name,
+    the CPU one: the InferenceSession still runs, on the CPU. Entries may be names or (name,
     options) pairs."""
     if providers is None:
         return
@@ -62,7 +62,7 @@ def check_providers(providers):
 class Profiler:
     """Collects one complete event ("ph": "X") per node per run, plus one per run, and
     writes them as a Chrome trace (chrome://tracing, Perfetto) like onnxruntime's
-    end_profiling(): times in microseconds from the session's start of profiling."""
+    end_profiling(): times in microseconds from the InferenceSession's start of profiling."""
 
     def __init__(self, prefix):
         self.prefix = prefix or "pmx_profile"

@@ -1,10 +1,10 @@
-"""SessionOptions: per-session settings, shaped like onnxruntime.SessionOptions.
+"""SessionOptions: per-InferenceSession settings, shaped like onnxruntime.SessionOptions.
 
     so = SessionOptions()
     so.intra_op_num_threads = 2
     sess = InferenceSession("model.pmx", sess_options=so)
 
-Everything here belongs to the one session it is given to; nothing is process-wide.
+Everything here belongs to the one InferenceSession it is given to; nothing is process-wide.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _KNOWN_ENTRIES = {ALLOW_SPINNING: ("0", "1")}
 
 
 class SessionOptions:
-    """Per-session settings.
+    """Per-InferenceSession settings.
 
     intra_op_num_threads: threads one run uses (0 = default: OMP_NUM_THREADS when set, as
         torch and numexpr read it, else the cores this process may run on).
@@ -43,12 +43,12 @@ class SessionOptions:
     def add_session_config_entry(self, key: str, value: str) -> None:
         allowed = _KNOWN_ENTRIES.get(key)
         if allowed is not None and str(value) not in allowed:
-            raise PmxInputError(f"session config entry {key!r}: expected one of {list(allowed)}, got {value!r}")
+            raise PmxInputError(f"config entry {key!r}: expected one of {list(allowed)}, got {value!r}")
         self._config[str(key)] = str(value)
 
     def get_session_config_entry(self, key: str) -> str:
         if key not in self._config:
-            raise PmxInputError(f"session config entry {key!r} is not set")
+            raise PmxInputError(f"config entry {key!r} is not set")
         return self._config[key]
 
     def __getstate__(self):
@@ -75,7 +75,7 @@ def default_thread_count() -> int:
 
 
 def resolve_thread_count(sess_options, num_threads) -> int:
-    """The thread count a session runs with: num_threads= if given, else the options'
+    """The thread count an InferenceSession runs with: num_threads= if given, else the options'
     intra_op_num_threads if non-zero, else default_thread_count()."""
     n = num_threads
     if n is None and sess_options is not None:

@@ -1,12 +1,12 @@
-"""Threads: each session's own worker threads, and how kernels split work over them.
+"""Threads: each InferenceSession's own worker threads, and how kernels split work over them.
 
 numpy's ufuncs, copies and BLAS calls release the GIL, so a kernel that is a sequence of
 such calls can run disjoint slices of its work on several cores at once. `split(parts)`
 turns callables that each cover one slice into one callable that runs part 0 on the
 calling thread and the others on worker threads of the current `Pool`.
 
-A pool belongs to one session and one calling thread (sessions keep a pool per thread,
-as they keep an arena per thread), so two sessions never share or resize each other's
+A pool belongs to one InferenceSession and one calling thread (InferenceSessions keep a pool per thread,
+as they keep an arena per thread), so two InferenceSessions never share or resize each other's
 threads, and nothing here changes process-wide state: not the environment, not BLAS's
 or numexpr's thread counts, not affinities. BLAS's thread count is only read: when a
 pool binds kernels while the BLAS is limited to one thread (OPENBLAS_NUM_THREADS=1,

@@ -1,11 +1,11 @@
-"""Predictor: a session adapted to batch engines (Ray Data's map_batches, Dask, process pools).
+"""Predictor: an InferenceSession adapted to batch engines (Ray Data's map_batches, Dask, process pools).
 
     ds.map_batches(Predictor, fn_constructor_kwargs={"path": "/models/cnn.pmx"},
                    compute=ray.data.ActorPoolStrategy(size=2), batch_size=64, num_cpus=1)
 
 A Predictor takes a batch as {column name: array with one row per item} and returns
 {output name: array with one row per item}, whatever the batch size and whatever batch
-size the model was compiled for. It pickles by path, like the session it holds.
+size the model was compiled for. It pickles by path, like the InferenceSession it holds.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Predictor:
     path: the .pmx file (or its bytes), opened once, when the Predictor is made; or an
         open InferenceSession to use.
     outputs: the output names to return (default: all of the model's outputs).
-    sess_options: SessionOptions for the session; its intra_op_num_threads (0 = default:
+    sess_options: SessionOptions for the InferenceSession; its intra_op_num_threads (0 = default:
         OMP_NUM_THREADS, which Ray sets to an actor's num_cpus and Dask's nanny to 1, else
         the process's cores) is resolved in the process that opens the file.
     columns: {column name: model input name} when the dataset's columns are named
@@ -45,7 +45,7 @@ class Predictor:
     (otherwise PmxInputError); where it is dynamic the batch runs whole (or max_batch rows
     at a time). An empty batch gives empty outputs.
 
-    Column types: arrays follow the session's rule, as onnxruntime's: an array of another
+    Column types: arrays follow the InferenceSession's rule, as onnxruntime's: an array of another
     dtype is refused with the conversion to make, since a silent float64 -> float32 cast
     can hide a bug. A list, or an object array with one array or list per row (what Ray
     hands over for columns it could not store as a tensor), is stacked into one array of
@@ -62,7 +62,7 @@ class Predictor:
             raise PmxInputError(f"max_batch must be an integer >= 1 or None, got {max_batch!r}")
         if isinstance(path, InferenceSession):
             if sess_options is not None or verify or num_threads is not None:
-                raise PmxInputError("sess_options, verify and num_threads belong to the session: give them to "
+                raise PmxInputError("sess_options, verify and num_threads belong to the InferenceSession: give them to "
                                     "InferenceSession, or give Predictor the path")
             self.session = path
         else:
@@ -78,7 +78,7 @@ class Predictor:
         self._out_args = {o.name: o for o in self.session.get_outputs()}
 
     def __reduce__(self):
-        return _rebuild, (self.session, self._args)  # the session pickles by path
+        return _rebuild, (self.session, self._args)  # the InferenceSession pickles by path
 
     @classmethod
     def shared(cls, path, outputs=None, sess_options=None, columns=None, **kwargs):
@@ -88,7 +88,7 @@ class Predictor:
         if isinstance(path, str) or hasattr(path, "__fspath__"):
             source = os.path.abspath(path)
         else:
-            source = bytes(path) if isinstance(path, (bytes, bytearray, memoryview)) else path  # a session: itself
+            source = bytes(path) if isinstance(path, (bytes, bytearray, memoryview)) else path  # an InferenceSession: itself
         key = (cls, source,
                None if outputs is None else tuple(outputs), _options_key(sess_options),
                None if columns is None else tuple(sorted(columns.items())), tuple(sorted(kwargs.items())))

@@ -8,7 +8,7 @@ that calls run() gets its own binding, built once: an arena, a view of it per te
 scratch buffer all nodes share for their temporaries (runtime/kernels/__init__.py), and
 the list of kernel callables (weights shared by all threads, read-only). A run copies
 inputs into their arena slots, calls the list (kernels split their work over the worker
-threads this session keeps for the calling thread: runtime/parallel.py), and copies the
+threads this InferenceSession keeps for the calling thread: runtime/parallel.py), and copies the
 requested outputs out.
 
 What run() accepts (decided here, documented in the README):
@@ -170,16 +170,16 @@ class InferenceSession:
 
     verify=True checks the CRC32 checksums of the whole file at load (off by default so
     load stays fast; the structural verifier always runs). The thread count is this
-    session's own: num_threads= if given, else sess_options.intra_op_num_threads if not
+    InferenceSession's own: num_threads= if given, else sess_options.intra_op_num_threads if not
     0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
-    thread and up to that many minus one worker threads of the session's (one set per
+    thread and up to that many minus one worker threads of the InferenceSession's (one set per
     calling thread, sleeping while they wait); nothing process-wide changes.
     path_or_bytes is a path or the file's bytes (verified alike). providers
     other than "CPUExecutionProvider" warn, as onnxruntime warns for one it lacks (pmx
     runs on the CPU).
     """
 
-    # layouts kept per session (shared by threads) and bindings kept per thread
+    # layouts kept per InferenceSession (shared by threads) and bindings kept per thread
     PLAN_CACHE_SIZE = 8
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
@@ -218,7 +218,7 @@ class InferenceSession:
         return list(self._outputs)
 
     def get_session_options(self):
-        """A copy of the options this session runs with; intra_op_num_threads is the
+        """A copy of the options this InferenceSession runs with; intra_op_num_threads is the
         resolved count (never 0), so callers can see what the default came to."""
         options = copy.copy(self._options)
         options._config = dict(self._options._config)
@@ -227,9 +227,9 @@ class InferenceSession:
 
     def __reduce__(self):
         """Pickle by path: the absolute path, the options and the constructor's keywords (so
-        Ray, Dask and process pools can ship a session); unpickling reopens and re-verifies
+        Ray, Dask and process pools can ship an InferenceSession); unpickling reopens and re-verifies
         the file, which must exist at that path on the receiving machine, and resolves a
-        default thread count there. A session opened from the model's bytes pickles them."""
+        default thread count there. An InferenceSession opened from the model's bytes pickles them."""
         m = self._model
         source = m._map if isinstance(m._map, (bytes, bytearray)) else self._reopen_path
         identity = (m.file_size, m.preamble["header_crc"], m.preamble["data_crc"])

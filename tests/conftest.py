@@ -1,4 +1,4 @@
-"""Shared fixtures: a session-wide cache of pnnx exports and the compare-with-torch helper.
+"""Shared fixtures: an InferenceSession-wide cache of pnnx exports and the compare-with-torch helper.
 
 Hypothesis profiles: "ci" (used when CI=true) bounds examples per test so the suite stays
 within minutes on 2 cores while still drawing new cases each run; "dev" is the default.
@@ -26,7 +26,7 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exporter(export_dir):
-    """exporter(name, module, inputs) -> path prefix of the pnnx files (cached per session)."""
+    """exporter(name, module, inputs) -> path prefix of the pnnx files (cached per InferenceSession)."""
     from helpers import export_pnnx
 
     cache = {}

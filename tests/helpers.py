@@ -93,7 +93,7 @@ class KernelNode:
 def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     """Run one registered kernel on numpy inputs: output shapes come from the op's shape
     rule, outputs are preallocated (as the arena would be) and returned as a list. The
-    kernel is bound as a session binds it, over shared scratch of the size its scratch
+    kernel is bound as an InferenceSession binds it, over shared scratch of the size its scratch
     rule declares, here full of NaN as if an earlier node had left it so; a request past
     that size fails the test."""
     from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope

@@ -1,4 +1,4 @@
-"""Batch inference beyond one process: sessions and Predictors pickle by path, and run on
+"""Batch inference beyond one process: InferenceSessions and Predictors pickle by path, and run on
 real local Ray and Dask clusters (both installed by CI: no skip when they are missing)."""
 
 import concurrent.futures
@@ -184,7 +184,7 @@ print(sess.get_session_options().intra_op_num_threads, predictor.session.get_ses
 
 
 def test_unpickle_in_a_fresh_process_resolves_threads_there(models, tmp_path):
-    """A session with default options takes the receiving process's OMP_NUM_THREADS; one
+    """An InferenceSession with default options takes the receiving process's OMP_NUM_THREADS; one
     given a thread count keeps it."""
     so = SessionOptions()
     so.intra_op_num_threads = 2
@@ -222,7 +222,7 @@ def test_import_loads_neither_ray_nor_dask():
 
 class Probe(Predictor):
     """A Predictor that also reports, per row, the process, the instance (made once per
-    open of the file) and the thread count its session resolved."""
+    open of the file) and the thread count its InferenceSession resolved."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -254,7 +254,7 @@ def test_conv_transpose_zoo(check_model):
 class SplitKernels(nn.Module):
     """A decoder-like block whose tensors are big enough that, on two threads, the group
     norm, transposed conv, resize, softmax, pixel shuffle and layer norm split their work
-    in a real session (arena views, shared scratch)."""
+    in a real InferenceSession (arena views, shared scratch)."""
 
     def __init__(self):
         super().__init__()

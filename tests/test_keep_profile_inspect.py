@@ -76,7 +76,7 @@ def test_keep_returns_intermediates_and_runs_only_needed_nodes(prefix, net, tmp_
     assert len(sess._steps_for(binding, [sess._fetchable[conv_out]])) == 1
     assert len(sess._steps_for(binding, [sess._fetchable[relu_out]])) == 2
     assert len(sess._steps_for(binding, list(sess.model.outputs))) == len([s for s in binding.steps if s])
-    # a fresh session asked only for the kept tensor computes it without running the rest
+    # a fresh InferenceSession asked only for the kept tensor computes it without running the rest
     fresh = InferenceSession(out)
     (only,) = fresh.run([relu_out], feed)
     np.testing.assert_allclose(only, want_relu, rtol=1e-5, atol=1e-5)

@@ -294,7 +294,7 @@ def flat_depthwise_case(draw):
 def test_flat_depthwise_matches_torch(c):
     """The flat lowering zeroes the columns a tap reads across a row's end; blocks of a
     few channels, so the zeroed views of every block are exercised. Two runs with
-    different inputs, as a session makes: the columns are scratch, dirty from the run
+    different inputs, as an InferenceSession makes: the columns are scratch, dirty from the run
     before, so the zeroing must happen on every run."""
     from helpers import KernelNode
 

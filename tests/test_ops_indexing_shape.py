@@ -297,7 +297,7 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
     x, y = torch.rand(2, 3, 4), torch.rand(5, 6)
     sess, _, _ = _check(tmp_path, module, (x, y))
     assert sess.get_outputs()[0].shape == [None]
-    for seed in range(3):  # other data, same session: other lengths
+    for seed in range(3):  # other data, same InferenceSession: other lengths
         g = torch.Generator().manual_seed(seed)
         x, y = torch.rand(2, 3, 4, generator=g), torch.rand(5, 6, generator=g)
         got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})

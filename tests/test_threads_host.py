@@ -1,4 +1,4 @@
-"""What a host process sees of pmx's threads, through the public API only: per-session
+"""What a host process sees of pmx's threads, through the public API only: per-InferenceSession
 thread counts (SessionOptions, num_threads=, OMP_NUM_THREADS), nothing process-wide
 changed by import, load or runs, other threads' BLAS settings untouched, and no worker
 burning CPU between runs."""
@@ -186,7 +186,7 @@ def test_a_session_starts_threads_minus_one_workers_per_calling_thread(model_pat
     """)
     one, three, after = map(int, out.split())
     assert (one, after) == (0, 0)
-    assert 1 <= three <= 2, "a 3-thread session uses at most two workers"
+    assert 1 <= three <= 2, "a 3-thread InferenceSession uses at most two workers"
 
 
 def test_omp_num_threads_sets_the_default(model_path):
@@ -247,7 +247,7 @@ def test_no_worker_uses_cpu_between_runs(model_path, spinning):
     for k in range(5):
         sess.run(None, feed(k))
     workers = pmx_workers()
-    assert workers, "a 2-thread session's run splits work onto a worker"
+    assert workers, "a 2-thread InferenceSession's run splits work onto a worker"
     before = [_cpu_seconds(w.native_id) for w in workers]
     time.sleep(0.5)
     used = [_cpu_seconds(w.native_id) - b for w, b in zip(workers, before)]

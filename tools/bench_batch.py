@@ -4,7 +4,7 @@
 
 Builds a CNN of plain 3x3 convolutions with ~40 MB of float32 weights, exports it with
 pnnx and compiles it in a temporary directory, then measures rows/s for
-  - a loop in this process (one session, the process's default thread count, then 1),
+  - a loop in this process (one InferenceSession, the process's default thread count, then 1),
   - 1 and 2 spawned worker processes, each one Predictor with 1 thread, splitting the rows
     (timed from a start signal sent once every worker has opened the file and run once),
 and, for each worker, its memory from /proc/PID/smaps_rollup after its last batch:

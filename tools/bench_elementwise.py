@@ -5,7 +5,7 @@ this table (its docstring holds the numbers).
     python tools/bench_elementwise.py [--quick]
 
 For each expression and size it prints the median time of each backend (both write into
-a preallocated float32 output, as in a session) and numpy/numexpr (> 1: numexpr wins).
+a preallocated float32 output, as in an InferenceSession) and numpy/numexpr (> 1: numexpr wins).
 """
 
 import argparse

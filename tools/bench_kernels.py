@@ -6,7 +6,7 @@ reaches on the same shapes.
 
 Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
 outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
-views are. The callable is what gets timed, as a session's run() calls it: bound with
+views are. The callable is what gets timed, as an InferenceSession's run() calls it: bound with
 BLAS on one thread (run it with OPENBLAS_NUM_THREADS=1 for pmx's own GEMM splits) and the
 kernel splitting its work over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
@@ -21,7 +21,7 @@ the linear rows (qkv, out_proj).
 Timing: pmx and reference are sampled in alternating rounds (so drifting load from other
 jobs hits both alike), each round after a warm-up of WARMUP_S (longer than OpenBLAS's idle
 threads spin after a multi-threaded call, so the reference's threads are asleep when pmx
-runs, as in a session); a sample is the mean over enough back-to-back calls to last
+runs, as in an InferenceSession); a sample is the mean over enough back-to-back calls to last
 --sample-ms (short, so a stall from another process spoils few samples); the table shows
 the median of --runs samples (--stat min: the fastest sample, for a machine where other
 jobs stall BLAS's threads so often that medians measure the stalls). BLAS threads are
@@ -251,7 +251,7 @@ def samples(fn, n, sample_s):
 
 
 def measure(pmx, ref, runs, sample_s, stat=np.median):
-    """Seconds per call of the pmx kernel (as a session's run() calls it)
+    """Seconds per call of the pmx kernel (as an InferenceSession's run() calls it)
     and of the reference (BLAS on its default threads): `stat` over `runs` samples each."""
     pmx_samples, ref_samples = [], []
     for _ in range(ROUNDS):
@@ -276,7 +276,7 @@ def header(args):
             f"BLAS threads: {threads}, {machine_load()}\n"
             f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
             f"after warm-ups, each sample the mean of back-to-back calls lasting "
-            f"~{args.sample_ms:g} ms; pmx as in a session's run() (pmx splits over "
+            f"~{args.sample_ms:g} ms; pmx as in an InferenceSession's run() (pmx splits over "
             f"{parallel.num_threads()} threads), numpy with BLAS's own threads; float32; GFLOP/s "
             f"count 2*M*N*K per GEMM on both sides\n")
 

@@ -652,7 +652,7 @@ def topk(node, ctx):
 def masked_select(node, ctx):
     """The output's length is the number of True mask elements, known only at run time:
     it is planned at its upper bound and the kernel writes the count into a second,
-    kept tensor that the session trims the output by. Only a graph output may have such
+    kept tensor that the InferenceSession trims the output by. Only a graph output may have such
     a length; a node reading it would need a planned shape, so that is refused."""
     x = data_input(node)
     mask = node.named_input("mask")

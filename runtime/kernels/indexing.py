@@ -31,7 +31,7 @@
 `masked_select` inputs data, mask (broadcast together); outputs the selected elements
           (1-d, planned at its upper bound, every element of the broadcast shape) and
           their count (int64, shape (1,)). Only the first `count` elements are the result:
-          the session returns that many (see runtime/session.py); the compiler refuses
+          the InferenceSession returns that many (see runtime/session.py); the compiler refuses
           such an output feeding any other node, since those need a planned shape.
 `as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
           the input's contiguous storage, copied out.

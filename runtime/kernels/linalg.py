@@ -5,7 +5,7 @@ transposed weight is a view, BLAS reads it without a copy. node.expr: fused acti
 `matmul`: inputs (a, b) with numpy/torch broadcasting (1-d operands as in torch.matmul);
 node.expr: fused activation.
 Both go through `common.gemm`: one BLAS call on BLAS's own threads, or, where BLAS runs
-on one thread, parts split over the session's threads, each with its share of the bias
+on one thread, parts split over the InferenceSession's threads, each with its share of the bias
 (BLAS accumulating onto it: runtime/blas.py) and followed by the activation while it is
 still in cache.
 `einsum`: inputs (operands...); attrs equation (numpy/torch einsum syntax, '...' allowed).
