@@ -51,12 +51,6 @@ class SessionOptions:
             raise PmxInputError(f"config entry {key!r} is not set")
         return self._config[key]
 
-    def __getstate__(self):
-        return dict(self.__dict__)
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
 
 def default_thread_count() -> int:
     """OMP_NUM_THREADS when set to a positive integer, else the cores this process may use."""

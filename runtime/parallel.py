@@ -29,6 +29,8 @@ import threading
 import time
 import weakref
 
+from pmx.runtime.options import default_thread_count
+
 # below this many elements touched, a split's hand-off costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
 
@@ -115,12 +117,6 @@ def _stop_all(workers):
 _context = threading.local()  # .pool: the pool kernels bound on this thread split over
 
 
-def _default_threads():
-    from pmx.runtime.options import default_thread_count
-
-    return default_thread_count()
-
-
 def current_pool() -> Pool:
     """The pool of the binding in progress on this thread (`binding`), else this thread's
     default pool (the default thread count; compile-time folding and tuning bind here)."""
@@ -128,7 +124,7 @@ def current_pool() -> Pool:
     if pool is None:
         pool = getattr(_context, "default", None)
         if pool is None:
-            pool = _context.default = Pool(_default_threads())
+            pool = _context.default = Pool(default_thread_count())
     return pool
 
 

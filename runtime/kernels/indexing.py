@@ -44,7 +44,6 @@ import itertools
 import math
 
 import numpy as np
-
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import view_as
 
@@ -359,22 +358,21 @@ def cumulative_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), np.dtype(dtype) if dtype else dtypes[0])]
 
 
-@register("cumsum", infer=cumulative_infer)
-def make_cumsum(node, inputs, outputs):
-    x, out = inputs[0], outputs[0]
-    axis = node.attrs["axis"] % max(x.ndim, 1)
-    if x.ndim == 0:
-        return lambda: np.copyto(out, x, casting="unsafe")
-    return lambda: np.cumsum(x, axis=axis, dtype=out.dtype, out=out)
+def _cumulative(accumulate):
+    """Kernel factory of cumsum / cumprod (`accumulate`: np.cumsum or np.cumprod)."""
+
+    def make(node, inputs, outputs):
+        x, out = inputs[0], outputs[0]
+        axis = node.attrs["axis"] % max(x.ndim, 1)
+        if x.ndim == 0:
+            return lambda: np.copyto(out, x, casting="unsafe")
+        return lambda: accumulate(x, axis=axis, dtype=out.dtype, out=out)
+
+    return make
 
 
-@register("cumprod", infer=cumulative_infer)
-def make_cumprod(node, inputs, outputs):
-    x, out = inputs[0], outputs[0]
-    axis = node.attrs["axis"] % max(x.ndim, 1)
-    if x.ndim == 0:
-        return lambda: np.copyto(out, x, casting="unsafe")
-    return lambda: np.cumprod(x, axis=axis, dtype=out.dtype, out=out)
+make_cumsum = register("cumsum", infer=cumulative_infer)(_cumulative(np.cumsum))
+make_cumprod = register("cumprod", infer=cumulative_infer)(_cumulative(np.cumprod))
 
 
 def topk_infer(node, shapes, dtypes):

@@ -18,7 +18,6 @@ complex inputs are the matching float dtype.
 """
 
 import numpy as np
-
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 
@@ -200,14 +199,13 @@ def make_stft(node, inputs, outputs):
     pad_mode = {"reflect": "reflect", "constant": "constant", "replicate": "edge", "circular": "wrap"}[a["pad_mode"]]
     real_dtype = real_of(x.dtype)
     frames = out.shape[-1]
-    starts = np.arange(frames) * hop
+    idx = (np.arange(frames) * hop)[:, None] + np.arange(n_fft)  # each frame's sample positions
 
     def run():
         w = _window(window, n_fft, a["win_length"], real_dtype)
         sig = x
         if pad:
             sig = np.pad(x, [(0, 0)] * (x.ndim - 1) + [(pad, pad)], mode=pad_mode)
-        idx = starts[:, None] + np.arange(n_fft)
         seg = sig[..., idx] * w  # (..., frames, n_fft)
         spec = np.fft.rfft(seg, axis=-1) if onesided and seg.dtype.kind != "c" else np.fft.fft(seg, axis=-1)
         if onesided and spec.shape[-1] != n_fft // 2 + 1:
