@@ -1,4 +1,4 @@
-"""Shared fixtures: an InferenceSession-wide cache of pnnx exports and the compare-with-torch helper.
+"""Shared fixtures: a cache of pnnx exports kept for the whole test run, and the compare-with-torch helper.
 
 Hypothesis profiles: "ci" (used when CI=true) bounds examples per test so the suite stays
 within minutes on 2 cores while still drawing new cases each run; "dev" is the default.
@@ -26,7 +26,7 @@ def export_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exporter(export_dir):
-    """exporter(name, module, inputs) -> path prefix of the pnnx files (cached per InferenceSession)."""
+    """exporter(name, module, inputs) -> path prefix of the pnnx files (cached for the whole test run)."""
     from helpers import export_pnnx
 
     cache = {}
