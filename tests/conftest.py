@@ -1,4 +1,4 @@
-"""Shared fixtures: a cache of pnnx exports kept for the whole test run, and the compare-with-torch helper.
+"""Shared fixtures: pnnx exports cached for the whole test run, and the compare-with-torch helper.
 
 Hypothesis profiles: "ci" (used when CI=true) bounds examples per test so the suite stays
 within minutes on 2 cores while still drawing new cases each run; "dev" is the default.
