@@ -83,6 +83,8 @@ class _Binding:
                 self.views[i] = model.constants[i]
             else:
                 self.views[i] = self._arena_view(t, i, layout)
+        for i in _run_sized_outputs(model):
+            self.views[i] = kernels.RunSized()
         self.steps = []
         operands = [([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
                     for node in model.nodes]
@@ -159,6 +161,21 @@ def _counted_outputs(model):
     return counted
 
 
+def _run_sized_outputs(model):
+    """Tensors whose length a node reads from tensor values when it runs (attrs
+    sized_at_run: arange with tensor bounds): planned empty, the kernel allocates them
+    (kernels.RunSized). The compiler lets no node read such an output."""
+    sized = set()
+    for node in model.nodes:
+        if node.attrs.get("sized_at_run") is True:
+            t = model.tensors[node.outputs[0]]
+            if math.prod(t.shape) != 0 or node.outputs[0] in model.inputs:
+                raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
+                                     f"time but the file plans it as {list(t.shape)}")
+            sized.add(node.outputs[0])
+    return sized
+
+
 def _aligned_empty(nbytes, align=64):
     raw = np.empty(nbytes + align, np.uint8)
     shift = (-raw.ctypes.data) % align
@@ -193,7 +210,8 @@ class InferenceSession:
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         # outputs whose length is known only at run time (masked_select): tensor -> count tensor
         self._counted = _counted_outputs(m)
-        self._outputs = [_node_arg(m.tensors[i], i in self._counted) for i in m.outputs]
+        self._run_sized = _run_sized_outputs(m)
+        self._outputs = [_node_arg(m.tensors[i], i in self._counted or i in self._run_sized) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
@@ -422,10 +440,17 @@ class InferenceSession:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
-        if self._counted:
-            return [np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))] if i in self._counted
-                             else binding.views[i], copy=True) for i in wanted]
+        if self._counted or self._run_sized:
+            return [self._fetch(binding, i) for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
+
+    def _fetch(self, binding, i):
+        """Output tensor i of the last run, for outputs whose length only the run knew."""
+        if i in self._run_sized:
+            return np.array(binding.views[i].value, copy=True)
+        if i in self._counted:
+            return np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))], copy=True)
+        return np.array(binding.views[i], copy=True)
 
     def _run_profiled(self, binding, steps, profiler):
         """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""

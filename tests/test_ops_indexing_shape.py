@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from helpers import compare_with_torch, export_pnnx, run_kernel
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)
 
@@ -347,13 +347,54 @@ def test_masked_select_feeding_another_op_is_refused_naming_the_reader(tmp_path)
 
 
 class ArangeFromValues(nn.Module):
+    """pnnx's upstream test_torch_arange: every bound read from tensor values."""
+
     def forward(self, x):
-        return torch.arange(x[0])
+        return (torch.arange(x[0]), torch.arange(x[1], 33, dtype=None),
+                torch.arange(x[3], x[4], x[6] * 0.1, dtype=torch.float))
 
 
-def test_arange_sized_by_input_values_is_refused_naming_the_node(tmp_path):
-    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*depend on the data"):
-        _check(tmp_path, ArangeFromValues(), (torch.tensor([3, 1], dtype=torch.int32),))
+@pytest.fixture(scope="module")
+def arange_from_values(tmp_path_factory):
+    from pmx.runtime import InferenceSession
+
+    tmp = tmp_path_factory.mktemp("arange_values")
+    x = torch.tensor([5, 2, 0, 4, 8, 0, 3] + [0] * 9, dtype=torch.int32)
+    _check(tmp, ArangeFromValues(), (x,))
+    return InferenceSession(str(tmp / "m.pmx"))
+
+
+def test_arange_with_bounds_from_values_is_sized_at_run_time(arange_from_values):
+    sess = arange_from_values
+    assert [o.shape for o in sess.get_outputs()] == [[None]] * 3
+    assert [o.type for o in sess.get_outputs()] == ["tensor(int64)", "tensor(int64)", "tensor(float)"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.integers(0, 40), min_size=16, max_size=16))
+def test_arange_with_bounds_from_values_matches_torch(arange_from_values, values):
+    x = torch.tensor(values, dtype=torch.int32)
+    try:
+        want = ArangeFromValues()(x)
+    except RuntimeError:  # bounds inconsistent with the step's sign: torch raises, so does pmx
+        with pytest.raises(PmxInputError, match=r"torch.arange_\d+.*inconsistent with the step's sign"):
+            arange_from_values.run(None, {"in0": x.numpy()})
+        return
+    got = arange_from_values.run(None, {"in0": x.numpy()})
+    for g, w in zip(got, want):
+        assert g.dtype == w.numpy().dtype and g.shape == tuple(w.shape)
+        # torch's vectorized float arange adds the step in float32 within a SIMD chunk: 1 ulp apart
+        np.testing.assert_allclose(g, w.numpy(), rtol=2e-7, atol=0)
+
+
+class ArangeFromValuesConsumed(nn.Module):
+    def forward(self, x):
+        return torch.arange(x[0]) * 2
+
+
+def test_arange_from_values_feeding_another_op_is_refused_naming_the_reader(tmp_path):
+    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*known only at run time.*reads it"):
+        _check(tmp_path, ArangeFromValuesConsumed(), (torch.tensor([3, 1], dtype=torch.int32),))
 
 
 class RepeatsFromInput(nn.Module):

@@ -481,6 +481,9 @@ def arange(node, ctx):
             node.outputs[0].shape = (n,)
         attrs = dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype)))
         return [make(node, "arange", [sized], attrs)]
+    read = [node.named_input(label) for label in ("start", "end", "step")]
+    if any(v is not None and _number(node, v, label) is None for v, label in zip(read, ("start", "end", "step"))):
+        return _arange_values(node, ctx)
     start = _scalar_param(node, "start", 0)
     end = _scalar_param(node, "end", None)
     step = _scalar_param(node, "step", 1)
@@ -499,6 +502,36 @@ def arange(node, ctx):
             int(np.prod(node.outputs[0].shape)) != n:
         fail(node, f"arange gives {n} elements but pnnx recorded {node.outputs[0].shape}")
     return Forward(ctx.const(node.outputs[0].name, data))
+
+
+def _arange_values(node, ctx):
+    """arange with a bound read from tensor values (torch.arange(x[0])): the length is
+    known only when it runs, so the output is sized at run time (attrs sized_at_run,
+    see runtime/session.py) and, like masked_select's, may only be a model output."""
+    out = node.outputs[0]
+    if out.consumers:
+        fail(node, f"its bounds are read from tensor values, so its length is known only at run time, and "
+                   f"{out.consumers[0].where()} reads it; pmx supports such outputs only as model outputs")
+    operands, kinds = [], []
+    for label, default in (("start", 0), ("end", None), ("step", 1)):
+        v = node.named_input(label)
+        if v is None:
+            n = param(node, label, default)
+            if not isinstance(n, (int, float)) or isinstance(n, bool):
+                fail(node, f"arange's {label} must be a number or a one-element tensor, found {n!r}")
+            v = ctx.const(f"{node.name}.{label}", np.array(n))
+        elif v.shape is not None and None not in v.shape and int(np.prod(v.shape)) != 1:
+            fail(node, f"arange's {label} {v.name} has shape {list(v.shape)}; one element expected")
+        operands.append(v)
+        kinds.append(np.dtype(v.dtype).kind)
+    dtype = out.dtype
+    named = node.attrs.get("dtype")
+    if isinstance(named, str) and named in _TORCH_DTYPES:
+        dtype = _TORCH_DTYPES[named]
+    if dtype is None:  # torch: the default float dtype if any bound is floating, else int64
+        dtype = "float32" if any(k in "fc" for k in kinds) else "int64"
+    out.dtype, out.shape = str(np.dtype(dtype)), (0,)
+    return [make(node, "arange_values", operands, dict(dtype=out.dtype, sized_at_run=True))]
 
 
 @rule("Tensor.fill", "Tensor.fill_", "torch.fill", "torch.fill_")

@@ -52,6 +52,17 @@ class Kernel(Record):
 REGISTRY: dict[str, Kernel] = {}
 
 
+class RunSized(Record):
+    """What make() gets in place of an output array when the node declares attrs
+    sized_at_run (a length read from tensor values, unknown until it runs): the callable
+    stores a new array in .value each run, and the InferenceSession returns it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+
 def register(op, *, infer, inplace=False, view=False, scratch=None):
     def deco(make):
         if op in REGISTRY:

@@ -38,12 +38,19 @@
 `repeat_interleave` attrs repeats (one int), axis (torch.repeat_interleave with an int).
 `arange`  input x; attrs start, step, axis, dtype: start, start + step, ... below
           x.shape[axis] (torch.arange(start, x.size(axis), step)), a shape rule of x.
+`arange_values` inputs start, end, step (one element each); attrs dtype, sized_at_run:
+          torch.arange with bounds read from tensor values. Its length is known only
+          when it runs, so its output is sized at run time (kernels.RunSized, see
+          runtime/session.py): planned empty, allocated by the kernel, a model output
+          read by no node. Bounds inconsistent with the step's sign raise PmxInputError,
+          as torch raises.
 """
 
 import itertools
 import math
 
 import numpy as np
+from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import view_as
 
@@ -505,3 +512,26 @@ def make_arange(node, inputs, outputs):
     # torch computes start + i * step in int64 for integer bounds, else in double
     values = (start + np.arange(out.shape[0], dtype=np.int64 if exact else np.float64) * step).astype(out.dtype)
     return lambda: np.copyto(out, values)
+
+
+def arange_values_infer(node, shapes, dtypes):
+    return [((0,), np.dtype(node.attrs["dtype"]))]
+
+
+@register("arange_values", infer=arange_values_infer)
+def make_arange_values(node, inputs, outputs):
+    """torch's arange: an integer result computes in int64 from bounds truncated to
+    integers, a floating one in double (at::acc_type), then casts."""
+    (start_t, end_t, step_t), out = inputs, outputs[0]
+    dtype = np.dtype(node.attrs["dtype"])
+    acc = np.int64 if dtype.kind in "iu" else np.float64
+
+    def run():
+        start, end, step = (acc(v.reshape(-1)[0]) for v in (start_t, end_t, step_t))
+        if step == 0 or not (np.isfinite(start) and np.isfinite(end)) or (end - start) * step < 0:
+            raise PmxInputError(f"node {node.name[:40]!r} (arange): start={start}, end={end}, step={step} read from "
+                                f"the inputs are not finite or inconsistent with the step's sign (torch raises too)")
+        n = math.ceil(float(end - start) / float(step))
+        out.value = (start + np.arange(n, dtype=acc) * step).astype(dtype)
+
+    return run
