@@ -407,6 +407,26 @@ class InferenceSession:
         """Run the model; returns a list of new numpy arrays, one per requested output
         (all graph outputs when output_names is None; kept tensors may be requested by
         name)."""
+        binding, wanted, steps = self._prepare(output_names, input_feed)
+        step = None
+        try:
+            with np.errstate(all="ignore"):
+                if self._profiler is None:
+                    for step in steps:
+                        step()
+                else:
+                    self._run_profiled(binding, steps, self._profiler)
+        except PmxError:
+            raise
+        except MemoryError:
+            raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
+        except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
+            raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+        return self._outputs_of(binding, wanted)
+
+    def _prepare(self, output_names, input_feed):
+        """(binding, wanted output tensors, steps to run) for a run, with the feed checked
+        and copied in."""
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
@@ -425,24 +445,30 @@ class InferenceSession:
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
-        steps = self._steps_for(binding, wanted)
-        step = None
-        try:
-            with np.errstate(all="ignore"):
-                if self._profiler is None:
-                    for step in steps:
-                        step()
-                else:
-                    self._run_profiled(binding, steps, self._profiler)
-        except PmxError:
-            raise
-        except MemoryError:
-            raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
-        except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
-            raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+        return binding, wanted, self._steps_for(binding, wanted)
+
+    def _outputs_of(self, binding, wanted):
         if self._counted or self._run_sized:
             return [self._fetch(binding, i) for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
+
+    def _run_timing_kernels(self, input_feed):
+        """run(None, input_feed) that also returns the seconds spent inside the nodes'
+        kernel callables (runtime/overhead.py): (outputs, seconds)."""
+        binding, wanted, steps = self._prepare(None, input_feed)
+        clock = time.perf_counter
+        inside = 0.0
+        with np.errstate(all="ignore"):
+            for step in steps:
+                t0 = clock()
+                try:
+                    step()
+                except PmxError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - named here, where the step is known
+                    raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+                inside += clock() - t0
+        return self._outputs_of(binding, wanted), inside
 
     def _fetch(self, binding, i):
         """Output tensor i of the last run, for outputs whose length only the run knew."""

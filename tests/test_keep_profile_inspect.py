@@ -166,3 +166,20 @@ def test_verify_checks_aliases_after_each_pass(prefix, tmp_path, monkeypatch):
     monkeypatch.setattr(P, "PIPELINE", pipeline)
     with pytest.raises(PmxCompileError, match="alias check failed after pass bad_alias"):
         compile_model(prefix + ".pnnx.param", output=str(tmp_path / "a.pmx"), verify=True)
+
+
+def test_framework_overhead_is_the_part_of_each_run_outside_the_kernels(prefix, tmp_path):
+    from pmx.runtime.overhead import framework_overhead
+
+    out = str(tmp_path / "o.pmx")
+    compile_model(prefix + ".pnnx.param", output=out)
+    sess = InferenceSession(out)
+    feed = {i.name: np.random.default_rng(0).standard_normal([d or 1 for d in i.shape]).astype(np.float32) for i in sess.get_inputs()}
+    got = framework_overhead(sess, feed, repeat=5)
+    assert 0 < got.kernel_ms < got.wall_ms and 0 <= got.overhead < 1
+    # a model with no node: every microsecond of a run is overhead
+    (tmp_path / "z.pnnx.param").write_text("7767517\n2 1\npnnx.Input in 0 1 x #x=(2)f32\npnnx.Output out 1 0 x\n")
+    (tmp_path / "z.pnnx.bin").write_bytes(b"")
+    compile_model(str(tmp_path / "z.pnnx.param"), str(tmp_path / "z.pnnx.bin"), str(tmp_path / "z.pmx"))
+    empty = framework_overhead(InferenceSession(str(tmp_path / "z.pmx")), {"in0": np.ones(2, np.float32)}, repeat=5)
+    assert empty.kernel_ms == 0 and empty.overhead == 1.0
