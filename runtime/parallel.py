@@ -208,9 +208,7 @@ def split(parts):
         if error is not None:
             raise error
 
-    run = _Chooser(concurrent, serial)
-    run.pool = pool
-    return run
+    return _Chooser(concurrent, serial, pool)
 
 
 class _Chooser:
@@ -219,10 +217,11 @@ class _Chooser:
 
     TRIALS = 5
 
-    def __init__(self, a, b):
+    def __init__(self, a, b, pool):
         self._fns, self._times = (a, b), ([], [])
         self._calls = 0
         self._chosen = None
+        self.pool = pool  # also keeps the pool alive: a collected pool stops its workers
 
     def __call__(self):
         chosen = self._chosen
@@ -239,6 +238,45 @@ class _Chooser:
                 a, b = (sorted(t)[len(t) // 2] for t in self._times)
                 self._chosen = self._fns[0] if a <= b else self._fns[1]
         return None
+
+
+class RunChooser:
+    """Whether runs use kernels split over the pool (`concurrent`) or kernels bound for one
+    thread, decided on whole runs. A split's own timing (_Chooser) misses what a worker
+    costs the nodes after it (a late wake-up taking the GIL and a core from the caller)
+    and what splitting costs when the parts end up run one after another: on a host
+    whose other cores were busy, 2-thread runs were up to 1.6x slower than 1-thread
+    ones. After WARM runs (the splits' choosers settle), TRIALS runs each way alternate,
+    timed, and the faster way by median stays for RECHECK runs, after which the trials
+    run again (the host's load changes). Inactive (one thread): always concurrent."""
+
+    WARM, TRIALS, RECHECK = 10, 5, 500
+
+    def __init__(self, active: bool):
+        self._active = active
+        self._runs = 0
+        self._times = ([], [])  # seconds per trial run: split, single-thread
+        self._chosen = True
+        self.concurrent = True  # this run's way
+
+    def before_run(self) -> bool:
+        """Set `concurrent` for this run; True when the run is a trial to time (after_run)."""
+        if not self._active:
+            return False
+        self._runs += 1
+        trial = self._runs - self.WARM
+        timed = 0 < trial <= 2 * self.TRIALS
+        self.concurrent = trial % 2 == 1 if timed else self._chosen
+        return timed
+
+    def after_run(self, seconds: float):
+        """Record a trial run's time; after the last trial, keep the faster way."""
+        self._times[0 if self.concurrent else 1].append(seconds)
+        if self._runs - self.WARM == 2 * self.TRIALS:
+            split_way, single = (sorted(t)[len(t) // 2] for t in self._times)
+            self._chosen = split_way <= single
+            self._times = ([], [])
+            self._runs = self.WARM - self.RECHECK  # the trials come round again after RECHECK runs
 
 
 # --- workers -----------------------------------------------------------------------------

@@ -68,11 +68,22 @@ def _naming_node(model, node):
 
 class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
-    layout. Arena plus scratch count against max_arena_bytes."""
+    layout. Arena plus scratch count against max_arena_bytes.
+
+    With a pool of several threads it holds two sets of kernel callables over the same
+    arena and scratch: one bound to split over the pool, and one bound for a single
+    thread, made when first needed. Which set a run uses is decided on whole runs
+    (parallel.RunChooser): on a host whose other cores are busy, and for small models,
+    one thread can be faster, and the splits cost something even run one after another."""
 
     def __init__(self, model, layout, max_arena_bytes, pool):
+        self.model, self.pool = model, pool
+        self.single = parallel.Pool(1) if pool.threads > 1 else None
+        self.gate = parallel.RunChooser(pool.threads > 1)
         with parallel.binding(pool):
             self._bind(model, layout, max_arena_bytes)
+        self._ways = {True: (self.steps, self.subsets), False: None}
+        self.concurrent = True
 
     def _bind(self, model, layout, max_arena_bytes):
         self.layout = layout
@@ -85,23 +96,50 @@ class _Binding:
                 self.views[i] = self._arena_view(t, i, layout)
         for i in _run_sized_outputs(model):
             self.views[i] = kernels.RunSized()
-        self.steps = []
-        operands = [([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
-                    for node in model.nodes]
-        scratch_size = 0
-        for node, (ins, outs) in zip(model.nodes, operands):
-            with _naming_node(model, node):
-                scratch_size = max(scratch_size, kernels.node_scratch_nbytes(node, ins, outs))
+        self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
+                          [self.views[k] for k in node.outputs]) for node in model.nodes]
+        scratch_size = self._scratch_size(model)
+        if self.single is not None:
+            with parallel.binding(self.single):
+                scratch_size = max(scratch_size, self._scratch_size(model))
         if layout.arena_size + scratch_size > max_arena_bytes:
             raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
         self.scratch = _aligned_empty(scratch_size)
-        persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
-        temporaries = []  # kernels.temporary_array: expression temporaries shared by all nodes
-        for node, (ins, outs) in zip(model.nodes, operands):
-            with _naming_node(model, node), kernels.scratch_scope(self.scratch, persistent, temporaries):
-                self.steps.append(kernels.get(node.op).make(node, ins, outs))
+        self.persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
+        self.temporaries = []  # kernels.temporary_array: expression temporaries shared by all nodes
+        self.steps = self._make_steps(model)
         self.subsets = {}
+
+    def _scratch_size(self, model):
+        size = 0
+        for node, (ins, outs) in zip(model.nodes, self.operands):
+            with _naming_node(model, node):
+                size = max(size, kernels.node_scratch_nbytes(node, ins, outs))
+        return size
+
+    def _make_steps(self, model):
+        steps = []
+        for node, (ins, outs) in zip(model.nodes, self.operands):
+            with _naming_node(model, node), kernels.scratch_scope(self.scratch, self.persistent, self.temporaries):
+                steps.append(kernels.get(node.op).make(node, ins, outs))
+        return steps
+
+    def before_run(self):
+        """Pick this run's set of callables (RunChooser); True when the run is a trial to
+        time and report to self.gate.after_run."""
+        timed = self.gate.before_run()
+        if self.gate.concurrent != self.concurrent:
+            self._use(self.gate.concurrent)
+        return timed
+
+    def _use(self, concurrent):
+        if self._ways[concurrent] is None:
+            with parallel.binding(self.single), collector_paused():
+                self._ways[concurrent] = (self._make_steps(self.model), {})
+        self.steps, self.subsets = self._ways[concurrent]
+        self.concurrent = concurrent
+        self.step_nodes = None  # _run_profiled's map from callables to nodes
 
     def _arena_view(self, t, i, layout):
         shape = layout.shapes[i]
@@ -407,8 +445,11 @@ class InferenceSession:
         """Run the model; returns a list of new numpy arrays, one per requested output
         (all graph outputs when output_names is None; kept tensors may be requested by
         name)."""
-        binding, wanted, steps = self._prepare(output_names, input_feed)
+        binding, wanted = self._prepare(output_names, input_feed)
+        timed = binding.before_run()
+        steps = self._steps_for(binding, wanted)
         step = None
+        start = time.perf_counter() if timed else 0.0
         try:
             with np.errstate(all="ignore"):
                 if self._profiler is None:
@@ -422,11 +463,12 @@ class InferenceSession:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
+        if timed:
+            binding.gate.after_run(time.perf_counter() - start)
         return self._outputs_of(binding, wanted)
 
     def _prepare(self, output_names, input_feed):
-        """(binding, wanted output tensors, steps to run) for a run, with the feed checked
-        and copied in."""
+        """(binding, wanted output tensors) for a run, with the feed checked and copied in."""
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
@@ -445,7 +487,7 @@ class InferenceSession:
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
-        return binding, wanted, self._steps_for(binding, wanted)
+        return binding, wanted
 
     def _outputs_of(self, binding, wanted):
         if self._counted or self._run_sized:
@@ -455,7 +497,8 @@ class InferenceSession:
     def _run_timing_kernels(self, input_feed):
         """run(None, input_feed) that also returns the seconds spent inside the nodes'
         kernel callables (runtime/overhead.py): (outputs, seconds)."""
-        binding, wanted, steps = self._prepare(None, input_feed)
+        binding, wanted = self._prepare(None, input_feed)
+        steps = self._steps_for(binding, wanted)
         clock = time.perf_counter
         inside = 0.0
         with np.errstate(all="ignore"):
@@ -480,7 +523,7 @@ class InferenceSession:
 
     def _run_profiled(self, binding, steps, profiler):
         """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
-        nodes = getattr(binding, "step_nodes", None)
+        nodes = getattr(binding, "step_nodes", None)  # reset when the binding changes its callables
         if nodes is None:
             nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
         shapes = binding.layout.shapes

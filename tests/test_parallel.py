@@ -132,7 +132,7 @@ def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
             if k == slow:
                 time.sleep(0.002)
 
-        chooser = parallel._Chooser(lambda: form(0), lambda: form(1))
+        chooser = parallel._Chooser(lambda: form(0), lambda: form(1), parallel.Pool(2))
         for _ in range(2 * parallel._Chooser.TRIALS + 10):
             chooser()
         assert ran[slow] == parallel._Chooser.TRIALS, f"form {slow} is slower and ran after its trials"
@@ -148,3 +148,27 @@ def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
         with pytest.raises(ValueError, match="part failed"):
             bad()
     assert len(done) == 2 * parallel._Chooser.TRIALS + 2, "the other part ran every time, in both forms"
+
+
+@pytest.mark.parametrize("split_faster", [True, False])
+def test_runs_use_split_kernels_only_while_whole_runs_are_faster_with_them(split_faster):
+    """RunChooser: after its warm-up, trial runs alternate between the split and the
+    single-thread kernels; the faster way (by the times reported) stays until the trials
+    come round again."""
+    gate = parallel.RunChooser(True)
+    seen = []
+    for _ in range(gate.WARM + 2 * gate.TRIALS):
+        timed = gate.before_run()
+        seen.append((timed, gate.concurrent))
+        if timed:
+            gate.after_run(1.0 if gate.concurrent == split_faster else 2.0)
+    assert seen[:gate.WARM] == [(False, True)] * gate.WARM
+    assert [c for t, c in seen[gate.WARM:] if t] == [True, False] * gate.TRIALS
+    settled = []
+    for _ in range(gate.RECHECK):
+        settled.append(gate.before_run())
+        assert gate.concurrent is split_faster
+    assert not any(settled)
+    assert gate.before_run(), "the trials come round again"
+    inactive = parallel.RunChooser(False)
+    assert not any(inactive.before_run() for _ in range(100)) and inactive.concurrent
