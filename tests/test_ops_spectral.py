@@ -146,6 +146,20 @@ def test_istft(data):
     check(got, want, tol=1e-4)
 
 
+@pytest.mark.parametrize("return_complex", [False, True])
+def test_istft_of_a_two_sided_spectrum_whose_bins_do_not_mirror(return_complex):
+    """A real inverse reads only the first n_fft // 2 + 1 bins (torch's irfft), a complex one
+    all of them."""
+    g = torch.Generator().manual_seed(3)
+    spec = torch.randn(2, 16, 9, dtype=torch.complex64, generator=g)
+    window = torch.hamming_window(16)
+    want = torch.istft(spec, 16, hop_length=4, window=window, onesided=False, return_complex=return_complex)
+    params = (f"center=True hop_length=4 length=None n_fft=16 normalized=False onesided=False "
+              f"return_complex={return_complex} win_length=16")
+    (got,) = run_one_op("torch.istft", params, [spec.numpy(), window.numpy()], [want.numpy()], ["input", "window"])
+    check(got, want, tol=1e-4)
+
+
 def test_rfft_refuses_complex_input():
     x = np.zeros((2, 4), np.complex64)
     with pytest.raises(PmxCompileError, match="real input"):

@@ -1,7 +1,9 @@
 """Complex tensors and spectral ops: torch.complex / real / imag / view_as_real /
 view_as_complex keep their names; every torch.fft.* spelling becomes one `fft` op with
 explicit axes and signal lengths (torch's n / s / dim defaults resolved here, once);
-torch.stft / torch.istft become stft / istft with their defaults resolved.
+torch.stft / torch.istft become stft / istft with their defaults resolved;
+torchaudio's spectrogram / inverse_spectrogram become those plus pad, reshape, slice and
+elementwise steps.
 """
 
 from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule
@@ -169,3 +171,174 @@ def istft(node, ctx):
                  normalized=bool(param(node, "normalized", False)), onesided=bool(onesided),
                  return_complex=return_complex, length=length or 0)
     return [make(node, "istft", [x] + ([window] if window is not None else []), attrs)]
+
+
+# --- torchaudio.functional.spectrogram / inverse_spectrogram ----------------------------
+
+
+def _spec_norms(node):
+    """torchaudio's `normalized` as (frame_length_norm, window_norm): True means "window"."""
+    normalized = param(node, "normalized", False)
+    if isinstance(normalized, bool):
+        return False, normalized
+    if normalized in ("frame_length", "window"):
+        return normalized == "frame_length", normalized == "window"
+    fail(node, f"normalized={normalized!r}: expected False, True, 'window' or 'frame_length'")
+
+
+def _audio_params(node):
+    n_fft, hop, win = _frame_params(node)
+    window = _window(node, n_fft, win)
+    if window is None:
+        fail(node, "missing the window tensor ($window)")
+    pad = param(node, "pad", 0)
+    if not _int(pad) or pad < 0:
+        fail(node, f"pad={pad!r} must be a non-negative int")
+    return n_fft, hop, win, window, pad
+
+
+def _unit_window(node, ctx, window):
+    """window / sqrt(sum(window^2)) as nodes (folded when the window is a weight).
+
+    torchaudio divides the spectrum by the window's L2 norm ("window" normalization) and the
+    inverse multiplies it back before istft; stft is linear in the window and istft inversely
+    so, so scaling the window does both without arithmetic on complex tensors."""
+    w = window
+    squares = ctx.temp(node, tuple(w.shape), w.dtype, "wsq")
+    total = ctx.temp(node, (1,), w.dtype, "wsum")
+    unit = ctx.temp(node, tuple(w.shape), w.dtype, "wunit")
+    nodes = [make(node, "elementwise", [w], outputs=[squares], expr="mul(@0,@0)", name=f"{node.name}.wsq"),
+             make(node, "reduce_sum", [squares], dict(axes=(0,), keepdim=True), outputs=[total],
+                  name=f"{node.name}.wsum"),
+             make(node, "elementwise", [w, total], outputs=[unit], expr="div(@0,sqrt(@1))", name=f"{node.name}.wunit")]
+    return nodes, unit
+
+
+def _complex_dtype(dtype):
+    return "complex128" if dtype in ("float64", "complex128") else "complex64"
+
+
+def _batched(node, ctx, nodes, x, keep):
+    """x with its leading dims (all but the last `keep`) merged into one, as torchaudio packs
+    a batch of any rank for torch.stft / istft, which take at most one batch dim."""
+    shape = tuple(x.shape)
+    if len(shape) <= keep + 1:
+        return x
+    n = 1
+    for d in shape[:-keep]:
+        n *= d
+    flat = ctx.temp(node, (n,) + shape[-keep:], x.dtype, "flat")
+    nodes.append(make(node, "reshape", [x], dict(shape=flat.shape), outputs=[flat], name=f"{node.name}.flat"))
+    return flat
+
+
+def _unbatched(node, ctx, nodes, y, lead):
+    if len(lead) <= 1:
+        return y
+    keep = tuple(y.shape[1:])
+    out = ctx.temp(node, tuple(lead) + keep, y.dtype, "unflat")
+    nodes.append(make(node, "reshape", [y], dict(shape=out.shape), outputs=[out], name=f"{node.name}.unflat"))
+    return out
+
+
+def _finish(node, nodes, last):
+    """The last step writes the node's own output (its recorded shape must agree)."""
+    want = node.outputs[0].shape
+    if want is not None and None not in want and tuple(want) != tuple(last.shape):
+        fail(node, f"computed output shape {tuple(last.shape)} differs from the recorded {tuple(want)}")
+    nodes[-1].outputs = list(node.outputs)
+    return nodes
+
+
+@rule("torchaudio.functional.spectrogram")
+def spectrogram(node, ctx):
+    """torchaudio.functional.spectrogram: zero pad, stft (frame_length normalization is
+    torch.stft's normalized=True), window normalization, then |X| ** power (None: complex)."""
+    x = data_input(node, "waveform")
+    shape = tuple(in_shape(node, x))
+    if not shape:
+        fail(node, "waveform must have a time dim: expected (..., time)")
+    n_fft, hop, win, window, pad = _audio_params(node)
+    frame_norm, window_norm = _spec_norms(node)
+    power = param(node, "power", None)
+    if power is not None and (not isinstance(power, (int, float)) or isinstance(power, bool) or not power > 0):
+        fail(node, f"power={power!r}: expected None or a number > 0")
+    center = bool(param(node, "center", True))
+    pad_mode = param(node, "pad_mode", "reflect")
+    if pad_mode not in ("reflect", "constant", "replicate", "circular"):
+        fail(node, f"pad_mode={pad_mode!r}: expected reflect, constant, replicate or circular")
+    onesided = bool(param(node, "onesided", True))
+    if onesided and (x.dtype.startswith("complex") or window.dtype.startswith("complex")):
+        fail(node, "onesided=True needs a real waveform and window")
+    t = shape[-1] + 2 * pad
+    if center and pad_mode == "reflect" and t <= n_fft // 2:
+        fail(node, f"reflect padding of {n_fft // 2} needs more than {n_fft // 2} samples, got {t}")
+    n = t + (2 * (n_fft // 2) if center else 0)
+    if n < n_fft:
+        fail(node, f"{t} samples (after padding) are fewer than n_fft={n_fft}")
+    nodes = []
+    if pad:
+        padded = ctx.temp(node, shape[:-1] + (t,), x.dtype, "pad")
+        nodes.append(make(node, "pad", [x], dict(pads=(pad, pad), mode="constant", value=0.0), outputs=[padded],
+                          name=f"{node.name}.pad"))
+        x = padded
+    if window_norm:
+        more, window = _unit_window(node, ctx, window)
+        nodes += more
+    flat = _batched(node, ctx, nodes, x, 1)
+    bins = n_fft // 2 + 1 if onesided else n_fft
+    spec = ctx.temp(node, tuple(flat.shape[:-1]) + (bins, 1 + (n - n_fft) // hop), _complex_dtype(x.dtype), "stft")
+    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=center, pad_mode=pad_mode,
+                 normalized=frame_norm, onesided=onesided)
+    nodes.append(make(node, "stft", [flat, window], attrs, outputs=[spec], name=f"{node.name}.stft"))
+    spec = _unbatched(node, ctx, nodes, spec, shape[:-1])
+    if power is not None:
+        expr = "abs(@0)" if power == 1 else f"pow(abs(@0),{float(power)!r})"
+        mag = ctx.temp(node, tuple(spec.shape), "float64" if spec.dtype == "complex128" else "float32", "power")
+        nodes.append(make(node, "elementwise", [spec], outputs=[mag], expr=expr, name=f"{node.name}.power"))
+        spec = mag
+    return _finish(node, nodes, spec)
+
+
+@rule("torchaudio.functional.inverse_spectrogram")
+def inverse_spectrogram(node, ctx):
+    """torchaudio.functional.inverse_spectrogram: window normalization undone, istft (of
+    length + 2 * pad when length is given, then the pad cut off both ends)."""
+    x = data_input(node, "spectrogram")
+    shape = tuple(in_shape(node, x))
+    if len(shape) < 2 or not x.dtype.startswith("complex"):
+        fail(node, f"spectrogram of shape {shape} ({x.dtype}): expected a complex (..., freq, time)")
+    n_fft, hop, win, window, pad = _audio_params(node)
+    frame_norm, window_norm = _spec_norms(node)
+    onesided = bool(param(node, "onesided", True))
+    bins = n_fft // 2 + 1 if onesided else n_fft
+    if shape[-2] != bins:
+        fail(node, f"spectrogram has {shape[-2]} frequency bins: expected {bins} for n_fft={n_fft}, "
+                   f"onesided={onesided}")
+    length = param(node, "length", None)
+    if length is not None and (not _int(length) or length < 1):
+        fail(node, f"length={length!r} must be None or a positive int")
+    center = bool(param(node, "center", True))
+    nodes = []
+    if window_norm:
+        more, window = _unit_window(node, ctx, window)
+        nodes += more
+    flat = _batched(node, ctx, nodes, x, 2)
+    if length is None:
+        n = n_fft + hop * (shape[-1] - 1) - (2 * (n_fft // 2) if center else 0)
+    else:
+        n = length + 2 * pad
+    if n < 1:
+        fail(node, f"the inverse has {n} samples: too few frames ({shape[-1]}) for n_fft={n_fft}")
+    wave = ctx.temp(node, tuple(flat.shape[:-2]) + (n,), "float64" if x.dtype == "complex128" else "float32", "istft")
+    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=center, normalized=frame_norm,
+                 onesided=onesided, return_complex=False, length=0 if length is None else n)
+    nodes.append(make(node, "istft", [flat, window], attrs, outputs=[wave], name=f"{node.name}.istft"))
+    if length is not None and pad > 0:
+        cut = ctx.temp(node, tuple(wave.shape[:-1]) + (length,), wave.dtype, "unpad")
+        rank = len(wave.shape)
+        attrs = dict(axes=(rank - 1,), starts=(pad,), ends=(pad + length,), steps=(1,), squeeze=())
+        nodes.append(make(node, "slice", [wave], attrs, outputs=[cut], name=f"{node.name}.unpad"))
+        wave = cut
+    wave = _unbatched(node, ctx, nodes, wave, shape[:-2])
+    return _finish(node, nodes, wave)

@@ -12,6 +12,7 @@
                    onesided; inputs signal (B?, T) and window (win_length,) or absent.
 `istft`            attrs n_fft, hop_length, win_length, center, normalized, onesided,
                    length (0 = the natural one); inputs spectrum (B?, F, frames) and window.
+                   A real inverse reads the first n_fft // 2 + 1 bins only, as torch does.
 
 Dtypes: complex64 unless an input is float64/complex128 (then complex128); real outputs of
 complex inputs are the matching float dtype.
@@ -234,7 +235,7 @@ def make_istft(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     window = inputs[1] if len(inputs) > 1 else None
     n_fft, hop, center = a["n_fft"], a["hop_length"], bool(a["center"])
-    onesided, normalized = bool(a["onesided"]), bool(a["normalized"])
+    normalized = bool(a["normalized"])
     return_complex = bool(a.get("return_complex"))
     frames = x.shape[-1]
     total = n_fft + hop * (frames - 1)
@@ -248,9 +249,12 @@ def make_istft(node, inputs, outputs):
         spec = np.swapaxes(x, -1, -2).astype(np.complex128)  # (..., frames, bins)
         if normalized:
             spec = spec * np.sqrt(n_fft)
-        seg = np.fft.irfft(spec, n_fft, axis=-1) if onesided else np.fft.ifft(spec, n_fft, axis=-1)
-        if not return_complex and seg.dtype.kind == "c":
-            seg = seg.real
+        if return_complex:
+            seg = np.fft.ifft(spec, n_fft, axis=-1)
+        else:
+            # torch reads a real inverse from the first n_fft // 2 + 1 bins only (irfft), also
+            # of a two-sided spectrum, whose other bins need not be their conjugate mirror
+            seg = np.fft.irfft(spec[..., :n_fft // 2 + 1], n_fft, axis=-1)
         seg = seg * w
         lead = seg.shape[:-2]
         acc = np.zeros(lead + (total,), seg.dtype)
