@@ -505,3 +505,10 @@ def test_advanced_index_several_tensors(x, data):
     for a, i in zip(axes, idx):
         key[a] = torch.from_numpy(i)
     close(got, torch.from_numpy(x)[tuple(key)])
+
+
+def test_concat_skips_empty_vectors_as_torch_cat_does():
+    a, empty = np.arange(6, dtype=np.float32).reshape(2, 3), np.zeros(0, np.float32)
+    for inputs in ([a, empty], [empty, a, empty, a]):
+        (got,) = run_kernel("concat", inputs, dict(axis=0))
+        np.testing.assert_array_equal(got, torch.cat([torch.from_numpy(x) for x in inputs], 0).numpy())

@@ -81,7 +81,9 @@ def make_copy(node, inputs, outputs):
 
 def concat_infer(node, shapes, dtypes):
     """attrs broadcast=True (set by the compiler when a constant such as a class token was
-    traced at batch 1) lets size-1 dims of inputs stretch to the others, as expand did."""
+    traced at batch 1) lets size-1 dims of inputs stretch to the others, as expand did.
+    Empty 1-d inputs are skipped whatever the others' rank, as torch.cat skips them."""
+    shapes = [s for s in shapes if not _skipped_by_cat(s)] or shapes[:1]
     rank = len(shapes[0])
     axis = node.attrs["axis"] % rank
     if any(len(s) != rank for s in shapes):
@@ -116,12 +118,17 @@ def _same_view(a, b):
     return all(sa == sb for sa, sb, d in zip(a.strides, b.strides, a.shape) if d > 1)
 
 
+def _skipped_by_cat(shape):
+    return len(shape) == 1 and shape[0] == 0
+
+
 @register("concat", infer=concat_infer)
 def make_concat(node, inputs, outputs):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
     pairs = []
     start = 0
+    inputs = [x for x in inputs if not _skipped_by_cat(x.shape)]
     for x in inputs:
         idx = [slice(None)] * out.ndim
         idx[axis] = slice(start, start + x.shape[axis])
