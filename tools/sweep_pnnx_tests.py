@@ -13,6 +13,12 @@ stand-in whose test_inference() returns torch's outputs (so the test carries on 
 next sub-case). Each recorded case is then compiled with pmx, run on the same inputs and
 compared with torch (max |pmx - torch| / max |torch| <= 1e-4, exact for ints and bools).
 
+Some files need packages that do not install beside the torch that torchvision needs:
+torchaudio (its last release, installed with pip --no-deps into a separate folder, imports
+and runs the spectrogram tests), onnxscript with onnx_ir (test_pnnx_fuse_rmsnorm), and a
+transformers from before 5.0 (4.46, with its tokenizers and huggingface_hub: 5.x removed
+the attention classes six tests build). Put such a folder on PYTHONPATH for the sweep.
+
 Statuses: ok, mismatch, compile-error (the PmxError message), load/run error,
 pnnx failed (pnnx wrote no .pnnx.param), needs torchvision, skipped (the test fails in
 torch, or exports nothing on this torch version), timeout.
