@@ -247,14 +247,18 @@ class RunChooser:
     and what splitting costs when the parts end up run one after another: on a host
     whose other cores were busy, 2-thread runs were up to 1.6x slower than 1-thread
     ones. After WARM runs (the splits' choosers settle), TRIALS runs each way alternate,
-    timed, and the faster way by median stays for RECHECK runs, after which the trials
-    run again (the host's load changes). Inactive (one thread): always concurrent."""
+    timed, and the faster way by median stays until the next trials, RECHECK runs later:
+    soon after the first decisions, since a burst of noise on the host can make the
+    slower way win five runs (ResNet-18 kept single-thread kernels at 48 ms against 33),
+    then every RECHECK[-1] runs (the host's load changes). Inactive (one thread): always
+    concurrent."""
 
-    WARM, TRIALS, RECHECK = 10, 5, 500
+    WARM, TRIALS, RECHECK = 10, 5, (20, 50, 100, 200, 500)
 
     def __init__(self, active: bool):
         self._active = active
         self._runs = 0
+        self._decisions = 0
         self._times = ([], [])  # seconds per trial run: split, single-thread
         self._chosen = True
         self.concurrent = True  # this run's way
@@ -276,7 +280,9 @@ class RunChooser:
             split_way, single = (sorted(t)[len(t) // 2] for t in self._times)
             self._chosen = split_way <= single
             self._times = ([], [])
-            self._runs = self.WARM - self.RECHECK  # the trials come round again after RECHECK runs
+            wait = self.RECHECK[min(self._decisions, len(self.RECHECK) - 1)]
+            self._decisions += 1
+            self._runs = self.WARM - wait  # the trials come round again after `wait` runs
 
 
 # --- workers -----------------------------------------------------------------------------
