@@ -106,7 +106,7 @@ def worker(contender, model_dir, runs, threads):
         raise SystemExit(f"unknown contender {contender}")
     y = run()
     t3 = time.perf_counter()
-    for _ in range(20):  # every contender alike; pmx's thread choosers finish their trials by run 20
+    for _ in range(50):  # every contender alike; pmx re-times its thread choice at runs 11-20 and 41-50
         run()
     times = []
     for _ in range(runs):

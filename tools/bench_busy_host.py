@@ -27,7 +27,7 @@ path, threads, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 sess = InferenceSession(path, num_threads=threads)
 feed = {i.name: np.random.default_rng(0).standard_normal([d if isinstance(d, int) else 1 for d in i.shape])
         .astype(np.float32) for i in sess.get_inputs()}
-for _ in range(25):  # past the thread choosers' trials (runtime/parallel.py)
+for _ in range(50):  # past the thread choice's first two trials (runtime/parallel.py RunChooser)
     sess.run(None, feed)
 times = []
 for _ in range(runs):
