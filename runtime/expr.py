@@ -466,7 +466,8 @@ def result_dtype(tree, input_dtypes):
 
 
 # Functions that map floats of one dtype (with int or float literals) to that dtype.
-_FLOAT_KEEPING = frozenset(FUNCTIONS) - {"gt", "ge", "lt", "le", "eq", "ne", "and", "or", "xor", "not", "where"}
+_FLOAT_KEEPING = frozenset(FUNCTIONS) - {"gt", "ge", "lt", "le", "eq", "ne", "and", "or", "xor", "not", "where",
+                                           "lshift", "rshift"}  # shifts take integers only
 
 
 @functools.lru_cache(maxsize=4096)
