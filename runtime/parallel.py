@@ -300,23 +300,24 @@ class _Task:
         self.claim, self.done = threading.Lock(), threading.Lock()
         self.done.acquire()
 
+    def _run(self):
+        """Run the part; its error, or None."""
+        try:
+            self.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            return e
+        return None
+
     def run_claimed(self):
         """(worker) Run the part unless the caller took it; then post done."""
         if self.claim.acquire(blocking=False):
-            try:
-                self.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                self.error = e
+            self.error = self._run()
             self.done.release()
 
     def run_here_or_wait(self):
         """(caller) Run the part if no worker has started it, else wait for it; its error."""
         if self.claim.acquire(blocking=False):
-            try:
-                self.fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                return e
-            return None
+            return self._run()
         self.done.acquire()
         return self.error
 
