@@ -76,8 +76,8 @@ class _Binding:
     (parallel.RunChooser): on a host whose other cores are busy, and for small models,
     one thread can be faster, and the splits cost something even run one after another."""
 
-    def __init__(self, model, layout, max_arena_bytes, pool):
-        self.model, self.pool = model, pool
+    def __init__(self, model, layout, max_arena_bytes, pool, run_sized):
+        self.model, self.pool, self.run_sized = model, pool, run_sized
         self.single = parallel.Pool(1) if pool.threads > 1 else None
         self.gate = parallel.RunChooser(pool.threads > 1)
         with parallel.binding(pool):
@@ -94,7 +94,7 @@ class _Binding:
                 self.views[i] = model.constants[i]
             else:
                 self.views[i] = self._arena_view(t, i, layout)
-        for i in _run_sized_outputs(model):
+        for i in self.run_sized:
             self.views[i] = kernels.RunSized()
         self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
                           [self.views[k] for k in node.outputs]) for node in model.nodes]
@@ -175,28 +175,10 @@ def _shape_allowed(shape, ranges):
     return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
 
 
-def _node_arg(t, counted=False):
+def _node_arg(t, run_sized=False):
     """onnxruntime-style NodeArg: dims that may change are None."""
-    shape = [d if lo == hi and not counted else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
+    shape = [d if lo == hi and not run_sized else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
     return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
-
-
-def _counted_outputs(model):
-    """{output tensor: count tensor} for nodes whose output 0 has a data-dependent length
-    (attrs count_output: the output holding it): the planned buffer is the upper bound,
-    and run() returns its first `count` elements. The compiler keeps the count alive to
-    the end and lets no node read such an output."""
-    counted = {}
-    for node in model.nodes:
-        k = node.attrs.get("count_output")
-        if not (isinstance(k, int) and 0 < k < len(node.outputs)):
-            continue
-        out, count = model.tensors[node.outputs[0]], model.tensors[node.outputs[k]]
-        if len(out.shape) != 1 or tuple(count.shape) != (1,) or count.dtype != np.int64:
-            raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) declares a counted output "
-                                 f"but its outputs are {list(out.shape)} and {list(count.shape)} {count.dtype}")
-        counted[node.outputs[0]] = node.outputs[k]
-    return counted
 
 
 def _run_sized_outputs(model):
@@ -246,10 +228,9 @@ class InferenceSession:
         self._num_threads = resolve_thread_count(sess_options, num_threads)
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
-        # outputs whose length is known only at run time (masked_select): tensor -> count tensor
-        self._counted = _counted_outputs(m)
+        # outputs whose length is known only when their node runs (masked_select, arange of values)
         self._run_sized = _run_sized_outputs(m)
-        self._outputs = [_node_arg(m.tensors[i], i in self._counted or i in self._run_sized) for i in m.outputs]
+        self._outputs = [_node_arg(m.tensors[i], i in self._run_sized) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
@@ -338,7 +319,7 @@ class InferenceSession:
         layout = self._layout(key)
         try:
             with collector_paused():
-                b = _Binding(self._model, layout, self._max_arena_bytes, self._pool())
+                b = _Binding(self._model, layout, self._max_arena_bytes, self._pool(), self._run_sized)
         except PmxError:
             raise
         except MemoryError:
@@ -490,8 +471,9 @@ class InferenceSession:
         return binding, wanted
 
     def _outputs_of(self, binding, wanted):
-        if self._counted or self._run_sized:
-            return [self._fetch(binding, i) for i in wanted]
+        if self._run_sized:
+            return [np.array(binding.views[i].value if i in self._run_sized else binding.views[i], copy=True)
+                    for i in wanted]
         return [np.array(binding.views[i], copy=True) for i in wanted]
 
     def _run_timing_kernels(self, input_feed):
@@ -512,14 +494,6 @@ class InferenceSession:
                     raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
                 inside += clock() - t0
         return self._outputs_of(binding, wanted), inside
-
-    def _fetch(self, binding, i):
-        """Output tensor i of the last run, for outputs whose length only the run knew."""
-        if i in self._run_sized:
-            return np.array(binding.views[i].value, copy=True)
-        if i in self._counted:
-            return np.array(binding.views[i][:max(0, int(binding.views[self._counted[i]][0]))], copy=True)
-        return np.array(binding.views[i], copy=True)
 
     def _run_profiled(self, binding, steps, profiler):
         """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""

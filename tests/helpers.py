@@ -95,8 +95,9 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     rule, outputs are preallocated (as the arena would be) and returned as a list. The
     kernel is bound as an InferenceSession binds it, over shared scratch of the size its scratch
     rule declares, here full of NaN as if an earlier node had left it so; a request past
-    that size fails the test."""
-    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
+    that size fails the test. With attrs sized_at_run, output 0 is the array the kernel
+    allocated (kernels.RunSized)."""
+    from pmx.runtime.kernels import RunSized, get, node_scratch_nbytes, scratch_scope
 
     node = KernelNode(op, attrs, expr, variant)
     kernel = get(op)
@@ -104,6 +105,8 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     present = [x for x in arrays if x is not None]
     specs = kernel.infer(node, [x.shape for x in present], [x.dtype for x in present])
     outputs = [np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt) for shape, dt in specs]
+    if node.attrs.get("sized_at_run"):
+        outputs[0] = RunSized()
     stale = np.full(-(-node_scratch_nbytes(node, arrays, outputs) // 4), np.nan, np.float32).view(np.uint8)
     with scratch_scope(stale, {}, []) as use:
         fn = kernel.make(node, arrays, outputs)
@@ -111,4 +114,4 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     if fn is not None:
         with np.errstate(all="ignore"):
             fn()
-    return outputs
+    return [o.value if isinstance(o, RunSized) else o for o in outputs]

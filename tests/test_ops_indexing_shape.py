@@ -189,14 +189,14 @@ def test_fill_matches_torch(shape, seed, value):
 
 
 @given(shape=shapes, data=st.data(), seed=st.integers(0, 2**16))
-def test_masked_select_kernel_writes_count_and_prefix(shape, data, seed):
+def test_masked_select_kernel_allocates_the_selected_elements(shape, data, seed):
     mshape = tuple(1 if data.draw(st.booleans()) else d for d in shape)
     x = _floats(shape, seed)
     mask = np.random.default_rng(seed).random(mshape) > 0.5
-    out, count = run_kernel("masked_select", [x, mask])
+    (out,) = run_kernel("masked_select", [x, mask], dict(sized_at_run=True))
     want = torch.masked_select(torch.from_numpy(x), torch.from_numpy(mask)).numpy()
-    assert out.shape == (x.size,) and count.dtype == np.int64
-    np.testing.assert_array_equal(out[:count[0]], want)
+    assert out.dtype == x.dtype
+    np.testing.assert_array_equal(out, want)
 
 
 # --- end to end through pnnx ---------------------------------------------------------
@@ -312,9 +312,9 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
     np.testing.assert_array_equal(got[2], torch.masked_select(y, y < 0.2).numpy())
 
 
-def test_masked_select_of_constants_computed_by_other_ops_stays_counted(tmp_path):
+def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tmp_path):
     """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
-    masked_select, written here) must leave the counted op to run time."""
+    masked_select, written here) must leave the run-sized op to run time."""
     from ziputil import write_bin
 
     from pmx.compiler.driver import compile_model

@@ -506,12 +506,10 @@ def arange(node, ctx):
 
 def _arange_values(node, ctx):
     """arange with a bound read from tensor values (torch.arange(x[0])): the length is
-    known only when it runs, so the output is sized at run time (attrs sized_at_run,
-    see runtime/session.py) and, like masked_select's, may only be a model output."""
+    known only when it runs, so the output is sized at run time (_sized_at_run) and, like
+    masked_select's, may only be a model output."""
     out = node.outputs[0]
-    if out.consumers:
-        fail(node, f"its bounds are read from tensor values, so its length is known only at run time, and "
-                   f"{out.consumers[0].where()} reads it; pmx supports such outputs only as model outputs")
+    _refuse_readers(node, "its bounds are read from tensor values")
     operands, kinds = [], []
     for label, default in (("start", 0), ("end", None), ("step", 1)):
         v = node.named_input(label)
@@ -530,8 +528,22 @@ def _arange_values(node, ctx):
         dtype = _TORCH_DTYPES[named]
     if dtype is None:  # torch: the default float dtype if any bound is floating, else int64
         dtype = "float32" if any(k in "fc" for k in kinds) else "int64"
-    out.dtype, out.shape = str(np.dtype(dtype)), (0,)
-    return [make(node, "arange_values", operands, dict(dtype=out.dtype, sized_at_run=True))]
+    out.dtype = str(np.dtype(dtype))
+    return _sized_at_run(node, "arange_values", operands, dict(dtype=out.dtype))
+
+
+def _refuse_readers(node, why):
+    out = node.outputs[0]
+    if out.consumers:
+        fail(node, f"{why}: its output has a length known only at run time and {out.consumers[0].where()} reads "
+                   f"it; pmx supports such outputs only as model outputs")
+
+
+def _sized_at_run(node, op, inputs, attrs):
+    """The node as `op` whose kernel allocates its output when it runs (attrs sized_at_run,
+    runtime/session.py): planned empty, read by no other node (_refuse_readers)."""
+    node.outputs[0].shape = (0,)
+    return [make(node, op, inputs, dict(attrs, sized_at_run=True))]
 
 
 @rule("Tensor.fill", "Tensor.fill_", "torch.fill", "torch.fill_")
@@ -684,9 +696,8 @@ def topk(node, ctx):
 @rule("torch.masked_select", "Tensor.masked_select")
 def masked_select(node, ctx):
     """The output's length is the number of True mask elements, known only at run time:
-    it is planned at its upper bound and the kernel writes the count into a second,
-    kept tensor that the InferenceSession trims the output by. Only a graph output may have such
-    a length; a node reading it would need a planned shape, so that is refused."""
+    the kernel allocates it when it runs (_sized_at_run). Only a graph output may have
+    such a length; a node reading it would need a planned shape, so that is refused."""
     x = data_input(node)
     mask = node.named_input("mask")
     if mask is None:
@@ -701,17 +712,8 @@ def masked_select(node, ctx):
     if x.is_constant and mask.is_constant:
         data = np.broadcast_to(x.data, shape)[np.broadcast_to(mask.data, shape)]
         return Forward(ctx.const(out.name, data))
-    if out.consumers:
-        reader = out.consumers[0]
-        fail(node, f"its output has a length known only at run time and {reader.where()} reads it; pmx supports "
-                   f"such outputs only as model outputs")
-    out.shape = (int(np.prod(shape, dtype=np.int64)),)
-    count = ctx.temp(node, (1,), "int64", suffix="count")
-    kept = getattr(ctx.graph, "kept", None)
-    if kept is None:
-        kept = ctx.graph.kept = []
-    kept.append(count)
-    return [make(node, "masked_select", [x, mask], dict(count_output=1), outputs=[out, count])]
+    _refuse_readers(node, "it selects by the mask's values")
+    return _sized_at_run(node, "masked_select", [x, mask], {})
 
 
 @rule("torch.as_strided", "Tensor.as_strided")

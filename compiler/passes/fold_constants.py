@@ -15,8 +15,8 @@ def fold_constants(graph) -> bool:
     changed = False
     for node in list(graph.nodes):
         ins = [v for v in node.inputs if v is not None]
-        if not ins or not all(v.is_constant for v in ins) or "count_output" in node.attrs or "sized_at_run" in node.attrs:
-            continue  # (counted and run-sized outputs get their length at run time: runtime/session.py)
+        if not ins or not all(v.is_constant for v in ins) or "sized_at_run" in node.attrs:
+            continue  # (a run-sized output gets its length at run time: runtime/session.py)
         out_bytes = sum(v.nbytes for v in node.outputs)
         if out_bytes > max(MAX_FOLDED_BYTES, sum(v.nbytes for v in ins)):
             continue

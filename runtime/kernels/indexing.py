@@ -28,11 +28,10 @@
           come out in index order (lowest index first, a stable sort), which is torch's
           order where torch's own is deterministic; NaN counts as the largest value, as in
           torch. sorted=False returns them sorted as well (torch leaves the order open).
-`masked_select` inputs data, mask (broadcast together); outputs the selected elements
-          (1-d, planned at its upper bound, every element of the broadcast shape) and
-          their count (int64, shape (1,)). Only the first `count` elements are the result:
-          the InferenceSession returns that many (see runtime/session.py); the compiler refuses
-          such an output feeding any other node, since those need a planned shape.
+`masked_select` inputs data, mask (broadcast together); attrs sized_at_run: outputs the
+          selected elements (1-d), a length known only when it runs, so allocated by the
+          kernel (kernels.RunSized, see runtime/session.py); the compiler refuses such an
+          output feeding any other node, since those need a planned shape.
 `as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
           the input's contiguous storage, copied out.
 `repeat_interleave` attrs repeats (one int), axis (torch.repeat_interleave with an int).
@@ -428,21 +427,18 @@ def _stable_order(key, secondary, axis):
 
 
 def masked_select_infer(node, shapes, dtypes):
-    shape = np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))
-    return [((int(np.prod(shape, dtype=np.int64)),), dtypes[0]), ((1,), np.dtype(np.int64))]
+    np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))  # raises when they do not broadcast
+    return [((0,), dtypes[0])]
 
 
 @register("masked_select", infer=masked_select_infer)
 def make_masked_select(node, inputs, outputs):
-    x, mask, out, count = inputs[0], inputs[1], outputs[0], outputs[1]
+    x, mask, out = inputs[0], inputs[1], outputs[0]
     shape = np.broadcast_shapes(x.shape, mask.shape)
     xb, mb = np.broadcast_to(x, shape), np.broadcast_to(mask, shape)
 
     def run():
-        picked = xb[mb]
-        n = picked.size
-        out[:n] = picked
-        count[0] = n
+        out.value = xb[mb]
 
     return run
 
