@@ -77,15 +77,15 @@ class _Binding:
     one thread can be faster, and the splits cost something even run one after another."""
 
     def __init__(self, model, layout, max_arena_bytes, pool, run_sized):
-        self.model, self.pool, self.run_sized = model, pool, run_sized
+        self.model = model
         self.single = parallel.Pool(1) if pool.threads > 1 else None
         self.gate = parallel.RunChooser(pool.threads > 1)
         with parallel.binding(pool):
-            self._bind(model, layout, max_arena_bytes)
+            self._bind(model, layout, max_arena_bytes, run_sized)
         self._ways = {True: (self.steps, self.subsets), False: None}
         self.concurrent = True
 
-    def _bind(self, model, layout, max_arena_bytes):
+    def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
         self.arena = _aligned_empty(layout.arena_size)
         self.views = [None] * len(model.tensors)
@@ -94,7 +94,7 @@ class _Binding:
                 self.views[i] = model.constants[i]
             else:
                 self.views[i] = self._arena_view(t, i, layout)
-        for i in self.run_sized:
+        for i in run_sized:
             self.views[i] = kernels.RunSized()
         self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
                           [self.views[k] for k in node.outputs]) for node in model.nodes]
