@@ -7,11 +7,12 @@ calling thread and the others on worker threads of the current `Pool`.
 
 A pool belongs to one InferenceSession and one calling thread (InferenceSessions keep a pool per thread,
 as they keep an arena per thread), so two InferenceSessions never share or resize each other's
-threads, and nothing here changes process-wide state: not the environment, not BLAS's
-or numexpr's thread counts, not affinities. BLAS's thread count is only read: when a
-pool binds kernels while the BLAS is limited to one thread (OPENBLAS_NUM_THREADS=1,
-threadpoolctl), kernels split their GEMMs over the pool's threads; otherwise GEMMs run
-whole and BLAS's own threads share them out, so the two never multiply.
+threads, and nothing here changes process-wide state: not the environment, not numpy's
+BLAS or numexpr's thread counts, not affinities. The BLAS pmx calls (runtime/blas.py)
+is its own, held at one thread, so kernels split their GEMMs over the pool's threads.
+Without it pmx calls numpy's BLAS and only reads its thread count: when it is one
+(OPENBLAS_NUM_THREADS=1, threadpoolctl), GEMMs split over the pool's threads; otherwise
+they run whole and BLAS's own threads share them out, so the two never multiply.
 
 Waiting workers sleep in a blocking queue.get(); they never spin. A worker that spun
 for its part would still sleep on the GIL when it got it, and a spinning thread on a busy
@@ -21,67 +22,21 @@ host costs the others whole scheduler ticks (docs/performance.md, 2026-11-26).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
-import os
 import queue
 import threading
 import time
 import weakref
 
+from pmx.runtime import blas
 from pmx.runtime.options import default_thread_count
 
 # below this many elements touched, a split's hand-off costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
 
-# --- BLAS: found among the loaded libraries, its thread count only read -----------------
-
-_BLAS_LIB_HINTS = ("openblas", "mkl_rt", "libblis")
-_BLAS_THREAD_GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-                        "openblas_get_num_threads64_", "openblas_get_num_threads", "MKL_Get_Max_Threads",
-                        "bli_thread_get_num_threads")
-
-
-def _loaded_libraries():
-    """Sorted paths of the mapped files whose name mentions a BLAS (_BLAS_LIB_HINTS)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            text = f.read().decode(errors="surrogateescape")
-    except OSError:
-        return []
-    fields = [line.split(None, 5) for line in text.splitlines() if any(h in line.lower() for h in _BLAS_LIB_HINTS)]
-    paths = {f[5].strip() for f in fields if len(f) == 6 and "/" in f[5]}
-    return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS))
-
-
-@functools.cache
-def blas_handles():
-    """ctypes handles of the loaded BLAS libraries: where blas.py looks up its public C
-    entry points. Read once: numpy loads its BLAS when it is imported."""
-    handles = []
-    for path in _loaded_libraries():
-        try:
-            handles.append(ctypes.CDLL(path))
-        except OSError:
-            continue
-    return handles
-
-
-@functools.cache
-def _blas_thread_getter():
-    for lib in blas_handles():
-        for name in _BLAS_THREAD_GETTERS:
-            getter = getattr(lib, name, None)
-            if getter is not None:
-                getter.argtypes, getter.restype = [], ctypes.c_int
-                return getter
-    return None
-
-
 def blas_threads():
-    """BLAS's current thread count, or None when no known BLAS is loaded."""
-    getter = _blas_thread_getter()
-    return getter() if getter is not None else None
+    """The thread count of the BLAS pmx calls (runtime/blas.py: its own, held at one
+    thread, else numpy's), or None when there is none."""
+    return blas.threads()
 
 
 # --- pools -------------------------------------------------------------------------------
@@ -90,10 +45,13 @@ def blas_threads():
 class Pool:
     """Up to `threads - 1` worker threads (made on first use) that run split parts for one
     caller thread at a time. `splits_gemms` (None: read BLAS's thread count now) says
-    whether kernels bound on it split their BLAS calls over its threads."""
+    whether kernels bound on it split their BLAS calls over its threads. While `serial`
+    is set, every split bound on it runs its parts one after another on the calling
+    thread (a run RunChooser gives to one thread)."""
 
     def __init__(self, threads: int, splits_gemms: bool | None = None):
         self.threads = max(1, int(threads))
+        self.serial = False
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         # read when kernels bind: whether their GEMMs are this pool's to split
@@ -224,6 +182,8 @@ class _Chooser:
         self.pool = pool  # also keeps the pool alive: a collected pool stops its workers
 
     def __call__(self):
+        if self.pool.serial:
+            return self._fns[1]()
         chosen = self._chosen
         if chosen is not None:
             return chosen()
@@ -241,10 +201,11 @@ class _Chooser:
 
 
 class RunChooser:
-    """Whether runs use kernels split over the pool (`concurrent`) or kernels bound for one
-    thread, decided on whole runs. A split's own timing (_Chooser) misses what a worker
+    """Whether runs hand split parts to the pool's workers (`concurrent`) or run every
+    part on the calling thread (Pool.serial), decided on whole runs: both compute the
+    same bits, so the choice changes no result. A split's own timing (_Chooser) misses what a worker
     costs the nodes after it (a late wake-up taking the GIL and a core from the caller)
-    and what splitting costs when the parts end up run one after another: on a host
+    and what handing parts over costs when they end up run one after another: on a host
     whose other cores were busy, 2-thread runs were up to 1.6x slower than 1-thread
     ones. After WARM runs (the splits' choosers settle), TRIALS runs each way alternate,
     timed, and the faster way by median stays until the next trials, RECHECK runs later:

@@ -70,20 +70,18 @@ class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
     layout. Arena plus scratch count against max_arena_bytes.
 
-    With a pool of several threads it holds two sets of kernel callables over the same
-    arena and scratch: one bound to split over the pool, and one bound for a single
-    thread, made when first needed. Which set a run uses is decided on whole runs
+    With a pool of several threads, whether a run hands split parts to the pool's workers
+    or runs every part on the calling thread is decided on whole runs
     (parallel.RunChooser): on a host whose other cores are busy, and for small models,
-    one thread can be faster, and the splits cost something even run one after another."""
+    one thread can be faster. Both ways run the same parts, so every run of a binding
+    computes the same bits."""
 
     def __init__(self, model, layout, max_arena_bytes, pool, run_sized):
         self.model = model
-        self.single = parallel.Pool(1) if pool.threads > 1 else None
+        self.pool = pool
         self.gate = parallel.RunChooser(pool.threads > 1)
         with parallel.binding(pool):
             self._bind(model, layout, max_arena_bytes, run_sized)
-        self._ways = {True: (self.steps, self.subsets), False: None}
-        self.concurrent = True
 
     def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
@@ -99,9 +97,6 @@ class _Binding:
         self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
                           [self.views[k] for k in node.outputs]) for node in model.nodes]
         scratch_size = self._scratch_size(model)
-        if self.single is not None:
-            with parallel.binding(self.single):
-                scratch_size = max(scratch_size, self._scratch_size(model))
         if layout.arena_size + scratch_size > max_arena_bytes:
             raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
@@ -126,20 +121,11 @@ class _Binding:
         return steps
 
     def before_run(self):
-        """Pick this run's set of callables (RunChooser); True when the run is a trial to
-        time and report to self.gate.after_run."""
+        """Pick whether this run's splits use the pool's workers (RunChooser); True when
+        the run is a trial to time and report to self.gate.after_run."""
         timed = self.gate.before_run()
-        if self.gate.concurrent != self.concurrent:
-            self._use(self.gate.concurrent)
+        self.pool.serial = not self.gate.concurrent
         return timed
-
-    def _use(self, concurrent):
-        if self._ways[concurrent] is None:
-            with parallel.binding(self.single), collector_paused():
-                self._ways[concurrent] = (self._make_steps(self.model), {})
-        self.steps, self.subsets = self._ways[concurrent]
-        self.concurrent = concurrent
-        self.step_nodes = None  # _run_profiled's map from callables to nodes
 
     def _arena_view(self, t, i, layout):
         shape = layout.shapes[i]
@@ -497,7 +483,7 @@ class InferenceSession:
 
     def _run_profiled(self, binding, steps, profiler):
         """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
-        nodes = getattr(binding, "step_nodes", None)  # reset when the binding changes its callables
+        nodes = getattr(binding, "step_nodes", None)
         if nodes is None:
             nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
         shapes = binding.layout.shapes

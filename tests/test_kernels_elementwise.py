@@ -334,12 +334,15 @@ def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
         assert rel_error(np.nan_to_num(got), np.nan_to_num(want)) <= TOL
 
 
-@pytest.mark.parametrize("numexpr_threads", [1, 2])
-def test_numexpr_split_over_pmx_threads_only_when_numexpr_is_single_threaded(numexpr_threads, monkeypatch):
-    """pmx never changes numexpr's (process-wide) thread count. A numexpr node past
-    SPLIT_MIN_ELEMENTS is split into slabs over pmx's threads when numexpr runs on one
-    thread, each slab reading only its share of the inputs that are not broadcast; with
-    more, numexpr's own threads share the program out and pmx does not split it."""
+@pytest.mark.parametrize("numexpr_threads", [1, 2, 8])
+def test_numexpr_work_follows_the_sessions_thread_count(numexpr_threads, monkeypatch):
+    """pmx never changes numexpr's (process-wide) thread count, and numexpr work follows
+    the InferenceSession's (2 here). A numexpr node past SPLIT_MIN_ELEMENTS is split into
+    slabs over pmx's threads when numexpr runs on one thread, each slab reading only its
+    share of the inputs that are not broadcast; with numexpr's pool as strong as the
+    InferenceSession, that pool shares the program out and pmx does not split it; with a
+    pool of another size (numexpr sized for the machine, not a container), the node runs
+    on numpy in slabs over pmx's threads, and numexpr is not called."""
     import numexpr
 
     from pmx.runtime import parallel
@@ -349,16 +352,18 @@ def test_numexpr_split_over_pmx_threads_only_when_numexpr_is_single_threaded(num
     a = rng.standard_normal((1, 96, 40, 40)).astype(np.float32)
     b = rng.standard_normal((96, 1, 1)).astype(np.float32)
     expr = "where(gt(@0,0),@0,mul(@0,@1))"  # a per-channel PReLU, which the rule gives numexpr
-    pieces = []
-    real_split = parallel.split
+    pieces, programs = [], []
+    real_split, real_numexpr = parallel.split, E.compile_numexpr
     monkeypatch.setattr(parallel, "split", lambda parts: pieces.append(len(parts)) or real_split(parts))
+    monkeypatch.setattr(E, "compile_numexpr", lambda *args: programs.append(1) or real_numexpr(*args))
     before = numexpr.set_num_threads(numexpr_threads)
     try:
         (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr")
         assert numexpr.get_num_threads() == numexpr_threads
     finally:
         numexpr.set_num_threads(before)
-    assert pieces == ([2] if numexpr_threads == 1 else []), pieces
+    assert pieces == ([] if numexpr_threads == 2 else [2]), pieces
+    assert bool(programs) == (numexpr_threads in (1, 2)), programs
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     assert rel_error(got, torch.where(ta > 0, ta, ta * tb).numpy()) <= TOL
 

@@ -2,16 +2,14 @@
 
 runtime/load.py reads the header with one struct per vtable and list comprehensions,
 checks nodes with set operations, caches shape rules by (op, input signatures) and
-pauses the garbage collector while it works; runtime/parallel.py scans /proc/self/maps
-without splitting every line. These tests hold each shortcut to a straightforward
+pauses the garbage collector while it works. These tests hold each shortcut to a straightforward
 reference: the generated FlatBuffers accessors, on valid files and on files whose
 vtables overlap fields; the checks' messages on models damaged where a shortcut could
-look away; the collector's state; the old line-by-line maps scan. No timing is asserted.
+look away; the collector's state. No timing is asserted.
 """
 
 import gc
 import math
-import os
 import pathlib
 import re
 import struct
@@ -27,7 +25,7 @@ from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError
 from pmx.runtime import fileformat as ff
-from pmx.runtime import load, parallel
+from pmx.runtime import load
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
 from test_pmx_fuzz import Views
@@ -510,29 +508,6 @@ def test_collector_state_is_restored(files, tmp_path, enabled):
         assert gc.isenabled() is enabled
     finally:
         gc.enable() if was else gc.disable()
-
-
-# --- /proc/self/maps --------------------------------------------------------------------
-
-
-def _loaded_libraries_line_by_line():
-    """The scan as it was: every line split."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if any(h in os.path.basename(p).lower() for h in parallel._BLAS_LIB_HINTS))
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
-@pytest.mark.parametrize("hints", [None, ("lib",), ("python", "ld-"), ("so",), ("/",), ("no such library",)])
-def test_maps_scan_finds_what_splitting_every_line_finds(monkeypatch, hints):
-    if hints is not None:
-        monkeypatch.setattr(parallel, "_BLAS_LIB_HINTS", hints)
-    assert parallel._loaded_libraries() == _loaded_libraries_line_by_line()
-    if hints == ("lib",):
-        assert len(parallel._loaded_libraries()) > 3  # the comparison saw real libraries
 
 
 # --- the shape-rule check, at load ----------------------------------------------------------

@@ -61,6 +61,8 @@ sess = InferenceSession(sys.argv[2])
 expected = np.load(sys.argv[4])
 err = float(np.abs(y - expected).max() / np.abs(expected).max())
 assert err <= 1e-4, err
+from pmx.runtime import blas
+assert blas.library().private, blas.library()  # the BLAS pmx owns, from its own wheel
 print("ok", pmx.runtime.__version__, sess.model.producer)
 """
 
@@ -68,13 +70,14 @@ print("ok", pmx.runtime.__version__, sess.model.producer)
 def test_wheel_installs_alone_and_runs_the_example(tmp_path):
     """`pip wheel .` gives a wheel that, installed into a fresh venv, compiles and runs the
     shipped example with its console script and matches torch's output. The venv gets
-    numpy, numexpr and flatbuffers from the interpreter under test through a .pth file
+    numpy, numexpr, flatbuffers and scipy-openblas32 from the interpreter under test through a .pth file
     naming their directories (no download), and nothing else: an editable install
     registers itself through a .pth file in its own site-packages, which a directory
     added this way does not run, so pmx can only come from the wheel."""
-    import numexpr
     import flatbuffers
+    import numexpr
     import numpy
+    import scipy_openblas32
 
     wheels = tmp_path / "wheels"
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(wheels)],
@@ -90,13 +93,15 @@ def test_wheel_installs_alone_and_runs_the_example(tmp_path):
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
     assert "License-Expression: BSD-3-Clause" in metadata
     assert "Requires-Dist: flatbuffers>=" in metadata and "==" not in metadata.split("Provides-Extra")[0]
+    assert "Requires-Dist: scipy-openblas32>=" in metadata  # pmx's own BLAS, where its wheel ships
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    dirs = sorted({str(pathlib.Path(m.__file__).resolve().parent.parent) for m in (numpy, numexpr, flatbuffers)})
+    dirs = sorted({str(pathlib.Path(m.__file__).resolve().parent.parent)
+                   for m in (numpy, numexpr, flatbuffers, scipy_openblas32)})
     pathlib.Path(purelib, "dependencies.pth").write_text("\n".join(dirs) + "\n")
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
                                 "-q", str(wheel)], capture_output=True, text=True, timeout=600)

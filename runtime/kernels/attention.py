@@ -43,7 +43,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import along, chain, view_as
 from pmx.runtime.record import Record
@@ -224,11 +224,11 @@ def _attend(b, scale, safe, weights, heads, ones):
     if b.q_scaled is not None:
         steps.append(lambda: np.multiply(b.q, scale, out=b.q_scaled))
         q = b.q_scaled
-    steps.append(lambda q=q: np.matmul(q, b.kt, out=b.scores))
+    steps.append(blas.matmul(q, b.kt, b.scores))
     steps += [_mask_step(m, mode, b.scores) for m, mode in b.masks]
     normalize = weights != "none"
     steps.append(_softmax_step(b.scores, b.row_max, b.row_sum, ones, safe, normalize))
-    steps.append(lambda: np.matmul(b.scores, b.v, out=b.out))
+    steps.append(blas.matmul(b.scores, b.v, b.out))
     if weights == "none":
         steps.append(lambda: np.divide(b.out, b.row_sum, out=b.out))
     elif weights == "mean":
@@ -255,6 +255,7 @@ def _softmax_step(scores, row_max, row_sum, ones, safe, normalize):
     (batched) GEMV with `ones` [S, 1]: 0.05 ms against np.sum's 0.17 ms for ViT-B/16's
     [12, 197, 197] scores on one core."""
     lowest, tiny = np.finfo(scores.dtype).min, np.finfo(scores.dtype).tiny
+    sum_rows = blas.matmul(scores, ones, row_sum)
 
     def softmax():
         np.max(scores, axis=-1, keepdims=True, out=row_max)
@@ -262,7 +263,7 @@ def _softmax_step(scores, row_max, row_sum, ones, safe, normalize):
             np.maximum(row_max, lowest, out=row_max)
         np.subtract(scores, row_max, out=scores)
         np.exp(scores, out=scores)
-        np.matmul(scores, ones, out=row_sum)
+        sum_rows()
         if safe:
             np.maximum(row_sum, tiny, out=row_sum)
         if normalize:

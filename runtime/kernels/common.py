@@ -176,12 +176,20 @@ def split_expression(tree, inputs, out, threads, backend=None):
     E.compile_numexpr), as one slab per thread along the first axis at least `threads`
     long when the tensor is big enough to pay for the dispatch. Each slab is the same
     expression over slices of out and of every input not broadcast along that axis
-    (numpy's ufuncs and numexpr release the GIL, so slabs overlap). A numexpr program
-    runs whole on numexpr's own threads unless numexpr has one thread: pmx never sets
-    numexpr's process-wide count, and slabs on both pools would oversubscribe the cores."""
+    (numpy's ufuncs and numexpr release the GIL, so slabs overlap).
+
+    numexpr work follows the InferenceSession's thread count, though pmx never sets
+    numexpr's process-wide count: with numexpr on one thread, its program runs in slabs
+    on the InferenceSession's threads; with numexpr's pool exactly `threads` strong, whole
+    on that pool; otherwise (numexpr sized for the whole machine, not for a container's
+    quota or this InferenceSession) the expression runs on numpy, in slabs."""
+    if backend is not None:
+        numexpr_threads = E.numexpr_threads()
+        if numexpr_threads > 1 and numexpr_threads == threads:
+            threads = 1  # numexpr's own threads share the program out
+        elif numexpr_threads > 1:
+            backend = None
     # numpy's temporaries come from the binding's shared pool (kernels.temporary_array)
-    if backend is not None and E.numexpr_threads() > 1:
-        threads = 1  # numexpr's own threads share the program out
     backend = backend or functools.partial(E.compile_numpy, empty=temporary_array)
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None or not parallel.worth_splitting(out.size):
@@ -212,24 +220,16 @@ GEMM_SPLIT_MIN_ROWS = 64
 
 
 def product(a, b, out, bias=None):
-    """Callable computing out = a @ b + bias (bias broadcast against out, or None). With a
-    bias, BLAS accumulates onto it where it can (blas.sgemm_accumulate: the bias copied
-    into out, then sgemm with beta = 1), else np.matmul and an add. Which one is decided
-    on the first call, not here: finding BLAS's entry point reads the process's memory
-    map (~0.6 ms), which load time would pay."""
+    """Callable computing out = a @ b + bias (bias broadcast against out, or None) through
+    pmx's BLAS (runtime/blas.py). With a bias, BLAS accumulates onto it where it can (the
+    bias copied into out, then the GEMM with beta = 1), else the product and an add."""
     if bias is None:
-        return lambda: np.matmul(a, b, out=out)
-    step = None
-
-    def run():
-        nonlocal step
-        if step is None:  # two threads racing here both pick the same step
-            accumulate = blas.sgemm_accumulate(a, b, out)
-            step = ((lambda: (np.matmul(a, b, out=out), np.add(out, bias, out=out))) if accumulate is None
-                    else (lambda: (np.copyto(out, bias), accumulate())))
-        step()
-
-    return run
+        return blas.matmul(a, b, out)
+    accumulate = blas.gemm(a, b, out, accumulate=True)
+    if accumulate is None:
+        multiply = blas.matmul(a, b, out)
+        return lambda: (multiply(), np.add(out, bias, out=out))
+    return lambda: (np.copyto(out, bias), accumulate())
 
 
 def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):

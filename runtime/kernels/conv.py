@@ -19,7 +19,7 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             flattened per channel, so every tap is one contiguous slice at a fixed offset
             and the taps reading one phase form a regular grid: one strided np.copyto per
             grid builds a block of channels' im2col columns (C, taps, L) with copies that
-            run over whole channels, then one np.matmul (C, 1, taps) @ (C, taps, L) runs
+            run over whole channels, then one batched GEMM (C, 1, taps) @ (C, taps, L) runs
             the C GEMVs. The output is computed "wide" (rows as long as the phase rows, the
             extra columns discarded when it is copied out with the bias). Channels are
             split over the cores, and within a core taken in blocks of
@@ -62,7 +62,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
@@ -306,7 +306,7 @@ def _split_by_channels(threads, groups, cout, positions):
 
 
 def _gemv(node, x, w, b, out):
-    """A 1x1 conv on one position per image (squeeze-and-excitation blocks): one np.dot
+    """A 1x1 conv on one position per image (squeeze-and-excitation blocks): one GEMV
     of the (Cout, Cin) weights with the input vector (a batch: the (N, Cin) inputs with the
     transposed weights), then bias and activation, in one callable. The general path's
     matmul over (Cin, 1) columns and its chained bias/activation closures cost 0.7-1.4 us
@@ -319,13 +319,12 @@ def _gemv(node, x, w, b, out):
         a, m, o = w2, view_as(x, (cin,)), view_as(out, (cout,))
     else:
         a, m, o = view_as(x, (n, cin)), w2.T, view_as(out, (n, cout))
-    # np.dot only writes C-contiguous outputs (a batch's slice of a concat is not)
-    dot, add = np.dot if o.flags.c_contiguous else np.matmul, np.add
-    if b is None:
-        product = lambda: dot(a, m, out=o)  # noqa: E731
-    else:
+    product = blas.matmul(a, m, o)
+    if b is not None:
+        multiply, add = product, np.add
+
         def product():
-            dot(a, m, out=o)
+            multiply()
             add(o, b, out=o)
     return chain(product, epilogue(node, out, threads=1))
 
@@ -479,7 +478,7 @@ def _flat_buffer(x, g):
 def _im2col_gemv(buf, g, weights, cols, target, blocks):
     """Per block of channels and per image: the block's im2col columns (C, taps, length),
     one strided copy per tap grid (on the flat path, the columns that read across a row's
-    end then zeroed), then C GEMVs (1, taps) @ (taps, length) as one batched np.matmul
+    end then zeroed), then C GEMVs (1, taps) @ (taps, length) as one batched GEMM
     into `target` (the wide output, or on the flat path the output)."""
     item = buf.itemsize
     cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
@@ -496,16 +495,15 @@ def _im2col_gemv(buf, g, weights, cols, target, blocks):
                 dst = cols_k[(slice(0, n_ch),) + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in
                                                      zip(first, tap_step, counts)) + (slice(None),)]
                 copies.append(copy_rows(dst, src))
-            work.append((tuple(copies), zeros, weights[c0:c1], cols[:n_ch], target[i, c0:c1]))
-    matmul = np.matmul
+            work.append((tuple(copies), zeros, blas.matmul(weights[c0:c1], cols[:n_ch], target[i, c0:c1])))
 
     def run():
-        for copies, zeros, wb, cb, ob in work:
+        for copies, zeros, multiply in work:
             for copy in copies:
                 copy()
             for z in zeros:
                 z.fill(0)
-            matmul(wb, cb, out=ob)
+            multiply()
 
     return run
 

@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
-from pmx.runtime.kernels.common import split_activated, split_threads, view_as
+from pmx.runtime.kernels.common import chain, split_activated, split_threads, view_as
 
 
 def conv_transpose_out_size(n, k, s, d, pb, pe, op):
@@ -74,14 +74,12 @@ def make_conv_transpose(node, inputs, outputs):
     kk = math.prod(k)
     in_sp, out_sp = x.shape[2:], out.shape[2:]
     length = math.prod(in_sp)
+    # strided operands (an input given as a transposed view) go through contiguous copies
+    w_c, copy_w = _contiguous(w)
+    x_c, copy_x = _contiguous(x)
     # (G, Cout_g * kk, Cin_g): a transposed view of the weight; BLAS takes it as is
-    wt = view_as(w, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1) if w.flags.c_contiguous else None
-    xg = view_as(x, (n, groups, cin_g, length)) if x.flags.c_contiguous else None
-
-    def operands():
-        """(weights, input) as GEMM operands; strided ones are reshaped (copied) per run."""
-        return (wt if wt is not None else w.reshape(groups, cin_g, cout_g * kk).transpose(0, 2, 1),
-                xg if xg is not None else x.reshape(n, groups, cin_g, length))
+    wt = view_as(w_c, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1)
+    xg = view_as(x_c, (n, groups, cin_g, length))
 
     cols = scratch_array(_cols_shape(x, w, groups), out.dtype)
     cols_taps = view_as(cols, (n, cout) + tuple(k) + tuple(in_sp))
@@ -111,18 +109,26 @@ def make_conv_transpose(node, inputs, outputs):
         ch = slice(c0, c1)
         pairs = [(out[o][:, ch], cols_taps[c][:, ch]) for o, c in adds]
         rows = slice(c0 * kk, c1 * kk) if groups == 1 else slice(None)
-        parts.append((_part(operands, rows, cols[:, :, rows], pairs, None if bias is None else bias[:, ch],
+        multiply = blas.matmul(wt[:, rows], xg, cols[:, :, rows])
+        parts.append((_part(multiply, pairs, None if bias is None else bias[:, ch],
                             out[:, ch], tiled), out[:, ch]))
-    return split_activated(node, out, parts)
+    return chain(copy_w, copy_x, split_activated(node, out, parts))
 
 
-def _part(operands, rows, cols, pairs, bias, out, tiled):
+def _contiguous(a):
+    """(a C-contiguous array with a's values, the callable refreshing it per run or None)."""
+    if a.flags.c_contiguous:
+        return a, None
+    buffer = np.empty(a.shape, a.dtype)
+    return buffer, lambda: np.copyto(buffer, a)
+
+
+def _part(multiply, pairs, bias, out, tiled):
     """Callable for one range of output channels: its GEMM rows into cols, then col2im
     (written where the taps tile the output, else accumulated onto the bias or zeros)."""
 
     def run():
-        w_, x_ = operands()
-        np.matmul(w_[:, rows], x_, out=cols)
+        multiply()
         if tiled:
             for o, c in pairs:
                 if bias is None:

@@ -16,6 +16,7 @@ intermediate layers need no transposes.
 
 import numpy as np
 
+from pmx.runtime import blas
 from pmx.runtime.kernels import register
 
 
@@ -164,12 +165,13 @@ for _op in ("lstm", "gru", "rnn"):
 def _projection(src, src_rows, gx, gx_rows, w_ih, bias):
     """Input projection of every time step: one GEMM (rows = steps x batch)."""
     w_t = w_ih.T
+    if src_rows is not None and gx_rows is not None:
+        multiply = blas.matmul(src_rows, w_t, gx_rows)
+    else:
+        multiply = blas.matmul(src, w_t, gx)
 
     def run():
-        if src_rows is not None and gx_rows is not None:
-            np.matmul(src_rows, w_t, out=gx_rows)
-        else:
-            np.matmul(src, w_t, out=gx)
+        multiply()
         if bias is not None:
             np.add(gx, bias, out=gx)
 
@@ -185,16 +187,17 @@ def _lstm_loop(ins, outs, h_init, c_init, whh_t, w_hr, hidden, h_last, c_last, d
     c = np.empty((batch, hidden), dtype)
     tmp = np.empty((batch, hidden), dtype)
     whr_t = w_hr.T if w_hr is not None else None
-    steps = list(zip(ins, outs))
     prevs = [h_init] + outs[:-1]
+    steps = [(gx_t, out_t, blas.matmul(h_prev, whh_t, g),
+              None if whr_t is None else blas.matmul(tmp, whr_t, out_t)) for gx_t, out_t, h_prev in zip(ins, outs, prevs)]
 
     def run():
         if c_init is None:
             c.fill(0)
         else:
             np.copyto(c, c_init)
-        for (gx_t, out_t), h_prev in zip(steps, prevs):
-            np.matmul(h_prev, whh_t, out=g)
+        for gx_t, out_t, recur, project in steps:
+            recur()
             np.add(g, gx_t, out=g)
             np.tanh(g[:, 2 * hidden:3 * hidden], out=cand)
             _sigmoid(g, s)
@@ -206,7 +209,7 @@ def _lstm_loop(ins, outs, h_init, c_init, whh_t, w_hr, hidden, h_last, c_last, d
                 np.multiply(o_, tmp, out=out_t)
             else:
                 np.multiply(o_, tmp, out=tmp)
-                np.matmul(tmp, whr_t, out=out_t)
+                project()
         np.copyto(h_last, outs[-1] if outs else h_init)
         np.copyto(c_last, c)
 
@@ -220,12 +223,12 @@ def _gru_loop(ins, outs, h_init, whh_t, bias_h, hidden, h_last, dtype):
     r, z = rz[:, :hidden], rz[:, hidden:]
     n = np.empty((batch, hidden), dtype)
     tmp = np.empty((batch, hidden), dtype)
-    steps = list(zip(ins, outs))
     prevs = [h_init] + outs[:-1]
+    steps = [(gx_t, out_t, h_prev, blas.matmul(h_prev, whh_t, gh)) for gx_t, out_t, h_prev in zip(ins, outs, prevs)]
 
     def run():
-        for (gx_t, out_t), h_prev in zip(steps, prevs):
-            np.matmul(h_prev, whh_t, out=gh)
+        for gx_t, out_t, h_prev, recur in steps:
+            recur()
             if bias_h is not None:
                 np.add(gh, bias_h, out=gh)
             np.add(gx_t[:, :2 * hidden], gh[:, :2 * hidden], out=rz)
@@ -243,12 +246,12 @@ def _gru_loop(ins, outs, h_init, whh_t, bias_h, hidden, h_last, dtype):
 
 def _rnn_loop(ins, outs, h_init, whh_t, relu, h_last, dtype):
     acc = np.empty(h_init.shape, dtype)
-    steps = list(zip(ins, outs))
     prevs = [h_init] + outs[:-1]
+    steps = [(gx_t, out_t, blas.matmul(h_prev, whh_t, acc)) for gx_t, out_t, h_prev in zip(ins, outs, prevs)]
 
     def run():
-        for (gx_t, out_t), h_prev in zip(steps, prevs):
-            np.matmul(h_prev, whh_t, out=acc)
+        for gx_t, out_t, recur in steps:
+            recur()
             np.add(acc, gx_t, out=out_t)
             if relu:
                 np.maximum(out_t, 0, out=out_t)

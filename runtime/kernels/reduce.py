@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import split_threads, view_as
 
@@ -83,10 +83,11 @@ def _chunked_sum(x2, o1):
         return None
     ones = np.ones(positions // chunks, x2.dtype)
     if chunks == 1:
-        return lambda: np.dot(x2, ones, out=o1)
+        return blas.matmul(x2, ones, o1)
     parts = np.empty((rows, chunks), x2.dtype)
     pieces, flat_parts = view_as(x2, (rows * chunks, positions // chunks)), view_as(parts, (rows * chunks,))
-    return lambda: (np.dot(pieces, ones, out=flat_parts), np.add.reduce(parts, axis=1, out=o1))
+    sum_pieces = blas.matmul(pieces, ones, flat_parts)
+    return lambda: (sum_pieces(), np.add.reduce(parts, axis=1, out=o1))
 
 
 REDUCERS = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import (chain, fill_border, padded_shape, pairs_castable, split_copy, split_threads,
                                         view_as)
@@ -182,14 +182,14 @@ def _product_step(src, dst, axis, weights):
             a, o = view_as(src, (-1, n_in)), view_as(dst, (-1, n_out))
         except (AttributeError, ValueError):
             a, o = src, dst  # one GEMM per matrix of the leading dims
-        return lambda: np.matmul(a, weights, out=o)
+        return blas.matmul(a, weights, o)
     rest = math.prod(src.shape[axis + 1:])
     try:
         a, o = view_as(src, src.shape[:axis] + (n_in, rest)), view_as(dst, dst.shape[:axis] + (n_out, rest))
     except (AttributeError, ValueError):
         return None
     weights_t = weights.T  # BLAS reads the transposed view as it is
-    return lambda: np.matmul(weights_t, a, out=o)
+    return blas.matmul(weights_t, a, o)
 
 
 def _finite_or(x, products, gathers):

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
 
@@ -171,11 +172,7 @@ def make_affine_grid(node, inputs, outputs):
         base[..., i] = mesh[nd - 1 - i]
     base = base.reshape(1, -1, nd + 1).astype(theta.dtype)
     target = out.reshape(size[0], -1, nd)
-
-    def run():
-        np.matmul(base, theta.transpose(0, 2, 1), out=target)
-
-    return run
+    return blas.matmul(base, theta.transpose(0, 2, 1), target)
 
 
 # --- torchvision: roi_align, deform_conv ---------------------------------------------------
@@ -281,9 +278,11 @@ def make_deform_conv(node, inputs, outputs):
     wmat = w.reshape(groups, o // groups, cg * k)
     flat_x = x.reshape(n, c, h * wd)
     cpg = c // og  # channels per offset group
+    cols = np.empty((n, c, k, p), F32)  # every channel's columns are written each run
+    res = np.empty((n, groups, o // groups, p), F32)
+    multiply = blas.matmul(wmat[None], cols.reshape(n, groups, cg * k, p), res)
 
     def run():
-        cols = np.zeros((n, c, k, p), F32)
         offs = offset.reshape(n, og, k, 2, p)
         for g in range(og):
             y = base_y + offs[:, g, :, 0, :]  # (n, k, p)
@@ -302,10 +301,10 @@ def make_deform_conv(node, inputs, outputs):
             if mask is not None:
                 acc *= mask.reshape(n, og, k, p)[:, g][:, None]
             cols[:, g * cpg:(g + 1) * cpg] = acc
-        res = np.matmul(wmat[None], cols.reshape(n, groups, cg * k, p))  # (n, groups, o / groups, p)
-        res = res.reshape(n, o, p)
+        multiply()
+        r = res.reshape(n, o, p)
         if bias is not None:
-            res += bias.reshape(1, o, 1)
-        out[...] = res.reshape(out.shape)
+            r += bias.reshape(1, o, 1)
+        out[...] = r.reshape(out.shape)
 
     return run

@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime import parallel
+from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.common import chain, copy_strided, gemm_node_threads, split_activated
 
@@ -179,7 +179,7 @@ def _output_part(u, bias, out, g, v, m, k0, k1):
     v16 = v.reshape(16, g.c, g.columns)
     m16 = m.reshape(16, g.k, g.columns)[:, k0:k1]
     mf = m.reshape(4, 4, g.k * g.columns)[:, :, k0 * g.columns:k1 * g.columns]
-    steps = [lambda: np.matmul(u16, v16, out=m16)]
+    steps = [blas.matmul(u16, v16, m16)]
     if bias is not None:
         center, b = m[1, 1, k0:k1], bias[k0:k1, None]
         steps.append(lambda: np.add(center, b, out=center))
