@@ -32,6 +32,7 @@ import ctypes
 import functools
 import glob
 import importlib.util
+import math
 import os
 
 import numpy as np
@@ -182,12 +183,30 @@ def matmul(a, b, out):
     contiguous copies of the operands BLAS cannot read as they lie, np.matmul for
     other dtypes or without a BLAS."""
     a2, b2, out2 = _as_matrices(a, b, out)
+    if _few_tap_vectors(a2, b2, out2):
+        return lambda: np.matmul(a, b, out=out)
     fn = gemm(a2, b2, out2)
     if fn is not None:
         return fn
     if not ENABLED or _entry_point(_GEMM.get(out.dtype, ("",))[0]) is None or not _same_float(a, b, out):
         return lambda: np.matmul(a, b, out=out)
     return _through_copies(a2, b2, out2)
+
+
+# a batch of vector products this short inside (a depthwise conv's taps) runs on numpy
+FEW_TAPS = 64
+
+
+def _few_tap_vectors(a, b, out):
+    """Whether the product is a batch of row-by-matrix or matrix-by-column products over
+    at most FEW_TAPS terms (a depthwise conv's (C, 1, taps) @ (C, taps, L)). numpy's
+    matmul runs them in its own loop, one single-threaded ?gemv each; from Python every
+    cblas call costs ~1.8 us more, and ?gemm_batch_strided packs its operands: 2-6x
+    numpy's time on MobileNets' depthwise shapes. numpy's BLAS threads take no part
+    (tests/test_threads_host.py checks their CPU time)."""
+    if out.dtype not in _GEMM or a.shape[-1] > FEW_TAPS or 1 not in out.shape[-2:]:
+        return False
+    return math.prod(out.shape[:-2]) > 1
 
 
 def _as_matrices(a, b, out):
@@ -261,8 +280,10 @@ def gemm(a, b, out, accumulate=False):
     if max(m, n, k, *(ld for _, ld in ops), *_strides_in(layout)) > _integer_max(integer):
         return None
     scalar = routines[2]
-    head = (_ROW_MAJOR, ops[0][0], ops[1][0], integer(m), integer(n), integer(k), scalar(1.0))
     beta = scalar(1.0 if accumulate else 0.0)
+    if m == 1 or n == 1:
+        return _vector_products(a, b, out, ops, layout, routines, beta)
+    head = (_ROW_MAJOR, ops[0][0], ops[1][0], integer(m), integer(n), integer(k), scalar(1.0))
     pointers = [x.ctypes.data for x in (a, b, out)]
     outer, (count, strides) = layout
     if count > 1:
@@ -275,9 +296,7 @@ def gemm(a, b, out, accumulate=False):
                 ctypes.c_void_p(pc + oc), integer(ops[2][1]), integer(strides[2]), integer(count))
                 for oa, ob, oc in outer]
             return _run_all(calls, (a, b, out))
-        item = out.itemsize
-        outer = [(oa + i * strides[0] * item, ob + i * strides[1] * item, oc + i * strides[2] * item)
-                 for oa, ob, oc in outer for i in range(count)]
+        outer = _expanded(layout, out.itemsize)
     if len(outer) > _MAX_CALLS:
         return None
     calls = [functools.partial(fn, *head, ctypes.c_void_p(pointers[0] + oa), integer(ops[0][1]),
@@ -285,6 +304,48 @@ def gemm(a, b, out, accumulate=False):
                                ctypes.c_void_p(pointers[2] + oc), integer(ops[2][1]))
              for oa, ob, oc in outer]
     return _run_all(calls, (a, b, out))
+
+
+def _vector_products(a, b, out, ops, layout, routines, beta):
+    """gemm for products of a row by a matrix or a matrix by a column: one cblas ?gemv
+    call per product (OpenBLAS's ?gemm packs both operands first, which costs a vector
+    product 3-6x its time), or None past _MAX_CALLS products or a stride BLAS cannot take."""
+    found = _entry_point(routines[0][0] + "gemv")
+    if found is None:
+        return None
+    fn, integer = found
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    item = out.itemsize
+    if n == 1:  # y (m) = a (m x k) @ x (k): the matrix is a
+        (trans, ld), matrix, x, y = ops[0], a, b, out
+        rows, cols = (m, k) if trans == _NO_TRANS else (k, m)
+        x_step, y_step = b.strides[-2], out.strides[-2]
+        offsets = [(oa, ob, oc) for oa, ob, oc in _expanded(layout, item)]
+    else:  # y (n) = x (k) @ b (k x n) = b^T x: the matrix is b, read transposed
+        (trans, ld), matrix, x, y = ops[1], b, a, out
+        trans = _TRANS if trans == _NO_TRANS else _NO_TRANS
+        rows, cols = (k, n) if trans == _TRANS else (n, k)
+        x_step, y_step = a.strides[-1], out.strides[-1]
+        offsets = [(ob, oa, oc) for oa, ob, oc in _expanded(layout, item)]
+    incx = 1 if x.shape[-2 if n == 1 else -1] <= 1 else _elements(x_step, item)
+    incy = 1 if out.shape[-2 if n == 1 else -1] <= 1 else _elements(y_step, item)
+    if incx is None or incy is None or len(offsets) > _MAX_CALLS:
+        return None
+    if max(rows, cols, ld, incx, incy) > _integer_max(integer):
+        return None
+    pm, px, py = matrix.ctypes.data, x.ctypes.data, y.ctypes.data
+    head = (_ROW_MAJOR, trans, integer(rows), integer(cols), routines[2](1.0))
+    calls = [functools.partial(fn, *head, ctypes.c_void_p(pm + om), integer(ld), ctypes.c_void_p(px + ox),
+                               integer(incx), beta, ctypes.c_void_p(py + oy), integer(incy))
+             for om, ox, oy in offsets]
+    return _run_all(calls, (a, b, out))
+
+
+def _expanded(layout, item):
+    """A batch layout's byte offsets of every product, one (a, b, out) triple each."""
+    outer, (count, strides) = layout
+    return [(oa + i * strides[0] * item, ob + i * strides[1] * item, oc + i * strides[2] * item)
+            for oa, ob, oc in outer for i in range(count)]
 
 
 def _run_all(calls, operands):

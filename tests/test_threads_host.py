@@ -297,3 +297,39 @@ def test_outputs_agree_with_and_without_pmxs_own_blas(model_path, tmp_path):
     """
     assert run_python(textwrap.dedent(hide) + textwrap.dedent(code.format(path=model_path, save=str(shared)))).split() == ["False"]
     np.testing.assert_allclose(np.load(own), np.load(shared), rtol=1e-4, atol=1e-5)
+
+
+def test_numpys_blas_threads_take_no_cpu_during_runs(model_path):
+    """pmx's GEMMs and GEMVs run on its own BLAS (one thread); what it leaves to numpy
+    (batches of short vector products: runtime/blas.py) runs on numpy's calling thread.
+    So numpy's BLAS threads, at their default count, burn no CPU while pmx runs: a pool
+    woken by pmx would spin after every call, taking whole scheduler ticks."""
+    out = run_python(f"""
+        import os
+        import numpy as np, threadpoolctl
+
+        numpy_blas = [i for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas"]
+        threads = set(os.listdir("/proc/self/task")) - {{str(os.getpid())}}  # numpy's BLAS pool
+
+        def ticks(tasks):
+            total = 0
+            for t in tasks:
+                with open(f"/proc/self/task/{{t}}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            return total
+
+        from pmx.runtime import InferenceSession
+        sess = InferenceSession({model_path!r}, num_threads=2)
+        x = np.random.default_rng(0).standard_normal((1, 16, 64, 64)).astype(np.float32)
+        sess.run(None, {{"in0": x}})
+        pool, main = ticks(threads), ticks([str(os.getpid())])
+        for _ in range(150):
+            sess.run(None, {{"in0": x}})
+        print(numpy_blas[0]["num_threads"], len(threads), ticks(threads) - pool, ticks([str(os.getpid())]) - main)
+    """)
+    blas_threads, pool_threads, pool_ticks, main_ticks = map(int, out.split())
+    if blas_threads < 2 or pool_threads < 1:
+        pytest.skip("numpy's BLAS has no thread pool here (one core)")
+    assert main_ticks >= 20, "too little work to see a spinning pool"
+    assert pool_ticks <= 1, f"numpy's BLAS threads ran {pool_ticks} ticks while pmx ran {main_ticks}"
