@@ -67,8 +67,11 @@ def pmx_workers():
     return [t for t in threading.enumerate() if t.name == WORKER_NAME]
 
 
+THREAD_VARIABLES = ("OMP_", "OPENBLAS_", "MKL_", "NUMEXPR_")  # Ray's init sets some in this process
+
+
 def run_python(code, env=None):
-    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | (env or {})
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(THREAD_VARIABLES)} | (env or {})
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
