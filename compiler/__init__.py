@@ -1,6 +1,6 @@
 """pmx compiler: PNNX frontend, IR, passes, .pmx writer and the `pmx` CLI."""
 
-import pmx.runtime  # noqa: F401 - first: it sets how numpy's OpenBLAS starts (runtime/__init__.py)
+import pmx.runtime  # noqa: F401 - the compiler folds constants with the runtime's kernels
 from pmx.compiler.driver import compile_model
 from pmx.runtime.version import __version__
 
