@@ -7,6 +7,15 @@
 Imports only numpy, numexpr and flatbuffers (never torch or the compiler).
 """
 
+from pmx.runtime.compat import (
+    IOBinding,
+    ModelMetadata,
+    OrtValue,
+    RunOptions,
+    get_all_providers,
+    get_available_providers,
+    get_device,
+)
 from pmx.runtime.errors import (
     PmxCompileError,
     PmxError,
@@ -14,9 +23,10 @@ from pmx.runtime.errors import (
     PmxInputError,
     PmxInternalError,
     PmxResourceError,
+    PmxRunTerminated,
     PmxUnsupportedOpError,
 )
-from pmx.runtime.options import SessionOptions
+from pmx.runtime.options import ExecutionMode, ExecutionOrder, GraphOptimizationLevel, SessionOptions
 from pmx.runtime.predictor import Predictor
 from pmx.runtime.session import InferenceSession, NodeArg
 from pmx.runtime.version import __version__
@@ -24,6 +34,16 @@ from pmx.runtime.version import __version__
 __all__ = [
     "InferenceSession",
     "SessionOptions",
+    "RunOptions",
+    "IOBinding",
+    "OrtValue",
+    "ModelMetadata",
+    "GraphOptimizationLevel",
+    "ExecutionMode",
+    "ExecutionOrder",
+    "get_available_providers",
+    "get_all_providers",
+    "get_device",
     "Predictor",
     "NodeArg",
     "PmxError",
@@ -33,5 +53,6 @@ __all__ = [
     "PmxInputError",
     "PmxInternalError",
     "PmxResourceError",
+    "PmxRunTerminated",
     "__version__",
 ]

@@ -7,13 +7,19 @@ hands each node's timing to a Profiler that writes a Chrome trace.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 import threading
 import time
 import warnings
 
+import numpy as np
+
+from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
+from pmx.runtime.options import checked_value
 from pmx.runtime.record import FrozenRecord
 
 CPU_PROVIDER = "CPUExecutionProvider"
@@ -67,6 +73,7 @@ class Profiler:
     def __init__(self, prefix):
         self.prefix = prefix or "pmx_profile"
         self.start = time.perf_counter()
+        self.start_ns = time.time_ns()
         self.started_at = time.localtime()
         self.events = []  # list.append is atomic: runs on several threads may add at once
         self.pid = os.getpid()
@@ -99,3 +106,198 @@ class Profiler:
         except OSError as e:
             raise PmxInputError(f"cannot write the profile {path} (profile_file_prefix): {e.strerror or e}") from None
         return path
+
+
+# --- providers and devices ------------------------------------------------------------
+
+
+def get_available_providers():
+    """The execution providers this runtime has: the CPU one."""
+    return [CPU_PROVIDER]
+
+
+def get_all_providers():
+    """Every provider this build knows: the CPU one (onnxruntime lists the ones it could
+    have been built with; pmx has no other)."""
+    return [CPU_PROVIDER]
+
+
+def get_device():
+    return "CPU"
+
+
+# --- run options ------------------------------------------------------------------------
+
+# onnxruntime.RunOptions' attributes: (default, type); run_tag is pmx's name for the run
+# in a terminate error (older onnxruntime releases had it)
+_RUN_FIELDS = {
+    "log_severity_level": (2, int),
+    "log_verbosity_level": (0, int),
+    "logid": ("", str),
+    "run_tag": ("", str),
+    "terminate": (False, bool),
+    "only_execute_path_to_fetches": (False, bool),
+}
+
+
+class RunOptions:
+    """onnxruntime.RunOptions. `terminate` is honoured: a run checks it before each node
+    and stops with PmxRunTerminated, so another thread can cancel a long run. run_tag (or
+    logid) names the run in that error. pmx always runs only the nodes the requested
+    outputs need (only_execute_path_to_fetches); the log levels are kept and have no
+    effect (pmx logs nothing). Unknown attributes raise AttributeError."""
+
+    __slots__ = tuple(_RUN_FIELDS) + ("_config",)
+
+    def __init__(self):
+        for name, (default, _) in _RUN_FIELDS.items():
+            object.__setattr__(self, name, default)
+        object.__setattr__(self, "_config", {})
+
+    def __setattr__(self, name, value):
+        field = _RUN_FIELDS.get(name)
+        if field is None:
+            raise AttributeError(f"'RunOptions' object has no attribute {name!r}")
+        object.__setattr__(self, name, checked_value("RunOptions", name, value, field[1]))
+
+    def add_active_adapter(self, adapter):
+        raise PmxInputError("add_active_adapter: pmx has no LoRA adapters; compile the adapted model instead")
+
+    def add_run_config_entry(self, key: str, value: str) -> None:
+        self._config[str(key)] = str(value)
+
+    def get_run_config_entry(self, key: str) -> str:
+        if key not in self._config:
+            raise PmxInputError(f"run config entry {key!r} is not set")
+        return self._config[key]
+
+
+def check_run_options(run_options):
+    """run_options as given (None or a RunOptions); TypeError for anything else, as
+    onnxruntime's bindings raise."""
+    if run_options is not None and not isinstance(run_options, RunOptions):
+        raise TypeError(f"run_options must be a pmx.runtime.RunOptions or None, got {type(run_options).__name__}")
+    return run_options
+
+
+# --- values and bindings ------------------------------------------------------------------
+
+
+class OrtValue:
+    """onnxruntime.OrtValue on the CPU: a numpy array (shared, not copied)."""
+
+    __slots__ = ("_array",)
+
+    def __init__(self, array):
+        self._array = array
+
+    @classmethod
+    def ortvalue_from_numpy(cls, array, device_type="cpu", device_id=0):
+        _check_cpu(device_type)
+        return cls(np.asarray(array))
+
+    def numpy(self):
+        return self._array
+
+    def shape(self):
+        return list(self._array.shape)
+
+    def data_type(self):
+        return ORT_TYPE.get(self._array.dtype.name, f"tensor({self._array.dtype.name})")
+
+    def element_type(self):
+        return self._array.dtype.type
+
+    def device_name(self):
+        return "cpu"
+
+    def is_tensor(self):
+        return True
+
+    def has_value(self):
+        return True
+
+
+def _check_cpu(device_type):
+    if str(device_type).lower() != "cpu":
+        raise PmxInputError(f"device {device_type!r}: pmx runs on the CPU only ('cpu')")
+
+
+def array_at(buffer_ptr, element_type, shape):
+    """A numpy array over memory the caller owns (onnxruntime's bind_input/bind_output
+    with a buffer pointer): the caller keeps it alive and large enough, as with
+    onnxruntime."""
+    dtype = np.dtype(element_type)
+    count = math.prod(shape)
+    if not isinstance(buffer_ptr, int) or buffer_ptr <= 0:
+        raise PmxInputError(f"buffer_ptr must be a positive integer address, got {buffer_ptr!r}")
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(buffer_ptr)
+    return np.frombuffer(raw, dtype, count).reshape(shape)
+
+
+class IOBinding:
+    """onnxruntime.IOBinding for the CPU: inputs bound once and reused by every
+    run_with_iobinding; outputs either allocated by the run (get_outputs,
+    copy_outputs_to_cpu) or written into memory the caller bound (bind_output with a
+    buffer, or bind_output_array with an array), which saves the copy out."""
+
+    def __init__(self, session):
+        self._session = session
+        self._inputs = {}
+        self._outputs = {}  # name -> caller's array, or None: allocated by the run
+        self._results = []
+
+    def bind_cpu_input(self, name, arr_on_cpu):
+        self._inputs[name] = arr_on_cpu
+
+    def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
+        _check_cpu(device_type)
+        self._inputs[name] = array_at(buffer_ptr, element_type, tuple(shape))
+
+    def bind_ortvalue_input(self, name, ortvalue):
+        self._inputs[name] = ortvalue.numpy()
+
+    def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None):
+        _check_cpu(device_type)
+        if buffer_ptr is None:
+            self._outputs[name] = None
+            return
+        if element_type is None or shape is None:
+            raise PmxInputError(f"bind_output({name!r}): a buffer_ptr needs element_type and shape")
+        self._outputs[name] = array_at(buffer_ptr, element_type, tuple(shape))
+
+    def bind_output_array(self, name, array):
+        """pmx's shorthand for bind_output with array's buffer: the run writes into it."""
+        if not isinstance(array, np.ndarray) or not array.flags.writeable:
+            raise PmxInputError(f"bind_output_array({name!r}): expected a writeable numpy array")
+        self._outputs[name] = array
+
+    def bind_ortvalue_output(self, name, ortvalue):
+        self._outputs[name] = ortvalue.numpy()
+
+    def clear_binding_inputs(self):
+        self._inputs = {}
+
+    def clear_binding_outputs(self):
+        self._outputs = {}
+        self._results = []
+
+    def synchronize_inputs(self):
+        """Nothing to wait for on the CPU."""
+
+    def synchronize_outputs(self):
+        """Nothing to wait for on the CPU."""
+
+    def get_outputs(self):
+        return [OrtValue(a) for a in self._results]
+
+    get_outputs_as_ortvaluevector = get_outputs
+
+    def copy_outputs_to_cpu(self):
+        return [np.array(a, copy=True) for a in self._results]
+
+    def run(self, run_options=None):
+        """What InferenceSession.run_with_iobinding does."""
+        names = list(self._outputs) or None
+        into = [self._outputs[n] for n in names] if names else None
+        self._results = self._session.run_into(names, self._inputs, into, run_options)

@@ -27,6 +27,10 @@ class PmxResourceError(PmxError):
     """A file declares sizes beyond the configured limits."""
 
 
+class PmxRunTerminated(PmxError):
+    """A run stopped because its RunOptions.terminate was set (by another thread)."""
+
+
 class PmxInternalError(PmxError):
     """A bug of pmx's own: a kernel failed while binding or running a file that passed
     every check of the verifier. Its message names the node and asks for a bug report."""

@@ -9,6 +9,7 @@ Everything here belongs to the one InferenceSession it is given to; nothing is p
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 
@@ -21,26 +22,115 @@ ALLOW_SPINNING = "session.intra_op.allow_spinning"
 _KNOWN_ENTRIES = {ALLOW_SPINNING: ("0", "1")}
 
 
+class GraphOptimizationLevel(enum.IntEnum):
+    """onnxruntime's levels. pmx optimizes when it compiles (`pmx compile --no-opt`,
+    `--disable PASS`); a loaded .pmx is already optimized, so the level has no effect."""
+
+    ORT_DISABLE_ALL = 0
+    ORT_ENABLE_BASIC = 1
+    ORT_ENABLE_EXTENDED = 2
+    ORT_ENABLE_LAYOUT = 3
+    ORT_ENABLE_ALL = 99
+
+
+class ExecutionMode(enum.IntEnum):
+    """onnxruntime's modes. pmx runs nodes in the compiled order and its threads inside
+    each node (README, Threads), so ORT_PARALLEL runs as ORT_SEQUENTIAL."""
+
+    ORT_SEQUENTIAL = 0
+    ORT_PARALLEL = 1
+
+
+class ExecutionOrder(enum.IntEnum):
+    """onnxruntime's node orders. pmx's order is fixed by the compiler."""
+
+    DEFAULT = 0
+    PRIORITY_BASED = 1
+    MEMORY_EFFICIENT = 2
+
+
+# onnxruntime.SessionOptions' attributes: (default, type). Kept and reported; what each
+# does in pmx is in docs/onnxruntime.md
+_SESSION_FIELDS = {
+    "intra_op_num_threads": (0, int),
+    "inter_op_num_threads": (0, int),
+    "enable_profiling": (False, bool),
+    "profile_file_prefix": ("pmx_profile", str),
+    "log_severity_level": (2, int),
+    "log_verbosity_level": (0, int),
+    "logid": ("", str),
+    "graph_optimization_level": (GraphOptimizationLevel.ORT_ENABLE_ALL, GraphOptimizationLevel),
+    "execution_mode": (ExecutionMode.ORT_SEQUENTIAL, ExecutionMode),
+    "execution_order": (ExecutionOrder.DEFAULT, ExecutionOrder),
+    "enable_cpu_mem_arena": (True, bool),
+    "enable_mem_pattern": (True, bool),
+    "enable_mem_reuse": (True, bool),
+    "use_deterministic_compute": (False, bool),
+    "optimized_model_filepath": ("", str),
+    "use_per_session_threads": (True, bool),
+}
+
+
+def checked_value(owner, name, value, kind):
+    """value as an attribute of `kind` may hold, or TypeError as onnxruntime's bindings
+    raise for a value of another type (a bool is not taken for an int, nor an int for a
+    bool; enum members and their integer values are taken for an enum)."""
+    if isinstance(kind, type) and issubclass(kind, enum.IntEnum):
+        try:
+            return kind(value)
+        except (ValueError, TypeError):
+            raise TypeError(f"{owner}.{name}: expected one of {[m.name for m in kind]}, got {value!r}") from None
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind is not int and isinstance(value, kind):
+        return value
+    raise TypeError(f"{owner}.{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}")
+
+
 class SessionOptions:
-    """Per-InferenceSession settings.
+    """Per-InferenceSession settings, with every attribute of onnxruntime.SessionOptions.
 
     intra_op_num_threads: threads one run uses (0 = default: OMP_NUM_THREADS when set, as
         torch and numexpr read it, else the cores this process may run on, capped by its
         cgroup CPU quota; see default_thread_count).
-    inter_op_num_threads: accepted for compatibility; pmx runs nodes in one stored order.
     enable_profiling / profile_file_prefix: per-node timings written as a Chrome trace by
         InferenceSession.end_profiling().
+    The others are accepted, kept and have no effect (docs/onnxruntime.md says why for
+    each). An attribute onnxruntime does not have is refused with AttributeError, as
+    onnxruntime refuses it, so a typo (intra_op_num_thread) cannot pass unnoticed.
     Config entry "session.intra_op.allow_spinning" ("0" or "1"): accepted as onnxruntime
         accepts it; pmx's worker threads always sleep while they wait, never spin.
     """
 
+    __slots__ = tuple(_SESSION_FIELDS) + ("_config", "_free_dimensions")
+
     def __init__(self):
-        self.intra_op_num_threads = 0
-        self.inter_op_num_threads = 0
-        self.enable_profiling = False
-        self.profile_file_prefix = "pmx_profile"
-        self.log_severity_level = 2
-        self._config = {}
+        for name, (default, _) in _SESSION_FIELDS.items():
+            object.__setattr__(self, name, default)
+        object.__setattr__(self, "_config", {})
+        object.__setattr__(self, "_free_dimensions", {})
+
+    def __setattr__(self, name, value):
+        field = _SESSION_FIELDS.get(name)
+        if field is None and name not in ("_config", "_free_dimensions"):
+            raise AttributeError(f"'SessionOptions' object has no attribute {name!r}")
+        object.__setattr__(self, name, value if field is None else checked_value("SessionOptions", name, value,
+                                                                                   field[1]))
+
+    def __copy__(self):
+        new = SessionOptions()
+        for name in _SESSION_FIELDS:
+            object.__setattr__(new, name, getattr(self, name))
+        object.__setattr__(new, "_config", dict(self._config))
+        object.__setattr__(new, "_free_dimensions", dict(self._free_dimensions))
+        return new
+
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state):
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         allowed = _KNOWN_ENTRIES.get(key)
@@ -52,6 +142,37 @@ class SessionOptions:
         if key not in self._config:
             raise PmxInputError(f"config entry {key!r} is not set")
         return self._config[key]
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        """Kept, no effect: pmx plans memory for each input shape when it first runs."""
+        self._free_dimensions[str(dim_name)] = checked_value("SessionOptions", "dim_value", dim_value, int)
+
+    def add_free_dimension_override_by_denotation(self, dim_denotation: str, dim_value: int) -> None:
+        """Kept, no effect, as add_free_dimension_override_by_name."""
+        self._free_dimensions[str(dim_denotation)] = checked_value("SessionOptions", "dim_value", dim_value, int)
+
+    def add_initializer(self, name, value):
+        raise PmxInputError(f"add_initializer({name!r}): a .pmx file holds its weights; compile the model with the "
+                            f"weights you want")
+
+    def add_external_initializers(self, names, values):
+        raise PmxInputError("add_external_initializers: a .pmx file holds its weights; compile the model with the "
+                            "weights you want")
+
+    def add_provider(self, provider_name, provider_options=None):
+        """Warns for any provider but the CPU one, as InferenceSession(providers=) does."""
+        from pmx.runtime.compat import check_providers
+
+        check_providers([provider_name])
+
+    def has_providers(self):
+        return False
+
+    def set_load_cancellation_flag(self, value):
+        """Kept, no effect: loading a .pmx takes milliseconds."""
+
+    def register_custom_ops_library(self, library_path):
+        raise PmxInputError(f"register_custom_ops_library({library_path!r}): pmx runs no native custom operators")
 
 
 def default_thread_count() -> int:

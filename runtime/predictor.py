@@ -206,5 +206,5 @@ def _batch_step(inputs, path):
 def _options_key(so):
     if so is None:
         return None
-    state = dict(vars(so))
+    state = so.__getstate__()
     return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in state.items()))

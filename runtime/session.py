@@ -29,12 +29,20 @@ import math
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
 from pmx.runtime import compat, kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
-from pmx.runtime.errors import PmxError, PmxFormatError, PmxInputError, PmxResourceError, internal_error
+from pmx.runtime.errors import (
+    PmxError,
+    PmxFormatError,
+    PmxInputError,
+    PmxResourceError,
+    PmxRunTerminated,
+    internal_error,
+)
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
@@ -207,7 +215,7 @@ class InferenceSession:
 
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
                  *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
-                 plan_cache_size=PLAN_CACHE_SIZE):
+                 plan_cache_size=PLAN_CACHE_SIZE, disabled_optimizers=None):
         self._model = open_model(_model_source(path_or_bytes), verify_checksum=verify, max_arena_bytes=max_arena_bytes)
         compat.check_providers(providers)
         self._options = sess_options if sess_options is not None else SessionOptions()
@@ -231,6 +239,8 @@ class InferenceSession:
         self._layouts_lock = threading.Lock()
         self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
         self._profiler = compat.Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
+        self._async = None  # run_async's executor, made on first use
+        self._async_lock = threading.Lock()
 
     # --- metadata -------------------------------------------------------------------
 
@@ -260,6 +270,28 @@ class InferenceSession:
 
     def get_providers(self):
         return [compat.CPU_PROVIDER]
+
+    def get_provider_options(self):
+        return {compat.CPU_PROVIDER: {}}
+
+    def set_providers(self, providers=None, provider_options=None):
+        """Warns for any provider but the CPU one, as __init__ does; pmx runs on the CPU."""
+        compat.check_providers(providers)
+
+    def get_overridable_initializers(self):
+        """None: a .pmx file's weights are constants of the compiled graph (compile again to
+        change them), so there are no initializers to feed."""
+        return []
+
+    def get_profiling_start_time_ns(self):
+        """When profiling started, in nanoseconds since the epoch; 0 without profiling."""
+        return self._profiler.start_ns if self._profiler is not None else 0
+
+    def io_binding(self):
+        return compat.IOBinding(self)
+
+    def run_with_iobinding(self, iobinding, run_options=None):
+        iobinding.run(run_options)
 
     def get_modelmeta(self):
         """onnxruntime's ModelMetadata: producer "pmx", graph name, and the user metadata
@@ -411,19 +443,79 @@ class InferenceSession:
     def run(self, output_names=None, input_feed=None, run_options=None):
         """Run the model; returns a list of new numpy arrays, one per requested output
         (all graph outputs when output_names is None; kept tensors may be requested by
-        name)."""
+        name). With run_options (a RunOptions), the run checks run_options.terminate
+        before each node and raises PmxRunTerminated once it is set."""
         binding, wanted = self._prepare(output_names, input_feed)
+        self._run_steps(binding, wanted, compat.check_run_options(run_options))
+        return self._outputs_of(binding, wanted)
+
+    def run_into(self, output_names, input_feed, outputs=None, run_options=None):
+        """run(), writing each output into the array given for it in `outputs` (None
+        entries, or outputs None: new arrays): what IOBinding's bound outputs use, saving
+        the copy out. Returns the arrays written."""
+        binding, wanted = self._prepare(output_names, input_feed)
+        self._run_steps(binding, wanted, compat.check_run_options(run_options))
+        if outputs is None:
+            return self._outputs_of(binding, wanted)
+        written = []
+        for i, dest in zip(wanted, outputs):
+            value = binding.views[i].value if i in self._run_sized else binding.views[i]
+            if dest is None:
+                written.append(np.array(value, copy=True))
+                continue
+            if dest.shape != value.shape or dest.dtype != value.dtype:
+                raise PmxInputError(f"bound output {self._model.tensors[i].name!r}: expected "
+                                    f"{value.dtype.name} {list(value.shape)}, got {dest.dtype.name} {list(dest.shape)}")
+            np.copyto(dest, value)
+            written.append(dest)
+        return written
+
+    def run_async(self, output_names, input_feed, callback=None, user_data=None, run_options=None):
+        """onnxruntime's run_async: the run happens on a thread of this InferenceSession's
+        (one, so async runs queue in order), then callback(outputs, user_data, error) is
+        called there, error "" on success (the message otherwise, outputs None). pmx also
+        takes no callback: then it returns a concurrent.futures.Future of the outputs
+        (`await asyncio.wrap_future(sess.run_async(None, feed))` in asyncio)."""
+        compat.check_run_options(run_options)
+        future = self._executor().submit(self.run, output_names, input_feed, run_options)
+        if callback is None:
+            return future
+
+        def report(done):
+            error = done.exception()
+            callback(None if error else done.result(), user_data, "" if error is None else f"{error}")
+
+        future.add_done_callback(report)
+        return None
+
+    def _executor(self):
+        with self._async_lock:
+            if self._async is None:
+                import concurrent.futures
+
+                self._async = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pmx-async")
+                weakref.finalize(self, self._async.shutdown, wait=False)
+            return self._async
+
+    def _run_steps(self, binding, wanted, run_options):
+        """The run loop: the steps `wanted` needs, each checked for terminate when
+        run_options is given, profiled when profiling is on."""
         timed = binding.before_run()
         steps = self._steps_for(binding, wanted)
         step = None
         start = time.perf_counter() if timed else 0.0
         try:
             with np.errstate(all="ignore"):
-                if self._profiler is None:
+                if self._profiler is not None:
+                    self._run_profiled(binding, steps, self._profiler, run_options)
+                elif run_options is None:
                     for step in steps:
                         step()
                 else:
-                    self._run_profiled(binding, steps, self._profiler)
+                    for step in steps:
+                        if run_options.terminate:
+                            raise _terminated(run_options)
+                        step()
         except PmxError:
             raise
         except MemoryError:
@@ -432,7 +524,6 @@ class InferenceSession:
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
         if timed:
             binding.gate.after_run(time.perf_counter() - start)
-        return self._outputs_of(binding, wanted)
 
     def _prepare(self, output_names, input_feed):
         """(binding, wanted output tensors) for a run, with the feed checked and copied in."""
@@ -481,7 +572,7 @@ class InferenceSession:
                 inside += clock() - t0
         return self._outputs_of(binding, wanted), inside
 
-    def _run_profiled(self, binding, steps, profiler):
+    def _run_profiled(self, binding, steps, profiler, run_options=None):
         """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
         nodes = getattr(binding, "step_nodes", None)
         if nodes is None:
@@ -490,6 +581,8 @@ class InferenceSession:
         clock = time.perf_counter
         start = clock()
         for step in steps:
+            if run_options is not None and run_options.terminate:
+                raise _terminated(run_options)
             node = nodes[id(step)]
             t0 = clock()
             try:
@@ -540,6 +633,12 @@ class InferenceSession:
                              in_shapes=in_shapes, out_shapes=[list(shapes[i]) for i in node.outputs], ms=ms))
         rows.sort(key=lambda r: -r["ms"])
         return rows
+
+
+def _terminated(run_options):
+    name = run_options.run_tag or run_options.logid
+    tag = f" {name!r}" if name else ""
+    return PmxRunTerminated(f"run{tag} terminated: its RunOptions.terminate was set")
 
 
 def _reopen_session(source, sess_options, kwargs, identity):
