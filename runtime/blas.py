@@ -287,7 +287,8 @@ def gemm(a, b, out, accumulate=False):
     pointers = [x.ctypes.data for x in (a, b, out)]
     outer, (count, strides) = layout
     if count > 1:
-        batched = _entry_point(routines[1])
+        # numpy's OpenBLAS 0.3.31 crashed in ?gemm_batch_strided on small products: pmx's own only
+        batched = _entry_point(routines[1]) if library().private else None
         if batched is not None and batched[1] is integer and len(outer) <= _MAX_CALLS:
             pa, pb, pc = pointers
             calls = [functools.partial(

@@ -35,6 +35,18 @@ def test_json_is_the_same_list(capsys):
     assert isinstance(ops, list) and ops == text.splitlines()
 
 
+def test_the_docs_give_the_listed_count(capsys):
+    """One op count, the registry's, wherever the docs give one."""
+    import pathlib
+    import re
+
+    count = len(listed(capsys).splitlines())
+    root = pathlib.Path(__file__).resolve().parents[1]
+    stated = [int(n) for doc in ("README.md", "docs/design.md")
+              for n in re.findall(r"(\d+) (?:supported )?PNNX op types", (root / doc).read_text())]
+    assert stated and set(stated) == {count}, (stated, count)
+
+
 def test_console_script_exits_0():
     p = subprocess.run([sys.executable, "-m", "pmx.compiler", "compile", "--list-ops", "--json"],
                        capture_output=True, text=True, timeout=120, check=False)
