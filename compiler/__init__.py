@@ -1,7 +1,8 @@
 """pmx compiler: PNNX frontend, IR, passes, .pmx writer and the `pmx` CLI."""
 
 import pmx.runtime  # noqa: F401 - the compiler folds constants with the runtime's kernels
-from pmx.compiler.driver import compile_model
+from pmx.compiler.driver import CompileResult, compile_model
+from pmx.compiler.from_torch import check_against_torch, from_torch
 from pmx.runtime.version import __version__
 
-__all__ = ["compile_model", "__version__"]
+__all__ = ["compile_model", "from_torch", "check_against_torch", "CompileResult", "__version__"]

@@ -72,7 +72,33 @@ def _compile(args):
         print(f"  tuned      {len(r.tuned)} nodes timed, {changed} changed from the rule's choice (ms per candidate):")
         for line in format_report(r.tuned, limit=None if args.verbose else 10):
             print(line)
+    if args.check:
+        _check_against_trace(args.param, r.output)
     return 0
+
+
+def _check_against_trace(param, output):
+    """pmx compile --check: the compiled model against the traced model.pt pnnx wrote
+    beside the .param, on random inputs of the compiled shapes (compiler/from_torch.py);
+    says so, and does not check, where torch or the model.pt is missing."""
+    pt = param[: -len(".pnnx.param")] + ".pt" if param.endswith(".pnnx.param") else None
+    if pt is None or not os.path.exists(pt):
+        print(f"  check      not done: no traced model.pt beside {param} (pnnx writes one)", file=sys.stderr)
+        return
+    try:
+        import torch
+    except ImportError:
+        print("  check      not done: torch is not installed here (pip install torch)", file=sys.stderr)
+        return
+    from pmx.compiler.from_torch import check_against_torch
+    from pmx.runtime import InferenceSession
+
+    module = torch.jit.load(pt).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = tuple(torch.rand([d if d is not None else 1 for d in a.shape], generator=generator)
+                   for a in InferenceSession(output).get_inputs())
+    check_against_torch(module, inputs, output)
+    print(f"  check      matches {pt} on two random inputs")
 
 
 def parse_plan_shapes(shape_specs):
@@ -137,49 +163,9 @@ def _list_ops(args):
 
 # --- what a file is, when it is not a .pmx ----------------------------------------------
 
-_PNNX_HINT = "export it with pnnx first (pip install pnnx): {cmd}, then: pmx compile model.pnnx.param"
-
-
-def foreign_model_hint(path, command):
-    """What to do with `path` when it is a model pmx does not take where it was given (a
-    PyTorch or ONNX file, an ncnn model, or a .pnnx.param not compiled yet), else None.
-    Told by name and first bytes, before any attempt to read it as the wrong thing."""
-    name = os.path.basename(str(path)).lower()
-    head = b""
-    try:
-        if os.path.isfile(path):  # not a FIFO or device, which a read could block on
-            with open(path, "rb") as f:
-                head = f.read(4096)
-    except OSError:
-        pass
-    if name.endswith((".pt", ".pth", ".torchscript", ".ptl")) or (head.startswith(b"PK\x03\x04") and not name.endswith(".bin")):
-        return (f"{path} is a PyTorch model; "
-                + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"))
-    if name.endswith(".onnx"):
-        return f"{path} is an ONNX model; " + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)")
-    text = head.lstrip()
-    is_param_text = text.startswith(b"7767517")
-    if name.endswith(".pnnx.param") or (is_param_text and b"pnnx.Input" in head):
-        if command == "compile":
-            return None
-        return f"{path} is a PNNX model, not compiled yet: pmx compile {path} -o model.pmx, then: pmx {command} model.pmx"
-    if name.endswith(".pnnx.bin"):
-        param = str(path)[: -len(".bin")] + ".param"
-        if command == "compile":
-            return f"{path} holds the weights; compile the graph beside it: pmx compile {param}"
-        return f"{path} holds PNNX weights; compile its graph first: pmx compile {param} -o model.pmx"
-    if name.endswith((".param", ".bin")) or is_param_text:
-        if command == "compile" and name.endswith(".param"):
-            return None  # the PNNX parser says what it found (an ncnn file, or where it broke)
-        return (f"{path} looks like an ncnn model: pnnx's ncnn output (model.ncnn.param/.bin) is not pmx input; "
-                f"compile the model.pnnx.param pnnx wrote beside it: pmx compile model.pnnx.param")
-    if command == "compile" and name.endswith(".pmx"):
-        return f"{path} is already compiled: pmx run {path} --random"
-    return None
-
-
 def _check_model_arg(path, command):
     from pmx.runtime.errors import PmxInputError
+    from pmx.runtime.hints import foreign_model_hint
 
     hint = foreign_model_hint(path, command)
     if hint is not None:
@@ -725,6 +711,8 @@ def add_compile_args(c):
     c.add_argument("--tune", action="store_true",
                    help="time each node's candidate kernels on this machine and store the fastest")
     c.add_argument("--verbose", action="store_true", help="with --tune: list every tuned node, not the top 10")
+    c.add_argument("--check", action="store_true",
+                   help="compare the compiled model with the traced model.pt beside the .param (needs torch)")
     c.add_argument("--meta", action="append", metavar="KEY=VALUE", type=_key_value,
                    help="store this metadata in the file (repeatable; InferenceSession.get_modelmeta()"
                         ".custom_metadata_map)")

@@ -118,6 +118,9 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     """metadata: {key: value} strings stored in the file (pmx compile --meta KEY=VALUE),
     read back as InferenceSession.get_modelmeta().custom_metadata_map."""
     t0 = time.perf_counter()
+    param_path = os.fspath(param_path)
+    bin_path = None if bin_path is None else os.fspath(bin_path)
+    output = None if output is None else os.fspath(output)
     if bin_path is None:
         bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
     output = output or default_output(param_path)

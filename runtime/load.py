@@ -53,6 +53,7 @@ from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels import REGISTRY
 from pmx.runtime.record import Record
+from pmx.runtime.hints import foreign_model_hint
 from pmx.schema import pmx_generated as fb
 
 # Refuse files whose arena or tensors exceed this before allocating anything; raise it
@@ -195,7 +196,8 @@ def collector_paused():
 def _check_preamble(path, buf, size):
     pre = ff.unpack_preamble(bytes(buf[: ff.PREAMBLE_SIZE]))
     if pre["magic"] != ff.MAGIC:
-        _fail(path, f"magic is {pre['magic']!r}, expected {ff.MAGIC!r}: not a .pmx file")
+        hint = foreign_model_hint(path, "run") if isinstance(path, (str, os.PathLike)) else None
+        _fail(path, f"magic is {pre['magic']!r}, expected {ff.MAGIC!r}: not a .pmx file" + (f"; {hint}" if hint else ""))
     if pre["preamble_crc"] != pre["preamble_crc_actual"]:
         _fail(path, f"preamble checksum {pre['preamble_crc']:#010x} does not match its bytes ({pre['preamble_crc_actual']:#010x}): the file is damaged")
     if pre["reserved"] != 0:

@@ -1,0 +1,113 @@
+"""One call from a torch module to a checked .pmx file: pnnx's export in a temporary
+directory, `compile_model`, then the compiled model run against the module.
+
+pnnx sometimes writes a graph that differs from the model it traced (seen on real
+models: a tanh-approximated GELU written as the exact one, an attention key that lost its
+position embedding, a bias slice fed as the whole bias), and pmx then computes what the
+graph says. So the result is compared with the module on the example inputs and on a
+second random draw of the same shapes and dtypes, and a difference beyond the tolerance
+is a PmxCompileError naming the largest error per output. torch and pnnx are needed
+here only, never by the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+
+import numpy as np
+
+from pmx.compiler.driver import compile_model
+from pmx.runtime.errors import PmxCompileError
+
+# |pmx - torch| <= atol + rtol * max |torch| per output, as the tests compare
+DEFAULT_RTOL, DEFAULT_ATOL = 1e-4, 1e-5
+
+
+def from_torch(module, example_inputs, output, *, check=True, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL,
+               export_options=None, **compile_options):
+    """Export `module` (traced on `example_inputs`, a tensor or a tuple of them) with
+    pnnx, compile it to `output` (str or os.PathLike) with `compile_options` (those of
+    compile_model: dynamic=, keep=, tune=, metadata=, ...) and, with `check`, compare the
+    .pmx with the module (check_against_torch). `export_options` go to pnnx.export
+    (e.g. check_trace=False for nn.MultiheadAttention). Returns compile_model's result."""
+    torch, pnnx = _torch_and_pnnx()
+    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    module = module.eval()
+    with tempfile.TemporaryDirectory(prefix="pmx-from-torch-") as d:
+        pt = os.path.join(d, "model.pt")
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                pnnx.export(module, pt, inputs, **(export_options or {}))
+            except SyntaxError:
+                pass  # pnnx's generated model_pnnx.py is invalid for names like `0` (nn.Sequential); not used
+        param = os.path.join(d, "model.pnnx.param")
+        if not os.path.exists(param):
+            raise PmxCompileError(f"pnnx did not export {type(module).__name__} (no model.pnnx.param was written)")
+        result = compile_model(param, os.path.join(d, "model.pnnx.bin"), os.fspath(output), **compile_options)
+    if check:
+        check_against_torch(module, inputs, result.output, rtol=rtol, atol=atol)
+    return result
+
+
+def check_against_torch(module, example_inputs, pmx_path, *, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL, draws=2):
+    """Run the .pmx at `pmx_path` and `module` on the example inputs and on `draws - 1`
+    random draws of the same shapes and dtypes; PmxCompileError naming the largest
+    error per output where any output differs beyond atol + rtol * max |torch|."""
+    from pmx.runtime import InferenceSession
+
+    torch, _ = _torch_and_pnnx()
+    sess = InferenceSession(os.fspath(pmx_path))
+    names = [a.name for a in sess.get_inputs()]
+    generator = torch.Generator().manual_seed(0)
+    for draw in range(draws):
+        inputs = example_inputs if draw == 0 else tuple(_like(x, generator) for x in example_inputs)
+        with torch.no_grad():
+            want = module(*inputs)
+        want = [w.numpy() for w in (want if isinstance(want, (tuple, list)) else (want,))]
+        got = sess.run(None, dict(zip(names, (x.numpy() for x in inputs))))
+        errors = _errors(got, want)
+        bad = {k: e for k, e in errors.items() if e[0] > atol + rtol * e[1]}
+        if bad:
+            which = "the example inputs" if draw == 0 else "a random draw of inputs like them"
+            detail = ", ".join(f"{k}: max |error| {e[0]:.3g} (max |torch| {e[1]:.3g})" for k, e in bad.items())
+            raise PmxCompileError(f"{pmx_path}: the compiled model differs from the torch module on {which}: {detail}. "
+                                  f"pnnx's export may not match the module (compare model_pnnx.py with it)")
+
+
+def _errors(got, want):
+    """{output name: (max |got - want|, max |want|)}; a shape mismatch counts as infinite."""
+    if len(got) != len(want):
+        raise PmxCompileError(f"the compiled model has {len(got)} outputs, the torch module {len(want)}")
+    errors = {}
+    for k, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            errors[f"out{k}"] = (float("inf"), 0.0)
+            continue
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        both_nan = np.isnan(g64) & np.isnan(w64)
+        diff = np.where(both_nan, 0.0, np.abs(g64 - w64))
+        errors[f"out{k}"] = (float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0)),
+                             float(np.nan_to_num(np.abs(w64), nan=0.0).max(initial=0.0)))
+    return errors
+
+
+def _like(x, generator):
+    import torch
+
+    if x.dtype.is_floating_point:
+        return torch.rand(x.shape, generator=generator, dtype=x.dtype)
+    if x.dtype == torch.bool:
+        return torch.rand(x.shape, generator=generator) > 0.5
+    return x.clone()  # integer inputs (indices, lengths) keep their values
+
+
+def _torch_and_pnnx():
+    try:
+        import pnnx
+        import torch
+    except ImportError as e:
+        raise PmxCompileError(f"from_torch needs torch and pnnx installed (pip install pnnx): {e}") from None
+    return torch, pnnx

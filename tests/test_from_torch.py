@@ -1,0 +1,116 @@
+"""The Python route from a torch module to a checked .pmx (pmx.compiler.from_torch), the
+check of a compiled .param against the model.pt pnnx traced (`pmx compile --check`), paths
+as os.PathLike, and the advice InferenceSession gives for a file that is not a .pmx."""
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pmx.compiler import check_against_torch, compile_model, from_torch
+from pmx.compiler.cli import main
+from pmx.runtime import InferenceSession, PmxCompileError, PmxFormatError
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example"
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv(x)).mean((2, 3)))
+
+
+class TwoInputs(nn.Module):
+    def forward(self, a, b):
+        return torch.tanh(a) * b, a - b
+
+
+@pytest.mark.parametrize("module,inputs", [
+    (Block(), (torch.rand(1, 3, 12, 12),)),
+    (TwoInputs(), (torch.rand(2, 5), torch.rand(2, 5))),
+    (nn.Sequential(nn.Linear(6, 6), nn.GELU()), torch.rand(3, 6)),  # one tensor, not a tuple
+])
+def test_from_torch_gives_a_pmx_that_matches_the_module(tmp_path, module, inputs):
+    result = from_torch(module, inputs, tmp_path / "m.pmx", metadata={"from": "test"})
+    assert pathlib.Path(result.output) == tmp_path / "m.pmx"
+    sess = InferenceSession(tmp_path / "m.pmx")
+    assert sess.get_modelmeta().custom_metadata_map == {"from": "test"}
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    with torch.no_grad():
+        want = module.eval()(*inputs)
+    want = want if isinstance(want, tuple) else (want,)
+    got = sess.run(None, {a.name: x.numpy() for a, x in zip(sess.get_inputs(), inputs)})
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_pmx_that_differs_from_the_module_is_refused(tmp_path):
+    """The check is what catches pnnx writing another graph than the module's: here the
+    module is changed after export, as pnnx's rewrites change a graph."""
+    module = Block().eval()
+    x = torch.rand(1, 3, 12, 12)
+    from_torch(module, (x,), tmp_path / "m.pmx")
+    with torch.no_grad():
+        module.fc.bias += 0.5
+    with pytest.raises(PmxCompileError, match=r"differs from the torch module.*out0: max \|error\| 0\.5"):
+        check_against_torch(module, (x,), tmp_path / "m.pmx")
+
+
+def _exported_copy(exporter, tmp_path):
+    prefix = pathlib.Path(exporter("from_torch_check", Block(), (torch.rand(1, 3, 12, 12),)))
+    for suffix in (".pnnx.param", ".pnnx.bin", ".pt"):
+        shutil.copy(str(prefix) + suffix, tmp_path / ("model" + suffix))
+    return tmp_path / "model.pnnx.param"
+
+
+def test_compile_check_passes_on_pnnxs_own_export(exporter, tmp_path, capsys):
+    param = _exported_copy(exporter, tmp_path)
+    assert main(["compile", str(param), "-o", str(tmp_path / "m.pmx"), "--check"]) == 0
+    assert "matches" in capsys.readouterr().out
+
+
+def test_compile_check_catches_a_param_edited_to_differ_from_its_model_pt(exporter, tmp_path, capsys):
+    param = _exported_copy(exporter, tmp_path)
+    text = param.read_text()
+    assert "F.relu" in text
+    param.write_text(text.replace("F.relu", "F.sigmoid", 1))  # an edited activation
+    assert main(["compile", str(param), "-o", str(tmp_path / "m.pmx"), "--check"]) == 1
+    assert "differs from the torch module" in capsys.readouterr().err
+
+
+def test_compile_check_says_when_it_cannot_check(tmp_path, capsys):
+    shutil.copy(EXAMPLE / "cnn.pnnx.param", tmp_path / "cnn.pnnx.param")
+    shutil.copy(EXAMPLE / "cnn.pnnx.bin", tmp_path / "cnn.pnnx.bin")
+    assert main(["compile", str(tmp_path / "cnn.pnnx.param"), "--check"]) == 0
+    assert "check      not done: no traced model.pt" in capsys.readouterr().err
+
+
+def test_compile_model_takes_path_objects(tmp_path):
+    result = compile_model(EXAMPLE / "cnn.pnnx.param", EXAMPLE / "cnn.pnnx.bin", tmp_path / "cnn.pmx")
+    assert InferenceSession(pathlib.Path(result.output)).get_inputs()[0].name == "in0"
+
+
+@pytest.mark.parametrize("name,content,advice", [
+    ("model.onnx", b"\x08\x07\x12\x04onnx", "is an ONNX model; export it with pnnx first"),
+    ("model.pt", b"PK\x03\x04torch", "is a PyTorch model; export it with pnnx first"),
+    ("model.pnnx.param", b"7767517\n3 2\npnnx.Input in0 0 1 x\n", "not compiled yet: pmx compile"),
+])
+def test_inference_session_on_another_format_says_what_to_run(tmp_path, name, content, advice):
+    (tmp_path / name).write_bytes(content + bytes(64))
+    with pytest.raises(PmxFormatError, match=advice):
+        InferenceSession(str(tmp_path / name))
+
+
+def test_a_pmx_is_told_by_its_content_not_its_name(tmp_path, capsys):
+    compile_model(EXAMPLE / "cnn.pnnx.param", output=tmp_path / "m.pmx")
+    shutil.copy(tmp_path / "m.pmx", tmp_path / "m.bin")  # a valid .pmx under an ncnn-like name
+    assert main(["verify", str(tmp_path / "m.bin")]) == 0
+    assert "ncnn" not in capsys.readouterr().err
