@@ -202,7 +202,8 @@ class InferenceSession:
     verify=True checks the CRC32 checksums of the whole file at load (off by default so
     load stays fast; the structural verifier always runs). The thread count is this
     InferenceSession's own: num_threads= if given, else sess_options.intra_op_num_threads if not
-    0, else OMP_NUM_THREADS, else the cores this process may use. A run uses the calling
+    0, else OMP_NUM_THREADS, else the cores this process may use (capped by its cgroup CPU
+    quota). A run uses the calling
     thread and up to that many minus one worker threads of the InferenceSession's (one set per
     calling thread, sleeping while they wait); nothing process-wide changes.
     path_or_bytes is a path or the file's bytes (verified alike). providers
