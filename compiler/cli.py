@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from pmx.runtime.errors import PmxInputError
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
 EPILOG = """exit status:
@@ -230,13 +232,27 @@ def _file_stem(name):
 
 
 def _save_outputs(directory, names, outputs):
-    os.makedirs(directory, exist_ok=True)
+    _make_output_dir(directory)
     paths = []
     for name, y in zip(names, outputs):
         path = os.path.join(directory, _file_stem(name) + ".npy")
-        np.save(path, y)
+        try:
+            np.save(path, y)
+        except OSError as e:
+            raise PmxInputError(f"--save {directory}: cannot write {path}: {e.strerror or e}") from None
         paths.append(path)
     return paths
+
+
+def _make_output_dir(directory):
+    """--save DIR made if missing; a PmxInputError (exit 1) where it cannot be: a file of
+    that name, or no permission."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise PmxInputError(f"--save {directory}: a file of that name exists; --save takes a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise PmxInputError(f"--save {directory}: cannot create the directory: {e.strerror or e}") from None
 
 
 def _compare(name, got, path, want, rtol, atol):
@@ -253,7 +269,9 @@ def _compare(name, got, path, want, rtol, atol):
     nan_ok = np.isnan(a) == np.isnan(b)
     diff = np.where(np.isnan(a) & np.isnan(b), 0.0, diff)
     worst = int(np.nanargmax(np.where(np.isnan(diff), np.inf, diff)))
-    rel = diff / np.maximum(np.abs(b), np.finfo(np.float64).tiny)
+    # relative to |expected|, where that is not 0 (against 0 only the absolute error means anything)
+    nonzero = np.abs(b) > 0
+    rel = np.where(nonzero, diff / np.where(nonzero, np.abs(b), 1.0), 0.0)
     ok = bool(np.all(nan_ok) and np.all(diff <= atol + rtol * np.abs(b)))
     return dict(row, ok=ok, max_abs_error=float(diff.max()), max_rel_error=float(np.nanmax(rel)),
                 worst_index=[int(i) for i in np.unravel_index(worst, got.shape)] if got.ndim else [],
@@ -432,7 +450,7 @@ def _run_batch(args):
     files = batch_files(args.batch_dir)
     sess = InferenceSession(args.model, num_threads=args.threads)
     names = [a.name for a in sess.get_outputs()]
-    os.makedirs(args.save, exist_ok=True)
+    _make_output_dir(args.save)
     progress = _Progress(len(files), not args.quiet)
     t0 = time.perf_counter()
     written = []
@@ -713,8 +731,9 @@ def add_compile_args(c):
     c.add_argument("--verbose", action="store_true", help="with --tune: list every tuned node, not the top 10")
     c.add_argument("--check", action="store_true",
                    help="compare the compiled model with the traced model.pt beside the .param (needs torch)")
-    c.add_argument("--meta", action="append", metavar="KEY=VALUE", type=_key_value,
-                   help="store this metadata in the file (repeatable; InferenceSession.get_modelmeta()"
+    c.add_argument("--meta", action="extend", nargs="+", metavar="KEY=VALUE", type=_key_value,
+                   help="store these KEY=VALUE pairs in the file (one or more, flag repeatable; "
+                        "InferenceSession.get_modelmeta()"
                         ".custom_metadata_map)")
 
 

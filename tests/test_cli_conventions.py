@@ -191,6 +191,33 @@ def test_save_and_quiet(model, tmp_path):
     assert r.returncode == 0 and r.stdout == "" and (tmp_path / "q.pmx").exists()
 
 
+def test_save_where_it_cannot_write_is_one_error_line(model, tmp_path):
+    """--save onto an existing file (even the model itself) or under a file: exit 1 with
+    the reason, not an internal error."""
+    x = f"in0={EXAMPLE / 'cnn_input.npy'}"
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a directory")
+    for target, reason in [(model, "a file of that name exists"), (blocker / "sub", "cannot create the directory")]:
+        r = pmx("run", model, "--input", x, "--repeat", "0", "--save", target)
+        assert r.returncode == 1, r.stderr
+        assert reason in _one_error_line(r) and "bug in pmx" not in r.stderr
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    np.save(inputs / "a.npy", np.load(EXAMPLE / "cnn_input.npy"))
+    r = pmx("run", model, "--batch-dir", inputs, "--save", blocker)
+    assert r.returncode == 1 and "a file of that name exists" in _one_error_line(r)
+
+
+def test_expect_against_zeros_reports_no_huge_relative_error(model, tmp_path):
+    zeros = tmp_path / "zeros.npy"
+    np.save(zeros, np.zeros((1, 10), np.float32))
+    r = pmx("run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "0", "--expect",
+            f"out0={zeros}", "--json")
+    assert r.returncode == 1
+    [check] = json.loads(r.stdout)["expect"]
+    assert check["max_rel_error"] == 0.0 and 0.05 < check["max_abs_error"] < 1  # softmax outputs against 0
+
+
 # --- --batch-dir ---------------------------------------------------------------------------
 
 
@@ -313,8 +340,8 @@ def test_internal_error_exits_3_with_a_bug_report_request(model, monkeypatch, ca
 
 def test_meta_round_trip_through_the_cli(tmp_path):
     out = tmp_path / "m.pmx"
-    r = pmx("compile", EXAMPLE / "cnn.pnnx.param", "-o", out, "--meta", "author=Ada", "--meta", "eq=a=b",
-            "--meta", "empty=")
+    r = pmx("compile", EXAMPLE / "cnn.pnnx.param", "-o", out, "--meta", "author=Ada", "eq=a=b",
+            "--meta", "empty=")  # several pairs after one --meta, and the flag repeated
     assert r.returncode == 0, r.stderr
     meta = InferenceSession(str(out)).get_modelmeta().custom_metadata_map
     assert meta == {"author": "Ada", "eq": "a=b", "empty": ""}
