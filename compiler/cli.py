@@ -144,8 +144,10 @@ def parse_dynamic(dynamic_specs, shape_specs):
                     rng = (int(lo), int(hi) if hi else -1)
                     if rng[0] < 1 or (rng[1] != -1 and rng[1] < rng[0]):
                         raise ValueError
-                else:
+                elif int(d) >= 1:
                     continue  # a fixed dim: nothing to declare
+                else:
+                    raise ValueError
             except ValueError:
                 raise PmxCompileError(f"--shape {spec!r}: dim {i} {d!r} is not N, A..B, A.. or ?") from None
             out.setdefault(name, {})[i] = rng
@@ -737,6 +739,22 @@ def add_compile_args(c):
                         ".custom_metadata_map)")
 
 
+def _check_compile_options(args, parser):
+    """Malformed --dynamic, --shape and --disable values are usage errors (exit 2): what
+    the model allows is checked when it compiles."""
+    from pmx.compiler.passes import PIPELINE
+    from pmx.runtime.errors import PmxCompileError
+
+    try:
+        parse_dynamic(args.dynamic or (), args.shape or ())
+    except PmxCompileError as e:
+        parser.error(str(e))
+    passes = [name for name, _ in PIPELINE]
+    for name in args.disable or ():
+        if name not in passes:
+            parser.error(f"--disable {name}: no such pass; the passes are {', '.join(passes)}")
+
+
 def _dispatch(args):
     parser = args._parser
     if args.command == "compile":
@@ -747,6 +765,9 @@ def _dispatch(args):
         keys = [k for k, _ in args.meta or ()]
         if len(set(keys)) != len(keys):
             parser.error(f"--meta {next(k for k in keys if keys.count(k) > 1)} given twice")
+        if args.json:
+            parser.error("--json goes with --list-ops (the compile summary is text)")
+        _check_compile_options(args, parser)
         _check_model_arg(args.param, "compile")
         return _compile(args)
     if args.command == "run":

@@ -80,6 +80,12 @@ def test_version():
     (["run", "{model}", "--batch-dir", ".", "--save", "o", "--random"], "cannot be combined with --random"),
     (["compile", "{param}", "--meta", "novalue"], "expected KEY=VALUE"),
     (["compile", "{param}", "--meta", "a=1", "--meta", "a=2"], "--meta a given twice"),
+    (["compile", "{param}", "--shape", "in0=abc"], "dim 0 'abc' is not N, A..B, A.. or ?"),
+    (["compile", "{param}", "--shape", "in0=0x3x64x64"], "dim 0 '0' is not N"),
+    (["compile", "{param}", "--shape", "in0"], "expected NAME=DIMxDIMx"),
+    (["compile", "{param}", "--dynamic", "in0:x"], "expected NAME:DIM"),
+    (["compile", "{param}", "--disable", "no_such_pass"], "--disable no_such_pass: no such pass"),
+    (["compile", "{param}", "--json"], "--json goes with --list-ops"),
 ])
 def test_usage_errors_exit_2(model, tmp_path, args, message):
     args = [str(a).format(model=model, param=EXAMPLE / "cnn.pnnx.param") for a in args]

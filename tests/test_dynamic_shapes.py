@@ -215,8 +215,9 @@ def test_cli_shape_ranges_and_static(exporter, tmp_path, capsys):
     assert InferenceSession(str(out)).get_inputs()[0].shape == [None, 3, None, None]
     assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--static"]) == 0
     assert InferenceSession(str(out)).get_inputs()[0].shape == [1, 3, 32, 32]
-    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", "in0=0..8x3x32x32"]) == 1
-    assert "--shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # a malformed value is a usage error
+        main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", "in0=0..8x3x32x32"])
+    assert usage.value.code == 2 and "--shape" in capsys.readouterr().err
     assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--dynamic", "in9:0"]) == 1
     assert "in9" in capsys.readouterr().err
 
