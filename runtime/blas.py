@@ -74,12 +74,20 @@ class Library(FrozenRecord):
 
     def threads(self):
         """The library's current thread count, or None when it has no known getter."""
-        for name in _THREAD_GETTERS:
-            getter = getattr(self.handle, name, None)
-            if getter is not None:
-                getter.argtypes, getter.restype = [], ctypes.c_int
-                return getter()
-        return None
+        getter = _thread_getter(self.handle)
+        return getter() if getter is not None else None
+
+
+@functools.cache
+def _thread_getter(handle):
+    """The library's thread-count getter, looked up once: run() reads the count on every
+    call, and each symbol a library lacks costs a failed dlsym."""
+    for name in _THREAD_GETTERS:
+        getter = getattr(handle, name, None)
+        if getter is not None:
+            getter.argtypes, getter.restype = [], ctypes.c_int
+            return getter
+    return None
 
 
 _PRIVATE_SPELLINGS = (("scipy_cblas_{}", ctypes.c_int),)
@@ -321,7 +329,7 @@ def _vector_products(a, b, out, ops, layout, routines, beta):
         (trans, ld), matrix, x, y = ops[0], a, b, out
         rows, cols = (m, k) if trans == _NO_TRANS else (k, m)
         x_step, y_step = b.strides[-2], out.strides[-2]
-        offsets = [(oa, ob, oc) for oa, ob, oc in _expanded(layout, item)]
+        offsets = _expanded(layout, item)
     else:  # y (n) = x (k) @ b (k x n) = b^T x: the matrix is b, read transposed
         (trans, ld), matrix, x, y = ops[1], b, a, out
         trans = _TRANS if trans == _NO_TRANS else _NO_TRANS

@@ -33,12 +33,6 @@ from pmx.runtime.options import default_thread_count
 # below this many elements touched, a split's hand-off costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
 
-def blas_threads():
-    """The thread count of the BLAS pmx calls (runtime/blas.py: its own, held at one
-    thread, else numpy's), or None when there is none."""
-    return blas.threads()
-
-
 # --- pools -------------------------------------------------------------------------------
 
 
@@ -56,7 +50,7 @@ class Pool:
         self._lock = threading.Lock()
         # read when kernels bind: whether their GEMMs are this pool's to split
         if splits_gemms is None:
-            splits_gemms = blas_threads() == 1
+            splits_gemms = blas.threads() == 1
         self.splits_gemms = self.threads > 1 and splits_gemms
         weakref.finalize(self, _stop_all, self._workers)
 

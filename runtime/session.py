@@ -33,7 +33,7 @@ import weakref
 
 import numpy as np
 
-from pmx.runtime import compat, kernels, parallel
+from pmx.runtime import blas, compat, kernels, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
     PmxError,
@@ -318,7 +318,7 @@ class InferenceSession:
         BLAS's thread count has moved across that line since (threadpoolctl limits around
         some runs), this thread's pool and bindings are made anew."""
         pool = getattr(self._local, "pool", None)
-        if pool is not None and pool.threads > 1 and pool.splits_gemms != (parallel.blas_threads() == 1):
+        if pool is not None and pool.threads > 1 and pool.splits_gemms != (blas.threads() == 1):
             pool = self._local.pool = self._local.bindings = None
         if pool is None:
             pool = self._local.pool = parallel.Pool(self._num_threads)
@@ -456,7 +456,7 @@ class InferenceSession:
         the copy out. Returns the arrays written."""
         binding, wanted = self._prepare(output_names, input_feed)
         self._run_steps(binding, wanted, compat.check_run_options(run_options))
-        if outputs is None:
+        if outputs is None or all(dest is None for dest in outputs):
             return self._outputs_of(binding, wanted)
         written = []
         for i, dest in zip(wanted, outputs):
