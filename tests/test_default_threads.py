@@ -53,22 +53,18 @@ def v1(fake, quota, period="100000", proc_path="/docker/abc", under="cpu,cpuacct
                 {f"{under}/cpu.cfs_quota_us": quota, f"{under}/cpu.cfs_period_us": period})
 
 
-def test_v2_quota_at_namespace_root_rounds_up(fake, threads):
-    paths = v2(fake, "150000 100000\n")
-    assert REAL_LIMIT(**paths) == 1.5
-    assert threads(paths, cores=16) == 2
-
-
-def test_v2_one_cpu_quota_gives_one_thread(fake, threads):
-    paths = v2(fake, "100000 100000\n")
-    assert REAL_LIMIT(**paths) == 1.0
-    assert threads(paths, cores=16) == 1
-
-
-def test_v2_max_is_no_limit(fake, threads):
-    paths = v2(fake, "max 100000\n")
-    assert REAL_LIMIT(**paths) is None
-    assert threads(paths, cores=16) == 16
+@pytest.mark.parametrize("version, quota, cpus, want", [
+    ("v2", "150000 100000\n", 1.5, 2),  # 1.5 CPUs at the namespace root: rounded up
+    ("v2", "100000 100000\n", 1.0, 1),
+    ("v2", "max 100000\n", None, 16),  # no limit: the 16 usable cores
+    ("v2", "50000 100000\n", 0.5, 1),
+    ("v1", "50000\n", 0.5, 1),
+    ("v1", "-1\n", None, 16),
+])
+def test_quota_to_thread_count(fake, threads, version, quota, cpus, want):
+    paths = (v2 if version == "v2" else v1)(fake, quota)
+    assert REAL_LIMIT(**paths) == cpus
+    assert threads(paths, cores=16) == want
 
 
 def test_v2_nested_limits_smallest_counts(fake, threads):
@@ -78,24 +74,6 @@ def test_v2_nested_limits_smallest_counts(fake, threads):
                                               "kubepods/pod1/ctr/cpu.max": "max 100000\n"})
     assert REAL_LIMIT(**paths) == 1.0
     assert threads(paths, cores=16) == 1
-
-
-def test_v2_half_cpu_gives_one_thread(fake, threads):
-    paths = v2(fake, "50000 100000\n")
-    assert REAL_LIMIT(**paths) == 0.5
-    assert threads(paths, cores=16) == 1
-
-
-def test_v1_half_cpu_quota_gives_one_thread(fake, threads):
-    paths = v1(fake, "50000\n")
-    assert REAL_LIMIT(**paths) == 0.5
-    assert threads(paths, cores=16) == 1
-
-
-def test_v1_minus_one_is_no_limit(fake, threads):
-    paths = v1(fake, "-1\n")
-    assert REAL_LIMIT(**paths) is None
-    assert threads(paths, cores=16) == 16
 
 
 def test_v1_path_missing_under_mount_uses_mount_root(fake, threads):
