@@ -4,7 +4,8 @@
     sess = InferenceSession("model.pmx")
     outputs = sess.run(None, {"in0": x})
 
-Imports only numpy, numexpr and flatbuffers (never torch or the compiler).
+Imports only numpy and numexpr (never torch, flatbuffers or the compiler: the header
+reader takes the schema's layouts from pmx.schema.layout).
 """
 
 from pmx.runtime.compat import (

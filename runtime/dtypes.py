@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from pmx.schema.pmx_generated import DType
+from pmx.schema.layout import DType
 
 # numpy dtype name <-> schema enum. bfloat16 and complex32 have no numpy dtype; the
 # compiler widens them to float32 / complex64 when it reads the .bin.

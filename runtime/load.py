@@ -3,8 +3,8 @@
 Nothing here trusts the file. The header is read by a small FlatBuffers reader of our
 own (the generated accessors neither check bounds nor run fast: they cost microseconds
 per field, which was most of the load time). It takes each field's vtable slot, type and
-default from the generated code once, at import; each vtable in a file becomes one
-struct that reads all of a table's fields in one call. Tensors and nodes are stored as
+default from schema/layout.py (derived from the generated code by tools/regen_schema.py);
+each vtable in a file becomes one struct that reads all of a table's fields in one call. Tensors and nodes are stored as
 columns (format versions 2 and 3, one layout: schema/pmx.fbs; runtime/fileformat.py
 says what 3 adds): each field of all tensors is one vector, read with one struct call,
 and the names are one string cut at stored ends, so a model's hundreds of tensors cost
@@ -43,7 +43,6 @@ import mmap
 import operator
 import os
 import struct
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -54,7 +53,7 @@ from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels import REGISTRY
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
-from pmx.schema import pmx_generated as fb
+from pmx.schema import layout as schema
 
 # Refuse files whose arena or tensors exceed this before allocating anything; raise it
 # with InferenceSession(..., max_arena_bytes=N) for models that really need more.
@@ -64,7 +63,7 @@ MAX_RANK = 32
 # numexpr and numpy backends walk the expanded tree, so nested erf/square would blow up.
 MAX_EXPANDED_EXPR = 1 << 16
 
-_KINDS = (fb.TensorKind.Intermediate, fb.TensorKind.Constant, fb.TensorKind.Input, fb.TensorKind.Output)
+_KINDS = (schema.TensorKind.Intermediate, schema.TensorKind.Constant, schema.TensorKind.Input, schema.TensorKind.Output)
 # What reading a damaged header can raise: positions outside it (IndexError, from
 # _Reader, which turns struct's errors into it), names that are not UTF-8, and (kept as
 # a safety net) struct or Python refusing a nonsensical size.
@@ -243,39 +242,6 @@ def verify_checksums(path, buf, pre):
 # field of many tables at once, checking every position and charging the budget.
 
 
-class _Probe:
-    """Stands in for flatbuffers' Table (hence the method names) while one generated
-    accessor runs, noting the vtable slot it asks for and the number type it reads."""
-
-    Pos = 0
-
-    def __init__(self, present):
-        self.present, self.slot, self.flags, self.scalar = present, None, None, False
-
-    def Offset(self, slot):
-        self.slot = slot
-        return 4 if self.present else 0
-
-    def Get(self, flags, off):
-        self.flags, self.scalar = flags, True
-        return 0
-
-    def GetVectorAsNumpy(self, flags, off):
-        self.flags = flags
-        return 0
-
-    def VectorLen(self, off):
-        return 0
-
-    Bytes = b""
-
-    def Indirect(self, off):  # a table field
-        return 0
-
-    def String(self, off):
-        return None
-
-
 class _Field:
     """Where one field of a table type lives (a plain class: a dataclass would cost a
     millisecond of import time)."""
@@ -292,45 +258,34 @@ class _Field:
         self.size = struct.calcsize("<" + code) if scalar else 4  # bytes inside the table
 
 
-def _field(accessor):
-    """The layout of the field `accessor` (a generated method, e.g. fb.Tensor.AliasOf)
-    reads: the generated code stays the one place that knows slots, types and defaults
-    (tools/regen_schema.py rewrites it from schema/pmx.fbs)."""
-    absent, present = _Probe(False), _Probe(True)
-    default = accessor(SimpleNamespace(_tab=absent))
-    accessor(SimpleNamespace(_tab=present))
-    code = present.flags.packer_type.format[-1] if present.flags else None
-    return _Field(absent.slot, code, default, present.scalar)
-
-
 class _Layout:
     """The fields of one table type that the loader reads, in the order _vtable's readers
     return them in; each attribute named as given holds that field's index."""
 
     def __init__(self, table, **accessors):
-        self.fields = tuple(_field(getattr(table, name)) for name in accessors.values())
+        self.fields = tuple(_Field(*schema.TABLES[table][name]) for name in accessors.values())
         vars(self).update((name, k) for k, name in enumerate(accessors))
 
 
-_MODEL = _Layout(fb.Model, producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
+_MODEL = _Layout("Model", producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
                  attr_sets="AttrSetsLength", inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
                  arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source",
                  metadata="MetadataLength")
-_TENSORS = _Layout(fb.Tensors, names="Names", name_ends="NameEndsAsNumpy", kinds="KindsAsNumpy",
+_TENSORS = _Layout("Tensors", names="Names", name_ends="NameEndsAsNumpy", kinds="KindsAsNumpy",
                    dtypes="DtypesAsNumpy", ranks="RanksAsNumpy", dims="DimsAsNumpy",
                    data_offsets="DataOffsetsAsNumpy", data_sizes="DataSizesAsNumpy",
                    arena_offsets="ArenaOffsetsAsNumpy", alias_of="AliasOfAsNumpy",
                    alias_offsets="AliasOffsetsAsNumpy", strided="StridedAsNumpy", strides="StridesAsNumpy",
                    ranged="RangedAsNumpy", dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
-_NODES = _Layout(fb.Nodes, ops="OpsAsNumpy", names="Names", name_ends="NameEndsAsNumpy",
+_NODES = _Layout("Nodes", ops="OpsAsNumpy", names="Names", name_ends="NameEndsAsNumpy",
                  input_ends="InputEndsAsNumpy", inputs="InputsAsNumpy", output_ends="OutputEndsAsNumpy",
                  outputs="OutputsAsNumpy", attr_sets="AttrSetsAsNumpy", exprs="ExprsAsNumpy",
                  variants="VariantsAsNumpy")
-_ATTR_SET = _Layout(fb.AttrSet, attrs="AttrsLength")
-_ATTR = _Layout(fb.Attr, name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
+_ATTR_SET = _Layout("AttrSet", attrs="AttrsLength")
+_ATTR = _Layout("Attr", name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
                 strings="StringsLength")
-_PASS_STAT = _Layout(fb.PassStat, name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
-_KEY_VALUE = _Layout(fb.KeyValue, key="Key", value="Value")
+_PASS_STAT = _Layout("PassStat", name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
+_KEY_VALUE = _Layout("KeyValue", key="Key", value="Value")
 _SOFFSET, _UOFFSET, _VOFFSET = (struct.Struct(f).unpack_from for f in ("<i", "<I", "<H"))
 
 
@@ -721,11 +676,11 @@ def _read_attr_sets(r, positions):
     return _read_attrs(r, r.targets(sets, _ATTR_SET.attrs, "attribute set attrs"))
 
 
-_INTS = (fb.AttrKind.Bool, fb.AttrKind.Int, fb.AttrKind.Ints)
-_FLOATS = (fb.AttrKind.Float, fb.AttrKind.Floats)
-_STRINGS = (fb.AttrKind.String, fb.AttrKind.Strings)
-_LISTS = (fb.AttrKind.Ints, fb.AttrKind.Floats, fb.AttrKind.Strings)
-_KNOWN = (fb.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS
+_INTS = (schema.AttrKind.Bool, schema.AttrKind.Int, schema.AttrKind.Ints)
+_FLOATS = (schema.AttrKind.Float, schema.AttrKind.Floats)
+_STRINGS = (schema.AttrKind.String, schema.AttrKind.Strings)
+_LISTS = (schema.AttrKind.Ints, schema.AttrKind.Floats, schema.AttrKind.Strings)
+_KNOWN = (schema.AttrKind.None_,) + _INTS + _FLOATS + _STRINGS
 
 
 def _read_attrs(r, per_set):
@@ -759,12 +714,12 @@ def _read_attrs(r, per_set):
         vals = a or b or c  # at most one was read
         if kind in _LISTS:
             values.append(vals)
-        elif kind == fb.AttrKind.None_:
+        elif kind == schema.AttrKind.None_:
             values.append(None)
         elif len(vals) != 1:
             _fail(r.path, f"{where(i)} should hold one value, holds {len(vals)}")
         else:
-            values.append(bool(vals[0]) if kind == fb.AttrKind.Bool else vals[0])
+            values.append(bool(vals[0]) if kind == schema.AttrKind.Bool else vals[0])
     items = zip(names, values)
     return [dict(itertools.islice(items, len(attrs))) for attrs in per_set]
 
@@ -777,7 +732,7 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
         raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
     nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
     model.roots = _resolve_aliases(model)
-    constant = fb.TensorKind.Constant
+    constant = schema.TensorKind.Constant
     for i, t in enumerate(model.tensors):
         if t.alias_of >= 0 and t.kind != constant:
             _check_alias_extent(model, i, t, nbytes)
@@ -804,7 +759,7 @@ def _check_tensors(model, data_size, max_arena_bytes):
     path, tensors, n = model.path, model.tensors, len(model.tensors)
 
     limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
-    prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), fb.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
+    prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), schema.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
     nbytes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
     for i, (t, size) in enumerate(zip(tensors, nbytes)):
         if t.kind not in kinds:
@@ -841,7 +796,7 @@ def _check_tensors(model, data_size, max_arena_bytes):
 def _resolve_aliases(model):
     """(root, byte offset) for every tensor, following alias chains once each (memoized,
     so long chains cost linear time); a chain that loops or ends at a constant fails."""
-    path, tensors, constant = model.path, model.tensors, fb.TensorKind.Constant
+    path, tensors, constant = model.path, model.tensors, schema.TensorKind.Constant
     roots = [None if t.kind != constant and t.alias_of >= 0 else (i, 0) for i, t in enumerate(tensors)]
     for i in [i for i, r in enumerate(roots) if r is None]:
         chain = []
@@ -853,7 +808,7 @@ def _resolve_aliases(model):
             on_chain.add(j)
             chain.append(j)
             j = tensors[j].alias_of
-        if tensors[j].kind == fb.TensorKind.Constant:
+        if tensors[j].kind == schema.TensorKind.Constant:
             _fail(path, f"{_tensor_label(chain[-1], tensors[chain[-1]])} aliases constant tensor {j}; views of constants are not stored")
         root, offset = roots[j]
         for k in reversed(chain):
@@ -892,7 +847,7 @@ def _check_io(model):
                 _fail(path, f"model {name} names tensor {idx}, but there are {n} tensors")
     if len(set(model.inputs)) != len(model.inputs):
         _fail(path, f"model inputs {model.inputs} name a tensor twice")
-    input_kind = fb.TensorKind.Input
+    input_kind = schema.TensorKind.Input
     marked = {i for i, t in enumerate(tensors) if t.kind == input_kind}
     if marked != set(model.inputs):
         _fail(path, f"tensors marked as inputs {sorted(marked)} differ from the model inputs {sorted(model.inputs)}")
@@ -910,7 +865,7 @@ def _check_nodes(model):
     A node that passes is checked with a few set operations; one that fails is walked
     index by index to name what is wrong."""
     path, tensors = model.path, model.tensors
-    constant, fixed = fb.TensorKind.Constant, (fb.TensorKind.Constant, fb.TensorKind.Input)
+    constant, fixed = schema.TensorKind.Constant, (schema.TensorKind.Constant, schema.TensorKind.Input)
     available = {i for i, t in enumerate(tensors) if t.kind == constant} | set(model.inputs)
     available.add(-1)  # an absent optional input
     writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
@@ -1066,6 +1021,6 @@ def _rule_shapes(path, j, node, shapes, dtypes):
 def _wrap_constants(model, buf, pre):
     """Read-only views of the mmap (np.ndarray over the buffer: one call, where
     frombuffer + reshape is two), placed where _check_tensors checked they fit."""
-    base, constant = pre["data_offset"], fb.TensorKind.Constant
+    base, constant = pre["data_offset"], schema.TensorKind.Constant
     model.constants.update((i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
                            for i, t in enumerate(model.tensors) if t.kind == constant)

@@ -23,7 +23,7 @@ from pmx.runtime.kernels import output_shapes
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.record import Record
 from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans
-from pmx.schema.pmx_generated import TensorKind
+from pmx.schema.layout import TensorKind
 
 
 class Layout(Record):

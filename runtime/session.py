@@ -47,7 +47,7 @@ from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_mod
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
 from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
-from pmx.schema import pmx_generated as fb
+from pmx.schema import layout as schema
 
 
 class NodeArg(FrozenRecord):
@@ -96,7 +96,7 @@ class _Binding:
         self.arena = _aligned_empty(layout.arena_size)
         self.views = [None] * len(model.tensors)
         for i, t in enumerate(model.tensors):
-            if t.kind == fb.TensorKind.Constant:
+            if t.kind == schema.TensorKind.Constant:
                 self.views[i] = model.constants[i]
             else:
                 self.views[i] = self._arena_view(t, i, layout)
@@ -629,7 +629,7 @@ class InferenceSession:
         rows = []
         for j, node in enumerate(m.nodes):
             ms = float(np.median(times[j])) * 1e3 if times[j] else 0.0
-            in_shapes = [list(shapes[i]) for i in node.inputs if i >= 0 and m.tensors[i].kind != fb.TensorKind.Constant]
+            in_shapes = [list(shapes[i]) for i in node.inputs if i >= 0 and m.tensors[i].kind != schema.TensorKind.Constant]
             rows.append(dict(op=node.op, name=node.name, variant=node.variant,
                              in_shapes=in_shapes, out_shapes=[list(shapes[i]) for i in node.outputs], ms=ms))
         rows.sort(key=lambda r: -r["ms"])

