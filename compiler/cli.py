@@ -508,25 +508,26 @@ def _declared_shape(t):
 def _io_entry(t):
     from pmx.runtime.replan import format_ranges
 
-    entry = dict(name=t.name, shape=_declared_shape(t), dtype=t.dtype.name, planned_shape=list(t.shape))
+    entry = dict(name=t.name, declared_shape=_declared_shape(t), dtype=t.dtype.name, planned_shape=list(t.shape))
     if t.dim_min is not None:
         entry["allowed"] = format_ranges(list(zip(t.dim_min, t.dim_max)))
     return entry
 
 
 def inspect_dict(model):
-    """Everything `pmx inspect` reports, as one JSON-able dict. Inputs and outputs carry
-    their shape as get_inputs() reports it (null for dims that may change), the shape
-    memory was planned for, and, where dims may change, the sizes they allow."""
+    """Everything `pmx inspect` reports, as one JSON-able dict, in the vocabulary all
+    commands share (README, "JSON output"): inputs and outputs carry declared_shape (as
+    get_inputs() reports it: null for dims that may change), planned_shape (the shape
+    memory was planned for) and, where dims may change, allowed (the sizes they take)."""
     from pmx.runtime.plan import lower_bound
     from pmx.runtime.replan import root_buffers
-    from pmx.schema.pmx_generated import TensorKind
+    from pmx.schema.layout import TensorKind
 
     t = model.tensors
     _, buffers = root_buffers(model, [x.shape for x in t], lambda i: model.roots[i][0])
     naive = sum(ti.nbytes for ti in t if ti.kind != TensorKind.Constant)  # one buffer per tensor
     return {
-        "file": model.path,
+        "model": model.path,
         "producer": model.producer,
         "source": model.source,
         "file_bytes": model.file_size,
@@ -545,7 +546,7 @@ def inspect_dict(model):
             dict(op=nd.op, name=nd.name, variant=nd.variant,
                  inputs=[t[i].name if i >= 0 else None for i in nd.inputs],
                  outputs=[t[i].name for i in nd.outputs],
-                 shapes=[list(t[i].shape) for i in nd.outputs], expr=nd.expr)
+                 planned_shapes=[list(t[i].shape) for i in nd.outputs], expr=nd.expr)
             for nd in model.nodes
         ],
     }
@@ -561,10 +562,10 @@ def _inspect(args):
         return 0
     if args.quiet:
         return 0
-    print(f"{info['file']}  ({info['file_bytes'] / 1e6:.2f} MB, {info['producer']}, from {info['source']})")
+    print(f"{info['model']}  ({info['file_bytes'] / 1e6:.2f} MB, {info['producer']}, from {info['source']})")
     for kind in ("inputs", "outputs"):
         for x in info[kind]:
-            print(f"  {kind[:-1]:<7} {x['name']:<12} {x.get('allowed') or x['shape']} {x['dtype']}")
+            print(f"  {kind[:-1]:<7} {x['name']:<12} {x.get('allowed') or x['declared_shape']} {x['dtype']}")
     for key, value in info["metadata"].items():
         print(f"  meta    {key} = {value}")
     print("passes (nodes before -> after):")
@@ -574,7 +575,7 @@ def _inspect(args):
           f"unplanned sum {info['naive_bytes']} B")
     print(f"\n{'#':>4} {'op':<18} {'variant':<10} {'name':<32} output shapes")
     for j, nd in enumerate(info["node_table"]):
-        shapes = ", ".join("x".join(map(str, s)) for s in nd["shapes"])
+        shapes = ", ".join("x".join(map(str, s)) for s in nd["planned_shapes"])
         print(f"{j:>4} {nd['op']:<18} {nd['variant']:<10} {nd['name'][:32]:<32} {shapes}")
     return 0
 
@@ -588,11 +589,11 @@ def _verify(args):
         model = open_model(args.model, verify_checksum=True)
     except PmxError as e:
         if args.json:
-            print(_dumps(dict(file=args.model, ok=False, error=str(e))))
+            print(_dumps(dict(model=args.model, ok=False, error=str(e))))
         raise
     pre = model.preamble
     if args.json:
-        print(_dumps(dict(file=args.model, ok=True, file_bytes=model.file_size, nodes=len(model.nodes),
+        print(_dumps(dict(model=args.model, ok=True, file_bytes=model.file_size, nodes=len(model.nodes),
                               tensors=len(model.tensors), format_version=pre["version"],
                               header_crc=f"{pre['header_crc']:#010x}", data_crc=f"{pre['data_crc']:#010x}")))
     elif not args.quiet:

@@ -125,11 +125,26 @@ def test_inspect_json_reports_dynamic_dims_as_null(model):
     assert r.returncode == 0
     info = json.loads(r.stdout)
     sess = InferenceSession(str(model))
-    assert [x["shape"] for x in info["inputs"]] == [a.shape for a in sess.get_inputs()]
-    assert [x["shape"] for x in info["outputs"]] == [a.shape for a in sess.get_outputs()]
-    assert info["inputs"][0]["shape"][0] is None  # the batch dim the compiler made dynamic
+    assert [x["declared_shape"] for x in info["inputs"]] == [a.shape for a in sess.get_inputs()]
+    assert [x["declared_shape"] for x in info["outputs"]] == [a.shape for a in sess.get_outputs()]
+    assert info["inputs"][0]["declared_shape"][0] is None  # the batch dim the compiler made dynamic
     assert info["inputs"][0]["planned_shape"] == [1, 3, 64, 64]
     assert info["metadata"] == {}
+
+
+def test_json_vocabulary_is_shared_by_run_inspect_and_verify(model):
+    """One name per meaning across commands: `model` is the .pmx path, `declared_shape` the
+    shape get_inputs() reports, `planned_shape` what memory was planned for, `shape` only
+    an actual array's shape (run)."""
+    run = json.loads(pmx("run", model, "--random", "--repeat", "1", "--json").stdout)
+    inspect = json.loads(pmx("inspect", model, "--json").stdout)
+    verify = json.loads(pmx("verify", model, "--json").stdout)
+    assert run["model"] == inspect["model"] == verify["model"] == str(model)
+    for kind in ("inputs", "outputs"):
+        for ran, described in zip(run[kind], inspect[kind]):
+            assert ran["declared_shape"] == described["declared_shape"]
+            assert "shape" not in described  # inspect has no arrays, only declared and planned shapes
+    assert inspect["file_bytes"] == verify["file_bytes"] == model.stat().st_size
 
 
 def test_run_json(model):
