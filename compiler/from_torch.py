@@ -109,5 +109,5 @@ def _torch_and_pnnx():
         import pnnx
         import torch
     except ImportError as e:
-        raise PmxCompileError(f"from_torch needs torch and pnnx installed (pip install pnnx): {e}") from None
+        raise PmxCompileError(f"from_torch needs torch and pnnx installed (pip install torch pnnx, or the [torch] extra): {e}") from None
     return torch, pnnx
