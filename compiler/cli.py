@@ -750,7 +750,7 @@ def _check_compile_options(args, parser):
         parse_dynamic(args.dynamic or (), args.shape or ())
     except PmxCompileError as e:
         parser.error(str(e))
-    passes = [name for name, _ in PIPELINE]
+    passes = [p.name for p in PIPELINE]
     for name in args.disable or ():
         if name not in passes:
             parser.error(f"--disable {name}: no such pass; the passes are {', '.join(passes)}")

@@ -83,9 +83,9 @@ def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynam
         kept.append(by_name[name])
     graph.kept = kept
     disabled = set(disabled) | (OPTIONAL if no_opt else set())
-    unknown = set(disabled) - {name for name, _ in PIPELINE}
+    unknown = set(disabled) - {p.name for p in PIPELINE}
     if unknown:
-        raise PmxCompileError(f"unknown pass name(s) {sorted(unknown)}; passes: {[n for n, _ in PIPELINE]}")
+        raise PmxCompileError(f"unknown pass name(s) {sorted(unknown)}; passes: {[p.name for p in PIPELINE]}")
     if verify:
         # pnnx records no shape for 0-d results and index lists; infer_shapes fills them
         graph.verify(after="pnnx frontend", require_shapes=False)

@@ -13,7 +13,7 @@ from pmx.compiler import cli
 from pmx.compiler import passes as P
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxError
 
 
 class Net(nn.Module):
@@ -115,7 +115,7 @@ def test_inspect_json_and_text(prefix, tmp_path, capsys):
     assert info["naive_bytes"] == r.naive_bytes
     assert info["lower_bound_bytes"] <= info["arena_bytes"] <= info["naive_bytes"]
     names = [p["name"] for p in info["passes"]]
-    assert names == [name for name, _ in P.PIPELINE]
+    assert names == [p.name for p in P.PIPELINE]
     fused = {p["name"]: (p["nodes_before"], p["nodes_after"]) for p in info["passes"]}
     assert fused["fuse_activation"][1] < fused["fuse_activation"][0]
     assert cli.main(["inspect", out]) == 0
@@ -148,7 +148,7 @@ def test_verify_names_the_pass_that_broke_the_graph(prefix, tmp_path, monkeypatc
         return True
 
     pipeline = list(P.PIPELINE)
-    pipeline.insert(5, ("break_graph", break_graph))
+    pipeline.insert(5, P.Pass("break_graph", break_graph))
     monkeypatch.setattr(P, "PIPELINE", pipeline)
     with pytest.raises(PmxCompileError, match="after pass break_graph"):
         compile_model(prefix + ".pnnx.param", output=str(tmp_path / "b.pmx"), verify=True)
@@ -163,10 +163,48 @@ def test_verify_checks_aliases_after_each_pass(prefix, tmp_path, monkeypatch):
         return True
 
     pipeline = list(P.PIPELINE)
-    pipeline.insert(len(pipeline) - 1, ("bad_alias", bad_alias))
+    pipeline.insert(len(pipeline) - 1, P.Pass("bad_alias", bad_alias, keeps_nodes=True))
     monkeypatch.setattr(P, "PIPELINE", pipeline)
     with pytest.raises(PmxCompileError, match="alias check failed after pass bad_alias"):
         compile_model(prefix + ".pnnx.param", output=str(tmp_path / "a.pmx"), verify=True)
+
+
+def test_a_misordered_pipeline_is_refused_naming_both_passes(monkeypatch):
+    shipped = list(P.PIPELINE)
+    pipeline = list(shipped)
+    names = [p.name for p in pipeline]
+    i, j = names.index("fuse_activation"), names.index("fuse_conv_batchnorm")
+    pipeline[i], pipeline[j] = pipeline[j], pipeline[i]
+    with pytest.raises(PmxError, match="pass fuse_activation must run after fuse_conv_batchnorm, but comes before it"):
+        P.check_pipeline(pipeline)
+    monkeypatch.setattr(P, "PIPELINE", pipeline)
+    with pytest.raises(PmxError, match="fuse_activation must run after fuse_conv_batchnorm"):
+        P.run_pipeline(None)  # refused before any pass runs
+    late = list(shipped)
+    late.insert(len(late) - 1, P.Pass("fold_again", P.fold_constants, optional=True, after=("order",)))
+    with pytest.raises(PmxError, match="pass fold_again changes the node list after placement pass alias_views"):
+        P.check_pipeline(late)
+    with pytest.raises(PmxError, match="pass infer_shapes must follow canonicalize, which is not in the pipeline"):
+        P.check_pipeline([p for p in shipped if p.name != "canonicalize"])
+
+
+def test_every_ordering_comment_of_the_pipeline_is_a_constraint():
+    """The pipeline as shipped passes its checks, and each pass but the first is tied to
+    an earlier one, so no pass's place rests on a comment alone."""
+    P.check_pipeline(P.PIPELINE)
+    assert all(p.after for p in P.PIPELINE[1:])
+
+
+def test_a_placement_pass_that_changes_the_nodes_is_refused(prefix, tmp_path, monkeypatch):
+    def drop_last(graph):
+        graph.remove_node(graph.nodes[-1])
+        return True
+
+    pipeline = list(P.PIPELINE)
+    pipeline.insert(len(pipeline) - 1, P.Pass("drop_last", drop_last, keeps_nodes=True))
+    monkeypatch.setattr(P, "PIPELINE", pipeline)
+    with pytest.raises(PmxError, match="pass drop_last changed the node list"):
+        compile_model(prefix + ".pnnx.param", output=str(tmp_path / "d.pmx"))
 
 
 def test_framework_overhead_is_the_part_of_each_run_outside_the_kernels(prefix, tmp_path):

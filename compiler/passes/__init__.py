@@ -1,6 +1,12 @@
-"""The optimization pipeline: an ordered list, each pass a function Graph -> bool
-(changed?). With verify=True (tests, `pmx compile --verify`) the graph is checked after
-every pass and a failure names the pass."""
+"""The optimization pipeline: an ordered list of passes, each a function Graph -> bool
+(changed?) with the passes it must follow. The order is checked when a pipeline is built
+or run (check_pipeline), as torch.fx checks its pass constraints: a pass placed before
+one it must follow is refused, naming both. Passes from `order` on must keep the node
+list as it is (they only place tensors); run_pipeline checks that too. With verify=True
+(tests, `pmx compile --verify`) the graph is checked after every pass and a failure
+names the pass."""
+
+from typing import Callable, NamedTuple
 
 from pmx.compiler.passes.alias_concat import alias_concat
 from pmx.compiler.passes.alias_views import alias_views
@@ -26,102 +32,144 @@ from pmx.compiler.passes.pool_before_pointwise import pool_before_pointwise
 from pmx.compiler.passes.prepack_weights import prepack_weights
 from pmx.compiler.passes.tune import tune
 from pmx.compiler.passes.write_inplace import write_inplace
+from pmx.runtime.errors import PmxInternalError
+
+
+class Pass(NamedTuple):
+    name: str
+    run: Callable
+    # an optimization: `pmx compile --no-opt` skips it, `--disable NAME` this one
+    optional: bool = False
+    # passes that, where both run, must run before this one, and why
+    after: tuple = ()
+    # a placement pass: it changes where tensors live, never the node list
+    keeps_nodes: bool = False
+
+
+FUSIONS = ("fuse_conv_batchnorm", "fuse_activation", "batch_norm_as_elementwise", "fuse_elementwise",
+           "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale", "fold_affine_relu",
+           "pool_before_pointwise", "fold_norm_affine", "fuse_shuffle_split")
 
 PIPELINE = [
     # PNNX spellings -> canonical ops; everything after sees one op set.
-    ("canonicalize", canonicalize),
+    Pass("canonicalize", canonicalize),
     # Checks pnnx's recorded shapes against our shape rules before anything moves.
-    ("infer_shapes", infer_shapes),
+    Pass("infer_shapes", infer_shapes, after=("canonicalize",)),
     # Constant subgraphs (shape arithmetic, Attribute chains) become constants, which
     # exposes more dead code and lets fusion see plain weights.
-    ("fold_constants", fold_constants),
+    Pass("fold_constants", fold_constants, optional=True, after=("infer_shapes",)),
     # Drops what no output needs, including constants only dead nodes read; before the
     # fusions so a dead second reader does not block them.
-    ("eliminate_dead_code", eliminate_dead_code),
+    Pass("eliminate_dead_code", eliminate_dead_code, optional=True, after=("fold_constants",)),
     # Which input dims may change at run time (and frozen reshapes made symbolic); after
     # folding, so only nodes that run are probed, before fusion rewrites them.
-    ("mark_dynamic_dims", mark_dynamic_dims),
-    # Before fuse_activation: a conv carrying an epilogue can no longer absorb a BN.
-    ("fuse_conv_batchnorm", fuse_conv_batchnorm),
-    # Before fuse_elementwise, so a GEMM's activation goes into its epilogue (in cache)
-    # rather than into a separate elementwise region that re-reads the output.
-    ("fuse_activation", fuse_activation),
+    Pass("mark_dynamic_dims", mark_dynamic_dims, after=("fold_constants", "eliminate_dead_code")),
+    # Fusions see live nodes only, with their dynamic dims known.
+    Pass("fuse_conv_batchnorm", fuse_conv_batchnorm, optional=True, after=("eliminate_dead_code", "mark_dynamic_dims")),
+    # After fuse_conv_batchnorm: a conv carrying an epilogue can no longer absorb a BN.
+    Pass("fuse_activation", fuse_activation, optional=True, after=("mark_dynamic_dims", "fuse_conv_batchnorm")),
     # A batch_norm no conv absorbed becomes an expression fuse_elementwise can merge
     # with its neighbours (DenseNet's BN -> ReLU).
-    ("batch_norm_as_elementwise", batch_norm_as_elementwise),
-    # Merges what is left of elementwise chains into one expression per region.
-    ("fuse_elementwise", fuse_elementwise),
+    Pass("batch_norm_as_elementwise", batch_norm_as_elementwise, optional=True,
+         after=("mark_dynamic_dims", "fuse_conv_batchnorm")),
+    # After fuse_activation, so a GEMM's activation goes into its epilogue (in cache)
+    # rather than into a separate elementwise region that re-reads the output.
+    Pass("fuse_elementwise", fuse_elementwise, optional=True,
+         after=("mark_dynamic_dims", "fuse_activation", "batch_norm_as_elementwise")),
     # After the activations are final: SiLU epilogues run over negated products, one
     # numpy pass fewer (bit-identical results).
-    ("negate_silu_weights", negate_silu_weights),
+    Pass("negate_silu_weights", negate_silu_weights, optional=True, after=("fuse_activation", "fuse_elementwise")),
     # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
     # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
-    ("fold_channel_gate", fold_channel_gate),
+    Pass("fold_channel_gate", fold_channel_gate, optional=True, after=("fuse_elementwise",)),
     # After fold_channel_gate (a gated conv then reads the hardswish output itself): a
     # hardswish epilogue read only by convs and linears leaves its division by 6 to
     # their weights (one pass fewer).
-    ("fold_hardswish_scale", fold_hardswish_scale),
+    Pass("fold_hardswish_scale", fold_hardswish_scale, optional=True, after=("fuse_activation", "fold_channel_gate")),
     # After fuse_elementwise has made a pre-activation BN -> ReLU one expression: its
     # scale and shift move into the 1x1 convs reading it, and max(x, t) is left (one
     # pass instead of three; DenseNet).
-    ("fold_affine_relu", fold_affine_relu),
+    Pass("fold_affine_relu", fold_affine_relu, optional=True, after=("fuse_elementwise",)),
     # After fold_affine_relu (which needs the conv to read the ReLU directly): an average
     # pool after a 1x1 conv runs before it, so the conv multiplies the pooled positions
     # only (DenseNet's transitions: a quarter of the GEMM).
-    ("pool_before_pointwise", pool_before_pointwise),
+    Pass("pool_before_pointwise", pool_before_pointwise, optional=True, after=("fold_affine_relu",)),
     # A layer norm read only by linears leaves its gamma and beta to their weights and
     # biases (transformers' norm -> QKV and norm -> MLP: two passes fewer).
-    ("fold_norm_affine", fold_norm_affine),
-    # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2);
-    # before the alias passes, which then place those parts in their concats.
-    ("fuse_shuffle_split", fuse_shuffle_split),
+    Pass("fold_norm_affine", fold_norm_affine, optional=True, after=("mark_dynamic_dims",)),
+    # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2).
+    Pass("fuse_shuffle_split", fuse_shuffle_split, optional=True, after=("mark_dynamic_dims",)),
     # Per-node kernel choice; after fusion so it sees the final expressions.
-    ("choose_kernels", choose_kernels),
-    # Only with --tune: replaces the rule's choices by timings on this machine; right
-    # after choose_kernels, on the final node set, before placement (it uses private
-    # buffers, so aliases do not matter).
-    ("tune", tune),
+    Pass("choose_kernels", choose_kernels, after=FUSIONS),
+    # Only with --tune: replaces the rule's choices by timings on this machine, on the
+    # final node set, before placement (it uses private buffers, so aliases do not matter).
+    Pass("tune", tune, optional=True, after=("choose_kernels",)),
     # Rewrites nodes whose chosen kernel wants another weight layout (Winograd); after
     # the final kernel choice, before placement (it swaps constants, not activations).
     # Skipped, a conv keeps its variant and runs as the im2col GEMM.
-    ("prepack_weights", prepack_weights),
+    Pass("prepack_weights", prepack_weights, optional=True, after=("choose_kernels", "tune")),
     # Fixes the execution order the file stores; lifetimes (in-place, planning) use it.
-    ("order", order),
-    # Aliases from here on only change where tensors live, never the node list.
+    Pass("order", order, after=("prepack_weights",)),
     # Reshape-like views first: a concat slice or in-place write then sees them as part
-    # of their input's buffer.
-    ("alias_views", alias_views),
+    # of their input's buffer. After fuse_shuffle_split, whose parts the alias passes
+    # then place in their concats.
+    Pass("alias_views", alias_views, optional=True, after=("order", "fuse_shuffle_split"), keeps_nodes=True),
     # Before write_inplace: removing a concat's copy saves time as well as memory, so
     # concat gets the first claim on a tensor's placement.
-    ("alias_concat", alias_concat),
+    Pass("alias_concat", alias_concat, optional=True, after=("order", "alias_views"), keeps_nodes=True),
     # Needs the final order and every other alias to know where each buffer dies.
-    ("write_inplace", write_inplace),
-    # Lifetimes over the final order -> arena offsets; must be last.
-    ("plan_memory", plan_memory),
+    Pass("write_inplace", write_inplace, optional=True, after=("order", "alias_views", "alias_concat"),
+         keeps_nodes=True),
+    # Lifetimes over the final order and placement -> arena offsets.
+    Pass("plan_memory", plan_memory, after=("order", "write_inplace"), keeps_nodes=True),
 ]
 
+
+def check_pipeline(pipeline):
+    """Refuse a pipeline that breaks a pass's `after` constraint, repeats a name, names an
+    unknown pass, or lets a node-changing pass follow a placement pass."""
+    position = {}
+    for i, p in enumerate(pipeline):
+        if p.name in position:
+            raise PmxInternalError(f"pipeline: pass {p.name} appears twice")
+        position[p.name] = i
+    placing = None
+    for i, p in enumerate(pipeline):
+        for earlier in p.after:
+            if earlier not in position:
+                raise PmxInternalError(f"pipeline: pass {p.name} must follow {earlier}, which is not in the pipeline")
+            if position[earlier] > i:
+                raise PmxInternalError(f"pipeline: pass {p.name} must run after {earlier}, but comes before it")
+        if p.keeps_nodes:
+            placing = placing or p.name
+        elif placing is not None:
+            raise PmxInternalError(f"pipeline: pass {p.name} changes the node list after placement pass {placing}")
+    return pipeline
+
+
+check_pipeline(PIPELINE)
+
 # Passes that only optimize; `pmx compile --no-opt` skips them, `--disable NAME` one.
-OPTIONAL = {"tune", "prepack_weights", "fold_constants", "eliminate_dead_code", "fuse_conv_batchnorm", "fuse_activation",
-            "batch_norm_as_elementwise", "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale",
-            "fold_affine_relu", "pool_before_pointwise", "fold_norm_affine", "fuse_shuffle_split", "fuse_elementwise", "alias_views", "alias_concat", "write_inplace"}
-# Passes the compile cannot do without.
-REQUIRED = {"canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"}
+OPTIONAL = frozenset(p.name for p in PIPELINE if p.optional)
 
 
 def run_pipeline(graph, verify=False, disabled=()):
+    check_pipeline(PIPELINE)
     if not hasattr(graph, "aliases"):
         graph.aliases = {}
     shapes_known = False  # pnnx leaves some shapes out; infer_shapes fills them
-    for name, fn in PIPELINE:
-        if name in disabled and name not in REQUIRED:
+    for p in PIPELINE:
+        if p.optional and p.name in disabled:
             continue
-        before = len(graph.nodes)
-        fn(graph)
-        graph.pass_stats.append((name, before, len(graph.nodes)))
-        shapes_known = shapes_known or name == "infer_shapes"
+        nodes = list(graph.nodes)
+        p.run(graph)
+        graph.pass_stats.append((p.name, len(nodes), len(graph.nodes)))
+        if p.keeps_nodes and (len(nodes) != len(graph.nodes) or any(a is not b for a, b in zip(nodes, graph.nodes))):
+            raise PmxInternalError(f"pass {p.name} changed the node list; placement passes only place tensors")
+        shapes_known = shapes_known or p.name == "infer_shapes"
         if verify:
-            graph.verify(after=name, require_shapes=shapes_known)
-            check_aliases(graph, after=name)
+            graph.verify(after=p.name, require_shapes=shapes_known)
+            check_aliases(graph, after=p.name)
     return graph
 
 
