@@ -88,6 +88,7 @@ class _Binding:
         self.model = model
         self.pool = pool
         self.gate = parallel.RunChooser(pool.threads > 1)
+        self.step_nodes = None  # id(step) -> its node, made when profiling first needs it
         with parallel.binding(pool):
             self._bind(model, layout, max_arena_bytes, run_sized)
 
@@ -499,32 +500,59 @@ class InferenceSession:
             return self._async
 
     def _run_steps(self, binding, wanted, run_options):
-        """The run loop: the steps `wanted` needs, each checked for terminate when
-        run_options is given, profiled when profiling is on."""
+        """A run of the steps `wanted` needs: the run loop, with the session's profiler
+        watching when profiling is on, and the whole run timed for the thread chooser."""
         timed = binding.before_run()
-        steps = self._steps_for(binding, wanted)
-        step = None
         start = time.perf_counter() if timed else 0.0
+        profiler = self._profiler
+        watch = None if profiler is None else self._profiling_watch(binding, profiler)
+        self._loop(binding, self._steps_for(binding, wanted), run_options, watch)
+        if profiler is not None:
+            profiler.run(watch.start, time.perf_counter())
+        if timed:
+            binding.gate.after_run(time.perf_counter() - start)
+
+    def _loop(self, binding, steps, run_options=None, watch=None):
+        """The one run loop: each step in order; with run_options, terminate is checked
+        before each step; with `watch`, watch(step, t0, t1) is called after each step with
+        its start and end times (profiling, kernel timing). Unwatched and without
+        run_options it is a bare loop. Whatever a step raises leaves as a PmxError
+        naming its node."""
+        step = None
         try:
             with np.errstate(all="ignore"):
-                if self._profiler is not None:
-                    self._run_profiled(binding, steps, self._profiler, run_options)
-                elif run_options is None:
+                if watch is None and run_options is None:
                     for step in steps:
                         step()
                 else:
+                    clock = time.perf_counter
                     for step in steps:
-                        if run_options.terminate:
+                        if run_options is not None and run_options.terminate:
                             raise _terminated(run_options)
+                        t0 = clock()
                         step()
+                        if watch is not None:
+                            watch(step, t0, clock())
         except PmxError:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
         except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
-        if timed:
-            binding.gate.after_run(time.perf_counter() - start)
+
+    def _profiling_watch(self, binding, profiler):
+        """A watch for _loop recording each node into `profiler` (SessionOptions.enable_profiling)."""
+        nodes = binding.step_nodes
+        if nodes is None:
+            nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
+        shapes = binding.layout.shapes
+
+        def watch(step, t0, t1):
+            node = nodes[id(step)]
+            profiler.node(node, t0, t1, [list(shapes[i]) for i in node.outputs])
+
+        watch.start = time.perf_counter()
+        return watch
 
     def _prepare(self, output_names, input_feed):
         """(binding, wanted output tensors) for a run, with the feed checked and copied in."""
@@ -558,42 +586,13 @@ class InferenceSession:
         """run(None, input_feed) that also returns the seconds spent inside the nodes'
         kernel callables (runtime/overhead.py): (outputs, seconds)."""
         binding, wanted = self._prepare(None, input_feed)
-        steps = self._steps_for(binding, wanted)
-        clock = time.perf_counter
-        inside = 0.0
-        with np.errstate(all="ignore"):
-            for step in steps:
-                t0 = clock()
-                try:
-                    step()
-                except PmxError:
-                    raise
-                except Exception as e:  # noqa: BLE001 - named here, where the step is known
-                    raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
-                inside += clock() - t0
-        return self._outputs_of(binding, wanted), inside
+        inside = [0.0]
 
-    def _run_profiled(self, binding, steps, profiler, run_options=None):
-        """run()'s loop with each node timed into `profiler` (SessionOptions.enable_profiling)."""
-        nodes = getattr(binding, "step_nodes", None)
-        if nodes is None:
-            nodes = binding.step_nodes = {id(fn): node for fn, node in zip(binding.steps, self._model.nodes)}
-        shapes = binding.layout.shapes
-        clock = time.perf_counter
-        start = clock()
-        for step in steps:
-            if run_options is not None and run_options.terminate:
-                raise _terminated(run_options)
-            node = nodes[id(step)]
-            t0 = clock()
-            try:
-                step()
-            except (PmxError, MemoryError):
-                raise
-            except Exception as e:  # noqa: BLE001 - named here, where the node is known
-                raise internal_error(self._model.path, node, "run", e) from e
-            profiler.node(node, t0, clock(), [list(shapes[i]) for i in node.outputs])
-        profiler.run(start, clock())
+        def watch(step, t0, t1):
+            inside[0] += t1 - t0
+
+        self._loop(binding, self._steps_for(binding, wanted), watch=watch)
+        return self._outputs_of(binding, wanted), inside[0]
 
     def _describe(self, binding, step):
         """'node NAME (op)' for the step that raised (found only after an error, so the
@@ -618,14 +617,14 @@ class InferenceSession:
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
-        with np.errstate(all="ignore"):
-            for _ in range(repeat):
-                for j, step in enumerate(binding.steps):
-                    if step is None:
-                        continue
-                    t0 = time.perf_counter()
-                    step()
-                    times[j].append(time.perf_counter() - t0)
+        index = {id(fn): j for j, fn in enumerate(binding.steps) if fn is not None}
+
+        def watch(step, t0, t1):
+            times[index[id(step)]].append(t1 - t0)
+
+        steps = [fn for fn in binding.steps if fn is not None]
+        for _ in range(repeat):
+            self._loop(binding, steps, watch=watch)
         rows = []
         for j, node in enumerate(m.nodes):
             ms = float(np.median(times[j])) * 1e3 if times[j] else 0.0

@@ -6,7 +6,8 @@ list as it is (they only place tensors); run_pipeline checks that too. With veri
 (tests, `pmx compile --verify`) the graph is checked after every pass and a failure
 names the pass."""
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from pmx.compiler.passes.alias_concat import alias_concat
 from pmx.compiler.passes.alias_views import alias_views
