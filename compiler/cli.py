@@ -519,6 +519,7 @@ def inspect_dict(model):
     commands share (README, "JSON output"): inputs and outputs carry declared_shape (as
     get_inputs() reports it: null for dims that may change), planned_shape (the shape
     memory was planned for) and, where dims may change, allowed (the sizes they take)."""
+    from pmx.runtime import expr as E
     from pmx.runtime.plan import lower_bound
     from pmx.runtime.replan import root_buffers
     from pmx.schema.layout import TensorKind
@@ -546,7 +547,7 @@ def inspect_dict(model):
             dict(op=nd.op, name=nd.name, variant=nd.variant,
                  inputs=[t[i].name if i >= 0 else None for i in nd.inputs],
                  outputs=[t[i].name for i in nd.outputs],
-                 planned_shapes=[list(t[i].shape) for i in nd.outputs], expr=nd.expr)
+                 planned_shapes=[list(t[i].shape) for i in nd.outputs], expr=E.to_text(nd.expr) if nd.expr else "")
             for nd in model.nodes
         ],
     }

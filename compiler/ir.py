@@ -47,7 +47,7 @@ class Node:
                  "expr", "variant", "uid")
 
     def __init__(self, op, name, inputs=(), outputs=(), attrs=None, input_names=None,
-                 line=0, expr="", variant=""):
+                 line=0, expr=None, variant=""):
         self.op = op
         self.name = name
         self.inputs = list(inputs)

@@ -15,6 +15,7 @@ import zlib
 import flatbuffers
 import numpy as np
 
+from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError
@@ -224,7 +225,7 @@ def _node_columns(b, shared, graph, index):
     ops, exprs, variants, attr_sets, inputs, outputs = [], [], [], [], [], []
     for node in graph.nodes:
         ops.append(strings.setdefault(node.op, len(strings)))
-        exprs.append(strings.setdefault(node.expr or "", len(strings)))
+        exprs.append(strings.setdefault(E.to_text(node.expr) if node.expr else "", len(strings)))
         variants.append(strings.setdefault(node.variant or "", len(strings)))
         attr_sets.append(shared.attr_set(node.attrs))
         inputs.append([index[v.uid] if v is not None else -1 for v in node.inputs])

@@ -13,7 +13,9 @@ of numpy ufunc calls writing into preallocated buffers; which one runs is decide
 compiler and stored per node (variant "numexpr" or "numpy").
 
 Trees are nested tuples: ("@", i) for inputs, ("#", value) for literals, and
-(name, arg, ...) for calls, so equal subtrees compare equal (used for CSE).
+(name, arg, ...) for calls, so equal subtrees compare equal (used for CSE) and a tree is
+immutable and hashable: the compiler's nodes and the loaded model's nodes hold trees
+(built with at() and call()), and text exists only in files (parse, to_text).
 """
 
 import functools
@@ -51,11 +53,22 @@ _TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)"
                     r"|(-inf)|(\()|(\))|(,))")
 
 
-@functools.lru_cache(maxsize=4096)
+def at(i):
+    """The tree of the node's i-th input, @i."""
+    return ("@", i)
+
+
+def call(name, *args):
+    """The tree name(args...): each arg a tree, or a Python number or bool (a literal)."""
+    if FUNCTIONS.get(name) != len(args):
+        raise ValueError(f"{name} takes {FUNCTIONS.get(name)} arguments, got {len(args)}")
+    return (name, *(a if isinstance(a, tuple) else ("#", a) for a in args))
+
+
 def parse(text: str, num_inputs: int | None = None):
     """Parse an expression string into a tree. Raises PmxFormatError on anything else.
-    Memoized: the loader's verifier, the shape rule and the kernel factory all read the
-    same node's text, and trees are immutable tuples, so sharing them is safe."""
+    Only the file boundaries call it: the pnnx frontend, and the loader, once per
+    distinct expression of a file; everything between holds trees."""
     if not isinstance(text, str) or not text or len(text) > MAX_EXPR_LENGTH:
         raise PmxFormatError(f"expression must be a non-empty string under {MAX_EXPR_LENGTH} chars")
     tokens = []

@@ -878,9 +878,11 @@ def _check_nodes(model):
             _explain_node(model, j, node, available, writable)
         writable -= outputs  # each tensor is produced once
         available |= outputs
-        if node.expr:
+        if not node.expr:
+            node.expr = None
+        elif isinstance(node.expr, str):  # as read (a model checked again holds trees)
             try:
-                size = _expression_size(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
+                node.expr, size = _expression(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
             except PmxFormatError as e:
                 _fail(path, f"{_label(j, node)}: {e}")
             if size > MAX_EXPANDED_EXPR:
@@ -911,10 +913,13 @@ def _explain_node(model, j, node, available, writable):
 
 
 @functools.lru_cache(maxsize=4096)
-def _expression_size(text, num_inputs):
-    """_expanded_size of an expression string, memoized as E.parse is: a model repeats
-    the same few activations many times."""
-    return _expanded_size(E.desugar(E.parse(text, num_inputs)))
+def _expression(text, num_inputs):
+    """(tree, _expanded_size) of a stored expression: the one place the runtime parses
+    expression text. Memoized: a model repeats the same few activations many times, and
+    nodes with equal text then share one tree object (check_shape_rules relies on it:
+    trees that differ only in a literal's type compare equal, their objects do not)."""
+    tree = E.parse(text, num_inputs)
+    return tree, _expanded_size(E.desugar(tree))
 
 
 def _expanded_size(tree):
@@ -966,7 +971,7 @@ def check_shape_rules(model):
         key = attrs_keys.get(id(attrs))
         if key is None:
             key = attrs_keys[id(attrs)] = _attrs_key(attrs)
-        return node.expr, node.variant, key
+        return id(node.expr), node.variant, key
 
     dtype_of = [t.dtype for t in tensors]
     nodes = model.nodes

@@ -84,10 +84,14 @@ def compare_with_torch(prefix, module, inputs, out_path, tol=1e-4, **compile_kwa
 
 
 class KernelNode:
-    """Stand-in for a node when calling a kernel directly (kernel property tests)."""
+    """Stand-in for a node when calling a kernel directly (kernel property tests). `expr`
+    may be given as text (the grammar of runtime/expr.py) for readability: nodes hold trees."""
 
     def __init__(self, op, attrs=None, expr="", variant="", name="test"):
-        self.op, self.attrs, self.expr, self.variant, self.name = op, dict(attrs or {}), expr, variant, name
+        from pmx.runtime import expr as E
+
+        tree = E.parse(expr) if isinstance(expr, str) and expr else (expr or None)
+        self.op, self.attrs, self.expr, self.variant, self.name = op, dict(attrs or {}), tree, variant, name
 
 
 def run_kernel(op, inputs, attrs=None, expr="", variant=""):

@@ -24,6 +24,7 @@ from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError
+from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime import load
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
@@ -140,6 +141,13 @@ def reference(header):
                 source=_text(m.Source()))
 
 
+def verified(ref):
+    """`ref` as open_model gives it after the verifier: stored expressions parsed to trees."""
+    for node in ref["nodes"]:
+        node.expr = E.parse(node.expr) if node.expr else None
+    return ref
+
+
 def assert_same(model, ref):
     for key, want in ref.items():
         got = getattr(model, key)
@@ -187,7 +195,7 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     g.inputs = [x]
     for i, v in enumerate(SHARED_ATTR_VALUES):
         y = Value(f"y{i}", (2, 3))
-        g.add_node(Node("elementwise", f"n{i}", [prev], [y], expr="neg(@0)", attrs={"a": v, "b": 2}))
+        g.add_node(Node("elementwise", f"n{i}", [prev], [y], expr=E.call("neg", E.at(0)), attrs={"a": v, "b": 2}))
         prev = y
     g.outputs = [prev]
     compile_graph(g, disabled=["fuse_elementwise"])
@@ -196,7 +204,7 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     data = path.read_bytes()
     pre, header = header_of(data)
     model = load.open_model(str(path))
-    assert_same(model, reference(header))
+    assert_same(model, verified(reference(header)))
     got = {n.name: n.attrs for n in model.nodes}
     for i, v in enumerate(SHARED_ATTR_VALUES):
         a = got[f"n{i}"]["a"]
@@ -340,8 +348,8 @@ def _strided_view_file(tmp_path):
     x = Value("x", (2, 3))
     y0, y1 = Value("y0", (2, 3)), Value("y1", (2, 3))
     g.inputs = [x]
-    g.add_node(Node("elementwise", "n0", [x], [y0], expr="neg(@0)"))
-    g.add_node(Node("elementwise", "n1", [y0], [y1], expr="neg(@0)"))
+    g.add_node(Node("elementwise", "n0", [x], [y0], expr=E.call("neg", E.at(0))))
+    g.add_node(Node("elementwise", "n1", [y0], [y1], expr=E.call("neg", E.at(0))))
     g.outputs = [y1]
     compile_graph(g, disabled=["fuse_elementwise"])
     g.aliases[y0.uid] = (x, 0, (12, 4))
@@ -356,7 +364,7 @@ def test_strided_views_read_like_the_generated_code(tmp_path):
     p = tmp_path / "strided_ok.pmx"
     p.write_bytes(data)
     model = load.open_model(str(p))
-    assert_same(model, reference(header))
+    assert_same(model, verified(reference(header)))
     assert [t.alias_strides for t in model.tensors if t.alias_strides] == [(12, 4)]
 
 

@@ -12,6 +12,16 @@ from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession
+from pmx.runtime import expr as E
+
+
+def text(node):
+    """A node's expression as text, for readable assertions (nodes hold trees)."""
+    return E.to_text(node.expr) if node.expr else ""
+
+
+def tree(source):
+    return E.parse(source)
 
 
 def randomize_bn(module, seed=0):
@@ -163,7 +173,7 @@ def test_batch_norm_as_elementwise_fuses_with_relu(check_model, exporter):
                                             "batch_norm_as_elementwise", also_disabled=("fold_affine_relu",))
     assert ops(without).count("batch_norm") == 3
     assert "batch_norm" not in ops(with_)
-    exprs = [n.expr for n in with_.nodes if n.op == "elementwise"]
+    exprs = [text(n) for n in with_.nodes if n.op == "elementwise"]
     # the 2-d BN and its ReLU are one node; the BN1d nodes are affine expressions
     assert any("maximum" in e and "mul" in e and "add" in e for e in exprs), exprs
     assert sum("mul" in e and "add" in e for e in exprs) == 3, exprs
@@ -201,12 +211,12 @@ def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
     inputs = (_rand(2, 3, 24, 24)[0] * 4,)
     with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights",
                                             also_disabled=("fold_hardswish_scale",))
-    negated = [n for n in with_.nodes if n.expr == "div(@0,sub(-1,exp(@0)))"]
-    assert len(negated) == 5, [(n.op, n.expr) for n in with_.nodes]
-    assert not any(n.expr == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
+    negated = [n for n in with_.nodes if text(n) == "div(@0,sub(-1,exp(@0)))"]
+    assert len(negated) == 5, [(n.op, text(n)) for n in with_.nodes]
+    assert not any(text(n) == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
     assert sorted(n.op + ":" + n.variant.split("_")[0] for n in negated) == [
         "conv:depthwise", "conv:gemm", "conv_winograd:winograd", "linear:", "linear:"]
-    assert {n.expr for n in with_.nodes if n.op.startswith("conv") and n not in negated} == {
+    assert {text(n) for n in with_.nodes if n.op.startswith("conv") and n not in negated} == {
         "sigmoid(@0)", "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"}
     originals = {n.name: n for n in without.nodes}
     for n in negated:
@@ -230,11 +240,11 @@ def test_negate_silu_weights_leaves_shared_weights():
     x, y, z = Value("x", (1, 4)), Value("y", (1, 4)), Value("z", (1, 4))
     w = Value("w", (4, 4), data=np.eye(4, dtype=np.float32))
     g.inputs = [x]
-    g.add_node(Node("linear", "a", [x, w], [y], expr="mul(@0,sigmoid(@0))"))
+    g.add_node(Node("linear", "a", [x, w], [y], expr=tree("mul(@0,sigmoid(@0))")))
     g.add_node(Node("linear", "b", [y, w], [z]))
     g.outputs = [z]
     assert not negate_silu_weights(g)
-    assert g.nodes[0].expr == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
+    assert text(g.nodes[0]) == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
 
 
 # --- fold_channel_gate -----------------------------------------------------------------
@@ -283,13 +293,13 @@ def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, ex
     m = make(GatedConvs)
     inputs = _rand(2, 3, 28, 28)
     with_, without = check_with_and_without(check_model, exporter, "passes_gate", m, inputs, "fold_channel_gate")
-    gates = [n for n in without.nodes if n.op == "elementwise" and n.expr in ("mul(@0,@1)", "mul(@1,@0)")]
-    assert len(gates) == 7, [(n.op, n.expr) for n in without.nodes]
+    gates = [n for n in without.nodes if n.op == "elementwise" and text(n) in ("mul(@0,@1)", "mul(@1,@0)")]
+    assert len(gates) == 7, [(n.op, text(n)) for n in without.nodes]
     scaled = [n for n in with_.nodes if n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None]
     assert [n.inputs[1].shape for n in scaled] == [(48, 64, 1, 1)]
     (conv,) = scaled
     assert conv.inputs[0].producer.inputs[1].shape == (64, 3, 3, 3), "reads the stem's output itself"
-    assert conv.inputs[3].shape == (2, 64, 1, 1) and conv.inputs[3].producer.expr == "sigmoid(@0)"
+    assert conv.inputs[3].shape == (2, 64, 1, 1) and text(conv.inputs[3].producer) == "sigmoid(@0)"
     assert len(with_.nodes) == len(without.nodes) - 1
     # a runtime that predates input scales would ignore one: the file says it needs version 3
     assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
@@ -486,10 +496,11 @@ def test_fold_affine_relu_moves_scale_and_shift_into_the_readers(check_model, ex
     inputs = (_rand(2, 3, 9, 9)[0] * 3,)
     with_, without = check_with_and_without(check_model, exporter, "passes_affine_relu", m, inputs,
                                             "fold_affine_relu")
-    exprs = lambda g: sorted(n.expr for n in g.nodes if n.op == "elementwise" and "maximum" in n.expr)  # noqa: E731
-    affine_relu = f"maximum({EXPR},0)"
+    exprs = lambda g: sorted(text(n) for n in g.nodes if n.op == "elementwise" and "maximum" in text(n))  # noqa: E731
+    affine_relu = E.to_text(E.call("maximum", EXPR, 0))
+    folded, signed = E.to_text(FOLDED), E.to_text(FOLDED_SIGNED)
     assert exprs(without) == [affine_relu] * 9, exprs(without)
-    assert exprs(with_) == sorted([FOLDED] * 2 + [FOLDED_SIGNED] * 2 + [affine_relu] * 5), exprs(with_)
+    assert exprs(with_) == sorted([folded] * 2 + [signed] * 2 + [affine_relu] * 5), exprs(with_)
     before = {n.name: n for n in without.nodes}
     readers = {"pos_1x1": m.bn_pos, "pos_strided": m.bn_pos, "mixed_3x3": m.bn_mixed, "fc": m.bn_1d}
     checked = 0
@@ -534,11 +545,11 @@ def test_fold_affine_relu_leaves_shared_weights():
     def bn_relu(x, y):
         scale = Value("s", (4,), "float32", data=np.full(4, 2.0, np.float32))
         shift = Value("b", (4,), "float32", data=np.ones(4, np.float32))
-        return Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=f"maximum({EXPR},0)")
+        return Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=E.call("maximum", EXPR, 0))
 
     g = shared_weight_graph(bn_relu, shared=True)
     assert not fold_affine_relu(g)
-    assert g.nodes[0].expr == f"maximum({EXPR},0)" and g.nodes[1].inputs[1].name == "w"
+    assert g.nodes[0].expr == E.call("maximum", EXPR, 0) and g.nodes[1].inputs[1].name == "w"
     g = shared_weight_graph(bn_relu, shared=False)
     assert fold_affine_relu(g)
     assert g.nodes[0].expr == FOLDED
@@ -769,8 +780,8 @@ def test_fuse_activation_fires(check_model, exporter):
     inputs = (_rand(1, 4, 6, 6)[0], _rand(2, 5, 16, seed=1)[0])
     g, without = check_with_and_without(check_model, exporter, "passes_gemm_acts", m, inputs, "fuse_activation")
     gemms = [n for n in g.nodes if n.op in ("conv", "linear", "matmul")]
-    assert len(gemms) == 11 and all(n.expr for n in gemms), [(n.op, n.expr) for n in gemms]
-    assert "clamp" not in "".join(n.expr for n in gemms)
+    assert len(gemms) == 11 and all(n.expr for n in gemms), [(n.op, text(n)) for n in gemms]
+    assert "clamp" not in "".join(text(n) for n in gemms)
     assert len(without.nodes) > len(g.nodes)
 
 
@@ -801,7 +812,7 @@ def test_fuse_elementwise_fires(check_model, exporter):
     # the gate region (small) and the d region (two readers) stay separate
     gate = [n for n in ew if n.outputs[0].shape == (1, 4, 1, 1)]
     assert len(gate) == 1
-    assert all(v.dtype == "float32" for n in ew for v in n.outputs if "gt(" not in n.expr)
+    assert all(v.dtype == "float32" for n in ew for v in n.outputs if "gt(" not in text(n))
 
 
 def test_fused_expression_stays_float32(check_model, exporter):
@@ -966,10 +977,10 @@ def _const_graph():
     k = Value("k", (3,), data=np.array([1.0, 2.0, 3.0], np.float32))
     k2, y, dead, z = Value("k2", (3,)), Value("y", (2, 3)), Value("dead", (2, 3)), Value("z", (2, 3))
     g.inputs = [x]
-    g.add_node(Node("elementwise", "fold_me", [k], [k2], expr="exp(mul(@0,0.5))"))
-    g.add_node(Node("elementwise", "use", [x, k2], [y], expr="add(@0,@1)"))
-    g.add_node(Node("elementwise", "unused", [x, k], [dead], expr="mul(@0,@1)"))
-    g.add_node(Node("elementwise", "out", [y], [z], expr="tanh(@0)"))
+    g.add_node(Node("elementwise", "fold_me", [k], [k2], expr=tree("exp(mul(@0,0.5))")))
+    g.add_node(Node("elementwise", "use", [x, k2], [y], expr=tree("add(@0,@1)")))
+    g.add_node(Node("elementwise", "unused", [x, k], [dead], expr=tree("mul(@0,@1)")))
+    g.add_node(Node("elementwise", "out", [y], [z], expr=tree("tanh(@0)")))
     g.outputs = [z]
     return g
 
@@ -1019,7 +1030,7 @@ BENCH_MODELS = [
 
 def _ew_node(expr, shape, n_inputs=1):
     ins = [Value(f"i{k}", shape) for k in range(n_inputs)]
-    return Node("elementwise", "e", ins, [Value("o", shape)], expr=expr)
+    return Node("elementwise", "e", ins, [Value("o", shape)], expr=tree(expr))
 
 
 @pytest.mark.parametrize("expr,shape,want", [

@@ -12,6 +12,7 @@ from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession
+from pmx.runtime import expr as E
 from pmx.runtime.plan import ALIGN, check_plan, lower_bound, plan_arena
 
 
@@ -105,12 +106,12 @@ def random_graph(draw):
             b = draw(st.sampled_from(same))
             expr = draw(st.sampled_from(BINARY))
             out = Value(f"v{i}", a.shape)
-            g.add_node(Node("elementwise", f"n{i}", [a, b], [out], expr=expr))
+            g.add_node(Node("elementwise", f"n{i}", [a, b], [out], expr=E.parse(expr)))
             steps.append(("ew", expr, [a, b], out))
         elif kind == "unary":
             expr = draw(st.sampled_from(UNARY))
             out = Value(f"v{i}", a.shape)
-            g.add_node(Node("elementwise", f"n{i}", [a], [out], expr=expr))
+            g.add_node(Node("elementwise", f"n{i}", [a], [out], expr=E.parse(expr)))
             steps.append(("ew", expr, [a], out))
         elif kind == "reshape":
             shape = (1, a.shape[1] * a.shape[2] // 4, 4) if a.shape[2] != 4 else (1, a.shape[1] * 2, 2)

@@ -98,7 +98,9 @@ def weight(node, key, required=True):
     return v
 
 
-def make(node, op, inputs, attrs=None, outputs=None, expr="", name=None):
+def make(node, op, inputs, attrs=None, outputs=None, expr=None, name=None):
+    """A node replacing `node` (its outputs unless given); expr: an expression tree
+    (runtime/expr.py at() and call()) or None."""
     return Node(op, name or node.name, inputs, node.outputs if outputs is None else outputs,
                 attrs or {}, line=node.line, expr=expr)
 

@@ -10,23 +10,24 @@ import math
 import numpy as np
 
 from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule, weight
+from pmx.runtime.expr import at, call
 
 SELU_ALPHA = 1.6732632423543772
 SELU_SCALE = 1.0507009873554805
 
 
-def _f(v):
-    return repr(float(v))
+X = at(0)  # the activation's input
 
 
 def gelu_expr(approximate="none"):
     if approximate == "tanh":
         c = math.sqrt(2.0 / math.pi)
         # 0.5 (1 + tanh(u)) == sigmoid(2u): same function, no cancellation for x < 0
-        return f"mul(@0,sigmoid(mul({_f(2 * c)},add(@0,mul(0.044715,mul(@0,mul(@0,@0)))))))"
+        cubic = call("add", X, call("mul", 0.044715, call("mul", X, call("mul", X, X))))
+        return call("mul", X, call("sigmoid", call("mul", float(2 * c), cubic)))
     # 0.5 x erfc(-x/sqrt2) == 0.5 x (1 + erf(x/sqrt2)) without the cancellation of 1 + erf
     # for x < 0, so the negative tail keeps float32 relative accuracy
-    return f"mul(mul(@0,0.5),erfc(mul(@0,{_f(-1 / math.sqrt(2))})))"
+    return call("mul", call("mul", X, 0.5), call("erfc", call("mul", X, float(-1 / math.sqrt(2)))))
 
 
 # x - tanh(x) = x^3 (1/3 - 2/15 x^2 + 17/315 x^4 - ...): the series for |x| < 0.5, where
@@ -36,16 +37,18 @@ _TANHSHRINK_SERIES = (1 / 3, -2 / 15, 17 / 315, -62 / 2835, 1382 / 155925, -2184
 
 
 def tanhshrink_expr():
-    x2 = "mul(@0,@0)"
-    poly = _f(_TANHSHRINK_SERIES[-1])
+    x2 = call("mul", X, X)
+    poly = ("#", float(_TANHSHRINK_SERIES[-1]))
     for c in reversed(_TANHSHRINK_SERIES[:-1]):
-        poly = f"add({_f(c)},mul({x2},{poly}))"
-    return f"where(lt(abs(@0),0.5),mul(mul(@0,{x2}),{poly}),sub(@0,tanh(@0)))"
+        poly = call("add", float(c), call("mul", x2, poly))
+    return call("where", call("lt", call("abs", X), 0.5), call("mul", call("mul", X, x2), poly),
+                call("sub", X, call("tanh", X)))
 
 
-def softplus_expr(beta=1.0, threshold=20.0):
-    return (f"where(gt(mul(@0,{_f(beta)}),{_f(threshold)}),@0,"
-            f"div(log1p(exp(mul(@0,{_f(beta)}))),{_f(beta)}))")
+def softplus_expr(beta=1.0, threshold=20.0, x=X):
+    beta = float(beta)
+    return call("where", call("gt", call("mul", x, beta), float(threshold)), x,
+                call("div", call("log1p", call("exp", call("mul", x, beta))), beta))
 
 
 def _number(node, key, default):
@@ -57,23 +60,25 @@ def _number(node, key, default):
 
 def hardshrink_expr(lambd):
     # torch zeroes -lambd <= x <= lambd and keeps everything else (NaN too)
-    return f"where(le(abs(@0),{_f(lambd)}),0.0,@0)"
+    return call("where", call("le", call("abs", X), float(lambd)), 0.0, X)
 
 
 def softshrink_expr(lambd):
     # the middle is x - x: +0 (torch's vectorized loop writes +0 there, its scalar tail
     # x * 0) and NaN for NaN
-    return f"where(gt(@0,{_f(lambd)}),sub(@0,{_f(lambd)}),where(lt(@0,{_f(-lambd)}),add(@0,{_f(lambd)}),sub(@0,@0)))"
+    lambd = float(lambd)
+    return call("where", call("gt", X, lambd), call("sub", X, lambd),
+                call("where", call("lt", X, -lambd), call("add", X, lambd), call("sub", X, X)))
 
 
 def threshold_expr(threshold, value):
-    return f"where(le(@0,{_f(threshold)}),{_f(value)},@0)"
+    return call("where", call("le", X, float(threshold)), float(value), X)
 
 
 def rrelu_expr(lower, upper):
     """Eval-mode RReLU: a leaky ReLU of slope (lower + upper) / 2 (pnnx records no
     training flag, and a training-mode RReLU draws random slopes)."""
-    return f"where(gt(@0,0),@0,mul(@0,{_f((lower + upper) / 2)}))"
+    return call("where", call("gt", X, 0), X, call("mul", X, float((lower + upper) / 2)))
 
 
 def _shrink_lambda(node):
@@ -90,32 +95,41 @@ def _unary(expr_fn):
 
 
 def _clamp_expr(lo, hi):
-    e = "@0"
+    e = X
     if lo is not None:
-        e = f"maximum({e},{_f(lo)})"
+        e = call("maximum", e, float(lo))
     if hi is not None:
-        e = f"minimum({e},{_f(hi)})"
+        e = call("minimum", e, float(hi))
     return e
 
 
+def _where_positive(negative):
+    return call("where", call("gt", X, 0), X, negative)
+
+
+_RELU = call("maximum", X, 0)
+_HARDSIGMOID = call("div", call("minimum", call("maximum", call("add", X, 3), 0), 6), 6)
+
 _SIMPLE = {
-    ("F.relu", "nn.ReLU", "torch.relu", "Tensor.relu"): lambda n: "maximum(@0,0)",
-    ("F.relu6", "nn.ReLU6"): lambda n: "minimum(maximum(@0,0),6)",
+    ("F.relu", "nn.ReLU", "torch.relu", "Tensor.relu"): lambda n: _RELU,
+    ("F.relu6", "nn.ReLU6"): lambda n: call("minimum", _RELU, 6),
     ("F.hardtanh", "nn.Hardtanh"): lambda n: _clamp_expr(param(n, "min_val", -1.0), param(n, "max_val", 1.0)),
-    ("F.leaky_relu", "nn.LeakyReLU"): lambda n: f"where(gt(@0,0),@0,mul(@0,{_f(param(n, 'negative_slope', 0.01))}))",
-    ("F.sigmoid", "nn.Sigmoid", "torch.sigmoid", "Tensor.sigmoid"): lambda n: "sigmoid(@0)",
-    ("F.silu", "nn.SiLU"): lambda n: "mul(@0,sigmoid(@0))",
-    ("F.hardswish", "nn.Hardswish"): lambda n: "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))",
-    ("F.hardsigmoid", "nn.Hardsigmoid"): lambda n: "div(minimum(maximum(add(@0,3),0),6),6)",
-    ("F.tanh", "nn.Tanh", "torch.tanh", "Tensor.tanh"): lambda n: "tanh(@0)",
+    ("F.leaky_relu", "nn.LeakyReLU"): lambda n: _where_positive(call("mul", X, float(param(n, "negative_slope", 0.01)))),
+    ("F.sigmoid", "nn.Sigmoid", "torch.sigmoid", "Tensor.sigmoid"): lambda n: call("sigmoid", X),
+    ("F.silu", "nn.SiLU"): lambda n: call("mul", X, call("sigmoid", X)),
+    ("F.hardswish", "nn.Hardswish"): lambda n: call("mul", X, _HARDSIGMOID),
+    ("F.hardsigmoid", "nn.Hardsigmoid"): lambda n: _HARDSIGMOID,
+    ("F.tanh", "nn.Tanh", "torch.tanh", "Tensor.tanh"): lambda n: call("tanh", X),
     ("F.gelu", "nn.GELU"): lambda n: gelu_expr(param(n, "approximate", "none")),
-    ("F.elu", "nn.ELU"): lambda n: f"where(gt(@0,0),@0,mul({_f(param(n, 'alpha', 1.0))},expm1(@0)))",
-    ("F.celu", "nn.CELU"): lambda n: f"where(gt(@0,0),@0,mul({_f(param(n, 'alpha', 1.0))},expm1(div(@0,{_f(param(n, 'alpha', 1.0))}))))",
-    ("F.selu", "nn.SELU", "torch.selu"): lambda n: f"mul({_f(SELU_SCALE)},where(gt(@0,0),@0,mul({_f(SELU_ALPHA)},expm1(@0))))",
+    ("F.elu", "nn.ELU"): lambda n: _where_positive(call("mul", float(param(n, "alpha", 1.0)), call("expm1", X))),
+    ("F.celu", "nn.CELU"): lambda n: _where_positive(call("mul", float(param(n, "alpha", 1.0)),
+                                                          call("expm1", call("div", X, float(param(n, "alpha", 1.0)))))),
+    ("F.selu", "nn.SELU", "torch.selu"): lambda n: call("mul", SELU_SCALE, _where_positive(
+        call("mul", SELU_ALPHA, call("expm1", X)))),
     ("F.softplus", "nn.Softplus"): lambda n: softplus_expr(param(n, "beta", 1.0), param(n, "threshold", 20.0)),
-    ("F.mish", "nn.Mish"): lambda n: "mul(@0,tanh(" + softplus_expr().replace("@0", "@0") + "))",
-    ("F.softsign", "nn.Softsign"): lambda n: "div(@0,add(abs(@0),1))",
-    ("F.logsigmoid", "nn.LogSigmoid"): lambda n: "neg(" + softplus_expr().replace("@0", "neg(@0)") + ")",
+    ("F.mish", "nn.Mish"): lambda n: call("mul", X, call("tanh", softplus_expr())),
+    ("F.softsign", "nn.Softsign"): lambda n: call("div", X, call("add", call("abs", X), 1)),
+    ("F.logsigmoid", "nn.LogSigmoid"): lambda n: call("neg", softplus_expr(x=call("neg", X))),
     ("F.tanhshrink", "nn.Tanhshrink"): lambda n: tanhshrink_expr(),
     ("F.hardshrink", "nn.Hardshrink"): lambda n: hardshrink_expr(_shrink_lambda(n)),
     ("F.softshrink", "nn.Softshrink"): lambda n: softshrink_expr(_shrink_lambda(n)),
@@ -135,7 +149,7 @@ for _types, _fn in _SIMPLE.items():
     rule(*_types)(_unary(_fn))
 
 for _name, _f_name in _MATH.items():
-    rule(f"torch.{_name}", f"Tensor.{_name}")(_unary(lambda n, f=_f_name: f"{f}(@0)"))
+    rule(f"torch.{_name}", f"Tensor.{_name}")(_unary(lambda n, f=_f_name: call(f, X)))
 
 
 @rule("nn.PReLU", "F.prelu")
@@ -150,7 +164,7 @@ def prelu(node, ctx):
     if c is None or (c != 1 and channels != c):
         fail(node, f"PReLU has {c} slopes but the input {x.shape} has {channels if channels is not None else '?'} channels")
     shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
-    expr = "where(gt(@0,0),@0,mul(@0,@1))"
+    expr = _where_positive(call("mul", X, at(1)))
     if w.is_constant:
         slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
         return [elementwise(node, expr, [x, slopes])]
@@ -166,7 +180,7 @@ def clamp(node, ctx):
     aten::clamp_min / aten::clamp_max, as pnnx writes F.normalize's clamp); an integer
     bound on an integer tensor stays integer, as in torch."""
     x = data_input(node)
-    tensors, e = [x], "@0"
+    tensors, e = [x], X
     names = (node.op[-3:],) if node.op.endswith(("clamp_min", "clamp_max")) else ("min", "max")
     for key, fn in (("min", "maximum"), ("max", "minimum")):
         if key not in names:
@@ -176,15 +190,14 @@ def clamp(node, ctx):
             v = data_input(node, key, 1)
         if v is not None:
             tensors.append(v)
-            e = f"{fn}({e},@{len(tensors) - 1})"
+            e = call(fn, e, at(len(tensors) - 1))
             continue
         bound = param(node, key, None)
         if bound is None:
             continue
         if isinstance(bound, bool) or not isinstance(bound, (int, float)):
             fail(node, f"{key}={bound!r} must be a number or a tensor")
-        lit = str(bound) if isinstance(bound, int) and x.dtype[0] in "iu" else _f(bound)
-        e = f"{fn}({e},{lit})"
+        e = call(fn, e, bound if isinstance(bound, int) and x.dtype[0] in "iu" else float(bound))
     return [elementwise(node, e, tensors)]
 
 
@@ -204,4 +217,4 @@ def glu(node, ctx):
     half[axis] //= 2
     a, b = (ctx.temp(node, tuple(half), x.dtype, s) for s in ("a", "b"))
     return [make(node, "split", [x], dict(axis=axis, sizes=(half[axis],) * 2), outputs=[a, b], name=node.name + ".split"),
-            elementwise(node, "mul(@0,sigmoid(@1))", [a, b])]
+            elementwise(node, call("mul", X, call("sigmoid", at(1))), [a, b])]

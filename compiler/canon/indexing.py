@@ -22,6 +22,7 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
+from pmx.runtime import expr as E
 
 
 _NO_DEFAULT = object()
@@ -316,25 +317,21 @@ def _operand(node, label, what):
     return None, lit
 
 
-def _lit(v):
-    return repr(v) if not isinstance(v, float) or np.isfinite(v) else ("inf" if v > 0 else ("-inf" if v < 0 else "nan"))
-
-
 @rule("torch.where", "Tensor.where")
 def where(node, ctx):
     cond = node.named_input("condition")
     if cond is None:
         fail(node, "torch.where(condition) with one argument has a data-dependent shape")
-    tensors, args = [cond], ["@0"]
+    tensors, args = [cond], []
     for label in ("input", "other"):
         v, lit = _operand(node, label, "branch")
         if v is not None:
             tensors.append(v)
-            args.append(f"@{len(tensors) - 1}")
+            args.append(E.at(len(tensors) - 1))
         else:
-            args.append(_lit(lit))
-    c = "@0" if np.dtype(cond.dtype).kind == "b" else "ne(@0,0)"
-    return [elementwise(node, f"where({c},{args[1]},{args[2]})", tensors)]
+            args.append(lit)
+    c = E.at(0) if np.dtype(cond.dtype).kind == "b" else E.call("ne", E.at(0), 0)
+    return [elementwise(node, E.call("where", c, *args), tensors)]
 
 
 @rule("Tensor.masked_fill", "torch.masked_fill")
@@ -345,8 +342,8 @@ def masked_fill(node, ctx):
         fail(node, "missing mask")
     v, lit = _operand(node, "value", "fill")
     if v is not None:
-        return [elementwise(node, "where(@1,@2,@0)", [x, mask, v])]
-    return [elementwise(node, f"where(@1,{_lit(lit)},@0)", [x, mask])]
+        return [elementwise(node, E.call("where", E.at(1), E.at(2), E.at(0)), [x, mask, v])]
+    return [elementwise(node, E.call("where", E.at(1), lit, E.at(0)), [x, mask])]
 
 
 _TORCH_DTYPES = {
@@ -403,9 +400,11 @@ def _number(node, v, label):
     if v.is_constant:
         return v.data.reshape(-1)[0].item() if v.data.size == 1 else None
     p = v.producer
-    text = None
-    if p is not None and not p.inputs:
-        text = p.attrs.get("expr") if p.op == "pnnx.Expression" else (p.expr if p.op == "elementwise" else None)
+    if p is None or p.inputs:
+        return None
+    if p.op == "elementwise" and p.expr[0] == "#" and type(p.expr[1]) in (int, float):
+        return p.expr[1]
+    text = p.attrs.get("expr") if p.op == "pnnx.Expression" else None
     if isinstance(text, str):
         for cast in (int, float):
             try:
@@ -789,5 +788,7 @@ def addcmul(node, ctx):
         value = param(node, "value", 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         fail(node, f"value={value!r} must be a constant number")
-    product = "mul(@1,@2)" if value == 1 else f"mul({_lit(float(value))},mul(@1,@2))"
-    return [elementwise(node, f"add(@0,{product})", [x, t1, t2])]
+    product = E.call("mul", E.at(1), E.at(2))
+    if value != 1:
+        product = E.call("mul", float(value), product)
+    return [elementwise(node, E.call("add", E.at(0), product), [x, t1, t2])]

@@ -5,6 +5,7 @@ torch.einsum -> einsum; nn.Embedding / F.embedding -> embedding."""
 import numpy as np
 
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, out_shape, param, rule, weight
+from pmx.runtime import expr as E
 
 
 @rule("nn.Linear", "F.linear")
@@ -56,12 +57,14 @@ def addmm(node, ctx):
     beta, alpha = _number(node, "beta", 1), _number(node, "alpha", 1)
     shape = out_shape(node)
     product = ctx.temp(node, shape, node.outputs[0].dtype, suffix="mm")
-    scaled = "@1" if alpha == 1 else f"mul(@1,{alpha!r})"
     mm = make(node, "matmul", [a, b], outputs=[product], name=f"{node.name}.mm")
     if beta == 0:  # torch ignores input then, even its NaNs
-        return [mm, elementwise(node, scaled.replace("@1", "@0"), [product])]
-    term = "@0" if beta == 1 else f"mul(@0,{beta!r})"
-    return [mm, elementwise(node, f"add({term},{scaled})", [c, product])]
+        return [mm, elementwise(node, _scaled(E.at(0), alpha), [product])]
+    return [mm, elementwise(node, E.call("add", _scaled(E.at(0), beta), _scaled(E.at(1), alpha)), [c, product])]
+
+
+def _scaled(x, factor):
+    return x if factor == 1 else E.call("mul", x, factor)
 
 
 @rule("torch.einsum")

@@ -35,7 +35,11 @@ def pnnx_expression_tree(text, num_inputs):
         stack.append(((t, *(a for a, _ in args)), depth))
     if len(stack) != 1:
         raise PmxFormatError(f"expression {text[:80]!r} holds {len(stack)} values, expected one expression")
-    return E.parse(E.to_text(stack[0][0]), num_inputs)
+    tree = stack[0][0]
+    used = E.inputs_used(tree)
+    if used and max(used) >= num_inputs:
+        raise PmxFormatError(f"expression {text[:80]!r} uses @{max(used)} but the node has {num_inputs} inputs")
+    return tree
 
 
 @rule("pnnx.Expression")
@@ -64,7 +68,7 @@ def expression(node, ctx):
         tree = pnnx_expression_tree(text, len(node.inputs))
     except PmxFormatError as e:
         fail(node, str(e))
-    return [elementwise(node, E.to_text(tree), list(node.inputs))]
+    return [elementwise(node, tree, list(node.inputs))]
 
 
 _BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
@@ -84,16 +88,16 @@ def _binary(fn_name):
             b = unnamed[0] if unnamed else None
         if b is not None:
             tensors.append(b)
-            rhs = "@1"
+            rhs = E.at(1)
         else:
             other = param(node, "other", param(node, "exponent", None))
             if not isinstance(other, (int, float)) or isinstance(other, bool):
                 fail(node, f"second operand {other!r} must be a tensor or a number")
-            rhs = repr(other)
+            rhs = other
         alpha = param(node, "alpha", 1)
         if alpha != 1 and fn_name in ("add", "sub"):
-            rhs = f"mul({rhs},{alpha!r})"
-        return [elementwise(node, f"{fn_name}(@0,{rhs})", tensors)]
+            rhs = E.call("mul", rhs, alpha)
+        return [elementwise(node, E.call(fn_name, E.at(0), rhs), tensors)]
     return fn
 
 
@@ -150,7 +154,7 @@ def softmin(node, ctx):
     x = soft.inputs[0]
     neg = ctx.temp(node, x.shape, x.dtype, "neg")
     soft.inputs = [neg]
-    return [elementwise(node, "neg(@0)", [x], outputs=[neg], name=node.name + ".neg"), soft]
+    return [elementwise(node, E.call("neg", E.at(0)), [x], outputs=[neg], name=node.name + ".neg"), soft]
 
 
 @rule("nn.Softmax2d")
@@ -174,22 +178,22 @@ for _name, _fn in (("bitwise_and", "and"), ("bitwise_or", "or"), ("bitwise_xor",
 
 
 def _truth(v, i):
-    return f"@{i}" if v.dtype == "bool" else f"ne(@{i},0)"
+    return E.at(i) if v.dtype == "bool" else E.call("ne", E.at(i), 0)
 
 
 @rule("torch.logical_not", "Tensor.logical_not")
 def logical_not(node, ctx):
-    return [elementwise(node, "not(@0)", [data_input(node)])]
+    return [elementwise(node, E.call("not", E.at(0)), [data_input(node)])]
 
 
 @rule("torch.bitwise_not", "Tensor.bitwise_not")
 def bitwise_not(node, ctx):
     x = data_input(node)
     if x.dtype == "bool":
-        return [elementwise(node, "not(@0)", [x])]
+        return [elementwise(node, E.call("not", E.at(0)), [x])]
     if x.dtype is None or x.dtype[0] not in "iu":
         fail(node, f"bitwise_not needs a bool or integer tensor, found {x.dtype}")
-    return [elementwise(node, "sub(neg(@0),1)", [x])]  # ~x == -x - 1 in two's complement
+    return [elementwise(node, E.call("sub", E.call("neg", E.at(0)), 1), [x])]  # ~x == -x - 1 in two's complement
 
 
 def _logical(fn_name):
@@ -198,7 +202,7 @@ def _logical(fn_name):
         b = node.named_input("other")
         if b is None:
             fail(node, "second operand must be a tensor")
-        return [elementwise(node, f"{fn_name}({_truth(a, 0)},{_truth(b, 1)})", [a, b])]
+        return [elementwise(node, E.call(fn_name, _truth(a, 0), _truth(b, 1)), [a, b])]
     return fn
 
 
@@ -225,7 +229,7 @@ def _max_min(values_op, index_op, binary):
         x = data_input(node)
         other = node.named_input("other")
         if other is not None:  # torch.max(a, b): elementwise
-            return [elementwise(node, f"{binary}(@0,@1)", [x, other])]
+            return [elementwise(node, E.call(binary, E.at(0), E.at(1)), [x, other])]
         dim = param(node, "dim", None)
         if dim is None:
             return [make(node, values_op, [x], dict(axes=(), keepdim=False))]

@@ -12,6 +12,7 @@ import numpy as np
 
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, param, rule, weight
 from pmx.compiler.ir import Node
+from pmx.runtime import expr as E
 
 
 def per_channel(node, ctx, v, x, key):
@@ -41,11 +42,11 @@ def _batch_norm_of_tensors(node, ctx, x, eps, stats):
             nodes.append(shaped)
             shaped = shaped.outputs[0]
         inputs.append(shaped)
-    e = f"div(sub(@0,@1),sqrt(add(@2,{float(eps)!r})))"
+    e = E.call("div", E.call("sub", E.at(0), E.at(1)), E.call("sqrt", E.call("add", E.at(2), float(eps))))
     if inputs[3] is not None:
-        e = f"mul({e},@3)"
+        e = E.call("mul", e, E.at(3))
     if inputs[4] is not None:
-        e = f"add({e},@{4 if inputs[3] is not None else 3})"
+        e = E.call("add", e, E.at(4 if inputs[3] is not None else 3))
     return nodes + [elementwise(node, e, [v for v in inputs if v is not None])]
 
 

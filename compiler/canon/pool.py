@@ -5,6 +5,9 @@ norm in terms of those; Unfold / Fold -> unfold, fold."""
 import math
 
 from pmx.compiler.canon import data_input, elementwise, fail, ints, make, param, rule
+from pmx.runtime import expr as E
+
+_ABS = E.call("abs", E.at(0))
 
 
 def _nd(node):
@@ -139,18 +142,18 @@ def lp_pool(node, ctx):
     powered = ctx.temp(node, x.shape, x.dtype, "pow")
     pooled = ctx.temp(node, shape, x.dtype, "pool")
     if math.isinf(p):
-        magnitude = elementwise(node, "abs(@0)" if p > 0 else "neg(abs(@0))", [x], outputs=[powered],
+        magnitude = elementwise(node, _ABS if p > 0 else E.call("neg", _ABS), [x], outputs=[powered],
                                 name=node.name + ".abs")
         if p > 0:
             return [magnitude, make(node, "max_pool", [powered], geometry)]
         return [magnitude, make(node, "max_pool", [powered], geometry, outputs=[pooled], name=node.name + ".max"),
-                elementwise(node, "neg(@0)", [pooled])]
+                elementwise(node, E.call("neg", E.at(0)), [pooled])]
     if p == 0:
         fail(node, "norm_type=0 is not a norm (torch divides by it)")
     attrs = dict(geometry, count_include_pad=True, divisor_override=0)
-    return [elementwise(node, f"pow(@0,{p!r})", [x], outputs=[powered], name=node.name + ".pow"),
+    return [elementwise(node, E.call("pow", E.at(0), p), [x], outputs=[powered], name=node.name + ".pow"),
             make(node, "avg_pool", [powered], attrs, outputs=[pooled], name=node.name + ".avg"),
-            elementwise(node, f"pow(mul(@0,{math.prod(kernel)}),{1.0 / p!r})", [pooled])]
+            elementwise(node, E.call("pow", E.call("mul", E.at(0), math.prod(kernel)), 1.0 / p), [pooled])]
 
 
 @rule("F.local_response_norm", "nn.LocalResponseNorm")
@@ -171,11 +174,12 @@ def local_response_norm(node, ctx):
     flat, mean, back = (ctx.temp(node, s, x.dtype, t) for s, t in ((grid, "flat"), (grid, "mean"), (x.shape, "back")))
     attrs = dict(kernel=(size, 1), stride=(1, 1), pads=(size // 2, 0, (size - 1) // 2, 0), dilation=(1, 1),
                  ceil_mode=False, count_include_pad=True, divisor_override=0)
-    return [elementwise(node, "mul(@0,@0)", [x], outputs=[square], name=node.name + ".sq"),
+    return [elementwise(node, E.call("mul", E.at(0), E.at(0)), [x], outputs=[square], name=node.name + ".sq"),
             make(node, "reshape", [square], dict(shape=grid), outputs=[flat], name=node.name + ".flat"),
             make(node, "avg_pool", [flat], attrs, outputs=[mean], name=node.name + ".mean"),
             make(node, "reshape", [mean], dict(shape=tuple(x.shape)), outputs=[back], name=node.name + ".back"),
-            elementwise(node, f"div(@0,pow(add(mul(@1,{alpha!r}),{k!r}),{beta!r}))", [x, back])]
+            elementwise(node, E.call("div", E.at(0), E.call("pow", E.call("add", E.call("mul", E.at(1), alpha), k), beta)),
+                        [x, back])]
 
 
 def _window_attrs(node):

@@ -4,6 +4,7 @@ F.pairwise_distance / nn.PairwiseDistance -> elementwise difference + reduce_nor
 """
 
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, ints, make, param, rule, weight
+from pmx.runtime import expr as E
 
 GRID_MODES = ("bilinear", "nearest", "bicubic")
 PADDING_MODES = ("zeros", "border", "reflection")
@@ -75,7 +76,8 @@ def pairwise_distance(node, ctx):
     if rank == 0:
         fail(node, "pairwise_distance needs inputs of rank 1 or more")
     diff = ctx.temp(node, shape, x1.dtype, "diff")
-    return [elementwise(node, f"add(sub(@0,@1),{eps!r})", [x1, x2], outputs=[diff], name=node.name + ".diff"),
+    return [elementwise(node, E.call("add", E.call("sub", E.at(0), E.at(1)), eps), [x1, x2], outputs=[diff],
+                        name=node.name + ".diff"),
             make(node, "reduce_norm", [diff], dict(axes=(rank - 1,), keepdim=keepdim, p=p))]
 
 

@@ -7,6 +7,7 @@ elementwise steps.
 """
 
 from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule
+from pmx.runtime import expr as E
 
 NORMS = ("backward", "forward", "ortho")
 
@@ -207,10 +208,12 @@ def _unit_window(node, ctx, window):
     squares = ctx.temp(node, tuple(w.shape), w.dtype, "wsq")
     total = ctx.temp(node, (1,), w.dtype, "wsum")
     unit = ctx.temp(node, tuple(w.shape), w.dtype, "wunit")
-    nodes = [make(node, "elementwise", [w], outputs=[squares], expr="mul(@0,@0)", name=f"{node.name}.wsq"),
+    nodes = [make(node, "elementwise", [w], outputs=[squares], expr=E.call("mul", E.at(0), E.at(0)),
+                  name=f"{node.name}.wsq"),
              make(node, "reduce_sum", [squares], dict(axes=(0,), keepdim=True), outputs=[total],
                   name=f"{node.name}.wsum"),
-             make(node, "elementwise", [w, total], outputs=[unit], expr="div(@0,sqrt(@1))", name=f"{node.name}.wunit")]
+             make(node, "elementwise", [w, total], outputs=[unit], expr=E.call("div", E.at(0), E.call("sqrt", E.at(1))),
+                  name=f"{node.name}.wunit")]
     return nodes, unit
 
 
@@ -293,7 +296,9 @@ def spectrogram(node, ctx):
     nodes.append(make(node, "stft", [flat, window], attrs, outputs=[spec], name=f"{node.name}.stft"))
     spec = _unbatched(node, ctx, nodes, spec, shape[:-1])
     if power is not None:
-        expr = "abs(@0)" if power == 1 else f"pow(abs(@0),{float(power)!r})"
+        expr = E.call("abs", E.at(0))
+        if power != 1:
+            expr = E.call("pow", expr, float(power))
         mag = ctx.temp(node, tuple(spec.shape), "float64" if spec.dtype == "complex128" else "float32", "power")
         nodes.append(make(node, "elementwise", [spec], outputs=[mag], expr=expr, name=f"{node.name}.power"))
         spec = mag

@@ -12,8 +12,9 @@ Does not fire on non-constant scale or shift, or on a non-float input.
 import numpy as np
 
 from pmx.compiler.ir import Value
+from pmx.runtime import expr as E
 
-EXPR = "add(mul(@0,@1),@2)"
+EXPR = E.call("add", E.call("mul", E.at(0), E.at(1)), E.at(2))
 
 
 def _convertible(node):

@@ -79,7 +79,7 @@ def _functions(tree, acc):
 
 
 def elementwise_variant(node):
-    tree = E.parse(node.expr, len(node.inputs))
+    tree = node.expr
     if not node.inputs or not E.numexpr_supported(tree):
         return "numpy"
     numel = int(np.prod(node.outputs[0].shape))

@@ -28,8 +28,8 @@ import numpy as np
 from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 
-FOLDED = "maximum(@0,@1)"
-FOLDED_SIGNED = "maximum(mul(@0,@1),@2)"
+FOLDED = E.call("maximum", E.at(0), E.at(1))
+FOLDED_SIGNED = E.call("maximum", E.call("mul", E.at(0), E.at(1)), E.at(2))
 
 
 def _affine_relu(node):
@@ -37,7 +37,7 @@ def _affine_relu(node):
     per-channel scale and shift (any operand order), else None."""
     if node.op != "elementwise" or len(node.inputs) != 3 or len(node.outputs) != 1 or not node.expr:
         return None
-    tree = E.parse(node.expr, 3)
+    tree = node.expr
     zero = ("#", 0)
     if tree[0] != "maximum" or zero not in tree[1:]:
         return None

@@ -32,7 +32,7 @@ def _gate_and_input(node):
     operand), else None."""
     if node.op != "elementwise" or len(node.inputs) != 2 or len(node.outputs) != 1 or not node.expr:
         return None
-    if E.parse(node.expr, 2) not in PRODUCTS:
+    if node.expr not in PRODUCTS:
         return None
     a, b = node.inputs
     for gate, x in ((a, b), (b, a)):

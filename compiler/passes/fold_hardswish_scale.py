@@ -30,9 +30,10 @@ from pmx.compiler.ir import Value
 from pmx.compiler.passes.fold_channel_gate import PRODUCTS
 from pmx.runtime import expr as E
 
-HARDSWISH = "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"
-SCALED_HARDSWISH = "mul(@0,minimum(maximum(add(@0,3),0),6))"
-_HARDSWISH_TREES = {E.parse(HARDSWISH, 1), E.parse("mul(div(minimum(maximum(add(@0,3),0),6),6),@0)", 1)}
+_RELU6_SHIFTED = E.call("minimum", E.call("maximum", E.call("add", E.at(0), 3), 0), 6)
+HARDSWISH = E.call("mul", E.at(0), E.call("div", _RELU6_SHIFTED, 6))
+SCALED_HARDSWISH = E.call("mul", E.at(0), _RELU6_SHIFTED)
+_HARDSWISH_TREES = {HARDSWISH, E.call("mul", E.call("div", _RELU6_SHIFTED, 6), E.at(0))}
 SCALE = 6.0
 
 
@@ -44,7 +45,7 @@ THROUGH = frozenset({"adaptive_avg_pool", "avg_pool", "reduce_mean", "reduce_sum
 
 def _readers_to_scale(graph, node):
     """The convs and linears whose weights take node's 1/6, else None."""
-    if node.op not in ("conv", "linear") or not node.expr or E.parse(node.expr, 1) not in _HARDSWISH_TREES:
+    if node.op not in ("conv", "linear") or not node.expr or node.expr not in _HARDSWISH_TREES:
         return None
     y = node.outputs[0]
     targets = _weighted_readers(graph, y)
@@ -73,7 +74,7 @@ def _weighted_readers(graph, v, depth=0):
             continue
         through = reader.op in THROUGH and positions == [0]
         product = (reader.op == "elementwise" and len(reader.inputs) == 2 and len(positions) == 1
-                   and E.parse(reader.expr, 2) in PRODUCTS)
+                   and reader.expr in PRODUCTS)
         further = _weighted_readers(graph, reader.outputs[0], depth + 1) if (
             (through or product) and len(reader.outputs) == 1) else None
         if further is None:

@@ -38,8 +38,7 @@ def fuse_activation(graph) -> bool:
             act = _activation_of(graph, p)
             if act is None:
                 break
-            inner = E.parse(p.expr, 1) if p.expr else ("@", 0)
-            p.expr = E.to_text(E.substitute(E.parse(act.expr, 1), {0: inner}))
+            p.expr = E.substitute(act.expr, {0: p.expr or E.at(0)})
             y = act.outputs[0]
             graph.remove_node(act)
             graph.set_outputs(p, [y])

@@ -44,7 +44,7 @@ def _absorbable(graph, node, v):
         return False
     if _numel(v) != _numel(node.outputs[0]):
         return False
-    return _writes_as_computed(E.parse(p.expr, len(p.inputs)), p.inputs, v)
+    return _writes_as_computed(p.expr, p.inputs, v)
 
 
 def _merge(node, v):
@@ -59,12 +59,11 @@ def _merge(node, v):
             inputs.append(x)
         return ("@", index[x.uid])
 
-    p_tree = E.parse(p.expr, len(p.inputs))
-    p_sub = E.substitute(p_tree, {i: slot(x) for i, x in enumerate(p.inputs)})
+    p_sub = E.substitute(p.expr, {i: slot(x) for i, x in enumerate(p.inputs)})
     mapping = {}
     for i, x in enumerate(node.inputs):
         mapping[i] = p_sub if x is v else slot(x)
-    tree = E.substitute(E.parse(node.expr, len(node.inputs)), mapping)
+    tree = E.substitute(node.expr, mapping)
     return inputs, tree
 
 
@@ -97,7 +96,7 @@ def fuse_elementwise(graph) -> bool:
                 p = v.producer
                 graph.remove_node(p)
                 _rewire(graph, node, inputs)
-                node.expr = E.to_text(tree)
+                node.expr = tree
                 changed = True
                 progress = True
                 break

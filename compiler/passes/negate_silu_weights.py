@@ -17,11 +17,11 @@ from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 
 SILU = (("mul", ("@", 0), ("sigmoid", ("@", 0))), ("mul", ("sigmoid", ("@", 0)), ("@", 0)))
-NEGATED_SILU = "div(@0,sub(-1,exp(@0)))"
+NEGATED_SILU = E.call("div", E.at(0), E.call("sub", -1, E.call("exp", E.at(0))))
 
 
 def _negatable(graph, node):
-    if node.op not in ("conv", "linear") or not node.expr or E.parse(node.expr, 1) not in SILU:
+    if node.op not in ("conv", "linear") or not node.expr or node.expr not in SILU:
         return False
     return all(v.is_constant and np.dtype(v.dtype).kind == "f" and graph.sole_reader(v) is node
                for v in node.inputs[1:3] if v is not None)

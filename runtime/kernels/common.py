@@ -119,7 +119,7 @@ def epilogue(node, out, threads=None):
     None when there is none."""
     if not node.expr:
         return None
-    tree = E.parse(node.expr, 1)
+    tree = node.expr
     return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads,
                             expression_backend(node, tree))
 
@@ -158,7 +158,7 @@ def epilogue_after_parts(node, out):
     MobileNetV2 and EfficientNet-B0 within noise."""
     if not node.expr or parallel.worth_splitting(out.size):
         return False
-    return _only_cheap(E.desugar(E.parse(node.expr, 1)))
+    return _only_cheap(E.desugar(node.expr))
 
 
 def _only_cheap(tree):

@@ -19,12 +19,12 @@ from pmx.runtime.kernels.common import expression_backend, node_threads, split_e
 
 def variants(node):
     """The backends `pmx compile --tune` times for this node."""
-    tree = E.parse(node.expr, len(node.inputs))
+    tree = node.expr
     return ["numpy", "numexpr"] if node.inputs and E.numexpr_supported(tree) else ["numpy"]
 
 
 def elementwise_infer(node, shapes, dtypes):
-    tree = E.parse(node.expr, len(shapes))
+    tree = node.expr
     if shapes and shapes.count(shapes[0]) == len(shapes):
         shape = tuple(shapes[0])  # np.broadcast_shapes costs ~3 us even for equal shapes
     else:
@@ -34,7 +34,7 @@ def elementwise_infer(node, shapes, dtypes):
 
 @register("elementwise", infer=elementwise_infer, inplace=True)
 def make_elementwise(node, inputs, outputs):
-    tree = E.parse(node.expr, len(inputs))
+    tree = node.expr
     out = outputs[0]
     backend = expression_backend(node, tree) if inputs else None  # numexpr needs an input
     return split_expression(tree, inputs, out, node_threads(node), backend)
