@@ -271,11 +271,14 @@ class UnbatchedConvTranspose(nn.Module):
                 F.conv_transpose3d(z, w3, padding=1, dilation=2, groups=4))
 
 
+UNBATCHED_CT = [(4, 7), (4, 5, 6), (4, 3, 2, 3), (4, 3, 3), (4, 2, 2, 3), (4, 1, 2, 2, 2)]
+
+
 def test_conv_transpose_unbatched(check_model):
     _seed()
-    inputs = (torch.randn(4, 7), torch.randn(4, 5, 6), torch.randn(4, 3, 2, 3),
-              torch.randn(4, 3, 3), torch.randn(4, 2, 2, 3), torch.randn(4, 1, 2, 2, 2))
-    _, got, _ = check_model("conv_transpose_unbatched", UnbatchedConvTranspose(), inputs)
+    module = UnbatchedConvTranspose()
+    inputs = tuple(torch.randn(*s) for s in UNBATCHED_CT)
+    _, got, _ = check_model("conv_transpose_unbatched", module, inputs)
     shapes = [(6, 14), (6, 10, 10), (2, 4, 4, 6), (6, 23), (2, 11, 14), (4, 3, 2, 3)]
     assert [g.shape for g in got] == shapes
 
@@ -405,6 +408,8 @@ DYNAMIC = {
     "pad_modes": (PadModes, [(2, 3, 6, 7)], {0: (1, -1), 2: (4, 64), 3: (4, 64)}, [[(1, 3, 8, 9)]]),
     "conv_transpose_zoo": (ConvTransposeZoo, [(2, 6, 5, 4)], {0: (1, -1), 2: (2, 64), 3: (2, 64)},
                            [[(1, 6, 7, 9)]]),
+    "conv_transpose_unbatched": (UnbatchedConvTranspose, UNBATCHED_CT, {1: (1, 64)},
+                                 [[(4, 12)] + UNBATCHED_CT[1:]]),
     "yolo_head": (YoloHead, [(2, 16, 4, 5), (2, 8, 8, 10)], None, [[(3, 16, 4, 5), (3, 8, 8, 10)]]),
 }
 
@@ -412,7 +417,8 @@ DYNAMIC = {
 @pytest.mark.parametrize("name", sorted(DYNAMIC))
 def test_other_input_shapes(exporter, tmp_path, name):
     """Shape rules of resize/pad/pixel_shuffle/conv_transpose/lstm let one compiled model
-    take other batch sizes, image sizes and sequence lengths (by default the batch)."""
+    take other batch sizes, image sizes and sequence lengths (by default the batch; an
+    unbatched transposed conv, its length)."""
     from helpers import rel_error, torch_outputs
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
