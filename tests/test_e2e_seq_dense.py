@@ -2,10 +2,12 @@
 pnnx, compiled, run, compared with torch (max|pmx - torch| / max|torch| <= 1e-4).
 
 Covers nn.LSTM / nn.GRU / nn.RNN (layers, directions, batch_first, projections, given
-initial states), ConvTranspose1d/2d, interpolation in every mode pnnx writes, pixel
-(un)shuffle, F.pad and the nn.*PadNd modules, Conv1d/Conv2d padding modes and 1-d pools.
+initial states), ConvTranspose1d/2d (and 1d/2d/3d without a batch dim), interpolation in
+every mode pnnx writes, pixel (un)shuffle, F.pad and the nn.*PadNd modules, Conv1d/Conv2d
+padding modes and 1-d pools.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -251,6 +253,68 @@ def test_conv_transpose_zoo(check_model):
     check_model("conv_transpose_zoo", ConvTransposeZoo(), (torch.randn(2, 6, 5, 4),))
 
 
+class UnbatchedConvTranspose(nn.Module):
+    """ConvTranspose1d/2d/3d on [C, *spatial] inputs (no batch dim), modules and F forms."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.b = nn.ConvTranspose2d(4, 6, 3, stride=(2, 1), padding=(1, 0), output_padding=(1, 0),
+                                    groups=2, dilation=(1, 2), bias=False)
+        self.c = nn.ConvTranspose3d(4, 2, 2, stride=2, padding=(1, 0, 0))
+
+    def forward(self, x, y, z, w1, w2, w3):
+        return (self.a(x), self.b(y), self.c(z),
+                F.conv_transpose1d(x, w1, stride=3, padding=1, output_padding=2, groups=2,
+                                   dilation=2),
+                F.conv_transpose2d(y, w2, stride=2, output_padding=1),
+                F.conv_transpose3d(z, w3, padding=1, dilation=2, groups=4))
+
+
+UNBATCHED_CT = [(4, 7), (4, 5, 6), (4, 3, 2, 3), (4, 3, 3), (4, 2, 2, 3), (4, 1, 2, 2, 2)]
+
+
+def test_conv_transpose_unbatched(check_model):
+    _seed()
+    module = UnbatchedConvTranspose()
+    inputs = tuple(torch.randn(*s) for s in UNBATCHED_CT)
+    _, got, _ = check_model("conv_transpose_unbatched", module, inputs)
+    shapes = [(6, 14), (6, 10, 10), (2, 4, 4, 6), (6, 23), (2, 11, 14), (4, 3, 2, 3)]
+    assert [g.shape for g in got] == shapes
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_conv_transpose_functional_written_unbatched(nd):
+    """torch's F.conv_transposeNd puts unsqueeze/squeeze around an unbatched call and pnnx
+    writes those; a .param naming F.conv_transposeNd on the [C, *spatial] input itself
+    compiles to the same thing."""
+    from paramgraph import run_one_op
+
+    gen = torch.Generator().manual_seed(nd)
+    x = torch.randn(4, *(3, 4, 2)[:nd], generator=gen)
+    w = torch.randn(4, 3, *(2, 3, 2)[:nd], generator=gen)
+    b = torch.randn(6, generator=gen)
+    kw = dict(stride=2, padding=1, output_padding=1, groups=2, dilation=1)
+    want = getattr(F, f"conv_transpose{nd}d")(x, w, b, **kw).numpy()
+    params = " ".join(f"{k}={v}" if k == "groups" else f"{k}=({','.join([str(v)] * nd)})"
+                      for k, v in kw.items())
+    (got,) = run_one_op(f"F.conv_transpose{nd}d", params, [x.numpy(), w.numpy(), b.numpy()],
+                        [want], labels=["input", "weight", "bias"])
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_conv_transpose_input_of_another_rank_is_refused():
+    from paramgraph import run_one_op
+    from pmx.runtime.errors import PmxCompileError
+
+    x, w = np.zeros((4, 5), np.float32), np.zeros((4, 3, 2, 2), np.float32)
+    expected = r"F.conv_transpose2d 'the_op'.*input of rank 4 \(or 3 unbatched\).*\(4, 5\)"
+    with pytest.raises(PmxCompileError, match=expected):
+        run_one_op("F.conv_transpose2d", "stride=(1,1)", [x, w], [np.zeros((3, 6, 3), np.float32)],
+                   labels=["input", "weight"])
+
+
 class SplitKernels(nn.Module):
     """A decoder-like block whose tensors are big enough that, on two threads, the group
     norm, transposed conv, resize, softmax, pixel shuffle and layer norm split their work
@@ -344,6 +408,8 @@ DYNAMIC = {
     "pad_modes": (PadModes, [(2, 3, 6, 7)], {0: (1, -1), 2: (4, 64), 3: (4, 64)}, [[(1, 3, 8, 9)]]),
     "conv_transpose_zoo": (ConvTransposeZoo, [(2, 6, 5, 4)], {0: (1, -1), 2: (2, 64), 3: (2, 64)},
                            [[(1, 6, 7, 9)]]),
+    "conv_transpose_unbatched": (UnbatchedConvTranspose, UNBATCHED_CT, {1: (1, 64)},
+                                 [[(4, 12)] + UNBATCHED_CT[1:]]),
     "yolo_head": (YoloHead, [(2, 16, 4, 5), (2, 8, 8, 10)], None, [[(3, 16, 4, 5), (3, 8, 8, 10)]]),
 }
 
@@ -351,7 +417,8 @@ DYNAMIC = {
 @pytest.mark.parametrize("name", sorted(DYNAMIC))
 def test_other_input_shapes(exporter, tmp_path, name):
     """Shape rules of resize/pad/pixel_shuffle/conv_transpose/lstm let one compiled model
-    take other batch sizes, image sizes and sequence lengths (by default the batch)."""
+    take other batch sizes, image sizes and sequence lengths (by default the batch; an
+    unbatched transposed conv, its length)."""
     from helpers import rel_error, torch_outputs
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession

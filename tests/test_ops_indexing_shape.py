@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from helpers import compare_with_torch, export_pnnx, run_kernel
+from helpers import compare_with_torch, export_pnnx, run_kernel, torch_outputs
 from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)
@@ -285,6 +285,46 @@ def test_e2e_topk_values_and_indices(tmp_path):
     y = torch.randperm(60).reshape(3, 4, 5).float()
     sess, got, want = _check(tmp_path, TopK(), (x, y))
     assert got[1].dtype == np.int64
+
+
+class TopKUnsorted(nn.Module):
+    def forward(self, x, y, t):
+        a, i = torch.topk(x, 4, sorted=False)
+        b, j = torch.topk(y, k=5, dim=0, largest=False, sorted=False)
+        c, m = torch.topk(t, 6, dim=1, sorted=False)
+        return a, i, b, j, c, m
+
+
+def test_e2e_topk_unsorted_gives_the_same_values_and_indices_as_a_set(tmp_path):
+    """torch promises no order for sorted=False (on CPU its order is its selection
+    algorithm's: sorted for k <= 2 or 64k <= n, mostly not otherwise), so torch's answer is
+    compared as a set: pmx's values sorted along the axis equal torch's, pmx's indices are
+    distinct, gather pmx's values from the input and, without ties, are torch's index set.
+    pmx documents its own order: sorted, as with sorted=True."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    module, gen = TopKUnsorted(), torch.Generator().manual_seed(7)
+    x = torch.randperm(120, generator=gen).reshape(3, 4, 10).float()
+    y = torch.randperm(60, generator=gen).reshape(10, 6).float() - 30
+    t = torch.randint(0, 4, (5, 12), generator=gen).float()  # ties: which equal one is open too
+    prefix = _export(tmp_path / "m", module, (x, y, t))
+    out = str(tmp_path / "m.pmx")
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", out, verify=True)
+    sess = InferenceSession(out, verify=True)
+    got = sess.run(None, {a.name: v.numpy() for a, v in zip(sess.get_inputs(), (x, y, t))})
+    want = torch_outputs(module, (x, y, t))
+    cases = ((x, 4, 2, True), (y, 5, 0, False), (t, 6, 1, True))
+    for n, (inp, k, axis, largest) in enumerate(cases):
+        values, indices, want_values = got[2 * n], got[2 * n + 1], want[2 * n]
+        assert values.shape == want_values.shape and indices.dtype == np.int64
+        np.testing.assert_array_equal(np.sort(values, axis), np.sort(want_values, axis))
+        np.testing.assert_array_equal(np.take_along_axis(inp.numpy(), indices, axis), values)
+        assert (np.diff(np.sort(indices, axis), axis=axis) > 0).all()
+        if inp is not t:  # distinct values: one index set is right
+            np.testing.assert_array_equal(np.sort(indices, axis), np.sort(want[2 * n + 1], axis))
+        ordered = torch.topk(inp, k, dim=axis, largest=largest, sorted=True).values.numpy()
+        np.testing.assert_array_equal(values, ordered)
 
 
 class MaskedSelect(nn.Module):

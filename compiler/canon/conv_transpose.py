@@ -1,6 +1,7 @@
 """Transposed convolutions: nn.ConvTransposeNd / F.conv_transposeNd -> conv_transpose."""
 
 from pmx.compiler.canon import data_input, fail, ints, make, param, rule, weight
+from pmx.compiler.canon.conv import with_batch_of_one
 
 
 @rule("nn.ConvTranspose1d", "nn.ConvTranspose2d", "nn.ConvTranspose3d", "F.conv_transpose1d",
@@ -8,11 +9,14 @@ from pmx.compiler.canon import data_input, fail, ints, make, param, rule, weight
 def conv_transpose(node, ctx):
     x = data_input(node)
     w = weight(node, "weight")
-    b = weight(node, "bias", required=False)
     nd = int(node.op[-2])
+    if w.shape is not None and x.shape is not None and len(x.shape) == len(w.shape) - 1 == nd + 1:
+        return with_batch_of_one(node, ctx, x, conv_transpose)  # unbatched input [C, *spatial]
+    b = weight(node, "bias", required=False)
     if w.shape is None or len(w.shape) != nd + 2 or x.shape is None or len(x.shape) != nd + 2:
-        fail(node, f"expected a {nd}-d transposed convolution input of rank {nd + 2}, got "
-                   f"input shape {x.shape} and weight shape {w.shape}")
+        fail(node, f"expected a {nd}-d transposed convolution input of rank {nd + 2} (or "
+                   f"{nd + 1} unbatched) and a weight of rank {nd + 2}, got input shape "
+                   f"{x.shape} and weight shape {w.shape}")
     if w.shape[0] != x.shape[1]:
         fail(node, f"weight {w.shape} expects {w.shape[0]} input channels, input has {x.shape[1]}")
     groups = param(node, "groups", 1)

@@ -27,7 +27,10 @@
 `topk`    attrs axis, k, largest, sorted; outputs values and int64 indices. Equal values
           come out in index order (lowest index first, a stable sort), which is torch's
           order where torch's own is deterministic; NaN counts as the largest value, as in
-          torch. sorted=False returns them sorted as well (torch leaves the order open).
+          torch. sorted=False returns the same answer as sorted=True, sorted: torch
+          promises no order then (its CPU order is its selection algorithm's), so any
+          order of the top k is a right answer and compares with torch's as a set
+          (docs/performance.md, 2026-11-27).
 `masked_select` inputs data, mask (broadcast together); attrs sized_at_run: outputs the
           selected elements (1-d), a length known only when it runs, so allocated by the
           kernel (kernels.RunSized, see runtime/session.py); the compiler refuses such an
