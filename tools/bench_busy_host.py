@@ -11,7 +11,8 @@ For each model and host state (0, 1 or 4 other processes busy-looping on the cor
   InferenceSession defaults, as a user gets them;
 - pmx-blas1: the same with OPENBLAS_NUM_THREADS=1 (the old advice for a busy host);
 - pmx-baseline: another checkout's runtime (--baseline DIR holding its `pmx` package) on
-  the same .pmx files, environment as for pmx;
+  the same .pmx files, environment as for pmx; pmx-baseline-blas1 (not run by default):
+  that runtime with OPENBLAS_NUM_THREADS=1;
 - onnxruntime: 2 intra-op threads (1 inter-op), environment as for pmx.
 
 Each process warms up --warm runs, then reports the median of --runs timed runs; a process
@@ -69,9 +70,9 @@ print(json.dumps(dict(ms=sorted(times)[len(times) // 2] * 1e3, runs=len(times)))
 def environment(contender, baseline):
     env = {k: v for k, v in os.environ.items() if not k.startswith(THREAD_VARIABLES)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    if contender == "pmx-blas1":
+    if contender.endswith("-blas1"):
         env["OPENBLAS_NUM_THREADS"] = "1"
-    if contender == "pmx-baseline":
+    if contender.startswith("pmx-baseline"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (baseline, env.get("PYTHONPATH")) if p)
     return env
 
@@ -163,7 +164,7 @@ def main():
     p.add_argument("--json", default=None)
     args = p.parse_args()
     names = args.models.split(",") if args.models else list(bench.TORCHVISION_CNNS) + list(bench.SMALL_MODELS)
-    contenders = [c for c in args.contenders.split(",") if c != "pmx-baseline" or args.baseline]
+    contenders = [c for c in args.contenders.split(",") if not c.startswith("pmx-baseline") or args.baseline]
     states = [int(n) for n in args.busy.split(",")]
     results = {}
     for name in names:
