@@ -21,7 +21,8 @@ def infer_shapes(graph) -> bool:
         try:
             results = output_shapes(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
-            raise PmxCompileError(f"{node.where()}: cannot compute output shape from inputs {shapes}: {e}") from None
+            names = [d.name for d in dtypes if d is not None]
+            raise PmxCompileError(f"{node.where()}: cannot compute its output from inputs {shapes} of dtypes {names}: {e}") from None
         for out, (shape, dtype) in zip(node.outputs, results):
             recorded = out.shape
             if recorded is not None and None in recorded and len(recorded) == len(shape) and all(
@@ -33,8 +34,26 @@ def infer_shapes(graph) -> bool:
             if out.shape is None:
                 out.shape = shape
                 changed = True
-            # unknown or same kind (pnnx says f32 where the op keeps f16): the op's dtype;
-            # another kind: pnnx's, and the kernel casts on write
-            if out.dtype is None or (out.dtype != dtype.name and np.dtype(out.dtype).kind == dtype.kind):
-                out.dtype = dtype.name
+            out.dtype = reconcile_dtype(graph, node, out, dtype, [d for d in dtypes if d is not None])
     return changed
+
+
+def reconcile_dtype(graph, node, out, dtype, input_dtypes) -> str:
+    """The dtype an output gets: the op's, where pnnx's record is missing, of the same
+    kind (pnnx says f32 where the op keeps f16), or float32 for an integer result (pnnx's
+    type for values it cannot type: shape arithmetic such as `size(@0,1)+1`, a select of
+    an int32 tensor; torch's value is the integer). Any other record of another kind
+    contradicts what the op computes (no pnnx export in the tests or pnnx's own op tests
+    writes one): the file was damaged or edited, and running it would write one kind
+    into a buffer of another, so the compile fails naming the node and both dtypes."""
+    if dtype.kind not in "biufc":
+        raise PmxCompileError(f"{graph.source}: {node.where()}: output {out.name} would be of dtype {dtype.name}, "
+                              f"not a number (inputs {[d.name for d in input_dtypes]}); check the op's parameters")
+    if out.dtype is None or out.dtype == dtype.name:
+        return dtype.name
+    recorded = np.dtype(out.dtype)
+    if recorded.kind == dtype.kind or (recorded == np.float32 and dtype.kind in "iu"):
+        return dtype.name
+    raise PmxCompileError(
+        f"{graph.source}: {node.where()}: output {out.name} is recorded as {recorded.name} but the op computes "
+        f"{dtype.name} from inputs {[d.name for d in input_dtypes]}; the .param contradicts itself (edited or damaged?)")
