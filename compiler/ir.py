@@ -18,7 +18,7 @@ _ids = itertools.count()
 
 
 class Value:
-    __slots__ = ("name", "shape", "dtype", "producer", "consumers", "data", "uid")
+    __slots__ = ("name", "shape", "dtype", "producer", "consumers", "data", "uid", "recorded_dtype")
 
     def __init__(self, name, shape=None, dtype="float32", data=None):
         self.name = name
@@ -28,6 +28,9 @@ class Value:
         self.consumers = []
         self.data = data
         self.uid = next(_ids)
+        # the dtype pnnx wrote for this operand (None: none written, or a value pmx made);
+        # `dtype` defaults to float32 where pnnx wrote none, until infer_shapes sets it
+        self.recorded_dtype = None
 
     @property
     def is_constant(self):

@@ -112,20 +112,31 @@ def test_a_float_intermediate_recorded_as_another_kind_is_refused_naming_it(expo
         assert "m.pnnx.param" in msg or "casts to" in msg, msg
 
 
-def test_an_integer_recorded_as_float32_compiles_to_the_integer_and_matches_torch(export, tmp_path):
-    """pnnx writes f32 for integers it cannot type (shape arithmetic, a select of an
-    int32 tensor: tests/test_ops_indexing_shape.py): the op's integer dtype is taken."""
-    module, text, binary = export
-    ints = [k for k, v in intermediates(text).items() if v[2] == "i64"]
+@pytest.mark.parametrize("code", ["f32", "f16", "bool", "c64"])
+def test_an_integer_intermediate_recorded_as_another_kind_is_refused_naming_it(export, tmp_path, code):
+    _, text, binary = export
+    ints = {k: v for k, v in intermediates(text).items() if v[2] == "i64"}
     assert ints
-    for operand in ints:
-        edited = recorded_as(text, operand, "f32")
-        try:
-            path = compile_text(tmp_path, edited, binary)
-        except PmxCompileError as e:  # an index read as float32 by its reader: refused, naming it
-            assert "line" in str(e) and "float32" in str(e), str(e)
-            continue
-        matches_torch(path, module)
+    for operand, (node, line, _) in ints.items():
+        with pytest.raises(PmxCompileError) as e:
+            compile_text(tmp_path, recorded_as(text, operand, code), binary)
+        msg = str(e.value)
+        assert re.search(r"'[^']+' \(line \d+\)", msg), msg  # its producer, or a reader refusing it
+        assert NUMPY_NAMES[code] in msg or (code == "bool" and "boolean index" in msg), msg
+
+
+@pytest.mark.parametrize("spelling", ["none", "null"])
+def test_an_operand_without_a_recorded_dtype_takes_the_ops(export, tmp_path, spelling):
+    """pnnx writes no dtype for 0-d results and scalar expressions (an integer arange
+    bound, a select of an int32 tensor: tests/test_ops_indexing_shape.py); the frontend
+    assumes float32 there, and the op's dtype replaces it."""
+    module, text, binary = export
+    for operand, (_, _, recorded) in intermediates(text).items():
+        if spelling == "none":
+            edited = re.sub(rf" #{re.escape(operand)}=\([^)]*\)\w+", "", text)
+        else:
+            edited = recorded_as(text, operand, "null")
+        matches_torch(compile_text(tmp_path, edited, binary), module)
 
 
 @pytest.mark.parametrize("code", ["u8", "c64", "i64", "bool", "f32", "f16", "i32"])

@@ -361,11 +361,11 @@ _TORCH_DTYPES = {
       "Tensor.long", "Tensor.bool", "Tensor.short", "Tensor.char", "Tensor.byte", "Tensor.type_as")
 def cast(node, ctx):
     x = data_input(node)
-    target = node.outputs[0].dtype
+    recorded = node.outputs[0].recorded_dtype
     named = _TORCH_DTYPES.get(node.attrs.get("dtype")) if isinstance(node.attrs.get("dtype"), str) else None
-    if node.outputs[0].shape is None and named is not None:
-        # pnnx records no shape (nor dtype) for 0-d results; the dtype argument says it
-        target = named
+    # pnnx records no dtype for 0-d results; the dtype argument says it (else the
+    # frontend's float32)
+    target = recorded or named or node.outputs[0].dtype
     if target is None:
         fail(node, "pnnx recorded no output dtype for this cast")
     if named is not None and np.dtype(named) != np.dtype(target):

@@ -39,21 +39,20 @@ def infer_shapes(graph) -> bool:
 
 
 def reconcile_dtype(graph, node, out, dtype, input_dtypes) -> str:
-    """The dtype an output gets: the op's, where pnnx's record is missing, of the same
-    kind (pnnx says f32 where the op keeps f16), or float32 for an integer result (pnnx's
-    type for values it cannot type: shape arithmetic such as `size(@0,1)+1`, a select of
-    an int32 tensor; torch's value is the integer). Any other record of another kind
-    contradicts what the op computes (no pnnx export in the tests or pnnx's own op tests
-    writes one): the file was damaged or edited, and running it would write one kind
-    into a buffer of another, so the compile fails naming the node and both dtypes."""
+    """The dtype an output gets: the op's, where pnnx wrote none for the operand (the
+    frontend then assumed float32: pnnx writes no type for 0-d results and for scalar
+    expressions, such as an integer arange bound or a select of an int32 tensor) or one
+    of the same kind (pnnx says f32 where the op keeps f16). A recorded dtype of another
+    kind contradicts what the op computes: no pnnx export in the tests or in pnnx's own
+    op tests writes one, so the file was edited or damaged, and running it would write
+    one kind into a buffer of another; the compile fails naming the node and both."""
     if dtype.kind not in "biufc":
         raise PmxCompileError(f"{graph.source}: {node.where()}: output {out.name} would be of dtype {dtype.name}, "
                               f"not a number (inputs {[d.name for d in input_dtypes]}); check the op's parameters")
-    if out.dtype is None or out.dtype == dtype.name:
-        return dtype.name
-    recorded = np.dtype(out.dtype)
-    if recorded.kind == dtype.kind or (recorded == np.float32 and dtype.kind in "iu"):
+    recorded = out.recorded_dtype
+    if recorded is None or np.dtype(recorded).kind == dtype.kind:
         return dtype.name
     raise PmxCompileError(
-        f"{graph.source}: {node.where()}: output {out.name} is recorded as {recorded.name} but the op computes "
-        f"{dtype.name} from inputs {[d.name for d in input_dtypes]}; the .param contradicts itself (edited or damaged?)")
+        f"{graph.source}: {node.where()}: output {out.name} is recorded as {np.dtype(recorded).name} but the op "
+        f"computes {dtype.name} from inputs {[d.name for d in input_dtypes]}; the .param contradicts itself "
+        f"(edited or damaged?)")
