@@ -1,6 +1,8 @@
 """Inputs of other shapes than the one the model was exported with: compile once, run
 other batch sizes and image sizes, compare with torch run at those shapes."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -481,6 +483,17 @@ def test_the_placeholder_falls_back_to_a_size_the_whole_graph_takes(two_shape_ex
     sess = InferenceSession(str(tmp_path / "w.pmx"))
     for shape in ((1, 3, 120, 120), (2, 3, 130, 140)):
         _check(sess, m, torch.rand(*shape))
+
+
+def test_run_random_feeds_the_planned_shape_of_dynamic_dims(two_shape_exports, tmp_path, capsys):
+    """pmx run --random: 1 for a '?' dim would be too small for the pool; the planned
+    (placeholder) size fits."""
+    from pmx.compiler.cli import main
+
+    _, prefix = two_shape_exports["widepool"]
+    _compile_without_shape(prefix, tmp_path / "w.pmx")
+    assert main(["run", str(tmp_path / "w.pmx"), "--random", "--repeat", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"][0]["shape"] == [1, 3, 224, 224]
 
 
 def test_kernels_chosen_at_the_placeholder_serve_other_shapes(two_shape_exports, tmp_path):
