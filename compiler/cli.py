@@ -20,6 +20,7 @@ import sys
 from pmx.runtime.cli import (
     EPILOG,
     _check_model_arg,
+    _planned_shapes,
     _common,
     _key_value,
     add_runtime_commands,
@@ -87,15 +88,15 @@ def _check_against_trace(param, output):
 
     module = torch.jit.load(pt).eval()
     generator = torch.Generator().manual_seed(1)
-    inputs = tuple(torch.rand([d if d is not None else 1 for d in a.shape], generator=generator)
-                   for a in InferenceSession(output).get_inputs())
+    inputs = tuple(torch.rand(shape, generator=generator) for shape in _planned_shapes(InferenceSession(output)))
     check_against_torch(module, inputs, output)
     print(f"  check      matches {pt} on two random inputs")
 
 
 def parse_plan_shapes(shape_specs):
     """--shape in0=1..16x3x224x224 -> {in0: (1, 3, 224, 224)}: the size memory is planned
-    for (a range's lower end), used for inputs pnnx wrote with '?' dims."""
+    for (a range's lower end; None for '?', left to the compiler's placeholder), used for
+    inputs pnnx wrote with '?' dims; its length is the rank checked against the input's."""
     out = {}
     for spec in shape_specs:
         name, _, dims = spec.partition("=")
@@ -109,7 +110,10 @@ def parse_plan_shapes(shape_specs):
 
 def parse_dynamic(dynamic_specs, shape_specs):
     """--dynamic in0:0,2  and  --shape in0=1..16x3x224x224 -> {name: {dim: (min, max)}}.
-    In --shape, each dim is N (fixed), A..B (range), A.. (from A up) or ? (any size)."""
+    In --shape, each dim is N (fixed: (N, N)), A..B (range), A.. (from A up) or ? (any
+    size). The compile checks them against the export: N must equal a dim pnnx recorded
+    with a fixed size and a range must contain it (the model is compiled at that size);
+    only '?' dims take any N or range."""
     from pmx.runtime.errors import PmxCompileError
 
     out = {}
@@ -135,7 +139,7 @@ def parse_dynamic(dynamic_specs, shape_specs):
                     if rng[0] < 1 or (rng[1] != -1 and rng[1] < rng[0]):
                         raise ValueError
                 elif int(d) >= 1:
-                    continue  # a fixed dim: nothing to declare
+                    rng = (int(d), int(d))
                 else:
                     raise ValueError
             except ValueError:
@@ -185,7 +189,9 @@ def add_compile_args(c):
     c.add_argument("--dynamic", action="append", metavar="NAME:DIM[,DIM]",
                    help="let these input dims take any size at run time (dim 0 is tried by default)")
     c.add_argument("--shape", action="append", metavar="NAME=1..16x3x224x224",
-                   help="allowed sizes per input dim: N, A..B, A.. or ?")
+                   help="allowed sizes per input dim: N, A..B, A.. or ?; a dim exported with a fixed size "
+                        "takes that N or a range containing it, a '?' dim any (memory is planned at N or "
+                        "A; for '?' at a placeholder, and again at the first run's shape)")
     c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
     c.add_argument("--tune", action="store_true",
                    help="time each node's candidate kernels on this machine and store the fastest")

@@ -39,37 +39,219 @@ def default_output(param_path):
     return base + ".pmx"
 
 
-def _plan_dynamic_inputs(graph, dynamic, plan_shapes):
-    """Inputs pnnx wrote with '?' dims: give them the planning shape the user chose
-    (--shape) and declare those dims dynamic."""
-    dynamic = {k: dict(v) for k, v in (dynamic or {}).items()}
+UNBOUNDED = -1
+# Sizes tried, in order, for '?' dims given no size (the leading dim of an input of rank
+# >= 2 tries 1 first: a batch): memory is planned at the first at which every shape rule
+# of the graph accepts the inputs. Moderate sizes first, so convolutions and pools fit and
+# a large model's stored plan stays small; all multiples of 8, most of 32 (patch sizes,
+# windows, strides).
+PLACEHOLDER_SIZES = (64, 224, 32, 128, 16, 8, 256, 512)
+
+
+def _plan_dynamic_inputs(graph, dynamic, plan_shapes, auto_batch):
+    """Inputs pnnx wrote with '?' dims get the shape memory is planned for, and those dims
+    become dynamic: any size (1..), or the range asked for; a fixed size asked for fixes
+    them. The size planned for is the one given (`plan_shapes`, from --shape: a range's
+    lower end), else a placeholder at which the whole graph infers shapes: the runtime
+    plans memory again at the first run's shape, as for any new shape. With --static
+    (no auto_batch) a '?' dim needs a given size: --static promises the planned shapes."""
+    plan_shapes = plan_shapes or {}
+    dynamic = _check_requested_shapes(graph, dynamic or {}, plan_shapes)
+    unplanned = {}  # (input, dim) -> (min, max): '?' dims without a size to plan for
     for v in graph.inputs:
         if v.shape is not None and None not in v.shape:
             continue
-        plan = (plan_shapes or {}).get(v.name)
-        if plan is None or v.shape is None or len(plan) != len(v.shape) or any(
-                p is None or (d is not None and d != p) for p, d in zip(plan, v.shape)):
-            shown = "x".join("?" if d is None else str(d) for d in v.shape) if v.shape else "?"
-            raise PmxCompileError(
-                f"{graph.source}: input {v.name} has dynamic dims ({shown}); give the size to plan memory for, "
-                f"with ranges where wanted, e.g. --shape {v.name}={shown.replace('?', '1..', 1).replace('?', '224')}")
-        for d, (recorded, size) in enumerate(zip(v.shape, plan)):
-            if recorded is None:
-                dynamic.setdefault(v.name, {}).setdefault(d, (1, -1))
+        plan = plan_shapes.get(v.name)
+        if v.shape is None:
+            if plan is None or None in plan:
+                raise PmxCompileError(f"{graph.source}: input {v.name} has no recorded shape; give the shape to "
+                                      f"compile for, e.g. --shape {v.name}=1x3x224x224")
+            v.shape = tuple(plan)
+            continue
+        plan = list(plan or [None] * len(v.shape))
+        dims = dynamic.setdefault(v.name, {})
+        for d, recorded in enumerate(v.shape):
+            if recorded is not None:
+                plan[d] = recorded
+                continue
+            lo, hi = dims.setdefault(d, (1, UNBOUNDED))
+            if lo == hi:
+                plan[d] = lo
+            elif plan[d] is None:
+                unplanned[(v, d)] = (lo, hi)
+            elif not _in_range(plan[d], lo, hi):
+                raise PmxCompileError(f"{graph.source}: input {v.name}: the size {plan[d]} to plan dim {d} for is "
+                                      f"outside its range {_range_text(lo, hi)}")
         v.shape = tuple(plan)
+    if unplanned:
+        if not auto_batch:
+            raise PmxCompileError(_static_needs_shapes(graph, unplanned))
+        _plan_at_placeholder(graph, unplanned)
     return dynamic
+
+
+def _static_needs_shapes(graph, unplanned):
+    v = next(iter(unplanned))[0]
+    shown = "x".join("?" if d is None else str(d) for d in v.shape)
+    return (f"{graph.source}: input {v.name} has dynamic dims ({shown}) and --static keeps the shapes the "
+            f"model is compiled for: give them, e.g. --shape {v.name}={_example_shape(v)} (or drop --static: "
+            f"the dims then take any size)")
+
+
+def _example_shape(v):
+    return "x".join(str(d) if d is not None else ("1" if i == 0 else "224") for i, d in enumerate(v.shape))
+
+
+def _plan_at_placeholder(graph, unplanned):
+    """Give `unplanned` '?' dims the first placeholder sizes at which canonicalization and
+    shape inference of the whole graph succeed (tried on a copy), and say so in the notes."""
+    from pmx.compiler.passes.canonicalize import canonicalize
+    from pmx.compiler.passes.infer_shapes import infer_shapes
+
+    tried, first_error = [], None
+    for sizes in _placeholder_candidates(unplanned):
+        shapes = _with_sizes(graph, sizes)
+        trial = graph.clone()
+        for v in trial.inputs:
+            v.shape = shapes[v.name]
+        try:
+            canonicalize(trial)
+            infer_shapes(trial)
+        except PmxError as e:
+            tried.append(shapes)
+            first_error = first_error or e
+            continue
+        for v in graph.inputs:
+            v.shape = shapes[v.name]
+        for v in {v.uid: v for v, _ in unplanned}.values():
+            dims = [str(d) for u, d in unplanned if u is v]
+            which = f"dims {', '.join(dims)} are" if len(dims) > 1 else f"dim {dims[0]} is"
+            graph.notes.append(f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
+                               f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape")
+        return
+    shown = "; ".join(", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
+                      for t in tried[:3])
+    v = next(iter(unplanned))[0]
+    raise PmxCompileError(f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
+                          f"sizes tried fits ({shown}, ...): {first_error}. Give one with --shape, e.g. "
+                          f"--shape {v.name}={_example_shape(v)}") from None
+
+
+def _placeholder_candidates(unplanned):
+    """{(input, dim): size} per try: PLACEHOLDER_SIZES, the leading dim of an input of
+    rank >= 2 at 1 first and then at the same size; each clamped into the dim's range."""
+    seen = []
+    for size in PLACEHOLDER_SIZES:
+        for lead in (1, size):
+            sizes = {}
+            for (v, d), (lo, hi) in unplanned.items():
+                want = lead if d == 0 and len(v.shape) >= 2 else size
+                sizes[(v, d)] = max(lo, want if hi == UNBOUNDED else min(want, hi))
+            if sizes not in seen:
+                seen.append(sizes)
+                yield sizes
+
+
+def _with_sizes(graph, sizes):
+    shapes = {}
+    for v in graph.inputs:
+        shapes[v.name] = tuple(sizes.get((v, d), s) for d, s in enumerate(v.shape))
+    return shapes
+
+
+def _check_requested_shapes(graph, dynamic, plan_shapes):
+    """--shape and --dynamic against the export: each names an input the model has, a
+    --shape has the input's rank, and on a dim pnnx recorded with a fixed size a fixed
+    size must equal it and a range must contain it (the model is checked and its memory
+    planned at the recorded size; a range opens the dim around it: 1..16 on a recorded
+    batch of 1 makes the batch dynamic). Returns `dynamic` with non-negative dims."""
+    inputs = {v.name: v for v in graph.inputs}
+    for name in [*plan_shapes, *dynamic]:
+        if name not in inputs:
+            listed = ", ".join(f"{n} {_shape_text(v.shape)}" for n, v in inputs.items())
+            raise PmxCompileError(f"{graph.source}: --shape/--dynamic names input {name!r}; the model's inputs are "
+                                  f"{listed or 'none'}")
+    for name, plan in plan_shapes.items():
+        v = inputs[name]
+        if v.shape is not None and len(plan) != len(v.shape):
+            raise PmxCompileError(f"{graph.source}: input {name} was exported as {_shape_text(v.shape)}; the "
+                                  f"requested shape {_request_text(plan, {}, len(plan))} has rank {len(plan)}, "
+                                  f"not {len(v.shape)}")
+    checked = {}
+    for name, dims in dynamic.items():
+        v = inputs[name]
+        rank = len(v.shape) if v.shape is not None else len(plan_shapes.get(name, ()))
+        checked[name] = {}
+        for dim, rng in dims.items():
+            if not -rank <= dim < rank:
+                raise PmxCompileError(f"{graph.source}: --dynamic {name}:{dim}: input {name} has rank {rank}")
+            checked[name][dim % rank] = rng
+    for name in {*plan_shapes, *checked}:
+        _check_one_input(graph.source, inputs[name], plan_shapes.get(name), checked.get(name, {}))
+    return checked
+
+
+def _check_one_input(source, v, plan, dims):
+    if v.shape is None:
+        return
+    given = _request_text(plan, dims, len(v.shape))
+
+    def refuse(why):
+        raise PmxCompileError(f"{source}: input {v.name} was exported as {_shape_text(v.shape)}; the requested "
+                              f"shape {given} {why}")
+
+    for d, recorded in enumerate(v.shape):
+        if recorded is None:
+            continue
+        if d in dims:
+            lo, hi = dims[d]
+            if lo == hi and lo != recorded:
+                refuse(f"fixes dim {d} at {lo}: only its '?' dims can take another fixed size")
+            if not _in_range(recorded, lo, hi):
+                refuse(f"allows {_range_text(lo, hi)} in dim {d}, without its exported size {recorded}: the model "
+                       f"is compiled at that size, so a range must include it (e.g. "
+                       f"{_range_text(min(lo, recorded), hi if hi == UNBOUNDED else max(hi, recorded))})")
+        elif plan is not None and plan[d] is not None and plan[d] != recorded:
+            refuse(f"plans dim {d} at {plan[d]}: only its '?' dims can take another size")
+
+
+def _in_range(size, lo, hi):
+    return lo <= size and (hi == UNBOUNDED or size <= hi)
+
+
+def _range_text(lo, hi):
+    return str(lo) if lo == hi else f"{lo}..{'' if hi == UNBOUNDED else hi}"
+
+
+def _request_text(plan, dims, rank):
+    """The request as --shape spells it: 1..16x3x224x224."""
+    rank = len(plan) if plan is not None else rank
+    parts = []
+    for d in range(rank):
+        if d in dims:
+            parts.append("?" if dims[d] == (1, UNBOUNDED) else _range_text(*dims[d]))
+        else:
+            size = plan[d] if plan is not None else None
+            parts.append("?" if size is None else str(size))
+    return "x".join(parts)
+
+
+def _shape_text(shape):
+    return "?" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True,
                   plan_shapes=None, tune=False):
     """Run the pipeline on a parsed graph. `dynamic` = {input name: {dim: (min, max)}}
-    (max -1 = unbounded) declares input dims that may change at run time; with
-    auto_batch, dim 0 of every input is made dynamic too when the model allows it.
-    `plan_shapes` = {input name: shape} gives the size to plan for to inputs that pnnx
-    wrote with '?' dims (those dims become dynamic). With `tune`, kernels are chosen by
-    timing the candidates on this machine (compiler/passes/tune.py) at the planned
-    shapes."""
-    dynamic = _plan_dynamic_inputs(graph, dynamic, plan_shapes)
+    (max -1 = unbounded) declares input dims that may change at run time, (n, n) fixes a
+    dim at n; with auto_batch, dim 0 of every input is made dynamic too when the model
+    allows it. Requests are checked against the shapes pnnx recorded
+    (_check_requested_shapes). `plan_shapes` = {input name: shape} gives the size to
+    plan for to inputs that pnnx wrote with '?' dims (those dims become dynamic); without
+    it they are planned at a placeholder size (_plan_dynamic_inputs). With `tune`,
+    kernels are chosen by timing the candidates on this machine
+    (compiler/passes/tune.py) at the planned shapes."""
+    dynamic = _plan_dynamic_inputs(graph, dynamic, plan_shapes, auto_batch)
     graph.tune = tune
     graph.tune_report = []
     graph.dynamic_request = dict(dynamic or {})
@@ -144,4 +326,4 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
         constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
         lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
         seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats),
-        dynamic=dict(graph.dynamic), notes=list(graph.fixed_reasons), tuned=list(graph.tune_report))
+        dynamic=dict(graph.dynamic), notes=graph.notes + list(graph.fixed_reasons), tuned=list(graph.tune_report))

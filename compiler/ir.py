@@ -18,7 +18,7 @@ _ids = itertools.count()
 
 
 class Value:
-    __slots__ = ("name", "shape", "dtype", "producer", "consumers", "data", "uid")
+    __slots__ = ("name", "shape", "dtype", "producer", "consumers", "data", "uid", "recorded_dtype")
 
     def __init__(self, name, shape=None, dtype="float32", data=None):
         self.name = name
@@ -28,6 +28,9 @@ class Value:
         self.consumers = []
         self.data = data
         self.uid = next(_ids)
+        # the dtype pnnx wrote for this operand (None: none written, or a value pmx made);
+        # `dtype` defaults to float32 where pnnx wrote none, until infer_shapes sets it
+        self.recorded_dtype = None
 
     @property
     def is_constant(self):
@@ -81,6 +84,7 @@ class Graph:
         self.outputs: list[Value] = []
         self.source = source
         self.pass_stats: list[tuple[str, int, int]] = []
+        self.notes: list[str] = []  # what the compile decided that the user should know
 
     # --- construction -------------------------------------------------------------
 
@@ -156,6 +160,27 @@ class Graph:
         for v in self.outputs:
             seen.setdefault(v.uid, v)
         return list(seen.values())
+
+    def clone(self) -> Graph:
+        """A copy to try passes on (new Values and Nodes; constants share their data,
+        which no pass writes in place)."""
+        copies = {}
+
+        def copy(v):
+            if v is None:
+                return None
+            if v.uid not in copies:
+                copies[v.uid] = Value(v.name, v.shape, v.dtype, v.data)
+                copies[v.uid].recorded_dtype = v.recorded_dtype
+            return copies[v.uid]
+
+        g = Graph(self.source)
+        for n in self.nodes:
+            g.add_node(Node(n.op, n.name, [copy(v) for v in n.inputs], [copy(v) for v in n.outputs], n.attrs,
+                            n.input_names, n.line, n.expr, n.variant))
+        g.inputs = [copy(v) for v in self.inputs]
+        g.outputs = [copy(v) for v in self.outputs]
+        return g
 
     # --- checking -----------------------------------------------------------------
 

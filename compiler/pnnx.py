@@ -623,7 +623,7 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
                 )
             v.shape = shape
             if type_str != "null":
-                v.dtype = DTYPES[type_str][1]
+                v.dtype = v.recorded_dtype = DTYPES[type_str][1]
         elif key == "expr":
             params[key] = value
         else:

@@ -183,8 +183,9 @@ def _feed(sess, inputs, random, parser):
         example = " ".join(f"--input {a.name}={a.name}.npy" for a in missing)
         parser.error(f"no value for input(s) {listed}: pass {example}, or --random for random values")
     rng = np.random.default_rng(0)
+    planned = dict(zip([a.name for a in sess.get_inputs()], _planned_shapes(sess)))
     for arg in missing:
-        shape = [d if d is not None else 1 for d in arg.shape]
+        shape = planned[arg.name]
         dtype = np.dtype(_np_type(arg.type))
         if dtype.kind == "f":
             given[arg.name] = rng.standard_normal(shape).astype(dtype)
@@ -193,6 +194,13 @@ def _feed(sess, inputs, random, parser):
         else:
             given[arg.name] = rng.integers(0, 10, shape).astype(dtype)
     return given
+
+
+def _planned_shapes(sess):
+    """Each input's shape the compile planned memory for: the exported size of a dynamic
+    dim, or the size chosen for a '?' dim, where the model is known to take it."""
+    model = sess.model
+    return [list(model.tensors[i].shape) for i in model.inputs]
 
 
 def _shape_text(shape):

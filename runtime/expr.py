@@ -549,6 +549,8 @@ def _result_dtype_exact(key, input_dtypes):
         fn = NUMPY_FUNCS[t[0]]
         arrays = [a if isinstance(a, np.ndarray) else np.asarray(a) for a in args]
         if t[0] == "where":
+            if arrays[0].dtype != np.bool_:  # torch refuses it; the kernel casts the condition safely
+                raise ValueError(f"where's condition is of dtype {arrays[0].dtype.name}, not bool")
             return _torch_float(np.where(arrays[0], args[1], args[2]), args[1:])
         if t[0] in ("div", "reciprocal", "sqrt", "rsqrt", "exp", "log", "sigmoid") and all(
             np.asarray(a).dtype.kind in "biu" for a in args

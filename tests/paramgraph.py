@@ -6,7 +6,8 @@ import tempfile
 
 import numpy as np
 
-CODES = {"float32": "f32", "float64": "f64", "complex64": "c64", "complex128": "c128", "int64": "i64", "bool": "bool"}
+CODES = {"float32": "f32", "float64": "f64", "complex64": "c64", "complex128": "c128", "int64": "i64", "int32": "i32",
+         "uint8": "u8", "bool": "bool"}
 
 
 def operand(name, array):

@@ -1,6 +1,8 @@
 """Inputs of other shapes than the one the model was exported with: compile once, run
 other batch sizes and image sizes, compare with torch run at those shapes."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -341,10 +343,11 @@ def test_question_mark_dims_compile_with_a_planning_shape(question_mark_export, 
         _check(sess, m, torch.rand(*shape))
 
 
-def test_question_mark_dims_without_a_planning_shape_say_how(question_mark_export, tmp_path):
+def test_question_mark_dims_with_static_and_no_planning_shape_say_how(question_mark_export, tmp_path):
+    """--static promises the planned shapes, so a '?' dim needs a size there."""
     _, prefix = question_mark_export
     with pytest.raises(PmxCompileError) as e:
-        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "q.pmx"))
+        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "q.pmx"), auto_batch=False)
     assert "in0" in str(e.value) and "?x3x?x?" in str(e.value) and "--shape" in str(e.value)
 
 
@@ -367,3 +370,233 @@ def test_random_batches_on_suite_blocks(compiled, name, batch):
     m = MODELS.get(f"block_{name}") or MODELS.setdefault(f"block_{name}", factory().eval())
     sess = compiled(f"block_{name}", m, torch.rand(*shape))
     _check(sess, m, torch.rand(batch, *shape[1:]))
+
+
+# --- '?' dims without --shape: planned at a placeholder, dynamic, re-planned at run --------
+
+
+def _export_at_two_shapes(directory, module, first, second):
+    """pnnx.export with a second example input: the dims that differ are written '?'."""
+    import contextlib
+    import io
+    import os
+
+    import pnnx
+
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            pnnx.export(module, str(directory / "model.pt"), (first,), (second,))
+    finally:
+        os.chdir(cwd)
+    return str(directory / "model")
+
+
+class SeqMixer(nn.Module):
+    """A conv and self-attention over a sequence of any length."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(16, 16, 3, padding=1)
+        self.ln = nn.LayerNorm(16)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x):
+        y = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        q, k, v = self.qkv(self.ln(y)).chunk(3, -1)
+        a = torch.softmax(q @ k.transpose(1, 2) * 0.25, -1)
+        return self.out((a @ v + y).mean(1)), a @ v
+
+
+class WidePool(nn.Module):
+    """A 100x100 pool: the first placeholder size (64) is too small for it, 224 fits."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return F.avg_pool2d(F.relu(self.c(x)), 100, stride=10).flatten(1)
+
+
+class WinogradPair(nn.Module):
+    """Two 3x3 convs with 64 channels: at the placeholder size the rule picks Winograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(64, 64, 3, padding=1)
+        self.b = nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x))) + x
+
+
+@pytest.fixture(scope="module")
+def two_shape_exports(tmp_path_factory):
+    """name -> (module, prefix) of exports with '?' dims."""
+    out = {}
+    for name, cls, first, second, marker in [
+        ("seq", SeqMixer, (1, 6, 16), (1, 9, 16), "(1,?,16)"),
+        ("widepool", WidePool, (1, 3, 120, 120), (2, 3, 130, 140), "(?,3,?,?)"),
+        ("winograd", WinogradPair, (1, 64, 12, 12), (1, 64, 10, 14), "(1,64,?,?)"),
+    ]:
+        torch.manual_seed(0)
+        module = cls().eval()
+        prefix = _export_at_two_shapes(tmp_path_factory.mktemp(name), module, torch.rand(*first), torch.rand(*second))
+        with open(prefix + ".pnnx.param") as f:
+            assert marker in f.read(), name
+        out[name] = (module, prefix)
+    return out
+
+
+def _compile_without_shape(prefix, path, **kwargs):
+    return compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(path), verify=True, **kwargs)
+
+
+def test_question_mark_dims_compile_without_a_shape_and_run_at_other_shapes(question_mark_export, tmp_path):
+    m, prefix = question_mark_export
+    result = _compile_without_shape(prefix, tmp_path / "q.pmx")
+    assert result.dynamic["in0"] == [(1, -1), (3, 3), (1, -1), (1, -1)]
+    assert any("in0 dims 0, 2, 3 are '?'" in n and "placeholder" in n and "first run" in n for n in result.notes)
+    sess = InferenceSession(str(tmp_path / "q.pmx"))
+    assert sess.get_inputs()[0].shape == [None, 3, None, None]
+    for shape in ((1, 3, 16, 16), (2, 3, 24, 20), (3, 3, 9, 33), (1, 3, 64, 64)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_a_question_mark_sequence_length_compiles_without_a_shape(two_shape_exports, tmp_path):
+    m, prefix = two_shape_exports["seq"]
+    result = _compile_without_shape(prefix, tmp_path / "s.pmx")
+    assert any("in0 dim 1 is '?'" in n for n in result.notes), result.notes
+    sess = InferenceSession(str(tmp_path / "s.pmx"))
+    assert sess.get_inputs()[0].shape == [None, None, 16]
+    for shape in ((1, 6, 16), (1, 9, 16), (2, 1, 16), (1, 100, 16)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_the_placeholder_falls_back_to_a_size_the_whole_graph_takes(two_shape_exports, tmp_path):
+    m, prefix = two_shape_exports["widepool"]
+    result = _compile_without_shape(prefix, tmp_path / "w.pmx")
+    assert any("[1, 3, 224, 224]" in n for n in result.notes), result.notes  # 64 is smaller than the pool
+    sess = InferenceSession(str(tmp_path / "w.pmx"))
+    for shape in ((1, 3, 120, 120), (2, 3, 130, 140)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_run_random_feeds_the_planned_shape_of_dynamic_dims(two_shape_exports, tmp_path, capsys):
+    """pmx run --random: 1 for a '?' dim would be too small for the pool; the planned
+    (placeholder) size fits."""
+    from pmx.compiler.cli import main
+
+    _, prefix = two_shape_exports["widepool"]
+    _compile_without_shape(prefix, tmp_path / "w.pmx")
+    assert main(["run", str(tmp_path / "w.pmx"), "--random", "--repeat", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"][0]["shape"] == [1, 3, 224, 224]
+
+
+def test_kernels_chosen_at_the_placeholder_serve_other_shapes(two_shape_exports, tmp_path):
+    m, prefix = two_shape_exports["winograd"]
+    _compile_without_shape(prefix, tmp_path / "g.pmx")
+    sess = InferenceSession(str(tmp_path / "g.pmx"))
+    assert any(n.op == "conv_winograd" for n in sess.model.nodes)
+    for shape in ((1, 64, 12, 12), (2, 64, 5, 7), (1, 64, 1, 1), (1, 64, 33, 40)):
+        _check(sess, m, torch.rand(*shape))
+
+
+def test_cli_says_question_mark_dims_are_dynamic_and_static_refuses(question_mark_export, tmp_path, capsys):
+    from pmx.compiler.cli import main
+
+    _, prefix = question_mark_export
+    out = tmp_path / "q.pmx"
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "in0 takes [1.., 3, 1.., 1..]" in text and "placeholder" in text and "first run" in text
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--static"]) == 1
+    err = capsys.readouterr().err
+    assert "in0" in err and "?x3x?x?" in err and "--shape in0=" in err
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--static", "--shape", "in0=2x3x20x24"]) == 0
+    assert InferenceSession(str(out)).get_inputs()[0].shape == [2, 3, 20, 24]
+
+
+def test_a_fixed_size_on_a_question_mark_dim_fixes_it(question_mark_export, tmp_path, capsys):
+    from pmx.compiler.cli import main
+
+    m, prefix = question_mark_export
+    out = tmp_path / "q.pmx"
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", "in0=?x3x16x16"]) == 0
+    assert "in0 takes [1.., 3, 16, 16]" in capsys.readouterr().out
+    sess = InferenceSession(str(out))
+    _check(sess, m, torch.rand(2, 3, 16, 16))
+    with pytest.raises(PmxInputError):
+        sess.run(None, {"in0": np.zeros((1, 3, 24, 24), np.float32)})
+
+
+# --- --shape checked against the export ------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("in0=1..16x3x224x224", "fixes dim 2 at 224"),
+    ("in0=1x4x32x32", "fixes dim 1 at 4"),
+    ("in0=1x3x32", "has rank 3, not 4"),
+    ("in0=1x3x32x32x1", "has rank 5, not 4"),
+    ("in0=2..16x3x32x32", "allows 2..16 in dim 0, without its exported size 1"),
+    ("in0=1x3x40..64x32", "allows 40..64 in dim 2, without its exported size 32"),
+])
+def test_a_shape_contradicting_the_export_is_refused_naming_both(exporter, tmp_path, capsys, spec, why):
+    from pmx.compiler.cli import main
+
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(tmp_path / "m.pmx"), "--shape", spec]) == 1
+    err = capsys.readouterr().err
+    assert "input in0 was exported as [1, 3, 32, 32]" in err and spec.split("=")[1] in err and why in err, err
+    assert not (tmp_path / "m.pmx").exists()
+
+
+def test_a_shape_for_an_input_the_model_lacks_is_refused_naming_the_inputs(exporter, tmp_path, capsys):
+    from pmx.compiler.cli import main
+
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(tmp_path / "m.pmx"), "--shape", "in5=1x3x32x32"]) == 1
+    err = capsys.readouterr().err
+    assert "'in5'" in err and "in0 [1, 3, 32, 32]" in err
+
+
+def test_a_shape_agreeing_with_the_export_is_accepted(exporter, tmp_path, capsys):
+    """A range containing the exported size opens the dim; the exported size fixes it."""
+    from pmx.compiler.cli import main
+
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    out = tmp_path / "m.pmx"
+    for spec, takes, shape in [("in0=1..16x3x32x32", "[1..16, 3, 32, 32]", [None, 3, 32, 32]),
+                               ("in0=1x3x32x32", None, [1, 3, 32, 32]),  # the batch too: nothing dynamic
+                               ("in0=?x3x8..32x32..", "[1.., 3, 8..32, 32..]", [None, 3, None, None])]:
+        assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", spec]) == 0
+        text = capsys.readouterr().out
+        assert (f"in0 takes {takes}" in text) if takes else ("in0 takes" not in text), text
+        assert InferenceSession(str(out)).get_inputs()[0].shape == shape
+
+
+def test_a_dynamic_range_without_the_exported_size_is_refused_from_python(exporter, tmp_path):
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    with pytest.raises(PmxCompileError, match=r"in0 was exported as \[1, 3, 32, 32\].*40\.\.64 in dim 2"):
+        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"),
+                      dynamic={"in0": {2: (40, 64)}})
+
+
+class TallPool(nn.Module):
+    """Needs at least 600 rows: more than any placeholder size."""
+
+    def forward(self, x):
+        return F.avg_pool2d(x, (600, 1), stride=1)
+
+
+def test_no_placeholder_fitting_says_to_give_a_shape(tmp_path):
+    torch.manual_seed(0)
+    m = TallPool().eval()
+    prefix = _export_at_two_shapes(tmp_path, m, torch.rand(1, 1, 600, 6), torch.rand(1, 1, 610, 9))
+    with pytest.raises(PmxCompileError, match=r"none of the sizes tried fits.*--shape in0=1x1x224x224"):
+        _compile_without_shape(prefix, tmp_path / "p.pmx")
+    _compile_without_shape(prefix, tmp_path / "p.pmx", plan_shapes={"in0": (1, 1, 600, 6)})
+    _check(InferenceSession(str(tmp_path / "p.pmx")), m, torch.rand(1, 1, 612, 7))

@@ -1,5 +1,7 @@
 """Fuzzing the frontend: mutated .param texts and damaged .bin zips go through
-compile_model. The only exceptions allowed out are PmxError subclasses; every case must
+compile_model, and what compiles is loaded and run on random inputs. The only exceptions
+allowed out are PmxError subclasses, and never PmxInternalError (a compiled file that
+fails at run is a bug of pmx's: the compile should have refused it); every case must
 finish fast and must not allocate without bound. Run with -s to see how many cases ran
 and the distinct kinds of error message.
 
@@ -28,7 +30,8 @@ from torch import nn
 from ziputil import build_zip
 
 from pmx.compiler.driver import compile_model
-from pmx.runtime.errors import PmxError
+from pmx.runtime import InferenceSession
+from pmx.runtime.errors import PmxError, PmxInternalError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -56,8 +59,11 @@ SMALL_BIN = build_zip(SMALL_WEIGHTS).data
 SMALL_BIN_PLAIN = build_zip(SMALL_WEIGHTS, zip64=False).data
 
 HUGE = [10**30, 2**63, 2**63 - 1, 2**64, 2**31, 2**32 + 1, 10**9, -1, -(2**63), 0]
+DTYPE_CODES = ["f32", "f64", "f16", "bf16", "i8", "u8", "i16", "i32", "i64", "bool", "c64", "c128", "c32", "null"]
 ALPHABET = "0123456789()[],=@$#%?.-+ejxf_ \t" + "\u0662\u00a0\x00"
 TIME_LIMIT_S = 2.0
+# A mutated model may ask for any size; running it must stay small.
+RUN_ARENA_LIMIT = 64 << 20
 # PMX_FUZZ_SCALE=20 runs 20x the cases (a longer hunt than the suite's default budget).
 SCALE = int(os.environ.get("PMX_FUZZ_SCALE", "1"))
 
@@ -141,6 +147,10 @@ def run_case(workdir, label, param: bytes, binary: bytes):
     try:
         compile_model(str(workdir / "m.pnnx.param"), str(workdir / "m.pnnx.bin"), str(out))
         STATS["kinds"]["(compiled)"] += 1
+        run_compiled(out)
+        STATS["kinds"]["(compiled and ran)"] += 1
+    except PmxInternalError as e:
+        raise AssertionError(f"{e}\nparam:\n{param[:2000]!r}") from e
     except PmxError as e:
         STATS["kinds"][f"{type(e).__name__}: {error_kind(str(e), workdir)}"] += 1
         site = re.search(r"\(internal error at (\S+);", str(e))
@@ -162,6 +172,21 @@ def run_case(workdir, label, param: bytes, binary: bytes):
         ) from e
     elapsed = time.perf_counter() - t0
     assert elapsed < TIME_LIMIT_S, f"case took {elapsed:.2f} s"
+
+
+def run_compiled(path):
+    """Run a compiled case once on random inputs of its planned shapes (small
+    non-negative integers where the input is one: ids and indices)."""
+    sess = InferenceSession(str(path), max_arena_bytes=RUN_ARENA_LIMIT)
+    model = sess.model
+    rng = np.random.default_rng(0)
+    feed = {}
+    for arg, index in zip(sess.get_inputs(), model.inputs):
+        t = model.tensors[index]
+        values = rng.integers(0, 3, t.shape) if t.dtype.kind in "biu" else rng.standard_normal(t.shape) * 3
+        feed[arg.name] = values.astype(t.dtype)
+    with np.errstate(all="ignore"):
+        sess.run(None, feed)
 
 
 def test_seeds_compile(workdir, zoo):
@@ -191,6 +216,7 @@ def mutated_param(draw, text):
                 + ["huge"] * 3
                 + ["number"] * 6
                 + ["garble_token"] * 3
+                + ["dtype"] * 3
                 + ["drop_token", "dup_token", "count", "line", "truncate", "billion"]
             )
         )
@@ -248,6 +274,14 @@ def mutated_param(draw, text):
                 k, m = numbers[draw(st.integers(0, len(numbers) - 1))]
                 new = draw(st.sampled_from(HUGE)) if kind == "huge" else draw(st.integers(-3, 9))
                 tokens[k] = tokens[k][: m.start()] + str(new) + tokens[k][m.end() :]
+        elif kind == "dtype":
+            # an operand's recorded dtype, its shape kept: a record that contradicts what
+            # the op computes must fail the compile, not the run
+            typed = [k for k, tok in enumerate(tokens) if re.fullmatch(r"#[^=]+=\(.*\)\w+", tok)]
+            if typed:
+                k = draw(st.sampled_from(typed))
+                code = draw(st.sampled_from(DTYPE_CODES))
+                tokens[k] = re.sub(r"\)\w+$", ")" + code, tokens[k])
         elif kind == "value":
             kv = [k for k, tok in enumerate(tokens) if "=" in tok and tok[0] not in "@$#"]
             kv = (

@@ -358,12 +358,16 @@ _TORCH_DTYPES = {
       "Tensor.long", "Tensor.bool", "Tensor.short", "Tensor.char", "Tensor.byte", "Tensor.type_as")
 def cast(node, ctx):
     x = data_input(node)
-    target = node.outputs[0].dtype
-    if node.outputs[0].shape is None and isinstance(node.attrs.get("dtype"), str):
-        # pnnx records no shape (nor dtype) for 0-d results; the dtype argument says it
-        target = _TORCH_DTYPES.get(node.attrs["dtype"], target)
+    recorded = node.outputs[0].recorded_dtype
+    named = _TORCH_DTYPES.get(node.attrs.get("dtype")) if isinstance(node.attrs.get("dtype"), str) else None
+    # pnnx records no dtype for 0-d results; the dtype argument says it (else the
+    # frontend's float32)
+    target = recorded or named or node.outputs[0].dtype
     if target is None:
         fail(node, "pnnx recorded no output dtype for this cast")
+    if named is not None and np.dtype(named) != np.dtype(target):
+        fail(node, f"casts to {named} (dtype={node.attrs['dtype']}) but its output {node.outputs[0].name} is "
+                   f"recorded as {target}; the .param contradicts itself (edited or damaged?)")
     if target == x.dtype:
         return Forward(x)
     return [make(node, "cast", [x], dict(dtype=str(np.dtype(target))))]

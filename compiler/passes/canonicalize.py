@@ -38,10 +38,12 @@ def canonicalize(graph) -> bool:
 
 
 def _fill_shapes(node):
-    """Exports with dynamic ('?') dims leave shapes partly unknown; once the inputs are
-    concrete (the graph inputs get their planning shape), the canonical op's shape rule
-    fills its outputs, so the next rule sees concrete input shapes."""
-    if all(v.shape is not None and None not in v.shape for v in node.outputs):
+    """Exports with dynamic ('?') dims leave shapes partly unknown, and pnnx writes no
+    dtype for 0-d results and scalar expressions (the frontend assumes float32); once the
+    inputs are concrete (the graph inputs get their planning shape), the canonical op's
+    shape rule fills its outputs, so the next rule sees concrete input shapes and the
+    dtypes the ops compute (an integer index read by a gather)."""
+    if all(v.shape is not None and None not in v.shape and v.recorded_dtype is not None for v in node.outputs):
         return
     ins = [v for v in node.inputs if v is not None]
     if any(v.shape is None or None in v.shape for v in ins):
@@ -50,6 +52,8 @@ def _fill_shapes(node):
         results = output_shapes(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
     except Exception:  # noqa: BLE001 - infer_shapes reports the error with context
         return
-    for v, (shape, _dtype) in zip(node.outputs, results):
+    for v, (shape, dtype) in zip(node.outputs, results):
         if v.shape is None or None in v.shape:
             v.shape = shape
+        if v.recorded_dtype is None:
+            v.dtype = dtype.name

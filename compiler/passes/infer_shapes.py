@@ -21,7 +21,8 @@ def infer_shapes(graph) -> bool:
         try:
             results = output_shapes(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
-            raise PmxCompileError(f"{node.where()}: cannot compute output shape from inputs {shapes}: {e}") from None
+            names = [d.name for d in dtypes if d is not None]
+            raise PmxCompileError(f"{node.where()}: cannot compute its output from inputs {shapes} of dtypes {names}: {e}") from None
         for out, (shape, dtype) in zip(node.outputs, results):
             recorded = out.shape
             if recorded is not None and None in recorded and len(recorded) == len(shape) and all(
@@ -33,8 +34,25 @@ def infer_shapes(graph) -> bool:
             if out.shape is None:
                 out.shape = shape
                 changed = True
-            # unknown or same kind (pnnx says f32 where the op keeps f16): the op's dtype;
-            # another kind: pnnx's, and the kernel casts on write
-            if out.dtype is None or (out.dtype != dtype.name and np.dtype(out.dtype).kind == dtype.kind):
-                out.dtype = dtype.name
+            out.dtype = reconcile_dtype(graph, node, out, dtype, [d for d in dtypes if d is not None])
     return changed
+
+
+def reconcile_dtype(graph, node, out, dtype, input_dtypes) -> str:
+    """The dtype an output gets: the op's, where pnnx wrote none for the operand (the
+    frontend then assumed float32: pnnx writes no type for 0-d results and for scalar
+    expressions, such as an integer arange bound or a select of an int32 tensor) or one
+    of the same kind (pnnx says f32 where the op keeps f16). A recorded dtype of another
+    kind contradicts what the op computes: no pnnx export in the tests or in pnnx's own
+    op tests writes one, so the file was edited or damaged, and running it would write
+    one kind into a buffer of another; the compile fails naming the node and both."""
+    if dtype.kind not in "biufc":
+        raise PmxCompileError(f"{graph.source}: {node.where()}: output {out.name} would be of dtype {dtype.name}, "
+                              f"not a number (inputs {[d.name for d in input_dtypes]}); check the op's parameters")
+    recorded = out.recorded_dtype
+    if recorded is None or np.dtype(recorded).kind == dtype.kind:
+        return dtype.name
+    raise PmxCompileError(
+        f"{graph.source}: {node.where()}: output {out.name} is recorded as {np.dtype(recorded).name} but the op "
+        f"computes {dtype.name} from inputs {[d.name for d in input_dtypes]}; the .param contradicts itself "
+        f"(edited or damaged?)")

@@ -3,8 +3,8 @@
 pnnx records every shape at the traced size: a `view(1, 3, 6, 64, 64)` or a `flatten`
 carries the batch and spatial sizes it saw. This pass takes the requested dynamic input
 dims (`pmx compile --dynamic in0:0`, `--shape in0=1..16x3x224x224`; by default dim 0 of
-every input, the batch, when the model allows it), then probes the graph with those dims
-changed, running every node's shape rule:
+every input, the batch, when the model allows it and no fixed size was asked for it),
+then probes the graph with those dims changed, running every node's shape rule:
 
 - reshape targets are rewritten symbolically where their meaning allows: a target dim
   equal to an input dim that moves with a dynamic dim, aligned from the front (a leading
@@ -160,9 +160,12 @@ def _with_inferred(t):
 
 
 def _requested(graph):
-    """{input uid: {dim: (min, max)}} and whether each request was explicit."""
+    """{input uid: {dim: (min, max)}} and whether each request was explicit. A request
+    (n, n) fixes the dim (`--shape in0=1x...`): it is not probed, and not made dynamic as
+    the batch by default."""
     req = {}
     explicit = set()
+    fixed = set()
     by_name = {v.name: v for v in graph.inputs}
     for name, dims in getattr(graph, "dynamic_request", {}).items():
         if name not in by_name:
@@ -171,12 +174,15 @@ def _requested(graph):
         for dim, rng in dims.items():
             if not -len(v.shape) <= dim < len(v.shape):
                 raise PmxCompileError(f"--dynamic {name}:{dim}: input {name} has rank {len(v.shape)}")
+            if rng[0] == rng[1]:
+                fixed.add((v.uid, dim % len(v.shape)))
+                continue
             req.setdefault(v.uid, {})[dim % len(v.shape)] = rng
             explicit.add((v.uid, dim % len(v.shape)))
     auto = {}
     if getattr(graph, "auto_batch", True):
         for v in graph.inputs:
-            if v.shape and 0 not in req.get(v.uid, {}):
+            if v.shape and 0 not in req.get(v.uid, {}) and (v.uid, 0) not in fixed:
                 auto[v.uid] = {0: (1, UNBOUNDED)}
     return req, explicit, auto
 

@@ -37,9 +37,9 @@ from pmx.runtime.record import Record
 
 
 class Kernel(Record):
-    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch")
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "float_input")
 
-    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None):
+    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, float_input=False):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
         self.inplace = inplace
@@ -47,6 +47,10 @@ class Kernel(Record):
         self.view = view
         # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
         self.scratch = scratch
+        # input 0 must be floating-point or complex: the kernel computes in floats, which
+        # an integer or bool output (the dtype of input 0) cannot take; torch refuses
+        # such inputs to these ops too
+        self.float_input = float_input
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -63,11 +67,11 @@ class RunSized(Record):
         self.value = None
 
 
-def register(op, *, infer, inplace=False, view=False, scratch=None):
+def register(op, *, infer, inplace=False, view=False, scratch=None, float_input=False):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch)
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, float_input)
         return make
 
     return deco
@@ -186,8 +190,11 @@ def output_shapes(node, shapes, dtypes):
     Whatever the rule raises when the inputs do not fit propagates (callers add context);
     a negative dim is a ValueError too. Used by the compiler's checks, the loader's
     verifier and run-time re-planning alike."""
+    kernel = get(node.op)
+    if kernel.float_input and dtypes and np.dtype(dtypes[0]).kind not in "fc":
+        raise ValueError(f"input of dtype {np.dtype(dtypes[0]).name}: {node.op} takes floating-point inputs")
     result = []
-    for shape, dtype in get(node.op).infer(node, shapes, dtypes):
+    for shape, dtype in kernel.infer(node, shapes, dtypes):
         shape = tuple(map(int, shape))
         if shape and min(shape) < 0:
             raise ValueError(f"negative output shape {shape}")

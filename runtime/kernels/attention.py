@@ -350,7 +350,7 @@ def attention_scratch(node, inputs, outputs):
     return scratch_nbytes(*_scratch_requests(views[0].shape, slab, outputs[0].dtype, scale))
 
 
-@register("attention", infer=attention_infer, scratch=attention_scratch)
+@register("attention", infer=attention_infer, scratch=attention_scratch, float_input=True)
 def make_attention(node, inputs, outputs):
     attrs = node.attrs
     out = outputs[0]

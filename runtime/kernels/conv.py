@@ -174,7 +174,7 @@ def conv_scratch(node, inputs, outputs):
     return scratch_nbytes(*scaled, (_cols_shape(x, w, out), x.dtype))
 
 
-@register("conv", infer=conv_infer, scratch=conv_scratch)
+@register("conv", infer=conv_infer, scratch=conv_scratch, float_input=True)
 def make_conv(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

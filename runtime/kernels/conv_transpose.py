@@ -58,7 +58,7 @@ def conv_transpose_scratch(node, inputs, outputs):
     return scratch_nbytes((_cols_shape(inputs[0], inputs[1], int(node.attrs.get("groups", 1))), outputs[0].dtype))
 
 
-@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch)
+@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch, float_input=True)
 def make_conv_transpose(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -39,7 +39,7 @@ def linear_infer(node, shapes, dtypes):
     return [(tuple(shapes[0][:-1]) + (features,), dtypes[0])]
 
 
-@register("linear", infer=linear_infer)
+@register("linear", infer=linear_infer, float_input=True)
 def make_linear(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

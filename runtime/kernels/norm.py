@@ -40,7 +40,7 @@ def batch_norm_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("batch_norm", infer=batch_norm_infer, inplace=True)
+@register("batch_norm", infer=batch_norm_infer, inplace=True, float_input=True)
 def make_batch_norm(node, inputs, outputs):
     x, scale, shift = inputs
     out = outputs[0]
@@ -112,7 +112,7 @@ def _affine(out, weight, bias, shape):
     return chain(*steps)
 
 
-@register("layer_norm", infer=same_as_input, inplace=True)
+@register("layer_norm", infer=same_as_input, inplace=True, float_input=True)
 def make_layer_norm(node, inputs, outputs):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
@@ -137,7 +137,7 @@ def _row_parts(node, rows, inner):
     return parallel.ranges(rows, split_threads(node, rows * inner))
 
 
-@register("group_norm", infer=same_as_input, inplace=True)
+@register("group_norm", infer=same_as_input, inplace=True, float_input=True)
 def make_group_norm(node, inputs, outputs):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
@@ -168,7 +168,7 @@ def make_group_norm(node, inputs, outputs):
     return chain(pre, parallel.split(parts), post)
 
 
-@register("lp_normalize", infer=same_as_input, inplace=True)
+@register("lp_normalize", infer=same_as_input, inplace=True, float_input=True)
 def make_lp_normalize(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     axis = int(node.attrs["axis"]) % x.ndim

@@ -36,6 +36,8 @@ def pool_infer(node, shapes, dtypes):
     spatial = tuple(
         _pool_len(x[-nd + i], a["kernel"][i], a["stride"][i], dil[i], a["pads"][i], a["pads"][nd + i], a.get("ceil_mode", False))
         for i in range(nd))
+    if np.dtype(dtypes[0]).kind == "b":
+        raise ValueError(f"input of dtype bool: {node.op} takes numbers (torch refuses bool too)")
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
 
 

@@ -19,7 +19,7 @@ def reduce_infer(node, shapes, dtypes):
     keep = node.attrs.get("keepdim", False)
     shape = tuple((1 if i in axes else d) for i, d in enumerate(x) if keep or i not in axes)
     dtype = dtypes[0]
-    if node.op in ("reduce_sum", "reduce_prod") and np.dtype(dtype).kind in "bi":
+    if node.op in ("reduce_sum", "reduce_prod") and np.dtype(dtype).kind in "biu":  # torch sums uint8 in int64 too
         dtype = np.dtype("int64")
     return [(shape, dtype)]
 
@@ -134,12 +134,12 @@ def same_as_input(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("softmax", infer=same_as_input, inplace=True)
+@register("softmax", infer=same_as_input, inplace=True, float_input=True)
 def make_softmax(node, inputs, outputs):
     return _softmax_parts(node, inputs[0], outputs[0], log=False)
 
 
-@register("log_softmax", infer=same_as_input, inplace=True)
+@register("log_softmax", infer=same_as_input, inplace=True, float_input=True)
 def make_log_softmax(node, inputs, outputs):
     return _softmax_parts(node, inputs[0], outputs[0], log=True)
 

@@ -103,7 +103,7 @@ def grid_sample_infer(node, shapes, dtypes):
     return [((x[0], x[1]) + g[1:-1], dtypes[0])]
 
 
-@register("grid_sample", infer=grid_sample_infer)
+@register("grid_sample", infer=grid_sample_infer, float_input=True)
 def make_grid_sample(node, inputs, outputs):
     x, grid, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -209,7 +209,7 @@ def _roi_bilinear(plane, y, x):
     return np.where(outside, 0.0, val)
 
 
-@register("roi_align", infer=roi_align_infer)
+@register("roi_align", infer=roi_align_infer, float_input=True)
 def make_roi_align(node, inputs, outputs):
     x, rois, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -253,7 +253,7 @@ def deform_conv_infer(node, shapes, dtypes):
     return [((x[0], w[0], ho, wo), dtypes[0])]
 
 
-@register("deform_conv", infer=deform_conv_infer)
+@register("deform_conv", infer=deform_conv_infer, float_input=True)
 def make_deform_conv(node, inputs, outputs):
     a = node.attrs
     x, offset, w, out = inputs[0], inputs[1], inputs[2], outputs[0]

@@ -104,7 +104,7 @@ def _scratch_shapes(g, dtype):
             ((4, 4, g.k, g.columns), dtype)]  # M, then Y, then the output tiles, in place
 
 
-@register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch)
+@register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch, float_input=True)
 def make_conv_winograd(node, inputs, outputs):
     x, u, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 else None
