@@ -1,6 +1,9 @@
 """Open a .pmx file: mmap it, verify it completely, and describe it as plain data.
 
-Nothing here trusts the file. The header is read by a small FlatBuffers reader of our
+Nothing here trusts the file. The preamble's and the header's CRC32s are checked first,
+so accidental damage is refused before anything reads the header (the data's CRC32 only
+with verify_checksum: it reads every weight byte); a forged file with recomputed CRCs
+meets the checks below. The header is read by a small FlatBuffers reader of our
 own (the generated accessors neither check bounds nor run fast: they cost microseconds
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from the generated code once, at import; each vtable in a file becomes one
@@ -128,8 +131,8 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
     """mmap and verify `path`, or verify the bytes of a model given as bytes, bytearray
     or memoryview (the same checks; weights are views of those bytes, copied first unless
     they are immutable bytes, so a later change to the buffer cannot reach them).
-    verify_checksum also checks the CRC32s of header and data (reads every byte:
-    `pmx verify`, InferenceSession(verify=True))."""
+    The header's CRC32 is always checked; verify_checksum also checks the data's (reads
+    every weight byte: `pmx verify`, InferenceSession(verify=True))."""
     if isinstance(path, (bytes, bytearray, memoryview)):
         buf = path if isinstance(path, bytes) else bytes(path)
         path, size = BYTES_LABEL, len(buf)
@@ -155,8 +158,9 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
 def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
     """Verify the model in `buf` (an mmap or bytes of `size` bytes) and wrap it."""
     pre = _check_preamble(path, buf, size)
+    check_header_checksum(path, buf, pre)
     if verify_checksum:
-        verify_checksums(path, buf, pre)
+        check_data_checksum(path, buf, pre)
     header = memoryview(buf)[pre["header_offset"]:pre["header_offset"] + pre["header_size"]]
     with collector_paused():
         try:
@@ -216,24 +220,38 @@ def _check_preamble(path, buf, size):
         _fail(path, f"header offset {pre['header_offset']} (expected {ff.PREAMBLE_SIZE})")
     if pre["header_size"] < 8 or pre["header_offset"] + pre["header_size"] > pre["data_offset"]:
         _fail(path, f"header [{pre['header_offset']}, +{pre['header_size']}) is too small or overlaps the data section at {pre['data_offset']}")
-    if pre["data_offset"] % ff.ALIGNMENT:
-        _fail(path, f"data offset {pre['data_offset']} is not {ff.ALIGNMENT}-byte aligned")
+    header_end = pre["header_offset"] + pre["header_size"]
+    if pre["data_offset"] != ff.align(header_end):
+        _fail(path, f"data offset {pre['data_offset']} is not the first {ff.ALIGNMENT}-byte boundary after the "
+                    f"header's end at {header_end} ({ff.align(header_end)})")
     if pre["data_offset"] + pre["data_size"] != size:
         _fail(path, f"header says the file is {pre['data_offset'] + pre['data_size']} bytes (data at {pre['data_offset']}, {pre['data_size']} bytes) but it is {size} bytes: truncated or padded")
     return pre
 
 
-def verify_checksums(path, buf, pre):
-    """CRC32 of header and data against the preamble (`pmx verify`, verify=True)."""
-    h0 = pre["header_offset"]
+def check_header_checksum(path, buf, pre):
+    """CRC32 of the header against the preamble, and the padding after it all zero, at
+    every load: the header is small (tens of kilobytes) and every byte of it steers the
+    reader, so damage there is refused here rather than met as whatever structure the
+    flipped bytes happen to describe."""
+    h0, h1 = pre["header_offset"], pre["header_offset"] + pre["header_size"]
     with memoryview(buf) as view:
-        header_crc = ff.crc32(view[h0:h0 + pre["header_size"]])
-        if header_crc != pre["header_crc"]:
-            _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {header_crc:#010x}")
-        d0 = pre["data_offset"]
-        data_crc = ff.crc32(view[d0:d0 + pre["data_size"]])
-        if data_crc != pre["data_crc"]:
-            _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {data_crc:#010x}")
+        crc = ff.crc32(view[h0:h1])
+        padding = bytes(view[h1:pre["data_offset"]])  # under 64 bytes (_check_preamble)
+    if crc != pre["header_crc"]:
+        _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {crc:#010x}: the file is damaged")
+    if padding.count(0) != len(padding):
+        _fail(path, f"the padding between header and data (bytes {h1}..{pre['data_offset'] - 1}) is not zero: the file is damaged")
+
+
+def check_data_checksum(path, buf, pre):
+    """CRC32 of the data section against the preamble (`pmx verify`, verify=True): it
+    reads every weight byte, so a plain load leaves it out."""
+    d0 = pre["data_offset"]
+    with memoryview(buf) as view:
+        crc = ff.crc32(view[d0:d0 + pre["data_size"]])
+    if crc != pre["data_crc"]:
+        _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {crc:#010x}: the file is damaged")
 
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import recompute_crcs
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxError
 from pmx.runtime import fileformat as ff
@@ -176,19 +177,6 @@ def _normalize(msg):
     """Numbers -> N and quoted names -> '…', so messages group by kind."""
     msg = re.sub(r"'[^']*'", "'…'", msg)
     return re.sub(r"-?\b(0x[0-9a-f]+|\d+)\b", "N", msg)
-
-
-def recompute_crcs(data: bytes) -> bytes:
-    """Rewrite the preamble's three CRCs to match the (mutated) bytes, as a forger would;
-    header/data extents are taken from the preamble as stored."""
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
-    h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
-    header_crc = ff.crc32(data[h0:h0 + hs])
-    data_crc = ff.crc32(data[d0:])
-    head = bytearray(data[:ff.PREAMBLE_SIZE])
-    struct.pack_into("<II", head, 48, header_crc, data_crc)
-    struct.pack_into("<I", head, 56, ff.crc32(bytes(head[:56])))
-    return bytes(head) + data[ff.PREAMBLE_SIZE:]
 
 
 # --- walking the FlatBuffer -------------------------------------------------------------
