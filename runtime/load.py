@@ -28,9 +28,9 @@ node names against the tensor table, every column's length and every set of ends
 rank and overflow, the stored
 order, arena offsets, alias chains and extents, expression strings (parsed by
 runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
-against its op's shape rule (run once per distinct op, attributes and input shapes). A
-failure names the first tensor or node that fails. Any failure raises PmxFormatError
-naming the field and the values found; sizes beyond the configured limits raise
+against its op's attribute specs and shape rule (run once per distinct op, attributes
+and input shapes). A failure names the first tensor or node that fails. Any failure
+raises PmxFormatError naming the field and the values found; sizes beyond the configured limits raise
 PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
 (read-only numpy views of the mmap).
 """
@@ -55,6 +55,7 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels.attr_specs import problem as attr_problem
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
 from pmx.schema import pmx_generated as fb
@@ -1004,11 +1005,13 @@ def _expanded_size(tree):
 
 
 def check_shape_rules(model):
-    """Run each node's shape rule on its stored input shapes and compare with its stored
-    output shapes. Kernels size their scratch buffers (padding, im2col) from attributes;
-    this ties the attributes to shapes already checked against the arena, so a damaged
-    padding or stride is refused here instead of becoming a huge allocation at bind.
-    It needs a model the rest of the verifier passed (open_model runs it last). Of all
+    """Check each node's attributes against its op's specs (kernels/attr_specs.py), then
+    run its shape rule on its stored input shapes and compare with its stored output
+    shapes (and their number). Kernels size their scratch buffers (padding, im2col)
+    from attributes; this ties the attributes to shapes already checked against the
+    arena, so a damaged padding or stride is refused here instead of becoming a huge
+    allocation at bind. It needs a model the rest of the verifier passed (open_model
+    runs it last). Of all
     checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only
     the op, attributes, expression, variant and input shapes and dtypes, so a node that
     repeats all of them (the blocks of a CNN stage, the layers of a transformer) reuses
@@ -1016,7 +1019,9 @@ def check_shape_rules(model):
     inputs, each input as a small int standing for its (shape, dtype); only nodes that
     match there compare expression, variant and attributes, since building and hashing
     that key for every node cost more than the rules it saved on CNNs, where most nodes
-    differ in shape. (Runs after _check_nodes: indices are in range.)"""
+    differ in shape. A node whose rule runs has its attributes checked first, once per
+    attribute dict (nodes of one attribute set share it) and input ranks, which is all a
+    spec reads. (Runs after _check_nodes: indices are in range.)"""
     path, tensors = model.path, model.tensors
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
@@ -1032,6 +1037,7 @@ def check_shape_rules(model):
         return node.expr, node.variant, key
 
     dtype_of = [t.dtype for t in tensors]
+    attrs_passed = set()  # (op, id(attrs), input ranks): attribute sets that met their op's specs
     nodes = model.nodes
     # built by comprehensions, which cost less per node than the statements of the loop
     groups = [(node.op, *map(sig.__getitem__, node.inputs)) for node in nodes]
@@ -1050,14 +1056,30 @@ def check_shape_rules(model):
                     got = entry[2]
                     break
         if got is None:
+            ranks = tuple(len(shape_of[i]) if i >= 0 else None for i in node.inputs)
+            if (node.op, id(node.attrs), ranks) not in attrs_passed:
+                _check_attrs(path, j, node, ranks)
+                attrs_passed.add((node.op, id(node.attrs), ranks))
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
                                list(map(dtype_of.__getitem__, present)))
             same_inputs.append([node, None, got])
         if got != want:
-            k = min(len(got), len(want))  # a rule may give outputs the file does not store
-            if got[:k] != want[:k]:
-                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
+            if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
+                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}")
+            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
+
+
+def _check_attrs(path, j, node, ranks):
+    """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
+    shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
+    try:
+        found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
+    except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
+        found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
+    if found is not None:
+        name, message = found
+        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): attribute {name[:40]!r} {message}")
 
 
 def _attrs_key(attrs):

@@ -181,7 +181,9 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     """compiler/write.py stores each distinct attribute set, string and vector once and
     the loader reads each position once, sharing one dict between nodes with equal
     attributes. Values that Python calls equal but a file stores apart (1, 1.0, True;
-    0.0 and -0.0) must not be merged, and the generated accessors must read the same."""
+    0.0 and -0.0) must not be merged, and the generated accessors must read the same.
+    (The attributes are ones elementwise does not take, so the verifier refuses the
+    file after reading it, naming the first.)"""
     g = Graph("shared")
     x = prev = Value("x", (2, 3))
     g.inputs = [x]
@@ -195,7 +197,7 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     write(g, str(path))
     data = path.read_bytes()
     pre, header = header_of(data)
-    model = load.open_model(str(path))
+    model = load._read_header(str(path), header, pre, len(data))
     assert_same(model, reference(header))
     got = {n.name: n.attrs for n in model.nodes}
     for i, v in enumerate(SHARED_ATTR_VALUES):
@@ -209,8 +211,8 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     for i, j in ((11, 0), (12, 4), (13, 5), (14, 8)):
         assert got[f"n{i}"] is got[f"n{j}"]
     assert len({id(n.op) for n in model.nodes}) == 1 and len({id(n.expr) for n in model.nodes}) == 1
-    x_in = np.ones((2, 3), np.float32)
-    np.testing.assert_array_equal(InferenceSession(str(path)).run(None, {"x": x_in})[0], -x_in)
+    with pytest.raises(PmxFormatError, match=r"node 0 \(elementwise 'n0'\): attribute 'a' is not an attribute this op takes"):
+        load.open_model(str(path))
 
 
 def _table_vtable(header, table_pos):

@@ -13,6 +13,10 @@ A shape rule `infer(node, shapes, dtypes) -> [(shape, dtype), ...]` gives output
 and dtypes from input shapes and attributes; the compiler checks pnnx's declared shapes
 against it and the runtime uses it to re-plan other input shapes.
 
+Attributes: `attrs` at registration declares every attribute the op's rules and factory
+read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
+before anything reads them, and refuses attributes the op does not declare.
+
 Scratch: temporaries a callable needs only while it runs (im2col columns, depthwise
 partial sums) come from one buffer per binding that every node reuses, instead of a
 buffer per node: that keeps first-run page faults and peak memory to the largest single
@@ -33,13 +37,14 @@ import threading
 import numpy as np
 
 from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.kernels.attr_specs import as_specs
 from pmx.runtime.record import Record
 
 
 class Kernel(Record):
-    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch")
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs")
 
-    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None):
+    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
         self.inplace = inplace
@@ -47,6 +52,8 @@ class Kernel(Record):
         self.view = view
         # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
         self.scratch = scratch
+        # {attribute name: attr_specs.Spec}: every attribute the op reads ({}: none)
+        self.attrs = as_specs(attrs)
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -63,11 +70,11 @@ class RunSized(Record):
         self.value = None
 
 
-def register(op, *, infer, inplace=False, view=False, scratch=None):
+def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch)
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs)
         return make
 
     return deco
