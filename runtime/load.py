@@ -702,7 +702,7 @@ def _read_tensors(r, pos):
     dim_max = _sparse(path, "tensor dim ranges", n, c["ranged"], ranks, c["dim_max"])
     for i in c["ranged"]:  # graph inputs and outputs with dims that may change
         for d, a, b in zip(shapes[i], dim_min[i], dim_max[i]):
-            if a < 0 or b < -1 or (b != -1 and not a <= d <= b):
+            if a < 0 or b < -1 or a > d or (b != -1 and d > b):
                 _fail(path, f"tensor {i} dim range {a}..{b} does not contain its planned size {d}")
     codes = c["dtypes"]
     dtypes = list(map(ENUM_TO_NUMPY.get, codes))

@@ -328,6 +328,10 @@ def test_damaged_headers_name_what_is_wrong(files, tmp_path):
     s_count = struct.unpack_from("<I", s_header, _field_target(s_header, s_pos, T, "name_ends"))[0]
     cases.append((_patch(strided, _field_target(s_header, s_pos, T, "strided") + 4, "<I", s_count),
                   "tensor alias strides: tensor indices"))
+    # a least size above the planned one, the greatest unbounded (a dynamic batch)
+    d_header, d_pos = _tensors_table(files["dynamic"])
+    cases.append((_patch(files["dynamic"], _field_target(d_header, d_pos, T, "dim_min") + 4, "<q", 10**6),
+                  r"tensor \d+ dim range 1000000..-1 does not contain its planned size 2"))
     for bad, message in cases:
         with pytest.raises(PmxFormatError) as e:
             InferenceSession(str(_write(tmp_path, bad)))
