@@ -6,7 +6,8 @@
     12     4    flags (u32, 0)
     16     8    header offset (u64, always 64): the FlatBuffer
     24     8    header size (u64)
-    32     8    data offset (u64, 64-byte aligned): the constants
+    32     8    data offset (u64): the constants, at the first 64-byte boundary after
+                the header (the bytes between are zero)
     40     8    data size (u64)
     48     4    CRC32 of the header bytes
     52     4    CRC32 of the data bytes
@@ -15,7 +16,10 @@
                 is checked: 0..55 by the CRC, 56..63 by value)
 
 CRC32 detects accidental damage (truncated downloads, flipped bits); it is not a
-defence against a deliberately forged file, which the structural verifier handles.
+defence against a deliberately forged file, which the structural verifier handles. The
+loader checks the preamble's and the header's CRCs (and the zero padding) at every load,
+so every byte before the data section is covered; the data's CRC reads every weight
+byte, so it is checked by `pmx verify` and InferenceSession(verify=True).
 """
 
 import struct

@@ -1,6 +1,9 @@
 """Open a .pmx file: mmap it, verify it completely, and describe it as plain data.
 
-Nothing here trusts the file. The header is read by a small FlatBuffers reader of our
+Nothing here trusts the file. The preamble's and the header's CRC32s are checked first,
+so accidental damage is refused before anything reads the header (the data's CRC32 only
+with verify_checksum: it reads every weight byte); a forged file with recomputed CRCs
+meets the checks below. The header is read by a small FlatBuffers reader of our
 own (the generated accessors neither check bounds nor run fast: they cost microseconds
 per field, which was most of the load time). It takes each field's vtable slot, type and
 default from schema/layout.py (derived from the generated code by tools/regen_schema.py);
@@ -25,9 +28,9 @@ node names against the tensor table, every column's length and every set of ends
 rank and overflow, the stored
 order, arena offsets, alias chains and extents, expression strings (parsed by
 runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
-against its op's shape rule (run once per distinct op, attributes and input shapes). A
-failure names the first tensor or node that fails. Any failure raises PmxFormatError
-naming the field and the values found; sizes beyond the configured limits raise
+against its op's attribute specs and shape rule (run once per distinct op, attributes
+and input shapes). A failure names the first tensor or node that fails. Any failure
+raises PmxFormatError naming the field and the values found; sizes beyond the configured limits raise
 PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
 (read-only numpy views of the mmap).
 """
@@ -51,6 +54,7 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels.attr_specs import problem as attr_problem
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
 from pmx.schema import layout as schema
@@ -127,8 +131,8 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
     """mmap and verify `path`, or verify the bytes of a model given as bytes, bytearray
     or memoryview (the same checks; weights are views of those bytes, copied first unless
     they are immutable bytes, so a later change to the buffer cannot reach them).
-    verify_checksum also checks the CRC32s of header and data (reads every byte:
-    `pmx verify`, InferenceSession(verify=True))."""
+    The header's CRC32 is always checked; verify_checksum also checks the data's (reads
+    every weight byte: `pmx verify`, InferenceSession(verify=True))."""
     if isinstance(path, (bytes, bytearray, memoryview)):
         buf = path if isinstance(path, bytes) else bytes(path)
         path, size = BYTES_LABEL, len(buf)
@@ -154,8 +158,9 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
 def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
     """Verify the model in `buf` (an mmap or bytes of `size` bytes) and wrap it."""
     pre = _check_preamble(path, buf, size)
+    check_header_checksum(path, buf, pre)
     if verify_checksum:
-        verify_checksums(path, buf, pre)
+        check_data_checksum(path, buf, pre)
     header = memoryview(buf)[pre["header_offset"]:pre["header_offset"] + pre["header_size"]]
     with collector_paused():
         try:
@@ -215,24 +220,38 @@ def _check_preamble(path, buf, size):
         _fail(path, f"header offset {pre['header_offset']} (expected {ff.PREAMBLE_SIZE})")
     if pre["header_size"] < 8 or pre["header_offset"] + pre["header_size"] > pre["data_offset"]:
         _fail(path, f"header [{pre['header_offset']}, +{pre['header_size']}) is too small or overlaps the data section at {pre['data_offset']}")
-    if pre["data_offset"] % ff.ALIGNMENT:
-        _fail(path, f"data offset {pre['data_offset']} is not {ff.ALIGNMENT}-byte aligned")
+    header_end = pre["header_offset"] + pre["header_size"]
+    if pre["data_offset"] != ff.align(header_end):
+        _fail(path, f"data offset {pre['data_offset']} is not the first {ff.ALIGNMENT}-byte boundary after the "
+                    f"header's end at {header_end} ({ff.align(header_end)})")
     if pre["data_offset"] + pre["data_size"] != size:
         _fail(path, f"header says the file is {pre['data_offset'] + pre['data_size']} bytes (data at {pre['data_offset']}, {pre['data_size']} bytes) but it is {size} bytes: truncated or padded")
     return pre
 
 
-def verify_checksums(path, buf, pre):
-    """CRC32 of header and data against the preamble (`pmx verify`, verify=True)."""
-    h0 = pre["header_offset"]
+def check_header_checksum(path, buf, pre):
+    """CRC32 of the header against the preamble, and the padding after it all zero, at
+    every load: the header is small (tens of kilobytes) and every byte of it steers the
+    reader, so damage there is refused here rather than met as whatever structure the
+    flipped bytes happen to describe."""
+    h0, h1 = pre["header_offset"], pre["header_offset"] + pre["header_size"]
     with memoryview(buf) as view:
-        header_crc = ff.crc32(view[h0:h0 + pre["header_size"]])
-        if header_crc != pre["header_crc"]:
-            _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {header_crc:#010x}")
-        d0 = pre["data_offset"]
-        data_crc = ff.crc32(view[d0:d0 + pre["data_size"]])
-        if data_crc != pre["data_crc"]:
-            _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {data_crc:#010x}")
+        crc = ff.crc32(view[h0:h1])
+        padding = bytes(view[h1:pre["data_offset"]])  # under 64 bytes (_check_preamble)
+    if crc != pre["header_crc"]:
+        _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {crc:#010x}: the file is damaged")
+    if padding.count(0) != len(padding):
+        _fail(path, f"the padding between header and data (bytes {h1}..{pre['data_offset'] - 1}) is not zero: the file is damaged")
+
+
+def check_data_checksum(path, buf, pre):
+    """CRC32 of the data section against the preamble (`pmx verify`, verify=True): it
+    reads every weight byte, so a plain load leaves it out."""
+    d0 = pre["data_offset"]
+    with memoryview(buf) as view:
+        crc = ff.crc32(view[d0:d0 + pre["data_size"]])
+    if crc != pre["data_crc"]:
+        _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {crc:#010x}: the file is damaged")
 
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
@@ -638,7 +657,7 @@ def _read_tensors(r, pos):
     dim_max = _sparse(path, "tensor dim ranges", n, c["ranged"], ranks, c["dim_max"])
     for i in c["ranged"]:  # graph inputs and outputs with dims that may change
         for d, a, b in zip(shapes[i], dim_min[i], dim_max[i]):
-            if a < 0 or b < -1 or (b != -1 and not a <= d <= b):
+            if a < 0 or b < -1 or a > d or (b != -1 and d > b):
                 _fail(path, f"tensor {i} dim range {a}..{b} does not contain its planned size {d}")
     codes = c["dtypes"]
     dtypes = list(map(ENUM_TO_NUMPY.get, codes))
@@ -946,11 +965,13 @@ def _expanded_size(tree):
 
 
 def check_shape_rules(model):
-    """Run each node's shape rule on its stored input shapes and compare with its stored
-    output shapes. Kernels size their scratch buffers (padding, im2col) from attributes;
-    this ties the attributes to shapes already checked against the arena, so a damaged
-    padding or stride is refused here instead of becoming a huge allocation at bind.
-    It needs a model the rest of the verifier passed (open_model runs it last). Of all
+    """Check each node's attributes against its op's specs (kernels/attr_specs.py), then
+    run its shape rule on its stored input shapes and compare with its stored output
+    shapes (and their number). Kernels size their scratch buffers (padding, im2col)
+    from attributes; this ties the attributes to shapes already checked against the
+    arena, so a damaged padding or stride is refused here instead of becoming a huge
+    allocation at bind. It needs a model the rest of the verifier passed (open_model
+    runs it last). Of all
     checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only
     the op, attributes, expression, variant and input shapes and dtypes, so a node that
     repeats all of them (the blocks of a CNN stage, the layers of a transformer) reuses
@@ -958,7 +979,9 @@ def check_shape_rules(model):
     inputs, each input as a small int standing for its (shape, dtype); only nodes that
     match there compare expression, variant and attributes, since building and hashing
     that key for every node cost more than the rules it saved on CNNs, where most nodes
-    differ in shape. (Runs after _check_nodes: indices are in range.)"""
+    differ in shape. A node whose rule runs has its attributes checked first, once per
+    attribute dict (nodes of one attribute set share it) and input ranks, which is all a
+    spec reads. (Runs after _check_nodes: indices are in range.)"""
     path, tensors = model.path, model.tensors
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
@@ -974,6 +997,7 @@ def check_shape_rules(model):
         return id(node.expr), node.variant, key
 
     dtype_of = [t.dtype for t in tensors]
+    attrs_passed = set()  # (op, id(attrs), input ranks): attribute sets that met their op's specs
     nodes = model.nodes
     # built by comprehensions, which cost less per node than the statements of the loop
     groups = [(node.op, *map(sig.__getitem__, node.inputs)) for node in nodes]
@@ -992,14 +1016,30 @@ def check_shape_rules(model):
                     got = entry[2]
                     break
         if got is None:
+            ranks = tuple(len(shape_of[i]) if i >= 0 else None for i in node.inputs)
+            if (node.op, id(node.attrs), ranks) not in attrs_passed:
+                _check_attrs(path, j, node, ranks)
+                attrs_passed.add((node.op, id(node.attrs), ranks))
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
                                list(map(dtype_of.__getitem__, present)))
             same_inputs.append([node, None, got])
         if got != want:
-            k = min(len(got), len(want))  # a rule may give outputs the file does not store
-            if got[:k] != want[:k]:
-                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got[:k]}, the file stores {want[:k]}")
+            if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
+                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}")
+            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
+
+
+def _check_attrs(path, j, node, ranks):
+    """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
+    shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
+    try:
+        found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
+    except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
+        found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
+    if found is not None:
+        name, message = found
+        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): attribute {name[:40]!r} {message}")
 
 
 def _attrs_key(attrs):

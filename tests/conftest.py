@@ -19,6 +19,20 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kernels_read_only_declared_attributes():
+    """Every attribute a kernel reads anywhere in the run (compile-time shape rules and
+    folding, load, bind, run, the kernel tests) is one its op declares: the loader checks
+    only those (runtime/kernels/attr_specs.py)."""
+    from attr_reads import record_reads
+
+    from pmx.runtime.kernels import REGISTRY
+
+    with record_reads(REGISTRY) as undeclared:
+        yield
+    assert not undeclared, f"kernels read attributes their ops do not declare: {dict(undeclared)}"
+
+
 @pytest.fixture(scope="session")
 def export_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("pnnx_exports")

@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
+from helpers import recompute_crcs
 from pmx.compiler import compile_model
 from pmx.runtime import (
     InferenceSession,
@@ -139,7 +140,8 @@ _MODEL_ACCESSORS = dict(producer="Producer", tensors="Tensors", nodes="Nodes", s
 
 def test_damaged_metadata_is_a_format_error(models):
     """A metadata string whose length word points past the header, or a key stored twice,
-    is refused by the verifier like any other string."""
+    is refused by the verifier like any other string (checksums recomputed, as a forger
+    would: otherwise the header's checksum refuses it first)."""
     _, meta = models
     data = bytearray(meta.read_bytes())
     pre, header = _header(bytes(data))
@@ -147,13 +149,13 @@ def test_damaged_metadata_is_a_format_error(models):
     assert struct.unpack_from("<I", data, at)[0] == len(META["license"])
     struct.pack_into("<I", data, at, 0x7FFFFFF0)
     with pytest.raises(PmxFormatError, match="metadata"):
-        InferenceSession(bytes(data))
+        InferenceSession(recompute_crcs(data))
     data = bytearray(meta.read_bytes())
     at = pre["header_offset"] + header.index(b"license")
     data[at:at + 7] = b"author\0"
     struct.pack_into("<I", data, at - 4, 6)  # the key "license" now reads "author"
     with pytest.raises(PmxFormatError, match="metadata key 'author' appears more than once"):
-        InferenceSession(bytes(data))
+        InferenceSession(recompute_crcs(data))
 
 
 def test_metadata_keys_must_be_strings(tmp_path):

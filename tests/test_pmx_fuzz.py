@@ -1,5 +1,5 @@
 """Damaged and hostile .pmx files: mutate valid files and check that loading and running
-them raises only PmxError subclasses, within a time and a memory bound.
+them raises only PmxFormatError or PmxResourceError, within a time and a memory bound.
 
 Three valid files are mutated: the example CNN (tools/example), a model with views
 (reshape/flatten aliases, concat slices), pooling, linear, GELU (an erf expression) and
@@ -14,9 +14,14 @@ its node table is empty). Mutations:
     schema/pmx.fbs: scalars, vector lengths, vector elements, uoffsets to tables,
     vectors and strings, vtable entries and table soffsets; CRCs recomputed.
 Each case runs InferenceSession(path) and one run() under signal.alarm (5 s) with
-max_arena_bytes = 64 MiB; the worst cases (extreme values on every kind of size-like
-field) also run in a subprocess under RLIMIT_AS with the default limits. `pytest -s` prints the
-number of cases and the distinct error messages.
+max_arena_bytes = 64 MiB, and must run or raise PmxFormatError or PmxResourceError:
+another PmxError means the verifier let damage through. One gap is left open
+(KNOWN_GAP): a tensor whose stored dtype was changed to another valid one its kernel
+cannot write (float32 into bool) fails when the node runs, as an internal error; the
+verifier does not tie stored dtypes to the shape rules' (the compiler keeps pnnx's dtype
+where it differs in kind, and the kernel casts). The worst cases (extreme values on
+every kind of size-like field) also run in a subprocess under RLIMIT_AS with the default
+limits. `pytest -s` prints the number of cases and the distinct error messages.
 """
 
 import collections
@@ -37,8 +42,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import recompute_crcs
 from pmx.compiler.driver import compile_model
-from pmx.runtime import InferenceSession, PmxError
+from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime import fileformat as ff
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -145,9 +151,15 @@ def _feed(sess):
     return feed
 
 
+# what a kernel raises at run time writing into an output whose stored dtype a damaged
+# file changed (see the module docstring)
+KNOWN_GAP = re.compile(r"internal error: .* failed at run: \w*TypeError: Cannot cast")
+
+
 def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
-    """Load and run `data`; None if it ran, else the PmxError message. Anything else
-    (another exception, a timeout) fails the test."""
+    """Load and run `data`; None if it ran, else the message of the PmxFormatError or
+    PmxResourceError it raised. Anything else (another PmxError, such as an internal
+    error at bind, another exception, a timeout) fails the test."""
     path = pathlib.Path(path)
     path.write_bytes(data)
     old = signal.signal(signal.SIGALRM, _alarm)
@@ -157,6 +169,8 @@ def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
         sess.run(None, _feed(sess))
         return None
     except PmxError as e:
+        if not isinstance(e, (PmxFormatError, PmxResourceError)) and not KNOWN_GAP.search(str(e)):
+            pytest.fail(f"a damaged file gave {type(e).__name__}, not PmxFormatError or PmxResourceError: {e}")
         msg = str(e)
         return msg[len(str(path)) + 2:] if msg.startswith(str(path)) else msg
     except _Timeout:
@@ -176,19 +190,6 @@ def _normalize(msg):
     """Numbers -> N and quoted names -> '…', so messages group by kind."""
     msg = re.sub(r"'[^']*'", "'…'", msg)
     return re.sub(r"-?\b(0x[0-9a-f]+|\d+)\b", "N", msg)
-
-
-def recompute_crcs(data: bytes) -> bytes:
-    """Rewrite the preamble's three CRCs to match the (mutated) bytes, as a forger would;
-    header/data extents are taken from the preamble as stored."""
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
-    h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
-    header_crc = ff.crc32(data[h0:h0 + hs])
-    data_crc = ff.crc32(data[d0:])
-    head = bytearray(data[:ff.PREAMBLE_SIZE])
-    struct.pack_into("<II", head, 48, header_crc, data_crc)
-    struct.pack_into("<I", head, 56, ff.crc32(bytes(head[:56])))
-    return bytes(head) + data[ff.PREAMBLE_SIZE:]
 
 
 # --- walking the FlatBuffer -------------------------------------------------------------
@@ -463,10 +464,10 @@ def test_expression_blowup_is_refused(valid_files, tmp_path):
 _SIZE_LIKE = re.compile(r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|dims\[\]|ranks\[\]|_ends\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|attr_sets\[\]|ops\[\]|exprs\[\]|variants\[\]|strided|ranged|kind|dtype)")
 
 _CHILD = textwrap.dedent("""
-    import resource, signal, sys, os, collections
+    import resource, signal, sys, os, collections, re
     resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
     import numpy as np
-    from pmx.runtime import InferenceSession, PmxError
+    from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError
 
     def alarm(*a):
         raise TimeoutError()
@@ -485,6 +486,8 @@ _CHILD = textwrap.dedent("""
                 feed[sess.get_inputs()[k].name] = np.ones(t.shape, t.dtype)
             sess.run(None, feed)
         except PmxError as e:
+            if not isinstance(e, (PmxFormatError, PmxResourceError)) and not re.search({gap!r}, str(e)):
+                failures.append(f"{{name}}: {{type(e).__name__}}: {{str(e)[:200]}}")
             messages[type(e).__name__] += 1
         except BaseException as e:
             failures.append(f"{{name}}: {{type(e).__name__}}: {{str(e)[:200]}}")
@@ -522,7 +525,7 @@ def test_worst_cases_under_rlimit_as(valid_files, sites, tmp_path):
             for value in (-1, 2**31 - 1, 2**63 - 1, 1 << 33):
                 (tmp_path / f"{n:06d}.pmx").write_bytes(recompute_crcs(write_int(data, pos, width, value)))
                 n += 1
-    script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S)
+    script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S, gap=KNOWN_GAP.pattern)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                           timeout=600, env=env)

@@ -13,6 +13,10 @@ A shape rule `infer(node, shapes, dtypes) -> [(shape, dtype), ...]` gives output
 and dtypes from input shapes and attributes; the compiler checks pnnx's declared shapes
 against it and the runtime uses it to re-plan other input shapes.
 
+Attributes: `attrs` at registration declares every attribute the op's rules and factory
+read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
+before anything reads them, and refuses attributes the op does not declare.
+
 Scratch: temporaries a callable needs only while it runs (im2col columns, depthwise
 partial sums) come from one buffer per binding that every node reuses, instead of a
 buffer per node: that keeps first-run page faults and peak memory to the largest single
@@ -33,13 +37,14 @@ import threading
 import numpy as np
 
 from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.kernels.attr_specs import as_specs
 from pmx.runtime.record import Record
 
 
 class Kernel(Record):
-    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "float_input")
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs", "float_input")
 
-    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, float_input=False):
+    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
         self.inplace = inplace
@@ -47,6 +52,8 @@ class Kernel(Record):
         self.view = view
         # bytes of shared scratch make() takes, from (node, inputs, outputs); None = none
         self.scratch = scratch
+        # {attribute name: attr_specs.Spec}: every attribute the op reads ({}: none)
+        self.attrs = as_specs(attrs)
         # input 0 must be floating-point or complex: the kernel computes in floats, which
         # an integer or bool output (the dtype of input 0) cannot take; torch refuses
         # such inputs to these ops too
@@ -67,11 +74,11 @@ class RunSized(Record):
         self.value = None
 
 
-def register(op, *, infer, inplace=False, view=False, scratch=None, float_input=False):
+def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, float_input)
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs, float_input)
         return make
 
     return deco

@@ -45,8 +45,26 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, NUMBER, defaulting, integer, one_of, optional,
+                                            or_empty, words)
 from pmx.runtime.kernels.common import along, chain, view_as
 from pmx.runtime.record import Record
+
+
+def _mask_inputs(attrs, ranks):
+    """How many mask inputs follow q, k and v (or the packed qkv, or q and kv)."""
+    n = len(ranks) - {"qkv": 1, "kv": 2}.get(attrs.get("packed", ""), 3)
+    return n if n >= 0 else None
+
+
+# packed first: the number of mask inputs follows it; masks: one mode per mask input;
+# mask_roles: () (all attention masks) or one role per mask
+ATTENTION_ATTRS = dict(packed=optional(one_of("", "qkv", "kv")), heads=optional(NON_NEGATIVE),
+                       seq_axis=optional(integer(0, 1)), gqa=optional(FLAG), scale=optional(NUMBER),
+                       causal=optional(FLAG), masks=defaulting((), words("add", "keep", "drop", length=_mask_inputs)),
+                       mask_roles=optional(or_empty(words("attn", "key_padding", length=_mask_inputs))),
+                       tile_masks=optional(FLAG),
+                       weights=optional(one_of("none", "mean", "heads")), masked_rows=optional(one_of("nan", "zero")))
 
 
 def _unpack_shapes(attrs, shapes):
@@ -350,7 +368,7 @@ def attention_scratch(node, inputs, outputs):
     return scratch_nbytes(*_scratch_requests(views[0].shape, slab, outputs[0].dtype, scale))
 
 
-@register("attention", infer=attention_infer, scratch=attention_scratch, float_input=True)
+@register("attention", infer=attention_infer, scratch=attention_scratch, attrs=ATTENTION_ATTRS, float_input=True)
 def make_attention(node, inputs, outputs):
     attrs = node.attrs
     out = outputs[0]

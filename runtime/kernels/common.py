@@ -432,6 +432,16 @@ def fill_border(buf, pads, sizes, mode):
     return run
 
 
+def check_border_pads(mode, pads, sizes):
+    """torch's limits for padding copied from the input (fill_border): reflect pads
+    shorter than the dim they pad, circular ones at most as long. Raises ValueError."""
+    nd = len(sizes)
+    for i, n in enumerate(sizes):
+        for p in (pads[i], pads[nd + i]):
+            if (mode == "reflect" and p >= n) or (mode == "circular" and p > n):
+                raise ValueError(f"{mode} padding {tuple(pads)} is too large for spatial size {tuple(sizes)}")
+
+
 def conv_out_size(n, k, s, d, pb, pe):
     return (n + pb + pe - d * (k - 1) - 1) // s + 1
 

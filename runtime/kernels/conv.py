@@ -64,11 +64,13 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.attr_specs import POSITIVE, ints, one_of, optional, twice, weight_spatial
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
     GEMM_SPLIT_MIN_ROWS,
     SINGLE_THREAD,
     chain,
+    check_border_pads,
     conv_out_size,
     copy_rows,
     copy_strided,
@@ -91,12 +93,24 @@ from pmx.runtime.kernels.common import (
 )
 
 
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+# the attributes of conv (and, with output_padding, conv_transpose): one stride and
+# dilation per spatial dim of the weight, pads begins then ends
+CONV_ATTRS = dict(stride=ints(weight_spatial, lo=1), pads=ints(twice(weight_spatial), lo=0),
+                  dilation=ints(weight_spatial, lo=1), groups=optional(POSITIVE),
+                  padding_mode=optional(one_of(*PADDING_MODES)))
+
+
 def conv_infer(node, shapes, dtypes):
     x, w = shapes[0], shapes[1]
     a = node.attrs
     nd = len(w) - 2
-    if len(x) != nd + 2 or x[1] != w[1] * a.get("groups", 1):
-        raise ValueError(f"input {tuple(x)} does not have the {w[1] * a.get('groups', 1)} channels weight {tuple(w)} expects")
+    groups = a.get("groups", 1)
+    if len(x) != nd + 2 or x[1] != w[1] * groups:
+        raise ValueError(f"input {tuple(x)} does not have the {w[1] * groups} channels weight {tuple(w)} expects")
+    if w[0] % groups:
+        raise ValueError(f"groups={groups} does not divide the {w[0]} output channels of weight {tuple(w)}")
+    check_border_pads(a.get("padding_mode", "zeros"), a["pads"], x[2:])
     spatial = tuple(
         conv_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i], a["pads"][nd + i])
         for i in range(nd)
@@ -174,7 +188,7 @@ def conv_scratch(node, inputs, outputs):
     return scratch_nbytes(*scaled, (_cols_shape(x, w, out), x.dtype))
 
 
-@register("conv", infer=conv_infer, scratch=conv_scratch, float_input=True)
+@register("conv", infer=conv_infer, scratch=conv_scratch, attrs=CONV_ATTRS, float_input=True)
 def make_conv(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -17,7 +17,12 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.attr_specs import POSITIVE, ints, optional, twice, weight_spatial
 from pmx.runtime.kernels.common import chain, split_activated, split_threads, view_as
+
+CONV_TRANSPOSE_ATTRS = dict(stride=ints(weight_spatial, lo=1), pads=ints(twice(weight_spatial), lo=0),
+                            output_padding=ints(weight_spatial, lo=0), dilation=ints(weight_spatial, lo=1),
+                            groups=optional(POSITIVE))
 
 
 def conv_transpose_out_size(n, k, s, d, pb, pe, op):
@@ -29,8 +34,8 @@ def conv_transpose_infer(node, shapes, dtypes):
     a = node.attrs
     nd = len(w) - 2
     groups = int(a.get("groups", 1))
-    if len(x) != nd + 2 or x[1] != w[0]:
-        raise ValueError(f"input {tuple(x)} does not match weight {tuple(w)}")
+    if len(x) != nd + 2 or x[1] != w[0] or x[1] % groups:
+        raise ValueError(f"input {tuple(x)} does not match weight {tuple(w)} in {groups} groups")
     spatial = tuple(
         conv_transpose_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i],
                                 a["pads"][nd + i], a["output_padding"][i])
@@ -58,7 +63,7 @@ def conv_transpose_scratch(node, inputs, outputs):
     return scratch_nbytes((_cols_shape(inputs[0], inputs[1], int(node.attrs.get("groups", 1))), outputs[0].dtype))
 
 
-@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch, float_input=True)
+@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch, attrs=CONV_TRANSPOSE_ATTRS, float_input=True)
 def make_conv_transpose(node, inputs, outputs):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -54,6 +54,9 @@ import math
 import numpy as np
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import (AXES, AXIS, DTYPE, FLAG, INT, MISSING, NON_NEGATIVE, NUMBER, TRUE,
+                                            at_least_1d, axis, distinct_axes, input_rank, ints, length_of, number,
+                                            optional, target_shape, widest_input)
 from pmx.runtime.kernels.common import view_as
 
 
@@ -74,7 +77,7 @@ def _copies(pairs):
     return run
 
 
-@register("roll", infer=same_shape)
+@register("roll", infer=same_shape, attrs=dict(axes=AXES, shifts=ints(length_of("axes"))))
 def make_roll(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     # A roll along k axes is 2^k block copies: along each axis the tail moves to the front.
@@ -95,7 +98,7 @@ def make_roll(node, inputs, outputs):
     return _copies(pairs)
 
 
-@register("flip", infer=same_shape)
+@register("flip", infer=same_shape, attrs=dict(axes=AXES))
 def make_flip(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     index = [slice(None)] * x.ndim
@@ -115,7 +118,7 @@ def expand_infer(node, shapes, dtypes):
     return [(tuple(np.broadcast_shapes(x, target)), dtypes[0])]
 
 
-@register("expand", infer=expand_infer)
+@register("expand", infer=expand_infer, attrs=dict(shape=target_shape(copies_dims_of=1, min_length=input_rank(0))))
 def make_expand(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x)
@@ -134,7 +137,7 @@ def tile_infer(node, shapes, dtypes):
     return [(tuple(s * r for s, r in zip(shape, reps)), dtypes[0])]
 
 
-@register("tile", infer=tile_infer)
+@register("tile", infer=tile_infer, attrs=dict(reps=ints(lo=0)))
 def make_tile(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     reps = tuple(node.attrs["reps"])
@@ -156,7 +159,7 @@ def take_infer(node, shapes, dtypes):
     return [(tuple(x[:axis]) + tuple(idx) + tuple(x[axis + 1:]), dtypes[0])]
 
 
-@register("take", infer=take_infer)
+@register("take", infer=take_infer, attrs=dict(axis=AXIS))
 def make_take(node, inputs, outputs):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -167,7 +170,7 @@ def gather_infer(node, shapes, dtypes):
     return [(tuple(shapes[1]), dtypes[0])]
 
 
-@register("gather", infer=gather_infer)
+@register("gather", infer=gather_infer, attrs=dict(axis=AXIS))
 def make_gather(node, inputs, outputs):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -203,7 +206,7 @@ def cast_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), np.dtype(node.attrs["dtype"]))]
 
 
-@register("cast", infer=cast_infer)
+@register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE))
 def make_cast(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
@@ -216,6 +219,11 @@ def _index_key(ndim, axes, indices):
     return tuple(key)
 
 
+def _index_inputs(attrs, ranks):
+    """The index tensors after the data: one per axis."""
+    return len(ranks) - 1
+
+
 def index_infer(node, shapes, dtypes):
     x = tuple(shapes[0])
     probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), x, (0,) * len(x))
@@ -223,7 +231,7 @@ def index_infer(node, shapes, dtypes):
     return [(probe[_index_key(len(x), node.attrs["axes"], idx)].shape, dtypes[0])]
 
 
-@register("index", infer=index_infer)
+@register("index", infer=index_infer, attrs=dict(axes=distinct_axes(length=_index_inputs)))
 def make_index(node, inputs, outputs):
     """x[i0, :, i1] with several integer index tensors (attrs axes: the dims they index),
     numpy's advanced indexing rules, which are torch's: the index tensors broadcast
@@ -243,11 +251,30 @@ def _key_with(axes, indices):
     return tuple(key) + (Ellipsis,)
 
 
+def _put_axes(v, attrs, ranks):
+    """index_put's axes: rising dims of the data, one per index tensor (inputs 2 on)."""
+    r, n = ranks[0], len(ranks) - 2
+    if (r is None or type(v) is not tuple or any(type(a) is not int or not 0 <= a < r for a in v)
+            or list(v) != sorted(set(v)) or len(v) != n):
+        return f"a tuple of {n} rising dims of a rank-{r} input, one per index input"
+
+
+def _value_unless_input(v, attrs, ranks):
+    """The value to write (index_put, fill): a number, absent when input 1 holds it."""
+    if v is MISSING:
+        if len(ranks) > 1 and ranks[1] is not None:
+            return None
+        return "a number (input 1, which would hold the value, is absent)"
+    if type(v) not in (int, float):
+        return "a number"
+
+
 def index_put_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("index_put", infer=index_put_infer, inplace=True)
+@register("index_put", infer=index_put_infer, inplace=True,
+          attrs=dict(axes=_put_axes, accumulate=optional(FLAG), value=_value_unless_input))
 def make_index_put(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     values = inputs[1] if "value" not in node.attrs else np.asarray(node.attrs["value"], x.dtype)
@@ -275,7 +302,7 @@ def _chain(first, second):
     return run
 
 
-@register("scatter_add", infer=index_put_infer, inplace=True)
+@register("scatter_add", infer=index_put_infer, inplace=True, attrs=dict(axis=AXIS))
 def make_scatter_add(node, inputs, outputs):
     x, idx, src, out = inputs[0], inputs[1], inputs[2], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -293,7 +320,7 @@ def make_scatter_add(node, inputs, outputs):
     return put if _same(x, out) else _chain(lambda: np.copyto(out, x), put)
 
 
-@register("fill", infer=index_put_infer)
+@register("fill", infer=index_put_infer, attrs=dict(value=_value_unless_input))
 def make_fill(node, inputs, outputs):
     out = outputs[0]
     if len(inputs) > 1 and inputs[1] is not None:
@@ -318,7 +345,7 @@ def diag_infer(node, shapes, dtypes):
     return [((n,), dtypes[0])]
 
 
-@register("diag", infer=diag_infer)
+@register("diag", infer=diag_infer, attrs=dict(diagonal=INT))
 def make_diag(node, inputs, outputs):
     x, out, k = inputs[0], outputs[0], node.attrs["diagonal"]
     if x.ndim == 1:
@@ -343,7 +370,7 @@ def cross_infer(node, shapes, dtypes):
     return [(shape, np.result_type(dtypes[0], dtypes[1]))]
 
 
-@register("cross", infer=cross_infer)
+@register("cross", infer=cross_infer, attrs=dict(axis=axis(widest_input)))
 def make_cross(node, inputs, outputs):
     a, b, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % out.ndim
@@ -380,8 +407,9 @@ def _cumulative(accumulate):
     return make
 
 
-make_cumsum = register("cumsum", infer=cumulative_infer)(_cumulative(np.cumsum))
-make_cumprod = register("cumprod", infer=cumulative_infer)(_cumulative(np.cumprod))
+CUMULATIVE_ATTRS = dict(axis=axis(at_least_1d), dtype=optional(DTYPE))
+make_cumsum = register("cumsum", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS)(_cumulative(np.cumsum))
+make_cumprod = register("cumprod", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS)(_cumulative(np.cumprod))
 
 
 def topk_infer(node, shapes, dtypes):
@@ -394,7 +422,9 @@ def topk_infer(node, shapes, dtypes):
     return [(tuple(shape), dtypes[0]), (tuple(shape), np.dtype(np.int64))]
 
 
-@register("topk", infer=topk_infer)
+# sorted: written by the compiler; the values come out sorted either way
+@register("topk", infer=topk_infer,
+          attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG)))
 def make_topk(node, inputs, outputs):
     x, values, indices = inputs[0], outputs[0], outputs[1]
     if x.ndim == 0:
@@ -434,7 +464,7 @@ def masked_select_infer(node, shapes, dtypes):
     return [((0,), dtypes[0])]
 
 
-@register("masked_select", infer=masked_select_infer)
+@register("masked_select", infer=masked_select_infer, attrs=dict(sized_at_run=TRUE))
 def make_masked_select(node, inputs, outputs):
     x, mask, out = inputs[0], inputs[1], outputs[0]
     shape = np.broadcast_shapes(x.shape, mask.shape)
@@ -459,7 +489,8 @@ def as_strided_infer(node, shapes, dtypes):
     return [(tuple(size), dtypes[0])]
 
 
-@register("as_strided", infer=as_strided_infer)
+@register("as_strided", infer=as_strided_infer,
+          attrs=dict(size=ints(lo=0), stride=ints(length_of("size"), lo=0), offset=optional(NON_NEGATIVE)))
 def make_as_strided(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     size, stride, offset = tuple(node.attrs["size"]), node.attrs["stride"], node.attrs.get("offset", 0)
@@ -483,7 +514,7 @@ def repeat_interleave_infer(node, shapes, dtypes):
     return [(tuple(shape), dtypes[0])]
 
 
-@register("repeat_interleave", infer=repeat_interleave_infer)
+@register("repeat_interleave", infer=repeat_interleave_infer, attrs=dict(axis=AXIS, repeats=NON_NEGATIVE))
 def make_repeat_interleave(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     axis, r = node.attrs["axis"] % x.ndim, node.attrs["repeats"]
@@ -504,7 +535,7 @@ def arange_infer(node, shapes, dtypes):
     return [((_arange_length(node, shapes),), np.dtype(node.attrs["dtype"]))]
 
 
-@register("arange", infer=arange_infer)
+@register("arange", infer=arange_infer, attrs=dict(start=NUMBER, step=number(nonzero=True), axis=AXIS, dtype=DTYPE))
 def make_arange(node, inputs, outputs):
     out, start, step = outputs[0], node.attrs["start"], node.attrs["step"]
     exact = isinstance(start, int) and isinstance(step, int)
@@ -517,7 +548,7 @@ def arange_values_infer(node, shapes, dtypes):
     return [((0,), np.dtype(node.attrs["dtype"]))]
 
 
-@register("arange_values", infer=arange_values_infer)
+@register("arange_values", infer=arange_values_infer, attrs=dict(dtype=DTYPE, sized_at_run=TRUE))
 def make_arange_values(node, inputs, outputs):
     """torch's arange: an integer result computes in int64 from bounds truncated to
     integers, a floating one in double (at::acc_type), then casts."""

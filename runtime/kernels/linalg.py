@@ -25,6 +25,7 @@ import numpy as np
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import STRING
 from pmx.runtime.kernels.common import chain, gemm, view_as
 
 
@@ -145,7 +146,7 @@ def _batched_matmul_axes(terms, out_term):
 _BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-@register("einsum", infer=einsum_infer)
+@register("einsum", infer=einsum_infer, attrs=dict(equation=STRING))
 def make_einsum(node, inputs, outputs):
     """A batched matmul in einsum's spelling runs as one (gemm: BLAS, split over the
     threads); np.einsum, even with an optimized path, falls back to its own loops when

@@ -26,6 +26,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
 
@@ -112,7 +113,9 @@ def _affine(out, weight, bias, shape):
     return chain(*steps)
 
 
-@register("layer_norm", infer=same_as_input, inplace=True, float_input=True)
+# axes: how many trailing dims are normalized
+@register("layer_norm", infer=same_as_input, inplace=True,
+          attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)), float_input=True)
 def make_layer_norm(node, inputs, outputs):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
@@ -137,7 +140,14 @@ def _row_parts(node, rows, inner):
     return parallel.ranges(rows, split_threads(node, rows * inner))
 
 
-@register("group_norm", infer=same_as_input, inplace=True, float_input=True)
+def group_norm_infer(node, shapes, dtypes):
+    x, g = tuple(shapes[0]), node.attrs["groups"]
+    if len(x) < 2 or x[1] % g:
+        raise ValueError(f"groups={g} must divide the channels (axis 1) of input {x}")
+    return [(x, dtypes[0])]
+
+
+@register("group_norm", infer=group_norm_infer, inplace=True, attrs=dict(groups=POSITIVE, eps=optional(NUMBER)), float_input=True)
 def make_group_norm(node, inputs, outputs):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
@@ -168,7 +178,8 @@ def make_group_norm(node, inputs, outputs):
     return chain(pre, parallel.split(parts), post)
 
 
-@register("lp_normalize", infer=same_as_input, inplace=True, float_input=True)
+@register("lp_normalize", infer=same_as_input, inplace=True,
+          attrs=dict(axis=AXIS, p=optional(NUMBER), eps=optional(NUMBER)), float_input=True)
 def make_lp_normalize(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     axis = int(node.attrs["axis"]) % x.ndim

@@ -12,9 +12,19 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, input_rank, ints, length_of, optional
 from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable,
                                         phase_buffer, phase_scratch, phases, root_array, split_threads, view_as)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
+
+
+# kernel first: the other tuples' lengths follow it (one entry per spatial dim, pads
+# begins then ends)
+POOL_ATTRS = dict(kernel=ints(min_length=1, max_length=input_rank(0), lo=1), stride=ints(length_of("kernel"), lo=1),
+                  pads=ints(length_of("kernel", 2), lo=0), dilation=optional(ints(length_of("kernel"), lo=1)),
+                  ceil_mode=optional(FLAG))
+AVG_POOL_ATTRS = dict(POOL_ATTRS, count_include_pad=optional(FLAG), divisor_override=optional(NON_NEGATIVE))
+ADAPTIVE_ATTRS = dict(output_size=ints(min_length=1, max_length=input_rank(0), lo=0))
 
 
 def _pool_len(n, k, s, d, pb, pe, ceil_mode):
@@ -95,7 +105,7 @@ def _lowest(dtype):
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-@register("max_pool", infer=pool_infer, scratch=_pool_scratch)
+@register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS)
 def make_max_pool(node, inputs, outputs):
     """Maxima over the taps of whole channels (_whole_channel_pool)."""
     x, out = inputs[0], outputs[0]
@@ -461,7 +471,7 @@ def _avg_divisor(x, out, a):
     return (1.0 / div).astype(out.dtype)
 
 
-@register("avg_pool", infer=pool_infer, scratch=_pool_scratch)
+@register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS)
 def make_avg_pool(node, inputs, outputs):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
     max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
@@ -544,11 +554,11 @@ def _make_adaptive(kind, node, inputs, outputs):
     return run
 
 
-@register("adaptive_avg_pool", infer=adaptive_infer)
+@register("adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
 def make_adaptive_avg_pool(node, inputs, outputs):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
-@register("adaptive_max_pool", infer=adaptive_infer)
+@register("adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
 def make_adaptive_max_pool(node, inputs, outputs):
     return _make_adaptive("max", node, inputs, outputs)

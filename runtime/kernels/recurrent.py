@@ -18,6 +18,15 @@ import numpy as np
 
 from pmx.runtime import blas
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, POSITIVE, integer, one_of, optional
+
+RECURRENT_ATTRS = dict(hidden_size=POSITIVE, num_layers=POSITIVE, bidirectional=optional(FLAG),
+                       batch_first=optional(FLAG), has_bias=optional(FLAG), has_state=optional(FLAG),
+                       proj_size=optional(integer(0, 0)), nonlinearity=optional(one_of("tanh")))
+# lstm projects its output (proj_size), rnn may use relu
+ATTRS = {"lstm": dict(RECURRENT_ATTRS, proj_size=optional(NON_NEGATIVE)), "gru": RECURRENT_ATTRS,
+         "rnn": dict(RECURRENT_ATTRS, nonlinearity=optional(one_of("tanh", "relu")))}
+GATES = {"lstm": 4, "gru": 3, "rnn": 1}
 
 
 def _dims(node, x_shape):
@@ -48,10 +57,31 @@ def recurrent_infer(node, shapes, dtypes):
         raise ValueError(f"initial h {tuple(shapes[1])} does not match {state + (hout,)}")
     if n_states == 2 and tuple(shapes[2]) != state + (hidden,):
         raise ValueError(f"initial c {tuple(shapes[2])} does not match {state + (hidden,)}")
+    weights = [tuple(w) for w in shapes[1 + n_states:]]
+    expected = _weight_shapes(node, x[-1], hidden, hout, dirs, layers)
+    if len(weights) != len(expected):
+        raise ValueError(f"{len(weights)} weight inputs, expected {len(expected)} for {layers} layers x "
+                         f"{dirs} directions")
+    for k, (got, want) in enumerate(zip(weights, expected)):
+        if got != want:
+            raise ValueError(f"weight input {1 + n_states + k} is {got}, expected {want}")
     result = [(y, dtypes[0]), (state + (hout,), dtypes[0])]
     if node.op == "lstm":
         result.append((state + (hidden,), dtypes[0]))
     return result
+
+
+def _weight_shapes(node, features, hidden, hout, dirs, layers):
+    """The weight inputs make_recurrent takes, in order: per layer and direction w_ih,
+    w_hh, then b_ih and b_hh (has_bias), then w_hr (lstm with proj_size)."""
+    rows, shapes = GATES[node.op] * hidden, []
+    for layer in range(layers):
+        for _ in range(dirs):
+            shapes += [(rows, features), (rows, hout)]
+            shapes += [(rows,), (rows,)] if node.attrs.get("has_bias") else []
+            shapes += [(hout, hidden)] if node.op == "lstm" and node.attrs.get("proj_size") else []
+        features = dirs * hout
+    return shapes
 
 
 def _time_major(a, batch_first, batched):
@@ -87,7 +117,7 @@ def make_recurrent(node, inputs, outputs):
     batch_first = bool(a.get("batch_first"))
     batched, steps, batch, dirs, hidden, hout = _dims(node, x.shape)
     layers = a["num_layers"]
-    gates = {"lstm": 4, "gru": 3, "rnn": 1}[cell]
+    gates = GATES[cell]
     pos = 1
     h0 = c0 = None
     if a.get("has_state"):
@@ -159,7 +189,7 @@ def make_recurrent(node, inputs, outputs):
 
 
 for _op in ("lstm", "gru", "rnn"):
-    register(_op, infer=recurrent_infer)(make_recurrent)
+    register(_op, infer=recurrent_infer, attrs=ATTRS[_op])(make_recurrent)
 
 
 def _projection(src, src_rows, gx, gx_rows, w_ih, bias):

@@ -10,7 +10,11 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import AXES, AXIS, FLAG, NUMBER, optional
 from pmx.runtime.kernels.common import split_threads, view_as
+
+# axes absent or (): all of them
+REDUCE_ATTRS = dict(axes=optional(AXES), keepdim=optional(FLAG))
 
 
 def reduce_infer(node, shapes, dtypes):
@@ -127,19 +131,19 @@ def _make_reduce(kind):
 
 
 for _kind in REDUCERS:
-    register(f"reduce_{_kind}", infer=reduce_infer)(_make_reduce(_kind))
+    register(f"reduce_{_kind}", infer=reduce_infer, attrs=REDUCE_ATTRS)(_make_reduce(_kind))
 
 
 def same_as_input(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("softmax", infer=same_as_input, inplace=True, float_input=True)
+@register("softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
 def make_softmax(node, inputs, outputs):
     return _softmax_parts(node, inputs[0], outputs[0], log=False)
 
 
-@register("log_softmax", infer=same_as_input, inplace=True, float_input=True)
+@register("log_softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
 def make_log_softmax(node, inputs, outputs):
     return _softmax_parts(node, inputs[0], outputs[0], log=True)
 
@@ -217,8 +221,9 @@ def _make_arg(fn):
     return make
 
 
-register("argmax", infer=arg_infer)(_make_arg(np.argmax))
-register("argmin", infer=arg_infer)(_make_arg(np.argmin))
+ARG_ATTRS = dict(axis=AXIS, keepdim=optional(FLAG))
+register("argmax", infer=arg_infer, attrs=ARG_ATTRS)(_make_arg(np.argmax))
+register("argmin", infer=arg_infer, attrs=ARG_ATTRS)(_make_arg(np.argmin))
 
 
 def float_reduce_infer(node, shapes, dtypes):
@@ -256,11 +261,12 @@ def _statistic(sqrt):
     return make
 
 
-register("reduce_var", infer=float_reduce_infer)(_statistic(False))
-register("reduce_std", infer=float_reduce_infer)(_statistic(True))
+STATISTIC_ATTRS = dict(REDUCE_ATTRS, correction=optional(NUMBER))
+register("reduce_var", infer=float_reduce_infer, attrs=STATISTIC_ATTRS)(_statistic(False))
+register("reduce_std", infer=float_reduce_infer, attrs=STATISTIC_ATTRS)(_statistic(True))
 
 
-@register("reduce_norm", infer=float_reduce_infer)
+@register("reduce_norm", infer=float_reduce_infer, attrs=dict(REDUCE_ATTRS, p=optional(NUMBER)))
 def make_reduce_norm(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)
@@ -282,7 +288,7 @@ def make_reduce_norm(node, inputs, outputs):
                     np.power(target, 1.0 / p, out=target))
 
 
-@register("reduce_logsumexp", infer=float_reduce_infer)
+@register("reduce_logsumexp", infer=float_reduce_infer, attrs=REDUCE_ATTRS)
 def make_reduce_logsumexp(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)

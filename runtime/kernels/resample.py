@@ -25,8 +25,9 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register
-from pmx.runtime.kernels.common import (chain, fill_border, padded_shape, pairs_castable, split_copy, split_threads,
-                                        view_as)
+from pmx.runtime.kernels.attr_specs import FLAG, POSITIVE, ints, length_of, number, numbers, one_of, optional, or_empty
+from pmx.runtime.kernels.common import (check_border_pads, chain, fill_border, padded_shape, pairs_castable, split_copy,
+                                        split_threads, view_as)
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -107,7 +108,19 @@ def resize_infer(node, shapes, dtypes):
     return [(tuple(x[:lead]) + sizes, dtypes[0])]
 
 
-@register("resize", infer=resize_infer)
+def _below_rank(attrs, ranks):
+    """Resized dims: all but the first (batch or channels) at most."""
+    return None if not ranks or ranks[0] is None else ranks[0] - 1
+
+
+# sizes first: scales and scale_factor hold one entry per resized dim (or none)
+RESIZE_ATTRS = dict(mode=one_of("nearest", "nearest_exact", "linear", "cubic"),
+                    sizes=ints(min_length=1, max_length=_below_rank, lo=0), align_corners=optional(FLAG),
+                    scales=optional(or_empty(numbers(length_of("sizes"), lo=0))),
+                    scale_factor=optional(or_empty(numbers(length_of("sizes"), lo=0))))
+
+
+@register("resize", infer=resize_infer, attrs=RESIZE_ATTRS)
 def make_resize(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -250,11 +263,26 @@ def _repeat_step(src, dst, axis, idx):
     return lambda: np.copyto(rows, source)
 
 
+def _pads(v, attrs, ranks):
+    """Begins then ends, for at most every dim of the input."""
+    r = ranks[0]
+    if r is None or type(v) is not tuple or any(type(p) is not int for p in v) or len(v) % 2 or len(v) > 2 * r:
+        return f"a tuple of ints, begins then ends for up to {r} dims"
+
+
 def pad_infer(node, shapes, dtypes):
-    return [(padded_shape(shapes[0], node.attrs["pads"]), dtypes[0])]
+    pads, mode = node.attrs["pads"], node.attrs.get("mode", "constant")
+    nd = len(pads) // 2
+    sizes = shapes[0][len(shapes[0]) - nd:]
+    if mode == "circular":  # crops first, then pads the crop
+        sizes = [n - max(-pads[i], 0) - max(-pads[nd + i], 0) for i, n in enumerate(sizes)]
+    check_border_pads(mode, [max(p, 0) for p in pads], sizes)
+    return [(padded_shape(shapes[0], pads), dtypes[0])]
 
 
-@register("pad", infer=pad_infer)
+@register("pad", infer=pad_infer, attrs=dict(pads=_pads, mode=optional(one_of("constant", "reflect", "replicate",
+                                                                           "circular")),
+                                             value=optional(number(none=True))))
 def make_pad(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -333,7 +361,7 @@ def _split_view(a, shape):
     return v
 
 
-@register("pixel_shuffle", infer=pixel_shuffle_infer)
+@register("pixel_shuffle", infer=pixel_shuffle_infer, attrs=dict(factor=POSITIVE, inverse=optional(FLAG)))
 def make_pixel_shuffle(node, inputs, outputs):
     """`pixel_shuffle`: attrs factor, inverse (pixel_unshuffle). One strided copy between
     (..., C, r, r, H, W) and (..., C, H, r, W, r) views of input and output."""

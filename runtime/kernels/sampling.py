@@ -20,6 +20,7 @@ import numpy as np
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import FLAG, INT, NUMBER, POSITIVE, ints, one_of, optional
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -103,7 +104,9 @@ def grid_sample_infer(node, shapes, dtypes):
     return [((x[0], x[1]) + g[1:-1], dtypes[0])]
 
 
-@register("grid_sample", infer=grid_sample_infer, float_input=True)
+@register("grid_sample", infer=grid_sample_infer,
+          attrs=dict(mode=one_of("bilinear", "nearest", "bicubic"),
+                     padding_mode=one_of("zeros", "border", "reflection"), align_corners=optional(FLAG)), float_input=True)
 def make_grid_sample(node, inputs, outputs):
     x, grid, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -157,7 +160,8 @@ def affine_grid_infer(node, shapes, dtypes):
     return [((size[0],) + size[2:] + (nd,), dtypes[0])]
 
 
-@register("affine_grid", infer=affine_grid_infer)
+@register("affine_grid", infer=affine_grid_infer,
+          attrs=dict(size=ints(min_length=4, max_length=5, lo=0), align_corners=optional(FLAG)))
 def make_affine_grid(node, inputs, outputs):
     theta, out = inputs[0], outputs[0]
     size = tuple(node.attrs["size"])
@@ -209,7 +213,8 @@ def _roi_bilinear(plane, y, x):
     return np.where(outside, 0.0, val)
 
 
-@register("roi_align", infer=roi_align_infer, float_input=True)
+@register("roi_align", infer=roi_align_infer,
+          attrs=dict(output_size=ints(2, lo=1), spatial_scale=NUMBER, sampling_ratio=INT, aligned=FLAG), float_input=True)
 def make_roi_align(node, inputs, outputs):
     x, rois, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -245,15 +250,26 @@ def make_roi_align(node, inputs, outputs):
 def deform_conv_infer(node, shapes, dtypes):
     a = node.attrs
     x, off, w = tuple(shapes[0]), tuple(shapes[1]), tuple(shapes[2])
+    if len(shapes) != 3 + bool(a.get("has_mask")) + bool(a.get("has_bias")):
+        raise ValueError(f"{len(shapes)} inputs, but has_mask={a.get('has_mask')} and has_bias={a.get('has_bias')}")
+    if len(x) != 4 or len(w) != 4 or x[1] != w[1] * a["groups"] or w[0] % a["groups"]:
+        raise ValueError(f"input {x} and weight {w} do not fit {a['groups']} groups")
     kh, kw = w[2:]
     ho = (x[2] + 2 * a["pads"][0] - a["dilation"][0] * (kh - 1) - 1) // a["stride"][0] + 1
     wo = (x[3] + 2 * a["pads"][1] - a["dilation"][1] * (kw - 1) - 1) // a["stride"][1] + 1
-    if off[1] % (2 * kh * kw) or x[1] % (off[1] // (2 * kh * kw) or 1) or tuple(off[2:]) != (ho, wo):
+    offset_groups = off[1] // (2 * kh * kw) if len(off) == 4 else 0
+    if not offset_groups or off[1] % (2 * kh * kw) or x[1] % offset_groups or (off[0], *off[2:]) != (x[0], ho, wo):
         raise ValueError(f"deform_conv: offset {off} does not fit input {x} and weight {w}")
+    if a.get("has_mask") and tuple(shapes[3]) != (x[0], offset_groups * kh * kw, ho, wo):
+        raise ValueError(f"deform_conv: mask {tuple(shapes[3])} does not fit offset {off}")
+    if a.get("has_bias") and tuple(shapes[-1]) != (w[0],):
+        raise ValueError(f"deform_conv: bias {tuple(shapes[-1])} does not fit weight {w}")
     return [((x[0], w[0], ho, wo), dtypes[0])]
 
 
-@register("deform_conv", infer=deform_conv_infer, float_input=True)
+@register("deform_conv", infer=deform_conv_infer,
+          attrs=dict(stride=ints(2, lo=1), pads=ints(2, lo=0), dilation=ints(2, lo=1), groups=POSITIVE,
+                     has_mask=optional(FLAG), has_bias=optional(FLAG)), float_input=True)
 def make_deform_conv(node, inputs, outputs):
     a = node.attrs
     x, offset, w, out = inputs[0], inputs[1], inputs[2], outputs[0]

@@ -22,6 +22,8 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import (AXES, AXIS, FLAG, POSITIVE, UNREAD, axis, ints, length_of, optional,
+                                            permutation, target_shape, widest_input)
 from pmx.runtime.kernels.common import chain, split_copy, split_threads, view_as
 
 
@@ -65,7 +67,10 @@ def _same_memory(a, b):
     return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.nbytes == b.nbytes
 
 
-@register("reshape", infer=reshape_infer, view=True)
+# shape: the target at the compiled shape; dyn_shape: the one re-planning follows;
+# pnnx_shape: the shape argument as written, which only the compiler reads
+@register("reshape", infer=reshape_infer, view=True,
+          attrs=dict(shape=target_shape(), dyn_shape=optional(target_shape(copies_dims_of=0)), pnnx_shape=UNREAD))
 def make_reshape(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     if _same_memory(x, out) and x.flags.c_contiguous and out.flags.c_contiguous:
@@ -122,7 +127,7 @@ def _skipped_by_cat(shape):
     return len(shape) == 1 and shape[0] == 0
 
 
-@register("concat", infer=concat_infer)
+@register("concat", infer=concat_infer, attrs=dict(axis=axis(widest_input), broadcast=optional(FLAG)))
 def make_concat(node, inputs, outputs):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
@@ -150,6 +155,8 @@ def make_concat(node, inputs, outputs):
 
 def split_infer(node, shapes, dtypes):
     axis = node.attrs["axis"] % len(shapes[0])
+    if sum(node.attrs["sizes"]) != shapes[0][axis]:
+        raise ValueError(f"sizes {node.attrs['sizes']} do not add up to dim {axis} of input {tuple(shapes[0])}")
     result = []
     for size in node.attrs["sizes"]:
         s = list(shapes[0])
@@ -158,7 +165,7 @@ def split_infer(node, shapes, dtypes):
     return result
 
 
-@register("split", infer=split_infer)
+@register("split", infer=split_infer, attrs=dict(axis=AXIS, sizes=ints(lo=0, min_length=1)))
 def make_split(node, inputs, outputs):
     x = inputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -194,12 +201,31 @@ def _slice_index(attrs, ndim):
     return tuple(index) + (Ellipsis,)
 
 
+def _squeezed(v, attrs, ranks):
+    """slice's squeeze: axes it also selects one index of, so each is one of its axes."""
+    r = ranks[0]
+    if type(v) is not tuple or any(type(a) is not int for a in v) or r is None:
+        return "a tuple of ints"
+    picked = {a % r for a in attrs["axes"]}
+    if any(not -r <= a < r or a % r not in picked for a in v) or len({a % r for a in v}) != len(v):
+        return f"a tuple of distinct axes among axes {attrs['axes']}"
+
+
+# axes first: the other tuples hold one entry per axis
+SLICE_ATTRS = dict(axes=AXES, starts=ints(length_of("axes")), ends=ints(length_of("axes")),
+                   steps=ints(length_of("axes"), lo=1), squeeze=optional(_squeezed))
+
+
+def _slice_shape(shape, attrs):
+    probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), tuple(shape), (0,) * len(shape))
+    return probe[_slice_index(attrs, len(shape))].shape
+
+
 def slice_infer(node, shapes, dtypes):
-    probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), tuple(shapes[0]), (0,) * len(shapes[0]))
-    return [(probe[_slice_index(node.attrs, len(shapes[0]))].shape, dtypes[0])]
+    return [(_slice_shape(shapes[0], node.attrs), dtypes[0])]
 
 
-@register("slice", infer=slice_infer)
+@register("slice", infer=slice_infer, attrs=SLICE_ATTRS)
 def make_slice(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     src = x[_slice_index(node.attrs, x.ndim)]
@@ -240,7 +266,7 @@ def _blas_transposes(x, out, swap, threads):
     return parallel.split(parts)
 
 
-@register("transpose", infer=transpose_infer)
+@register("transpose", infer=transpose_infer, attrs=dict(perm=permutation()))
 def make_transpose(node, inputs, outputs):
     """A batch of matrix transposes (NCHW <-> NHWC) by BLAS's blocked transpose where it
     has one (runtime/blas.py), split over the threads by output rows: ConvNeXt-tiny's 46
@@ -275,7 +301,7 @@ def channel_shuffle_infer(node, shapes, dtypes):
     return [(shape[:1] + (k,) + shape[2:], dtypes[0]) for k in sizes]
 
 
-@register("channel_shuffle", infer=channel_shuffle_infer)
+@register("channel_shuffle", infer=channel_shuffle_infer, attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))))
 def make_channel_shuffle(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     g = node.attrs["groups"]
@@ -320,7 +346,14 @@ def _shuffle_into_parts(x, outputs, g):
     return run
 
 
-@register("slice_assign", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])], inplace=True)
+def slice_assign_infer(node, shapes, dtypes):
+    target = _slice_shape(shapes[0], node.attrs)
+    if np.broadcast_shapes(tuple(shapes[1]), target) != target:
+        raise ValueError(f"src {tuple(shapes[1])} does not broadcast to the slice's shape {target}")
+    return [(tuple(shapes[0]), dtypes[0])]
+
+
+@register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS)
 def make_slice_assign(node, inputs, outputs):
     x, src, out = inputs[0], inputs[1], outputs[0]
     dst = out[_slice_index(node.attrs, out.ndim)]

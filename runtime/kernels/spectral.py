@@ -21,6 +21,8 @@ complex inputs are the matching float dtype.
 import numpy as np
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, POSITIVE, distinct_axes, integer, ints, length_of,
+                                            one_of, optional)
 
 COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"), np.dtype("float64"): np.dtype("complex128"),
               np.dtype("float16"): np.dtype("complex64"), np.dtype("complex64"): np.dtype("complex64"),
@@ -150,7 +152,10 @@ def _transform(kind, lengths, axes, norm):
     raise ValueError(f"unknown fft kind {kind!r}")
 
 
-@register("fft", infer=fft_infer)
+# axes first: lengths holds one entry per axis
+@register("fft", infer=fft_infer,
+          attrs=dict(kind=one_of("fft", "ifft", "rfft", "irfft", "hfft", "ihfft"), axes=distinct_axes(min_length=1),
+                     lengths=ints(length_of("axes"), lo=0), norm=optional(one_of("backward", "forward", "ortho"))))
 def make_fft(node, inputs, outputs):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -165,6 +170,17 @@ def make_fft(node, inputs, outputs):
 # --- stft / istft ------------------------------------------------------------------------
 
 
+# n_fft first: the window is at most as long
+FRAMES_ATTRS = dict(n_fft=POSITIVE, hop_length=POSITIVE, win_length=integer(1, lambda attrs, ranks: attrs["n_fft"]),
+                    center=FLAG, normalized=FLAG)
+
+
+def _check_window(node, shapes):
+    """The optional window input (input 1) holds win_length samples."""
+    if len(shapes) > 1 and tuple(shapes[1]) != (node.attrs["win_length"],):
+        raise ValueError(f"window {tuple(shapes[1])} does not hold win_length={node.attrs['win_length']} samples")
+
+
 def _frames(n, n_fft, hop):
     return 1 + (n - n_fft) // hop
 
@@ -173,6 +189,7 @@ def stft_infer(node, shapes, dtypes):
     a = node.attrs
     x = tuple(shapes[0])
     n_fft, hop = a["n_fft"], a["hop_length"]
+    _check_window(node, shapes)
     n = x[-1] + (2 * (n_fft // 2) if a["center"] else 0)
     if n < n_fft:
         raise ValueError(f"stft: signal of {x[-1]} samples is shorter than n_fft={n_fft}")
@@ -189,7 +206,8 @@ def _window(window, n_fft, win_length, dtype):
     return full
 
 
-@register("stft", infer=stft_infer)
+@register("stft", infer=stft_infer,
+          attrs=dict(FRAMES_ATTRS, onesided=FLAG, pad_mode=one_of("reflect", "constant", "replicate", "circular")))
 def make_stft(node, inputs, outputs):
     a = node.attrs
     x, out = inputs[0], outputs[0]
@@ -222,6 +240,7 @@ def istft_infer(node, shapes, dtypes):
     a = node.attrs
     x = tuple(shapes[0])
     n_fft, hop, frames = a["n_fft"], a["hop_length"], x[-1]
+    _check_window(node, shapes)
     length = a.get("length", 0)
     if not length:
         length = n_fft + hop * (frames - 1) - (2 * (n_fft // 2) if a["center"] else 0)
@@ -229,7 +248,11 @@ def istft_infer(node, shapes, dtypes):
     return [(x[:-2] + (length,), dtype)]
 
 
-@register("istft", infer=istft_infer)
+# onesided: written by the compiler; a real inverse reads the first n_fft // 2 + 1 bins
+# either way
+@register("istft", infer=istft_infer,
+          attrs=dict(FRAMES_ATTRS, onesided=optional(FLAG), length=optional(NON_NEGATIVE),
+                     return_complex=optional(FLAG)))
 def make_istft(node, inputs, outputs):
     a = node.attrs
     x, out = inputs[0], outputs[0]

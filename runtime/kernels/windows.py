@@ -21,9 +21,14 @@ import math
 import numpy as np
 
 from pmx.runtime.kernels import register
+from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
-from pmx.runtime.kernels.pool import _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
+from pmx.runtime.kernels.pool import ADAPTIVE_ATTRS, POOL_ATTRS, _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
 
+
+UNFOLD_ATTRS = dict(kernel=ints(min_length=1, lo=1), stride=ints(length_of("kernel"), lo=1),
+                    pads=ints(length_of("kernel", 2), lo=0), dilation=ints(length_of("kernel"), lo=1))
+FOLD_ATTRS = dict(UNFOLD_ATTRS, output_size=ints(length_of("kernel"), lo=1))
 
 # Taps of one window: far above any model's (a 224x224 global window is 50176), low
 # enough that a hostile file cannot make a kernel loop for minutes.
@@ -70,7 +75,7 @@ def _flat_index(coords, spatial):
     return flat
 
 
-@register("max_pool_indices", infer=_pool_indices_infer)
+@register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS)
 def make_max_pool_indices(node, inputs, outputs):
     """Maxima over strided tap views of the input padded with the lowest value, and for
     each the tap's input position, updated where a tap is greater (or NaN)."""
@@ -110,7 +115,7 @@ def make_max_pool_indices(node, inputs, outputs):
     return run
 
 
-@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer)
+@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, attrs=ADAPTIVE_ATTRS)
 def make_adaptive_max_pool_indices(node, inputs, outputs):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
@@ -186,7 +191,7 @@ def _tap_slices(a, blocks):
         yield tuple(slice(tap[i] * d[i], tap[i] * d[i] + (blocks[i] - 1) * s[i] + 1, s[i]) for i in range(len(k)))
 
 
-@register("unfold", infer=unfold_infer)
+@register("unfold", infer=unfold_infer, attrs=UNFOLD_ATTRS)
 def make_unfold(node, inputs, outputs):
     """One copy per kernel tap from a strided view of the zero-padded input into that
     tap's rows of the output."""
@@ -221,7 +226,7 @@ def fold_infer(node, shapes, dtypes):
     return [(tuple(x[:-2]) + (x[-2] // taps,) + size, dtypes[0])]
 
 
-@register("fold", infer=fold_infer)
+@register("fold", infer=fold_infer, attrs=FOLD_ATTRS)
 def make_fold(node, inputs, outputs):
     """Sums of each tap's rows into a strided view of a zero-padded output buffer, whose
     interior is then copied out."""

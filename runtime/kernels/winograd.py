@@ -32,6 +32,7 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
+from pmx.runtime.kernels.attr_specs import ints
 from pmx.runtime.kernels.common import chain, copy_strided, gemm_node_threads, split_activated
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
@@ -104,7 +105,7 @@ def _scratch_shapes(g, dtype):
             ((4, 4, g.k, g.columns), dtype)]  # M, then Y, then the output tiles, in place
 
 
-@register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch, float_input=True)
+@register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch, attrs=dict(pads=ints(4, lo=0)), float_input=True)
 def make_conv_winograd(node, inputs, outputs):
     x, u, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 else None
