@@ -899,7 +899,11 @@ def _check_nodes(model):
         available |= outputs
         if not node.expr:
             node.expr = None
-        elif isinstance(node.expr, str):  # as read (a model checked again holds trees)
+            if node.op == "elementwise":
+                _fail(path, f"{_label(j, node)}: an elementwise node without an expression")
+        elif node.op == "elementwise" and -1 in node.inputs:
+            _fail(path, f"{_label(j, node)}: an elementwise node with an absent input")
+        if isinstance(node.expr, str):  # as read (a model checked again holds trees)
             try:
                 node.expr, size = _expression(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
             except PmxFormatError as e:
