@@ -278,8 +278,6 @@ RULES = {"fuse_conv_batchnorm": conv_bn, "fuse_activation": gemm_act, "negate_si
          "fold_channel_gate": channel_gate, "fold_hardswish_scale": hardswish, "fold_affine_relu": affine_relu,
          "pool_before_pointwise": pool_conv, "fold_norm_affine": norm_linear, "fuse_shuffle_split": shuffle_split,
          "fuse_elementwise": elementwise_pair, "batch_norm_as_elementwise": batch_norm}
-# converted to rule tables so far; the others follow
-RULES = {k: b for k, b in RULES.items() if k not in ("pool_before_pointwise", "fuse_shuffle_split", "fuse_elementwise")}
 ORDERS = {"negate_silu_weights": 2, "fold_channel_gate": 4, "fold_hardswish_scale": 2, "fold_affine_relu": 3,
           "fuse_elementwise": 2}
 # rules without a weight guard: kept for every weight; without a kind guard (no other dtype built)
