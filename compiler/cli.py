@@ -58,6 +58,9 @@ def _compile(args):
         print(f"  input      {name} takes {format_ranges(ranges)}")
     for note in r.notes:
         print(f"  note       {note}")
+    if args.verbose:
+        for pass_name, rule, hits in r.rule_hits:
+            print(f"  rule       {pass_name}: {rule} fired {hits}x")
     if args.tune:
         from pmx.compiler.passes.tune import format_report
 
@@ -195,7 +198,8 @@ def add_compile_args(c):
     c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
     c.add_argument("--tune", action="store_true",
                    help="time each node's candidate kernels on this machine and store the fastest")
-    c.add_argument("--verbose", action="store_true", help="with --tune: list every tuned node, not the top 10")
+    c.add_argument("-v", "--verbose", action="store_true",
+                   help="list how often each rewrite rule fired (and with --tune every tuned node, not the top 10)")
     c.add_argument("--check", action="store_true",
                    help="compare the compiled model with the traced model.pt beside the .param (needs torch)")
     c.add_argument("--meta", action="extend", nargs="+", metavar="KEY=VALUE", type=_key_value,

@@ -24,6 +24,7 @@ class CompileResult:
     naive_bytes: int
     seconds: float
     pass_stats: list = field(default_factory=list)
+    rule_hits: list = field(default_factory=list)  # (pass, rule, hits) per rule of each rule-table pass run
     dynamic: dict = field(default_factory=dict)   # input name -> [(min, max) per dim]
     notes: list = field(default_factory=list)     # e.g. which input dims are fixed and why
     # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
@@ -325,5 +326,5 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
         output=output, ops_in=ops_in, ops_out=len(graph.nodes), constants=len(consts),
         constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
         lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
-        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats),
+        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats), rule_hits=list(graph.rule_hits),
         dynamic=dict(graph.dynamic), notes=graph.notes + list(graph.fixed_reasons), tuned=list(graph.tune_report))

@@ -85,6 +85,7 @@ class Graph:
         self.source = source
         self.pass_stats: list[tuple[str, int, int]] = []
         self.notes: list[str] = []  # what the compile decided that the user should know
+        self.rule_hits: list[tuple[str, str, int]] = []  # (rule set, rule, hits), compiler/rewrite.py
 
     # --- construction -------------------------------------------------------------
 
@@ -121,6 +122,19 @@ class Graph:
         node.inputs[index] = value
         if value is not None:
             value.consumers.append(node)
+
+    def set_inputs(self, node: Node, values):
+        """node reads `values` (unnamed) instead of its inputs."""
+        for i in range(len(node.inputs)):
+            self.set_input(node, i, None)
+        node.inputs, node.input_names = [], []
+        for i, v in enumerate(values):
+            self.set_input(node, i, v)
+
+    def move_before(self, node: Node, other: Node):
+        """node runs right before `other` (a rewrite that swapped their order)."""
+        self.nodes.remove(node)
+        self.nodes.insert(self.nodes.index(other), node)
 
     def set_outputs(self, node: Node, values):
         """node produces `values` instead of its outputs (a fusion taking over the outputs

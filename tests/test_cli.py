@@ -30,6 +30,17 @@ def test_compile_prints_summary(tmp_path, capsys):
     assert out.stat().st_size > 0
 
 
+def test_compile_verbose_prints_rule_hits(tmp_path, capsys):
+    """-v lists each rule of the rule-table passes that ran, with its hits."""
+    out = tmp_path / "m.pmx"
+    assert main(["compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(out), "-v"]) == 0
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("  rule ")]
+    assert ["rule", "fuse_activation:", "fuse_into_epilogue", "fired"] in [line[:4] for line in lines]
+    assert all(line[-1].endswith("x") and int(line[-1][:-1]) >= 0 for line in lines)
+    assert main(["compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(out), "-v", "--disable", "fuse_activation"]) == 0
+    assert "fuse_activation:" not in capsys.readouterr().out
+
+
 def test_compile_default_output_next_to_param(tmp_path):
     for name in ("cnn.pnnx.param", "cnn.pnnx.bin"):
         (tmp_path / name).write_bytes((EXAMPLE / name).read_bytes())

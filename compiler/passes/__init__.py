@@ -1,10 +1,11 @@
 """The optimization pipeline: an ordered list of passes, each a function Graph -> bool
-(changed?) with the passes it must follow. The order is checked when a pipeline is built
-or run (check_pipeline), as torch.fx checks its pass constraints: a pass placed before
-one it must follow is refused, naming both. Passes from `order` on must keep the node
-list as it is (they only place tensors); run_pipeline checks that too. With verify=True
-(tests, `pmx compile --verify`) the graph is checked after every pass and a failure
-names the pass."""
+(changed?) with the passes it must follow. A local-rewrite pass is a rule table
+(compiler/rewrite.py) whose run applies its rule set to a fixpoint. The order is checked
+when a pipeline is built or run (check_pipeline), as torch.fx checks its pass
+constraints: a pass placed before one it must follow is refused, naming both. Passes from
+`order` on must keep the node list as it is (they only place tensors); run_pipeline
+checks that too. With verify=True (tests, `pmx compile --verify`) the graph is checked
+after every pass and a failure names the pass."""
 
 from collections.abc import Callable
 from typing import NamedTuple

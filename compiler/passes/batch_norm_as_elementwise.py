@@ -1,44 +1,27 @@
-"""A batch_norm that no conv or linear absorbed (fuse_conv_batchnorm runs first) becomes
-an elementwise node, add(mul(x, scale), shift), with scale and shift as constants shaped
-(C, 1, ...) to broadcast along axis 1. fuse_elementwise then merges it with what
-follows: DenseNet's pre-activation BN -> ReLU pairs become one expression, run split
-over the threads, where the batch_norm kernel made two passes on one thread and the ReLU
-a third. The values are the same: the kernel computed x * scale + shift in the input's
-dtype too.
-
-Does not fire on non-constant scale or shift, or on a non-float input.
-"""
+"""A batch_norm no conv or linear absorbed (fuse_conv_batchnorm runs first) becomes an
+elementwise node, add(mul(x, scale), shift), scale and shift shaped (C, 1, ...), so that
+fuse_elementwise merges it with what follows (DenseNet's BN -> ReLU). The values are the
+same: the kernel computed x * scale + shift in the input's dtype too."""
 
 import numpy as np
 
 from pmx.compiler.ir import Value
+from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E
 
 EXPR = E.call("add", E.call("mul", E.at(0), E.at(1)), E.at(2))
 
 
-def _convertible(node):
-    if len(node.inputs) != 3 or any(v is None for v in node.inputs):
-        return False
-    x, scale, shift = node.inputs
-    return (scale.is_constant and shift.is_constant and len(x.shape) >= 2
-            and np.dtype(x.dtype).kind == "f" and scale.dtype == shift.dtype == x.dtype)
+@rule(N("batch_norm", V("x", kind="f"), V("scale", const=True), V("shift", const=True), arity=3, name="bn",
+        where=lambda bn, m: len(m.x.shape) >= 2 and m.scale.dtype == m.shift.dtype == m.x.dtype))
+def batch_norm_to_expression(graph, m):
+    """Constant scale and shift of the input's float dtype, broadcast along axis 1."""
+    bn, rank = m.bn, len(m.x.shape)
+    for i, v in ((1, m.scale), (2, m.shift)):
+        data = np.ascontiguousarray(v.data.reshape((-1,) + (1,) * (rank - 2)))
+        graph.set_input(bn, i, Value(f"{bn.name}.{v.name}.bcast", data.shape, v.dtype, data=data))
+    bn.op, bn.expr, bn.attrs, bn.variant = "elementwise", EXPR, {}, ""
+    return True
 
 
-def _broadcastable(node, v, rank):
-    """v's values as a new constant shaped (C,) + (1,) * (rank - 2)."""
-    data = np.ascontiguousarray(v.data.reshape((-1,) + (1,) * (rank - 2)))
-    return Value(f"{node.name}.{v.name}.bcast", data.shape, v.dtype, data=data)
-
-
-def batch_norm_as_elementwise(graph) -> bool:
-    changed = False
-    for node in [n for n in graph.nodes if n.op == "batch_norm"]:
-        if not _convertible(node):
-            continue
-        rank = len(node.inputs[0].shape)
-        for i in (1, 2):
-            graph.set_input(node, i, _broadcastable(node, node.inputs[i], rank))
-        node.op, node.expr, node.attrs, node.variant = "elementwise", EXPR, {}, ""
-        changed = True
-    return changed
+batch_norm_as_elementwise = rule_pass("batch_norm_as_elementwise", [batch_norm_to_expression])

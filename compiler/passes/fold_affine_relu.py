@@ -1,81 +1,41 @@
 """A pre-activation batch norm and ReLU, relu(x * s + b) with per-channel constants s and
-b (DenseNet's norm -> relu before each 1x1 conv, after batch_norm_as_elementwise and
-fuse_elementwise made them one expression), whose output only unpadded convs with one
-group (or, on (N, C) tensors, linears) read, becomes max(x, t) with t = -b / s:
+b (DenseNet's norm -> relu, one expression after fuse_elementwise), whose output only
+unpadded convs with one group (or, on (N, C) tensors, linears) read becomes max(x, t),
+t = -b / s:
 
     relu(s x + b) = s max(x, t) + b        (s > 0)
                   = |s| max(-x, -t) + b    (s < 0: the ReLU then clips above t)
 
 and each reader absorbs the rest: its weights are scaled by |s| along their input
 channels, and its bias gains W . b (summed over the input channels and the kernel
-window; without padding every output sees every tap). numpy ran the expression as
-three passes (multiply, add, maximum); with every scale positive one remains,
-np.maximum(x, t), and with some negative two, max(x * sign(s), t * sign(s)).
-
-Does not fire when a scale is zero or not finite (the channel would be a constant),
-when t overflows the dtype, on weights or biases another node reads (the file would
-hold them twice), when a reader is padded, grouped, has an input scale or reads the
-tensor in any other position, or when the output is a graph output or kept.
-
-Numerically the reader's sum is regrouped, (W |s|) . max(...) + W . b instead of
-W . relu(s x + b): where a channel is clipped, |s| t and b cancel to within an ulp of b
-rather than exactly. The error stays at float32 rounding of the terms summed
-(DenseNet-121 against torch: 4.7e-7 -> 5.7e-7 of the output's largest magnitude).
-"""
+window; without padding every output sees every tap). Three numpy passes become one
+(two where some scale is negative). The reader's sum is regrouped, so where a channel
+is clipped |s| t and b cancel to within an ulp of b rather than exactly."""
 
 import numpy as np
 
 from pmx.compiler.ir import Value
+from pmx.compiler.rewrite import In, Lit, N, V, rule, rule_pass
 from pmx.runtime import expr as E
 
 FOLDED = E.call("maximum", E.at(0), E.at(1))
 FOLDED_SIGNED = E.call("maximum", E.call("mul", E.at(0), E.at(1)), E.at(2))
-
-
-def _affine_relu(node):
-    """(x, scale, shift) of an elementwise relu(x * scale + shift) with constant
-    per-channel scale and shift (any operand order), else None."""
-    if node.op != "elementwise" or len(node.inputs) != 3 or len(node.outputs) != 1 or not node.expr:
-        return None
-    tree = node.expr
-    zero = ("#", 0)
-    if tree[0] != "maximum" or zero not in tree[1:]:
-        return None
-    affine = tree[2] if tree[1] == zero else tree[1]
-    if affine[0] != "add":
-        return None
-    for product, shift in ((affine[1], affine[2]), (affine[2], affine[1])):
-        if product[0] != "mul" or shift[0] != "@" or any(t[0] != "@" for t in product[1:]):
-            continue
-        for xi, si in ((product[1][1], product[2][1]), (product[2][1], product[1][1])):
-            if len({xi, si, shift[1]}) == 3:
-                x, scale, bias = (node.inputs[i] for i in (xi, si, shift[1]))
-                if _per_channel(x, scale) and _per_channel(x, bias):
-                    return x, scale, bias
-    return None
+AFFINE_RELU = E.call("maximum", E.call("add", E.call("mul", In("x", V(const=False, kind="f")), In("s", V(const=True))),
+                                       In("b", V(const=True))), Lit(0, 0.0))
 
 
 def _per_channel(x, v):
-    """Whether v is a float constant of x's dtype holding one value per channel of x (axis
-    1): shaped (C, 1, ...) or (1, C, 1, ...)."""
-    if x is None or v is None or x.is_constant or not v.is_constant or x.shape is None or len(x.shape) < 2:
-        return False
-    if np.dtype(x.dtype).kind != "f" or v.dtype != x.dtype:
-        return False
+    """v holds one value of x's dtype per channel of x (axis 1): (C, 1, ...) or (1, C, 1, ...)."""
     shape = tuple(np.shape(v.data))
-    if len(shape) > len(x.shape):
-        return False
     padded = (1,) * (len(x.shape) - len(shape)) + shape
-    return padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
+    return (v.dtype == x.dtype and len(x.shape) >= 2 and len(shape) <= len(x.shape)
+            and padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2))
 
 
 def readers_with_own_weights(graph, y):
-    """The nodes reading y, each as its input 0, with constant weights (input 1) and an
-    optional constant bias (input 2) of y's dtype that no other node reads, else None
-    (also when y is a graph output, kept, or unread). y is not constant, so a reader
-    taking it as weight or bias fails the checks. fold_norm_affine uses it too."""
-    if y in graph.outputs or y in getattr(graph, "kept", ()) or not y.consumers:
-        return None
+    """The nodes reading y, each as its input 0 only, with constant weights (input 1) and
+    an optional constant bias (input 2) of y's dtype that no other node reads; else None
+    (also when nothing reads y). fold_norm_affine uses it too."""
     readers = list({c.uid: c for c in y.consumers}.values())
     for reader in readers:
         w = reader.inputs[1] if len(reader.inputs) > 1 else None
@@ -85,23 +45,20 @@ def readers_with_own_weights(graph, y):
             return None
         if b is not None and (not b.is_constant or b.dtype != y.dtype or graph.sole_reader(b) is not reader):
             return None
-    return readers
+    return readers or None
 
 
 def _absorbing_readers(graph, y, channels):
-    """The convs and linears that can absorb y's scale and shift, else None."""
+    """The convs (one group, unpadded, no input scale) and linears (on (N, C)) that can take
+    y's scale and shift, else None."""
     readers = readers_with_own_weights(graph, y)
     for reader in readers or ():
-        w = reader.inputs[1]
+        w, a = reader.inputs[1], reader.attrs
         if reader.op == "conv":
-            a = reader.attrs
             if (int(a.get("groups", 1)) != 1 or any(a.get("pads", ())) or len(w.shape) != len(y.shape)
                     or w.shape[1] != channels or (len(reader.inputs) > 3 and reader.inputs[3] is not None)):
                 return None
-        elif reader.op == "linear":
-            if len(y.shape) != 2 or len(w.shape) != 2 or w.shape[1] != channels:
-                return None
-        else:
+        elif reader.op != "linear" or len(y.shape) != 2 or len(w.shape) != 2 or w.shape[1] != channels:
             return None
     return readers
 
@@ -122,45 +79,39 @@ def _absorb(graph, reader, scale, shift):
 
 def _threshold(scale, shift, dtype):
     """t = -shift / scale per channel, or None where a scale is zero or not finite or t
-    does not fit the dtype."""
+    does not fit the dtype (the channel would be a constant)."""
     if not (np.all(np.isfinite(scale)) and np.all(scale != 0) and np.all(np.isfinite(shift))):
         return None
     t = -shift / scale
     return t if np.all(np.abs(t) <= np.finfo(dtype).max) else None
 
 
-def _rewrite(graph, node, x, like, sign, t):
-    """node computes max(x, t), or max(x * sign, t * sign) when a sign is negative; the
-    constants take the shape and dtype of `like` (the old scale)."""
-    def constant(suffix, values):
+@rule(N("elementwise", arity=3, expr=AFFINE_RELU, out=V("y", internal=True), name="node",
+        where=lambda node, m: m.s is not m.b and _per_channel(m.x, m.s) and _per_channel(m.x, m.b)))
+def fold_into_readers(graph, m):
+    """Only where every reader can absorb the scale and shift into weights of its own."""
+    node, x, like = m.node, m.x, m.s
+    scale = np.asarray(m.s.data, np.float64).reshape(-1)
+    shift = np.asarray(m.b.data, np.float64).reshape(-1)
+    t = _threshold(scale, shift, np.dtype(x.dtype))
+    readers = _absorbing_readers(graph, m.y, x.shape[1]) if t is not None else None
+    if readers is None:
+        return None
+    for reader in readers:
+        _absorb(graph, reader, scale, shift)
+
+    def constant(suffix, values):  # shaped and typed as the old scale
         return Value(f"{node.name}.{suffix}", like.shape, like.dtype,
                      data=values.reshape(np.shape(like.data)).astype(like.dtype))
 
-    inputs = [x, constant("threshold", t)] if np.all(sign > 0) else [
-        x, constant("sign", sign), constant("signed_threshold", sign * t)]
-    for i in range(len(node.inputs)):
-        graph.set_input(node, i, None)
-    del node.inputs[len(inputs):], node.input_names[len(inputs):]
-    for i, v in enumerate(inputs):
-        graph.set_input(node, i, v)
-    node.expr = FOLDED if len(inputs) == 2 else FOLDED_SIGNED
+    sign = np.sign(scale)
+    if np.all(sign > 0):
+        graph.set_inputs(node, [x, constant("threshold", t)])
+        node.expr = FOLDED
+    else:
+        graph.set_inputs(node, [x, constant("sign", sign), constant("signed_threshold", sign * t)])
+        node.expr = FOLDED_SIGNED
+    return True
 
 
-def fold_affine_relu(graph) -> bool:
-    changed = False
-    for node in list(graph.nodes):
-        found = _affine_relu(node)
-        if found is None:
-            continue
-        x, scale_v, shift_v = found
-        scale = np.asarray(scale_v.data, np.float64).reshape(-1)
-        shift = np.asarray(shift_v.data, np.float64).reshape(-1)
-        t = _threshold(scale, shift, np.dtype(x.dtype))
-        readers = _absorbing_readers(graph, node.outputs[0], x.shape[1]) if t is not None else None
-        if readers is None:
-            continue
-        for reader in readers:
-            _absorb(graph, reader, scale, shift)
-        _rewrite(graph, node, x, scale_v, np.sign(scale), t)
-        changed = True
-    return changed
+fold_affine_relu = rule_pass("fold_affine_relu", [fold_into_readers])
