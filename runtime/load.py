@@ -1029,14 +1029,17 @@ def check_shape_rules(model):
     seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
     attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes of one attribute set share its dict
 
-    def exact_key(node):
-        attrs = node.attrs
+    def key_of(attrs):
         key = attrs_keys.get(id(attrs))
         if key is None:
             key = attrs_keys[id(attrs)] = _attrs_key(attrs)
-        return node.expr, node.variant, key
+        return key
+
+    def exact_key(node):
+        return node.expr, node.variant, key_of(node.attrs)
 
     dtype_of = [t.dtype for t in tensors]
+    rank_of_sig = [len(shape) for shape, _ in kinds] + [None]  # [None]: an absent input (sig -1)
     attrs_passed = set()  # (op, id(attrs), input ranks): attribute sets that met their op's specs
     nodes = model.nodes
     # built by comprehensions, which cost less per node than the statements of the loop
@@ -1056,10 +1059,11 @@ def check_shape_rules(model):
                     got = entry[2]
                     break
         if got is None:
-            ranks = tuple(len(shape_of[i]) if i >= 0 else None for i in node.inputs)
-            if (node.op, id(node.attrs), ranks) not in attrs_passed:
-                _check_attrs(path, j, node, ranks)
-                attrs_passed.add((node.op, id(node.attrs), ranks))
+            ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
+            checked = node.op, id(node.attrs), ranks
+            if checked not in attrs_passed:
+                _check_attrs(path, j, node, ranks, key_of(node.attrs))
+                attrs_passed.add(checked)
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
                                list(map(dtype_of.__getitem__, present)))
@@ -1070,9 +1074,22 @@ def check_shape_rules(model):
             _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
 
 
-def _check_attrs(path, j, node, ranks):
+# (op, _attrs_key(attrs), input ranks) of attribute sets that met their op's specs, kept
+# across loads as the reader's structs are (specs read nothing else): a process that
+# loads a model again (a pool of sessions, a server reloading) does not check its
+# attribute sets again. Only sets of short values are kept, so a hostile file's long
+# ones cannot pin memory.
+_ATTRS_PASSED = set()
+_KEPT_LENGTH = 64
+
+
+def _check_attrs(path, j, node, ranks, attrs_key):
     """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
-    shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
+    shape rule reads them: what is missing, mistyped, out of range or unknown is named.
+    `attrs_key`: _attrs_key(node.attrs)."""
+    known = (node.op, attrs_key, ranks)
+    if known in _ATTRS_PASSED:
+        return
     try:
         found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
     except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
@@ -1080,6 +1097,10 @@ def _check_attrs(path, j, node, ranks):
     if found is not None:
         name, message = found
         _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): attribute {name[:40]!r} {message}")
+    if all(len(v) <= _KEPT_LENGTH for v in node.attrs.values() if type(v) in (tuple, str)):
+        if len(_ATTRS_PASSED) > 4096:
+            _ATTRS_PASSED.clear()
+        _ATTRS_PASSED.add(known)
 
 
 def _attrs_key(attrs):

@@ -110,6 +110,26 @@ def test_the_forged_files_differ_only_in_the_attribute(graph, tmp_path):
     np.testing.assert_allclose(y, np.load(str(EXAMPLE) + "_expected.npy"), rtol=1e-4, atol=1e-5)
 
 
+def test_checks_kept_across_loads_are_keyed_on_the_values(graph, tmp_path):
+    """The loader keeps the attribute sets that passed (load._ATTRS_PASSED) so a model
+    loaded again is not checked again; a forged file whose nodes match a kept set except
+    in one value is still checked, and a set that failed or holds long values is not
+    kept."""
+    from pmx.runtime import load
+
+    good, _, _ = _forged(graph, tmp_path, "conv", lambda attrs: None)
+    InferenceSession(str(good))
+    kept = set(load._ATTRS_PASSED)
+    assert any(op == "conv" and ("stride", (2, 2), int) in attrs for op, attrs, _ in kept)
+    bad, _, _ = _forged(graph, tmp_path, "conv", _setting("stride", (2, 0)))
+    with pytest.raises(PmxFormatError, match="attribute 'stride' is \\(2, 0\\)"):
+        InferenceSession(str(bad))
+    assert load._ATTRS_PASSED >= kept and not any(("stride", (2, 0), int) in key[1] for key in load._ATTRS_PASSED)
+    long_shape, _, _ = _forged(graph, tmp_path, "reshape", _setting("pnnx_shape", tuple(range(100))))
+    InferenceSession(str(long_shape))
+    assert not any(("pnnx_shape", tuple(range(100)), int) in key[1] for key in load._ATTRS_PASSED)
+
+
 # --- the specs themselves -------------------------------------------------------------
 
 
