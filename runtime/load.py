@@ -162,11 +162,12 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
     check_header_checksum(path, buf, pre)
     if verify_checksum:
         check_data_checksum(path, buf, pre)
-    header = memoryview(buf)[pre["header_offset"]:pre["header_offset"] + pre["header_size"]]
+    with memoryview(buf) as view:
+        header = bytes(view[pre["header_offset"]:pre["header_offset"] + pre["header_size"]])
     with collector_paused():
         try:
-            if bytes(header[4:8]) != ff.FILE_IDENTIFIER:
-                _fail(path, f"header file identifier is {bytes(header[4:8])!r}, expected {ff.FILE_IDENTIFIER!r}")
+            if header[4:8] != ff.FILE_IDENTIFIER:
+                _fail(path, f"header file identifier is {header[4:8]!r}, expected {ff.FILE_IDENTIFIER!r}")
             model = _read_header(path, header, pre, size)
         except PmxError:
             raise
@@ -174,10 +175,24 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
             _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
         except MemoryError:
             raise PmxResourceError(f"{path}: out of memory while reading the header") from None
-        _verify_structure(model, pre, max_arena_bytes)
+        known = header in _ATTRS_PASSED
+        _verify_structure(model, pre, max_arena_bytes, check_attrs=not known)
+        if not known and len(header) <= _ATTRS_PASSED_HEADER_BYTES:
+            if len(_ATTRS_PASSED) >= _ATTRS_PASSED_COUNT:
+                _ATTRS_PASSED.clear()
+            _ATTRS_PASSED.add(header)
         model._map = buf
         _wrap_constants(model, buf, pre)
     return model
+
+
+# Headers whose nodes' attributes met their ops' specs (check_shape_rules): specs read
+# nothing but a header's attribute values and shapes, so the same bytes pass again, and
+# a process that loads a model again (a pool of sessions, a server reloading) does not
+# check them again. Kept as the reader's structs are: a few, small ones.
+_ATTRS_PASSED = set()
+_ATTRS_PASSED_COUNT = 16
+_ATTRS_PASSED_HEADER_BYTES = 1 << 20
 
 
 @contextlib.contextmanager
@@ -791,7 +806,7 @@ def _read_attrs(r, per_set):
 # --- structural verification --------------------------------------------------------------
 
 
-def _verify_structure(model: Model, pre, max_arena_bytes):
+def _verify_structure(model: Model, pre, max_arena_bytes, check_attrs=True):
     if model.arena_size > max_arena_bytes:
         raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
     nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
@@ -802,7 +817,7 @@ def _verify_structure(model: Model, pre, max_arena_bytes):
             _check_alias_extent(model, i, t, nbytes)
     _check_io(model)
     _check_nodes(model)
-    check_shape_rules(model)
+    check_shape_rules(model, check_attrs)
 
 
 # Tensor sizes and limits are kept below this (the arena and scratch sizes derived from
@@ -1004,7 +1019,7 @@ def _expanded_size(tree):
     return memo[id(tree)]
 
 
-def check_shape_rules(model):
+def check_shape_rules(model, check_attrs=True):
     """Check each node's attributes against its op's specs (kernels/attr_specs.py), then
     run its shape rule on its stored input shapes and compare with its stored output
     shapes (and their number). Kernels size their scratch buffers (padding, im2col)
@@ -1021,7 +1036,8 @@ def check_shape_rules(model):
     that key for every node cost more than the rules it saved on CNNs, where most nodes
     differ in shape. A node whose rule runs has its attributes checked first, once per
     attribute dict (nodes of one attribute set share it) and input ranks, which is all a
-    spec reads. (Runs after _check_nodes: indices are in range.)"""
+    spec reads (check_attrs False: a header whose attributes passed before). (Runs after
+    _check_nodes: indices are in range.)"""
     path, tensors = model.path, model.tensors
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
@@ -1029,14 +1045,12 @@ def check_shape_rules(model):
     seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
     attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes of one attribute set share its dict
 
-    def key_of(attrs):
+    def exact_key(node):
+        attrs = node.attrs
         key = attrs_keys.get(id(attrs))
         if key is None:
             key = attrs_keys[id(attrs)] = _attrs_key(attrs)
-        return key
-
-    def exact_key(node):
-        return node.expr, node.variant, key_of(node.attrs)
+        return node.expr, node.variant, key
 
     dtype_of = [t.dtype for t in tensors]
     rank_of_sig = [len(shape) for shape, _ in kinds] + [None]  # [None]: an absent input (sig -1)
@@ -1059,11 +1073,12 @@ def check_shape_rules(model):
                     got = entry[2]
                     break
         if got is None:
-            ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
-            checked = node.op, id(node.attrs), ranks
-            if checked not in attrs_passed:
-                _check_attrs(path, j, node, ranks, key_of(node.attrs))
-                attrs_passed.add(checked)
+            if check_attrs:
+                ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
+                checked = node.op, id(node.attrs), ranks
+                if checked not in attrs_passed:
+                    _check_attrs(path, j, node, ranks)
+                    attrs_passed.add(checked)
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
                                list(map(dtype_of.__getitem__, present)))
@@ -1074,22 +1089,9 @@ def check_shape_rules(model):
             _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
 
 
-# (op, _attrs_key(attrs), input ranks) of attribute sets that met their op's specs, kept
-# across loads as the reader's structs are (specs read nothing else): a process that
-# loads a model again (a pool of sessions, a server reloading) does not check its
-# attribute sets again. Only sets of short values are kept, so a hostile file's long
-# ones cannot pin memory.
-_ATTRS_PASSED = set()
-_KEPT_LENGTH = 64
-
-
-def _check_attrs(path, j, node, ranks, attrs_key):
+def _check_attrs(path, j, node, ranks):
     """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
-    shape rule reads them: what is missing, mistyped, out of range or unknown is named.
-    `attrs_key`: _attrs_key(node.attrs)."""
-    known = (node.op, attrs_key, ranks)
-    if known in _ATTRS_PASSED:
-        return
+    shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
     try:
         found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
     except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
@@ -1097,10 +1099,6 @@ def _check_attrs(path, j, node, ranks, attrs_key):
     if found is not None:
         name, message = found
         _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): attribute {name[:40]!r} {message}")
-    if all(len(v) <= _KEPT_LENGTH for v in node.attrs.values() if type(v) in (tuple, str)):
-        if len(_ATTRS_PASSED) > 4096:
-            _ATTRS_PASSED.clear()
-        _ATTRS_PASSED.add(known)
 
 
 def _attrs_key(attrs):
