@@ -9,9 +9,11 @@ acceptable, else what was expected (for the message). `attrs` are the node's att
 (a spec may depend on another, declared before it: a pool's stride has as many entries
 as its kernel) and `ranks` the rank of each input, None where the input is absent.
 Values are what the loader reads from a file: int, float, bool, str, None, or a tuple
-of one of these (an empty list reads as ()). Specs bound what the attributes and input
-ranks decide; relations with input sizes (groups dividing the channels) stay with the
-shape rules, which run right after.
+of one of these (an empty list reads as ()); a tuple holds one type throughout (it is
+read from one typed vector), so specs look at its first entry's. Specs bound what the
+attributes and input ranks decide; relations with input sizes (groups dividing the
+channels) stay with the shape rules, which run right after. They run once per distinct
+attribute set and input ranks of a file, so they are written to be cheap.
 
 Every attribute a kernel reads (in its shape rule, scratch rule or factory) is declared:
 tests/conftest.py records the reads of the whole test suite and fails on one its op does
@@ -49,9 +51,9 @@ def as_specs(attrs):
 def problem(specs, attrs, ranks):
     """(attribute name, message) for the first attribute of `attrs` that breaks `specs`,
     or None when all pass."""
-    for name in attrs:
-        if name not in specs:
-            return name, f"is not an attribute this op takes ({', '.join(specs) or 'it takes none'})"
+    if not specs.keys() >= attrs.keys():
+        name = next(name for name in attrs if name not in specs)
+        return name, f"is not an attribute this op takes ({', '.join(specs) or 'it takes none'})"
     for name, spec in specs.items():
         value = attrs.get(name, MISSING)
         if value is MISSING and not spec.required:
@@ -188,17 +190,37 @@ AXIS = axis()
 # --- tuples -----------------------------------------------------------------------------
 
 
+def _bounds_of(given):
+    """A function (attrs, ranks) -> the values of `given` (numbers, None, or functions of
+    (attrs, ranks) such as length_of("kernel") or input_rank(0)), or None when one of the
+    functions finds the input it reads absent."""
+    dynamic = [(k, b) for k, b in enumerate(given) if callable(b)]
+    if not dynamic:
+        return lambda attrs, ranks: given
+
+    def resolve(attrs, ranks):
+        values = list(given)
+        for k, b in dynamic:
+            values[k] = b(attrs, ranks)
+            if values[k] is None:
+                return None
+        return values
+    return resolve
+
+
 def ints(length=None, lo=None, hi=None, min_length=0, max_length=None):
     """A tuple of ints, each in [lo, hi], of `length` entries or between `min_length` and
-    `max_length` (each a number, or a function of (attrs, ranks) such as
-    length_of("kernel") or input_rank(0))."""
+    `max_length` (each a number, or a function as in _bounds_of)."""
+    bounds = _bounds_of((length, min_length, max_length, lo, hi))
+
     def check(v, attrs, ranks):
-        given = (length, min_length, max_length, lo, hi)
-        n, least, most, low, high = resolved = [_resolve(k, attrs, ranks) for k in given]
-        if any(r is None and g is not None for g, r in zip(given, resolved)):
+        values = bounds(attrs, ranks)
+        if values is None:
             return "a tuple of ints, but an input it depends on is absent or too small"
-        if (type(v) is not tuple or any(type(e) is not int or not _within(e, low, high) for e in v)
-                or (n is not None and len(v) != n) or not _within(len(v), least, most)):
+        n, least, most, low, high = values
+        if (type(v) is not tuple or (n is not None and len(v) != n) or len(v) < least
+                or (most is not None and len(v) > most) or (v and (type(v[0]) is not int
+                or (low is not None and min(v) < low) or (high is not None and max(v) > high)))):
             size = f"{n} " if n is not None else (f"{least} to {most} " if most is not None else
                                                   f"at least {least} " if least else "")
             return f"a tuple of {size}ints{_bounds(low, high).replace(' ', ' each ', 1)}"
@@ -229,22 +251,28 @@ def defaulting(default, check):
 
 def numbers(length=None, lo=None):
     """A tuple of ints or floats, each >= lo, of `length` entries (as ints())."""
+    bounds = _bounds_of((length,))
+
     def check(v, attrs, ranks):
-        n = _resolve(length, attrs, ranks)
-        if (type(v) is not tuple or any(type(e) not in (int, float) or (lo is not None and not e >= lo) for e in v)
-                or (n is not None and len(v) != n)):
+        values = bounds(attrs, ranks)
+        n = None if values is None else values[0]
+        if (values is None or type(v) is not tuple or (n is not None and len(v) != n)
+                or (v and (type(v[0]) not in (int, float) or (lo is not None and not min(v) >= lo)))):
             return f"a tuple of {f'{n} ' if n is not None else ''}numbers{_bounds(lo, None).replace(' ', ' each ', 1)}"
     return check
 
 
 def words(*choices, length=None):
     """A tuple of strings, each one of `choices`, of `length` entries (as ints())."""
+    bounds, allowed = _bounds_of((length,)), frozenset(choices)
+
     def check(v, attrs, ranks):
-        n = _resolve(length, attrs, ranks)
-        if n is None and length is not None:
+        values = bounds(attrs, ranks)
+        if values is None:
             return "a tuple of strings, but the inputs that set its length are missing"
-        if (type(v) is not tuple or any(type(e) is not str or e not in choices for e in v)
-                or (n is not None and len(v) != n)):
+        n = values[0]
+        if type(v) is not tuple or (n is not None and len(v) != n) or (v and (type(v[0]) is not str
+                                                                            or not allowed.issuperset(v))):
             return f"a tuple of {f'{n} ' if n is not None else ''}strings, each one of {', '.join(map(repr, choices))}"
     return check
 
@@ -252,13 +280,15 @@ def words(*choices, length=None):
 def distinct_axes(rank=input_rank(0), length=None, min_length=0):
     """A tuple of distinct axes of the input whose rank `rank` gives (-1 and rank - 1 are
     one axis), of `length` entries or at least `min_length`."""
+    bounds = _bounds_of((rank, length))
+
     def check(v, attrs, ranks):
-        r = rank(attrs, ranks)
-        n = _resolve(length, attrs, ranks)
-        if r is None:
+        values = bounds(attrs, ranks)
+        if values is None:
             return "axes, but the input they index is absent"
-        if (type(v) is not tuple or any(type(e) is not int or not -r <= e < r for e in v)
-                or len({e % r for e in v}) != len(v) or (n is not None and len(v) != n) or len(v) < min_length):
+        r, n = values
+        if (type(v) is not tuple or (n is not None and len(v) != n) or len(v) < min_length
+                or (v and (type(v[0]) is not int or min(v) < -r or max(v) >= r or len({e % r for e in v}) != len(v)))):
             size = f"{n} " if n is not None else (f"at least {min_length} " if min_length else "")
             return f"a tuple of {size}distinct axes of a rank-{r} input, each in [{-r}, {r - 1}]"
     return check
@@ -270,7 +300,7 @@ AXES = distinct_axes()
 def permutation(rank=input_rank(0)):
     def check(v, attrs, ranks):
         r = rank(attrs, ranks)
-        if r is None or type(v) is not tuple or any(type(e) is not int for e in v) or sorted(v) != list(range(r)):
+        if r is None or type(v) is not tuple or (v and type(v[0]) is not int) or sorted(v) != list(range(r)):
             return f"a permutation of 0..{r - 1 if r is not None else '?'}"
     return check
 

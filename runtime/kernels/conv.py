@@ -110,7 +110,9 @@ def conv_infer(node, shapes, dtypes):
         raise ValueError(f"input {tuple(x)} does not have the {w[1] * groups} channels weight {tuple(w)} expects")
     if w[0] % groups:
         raise ValueError(f"groups={groups} does not divide the {w[0]} output channels of weight {tuple(w)}")
-    check_border_pads(a.get("padding_mode", "zeros"), a["pads"], x[2:])
+    mode = a.get("padding_mode", "zeros")
+    if mode != "zeros":
+        check_border_pads(mode, a["pads"], x[2:])
     spatial = tuple(
         conv_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i], a["pads"][nd + i])
         for i in range(nd)
