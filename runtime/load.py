@@ -174,24 +174,10 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
             _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
         except MemoryError:
             raise PmxResourceError(f"{path}: out of memory while reading the header") from None
-        known = header in _ATTRS_PASSED
-        _verify_structure(model, pre, max_arena_bytes, check_attrs=not known)
-        if not known and len(header) <= _ATTRS_PASSED_HEADER_BYTES:
-            if len(_ATTRS_PASSED) >= _ATTRS_PASSED_COUNT:
-                _ATTRS_PASSED.clear()
-            _ATTRS_PASSED.add(header)
+        _verify_structure(model, pre, max_arena_bytes)
         model._map = buf
         _wrap_constants(model, buf, pre)
     return model
-
-
-# Headers whose nodes' attributes met their ops' specs (check_shape_rules): specs read
-# nothing but a header's attribute values and shapes, so the same bytes pass again, and
-# a process that loads a model again (a pool of sessions, a server reloading) does not
-# check them again. Kept as the reader's structs are: a few, small ones.
-_ATTRS_PASSED = set()
-_ATTRS_PASSED_COUNT = 16
-_ATTRS_PASSED_HEADER_BYTES = 1 << 20
 
 
 @contextlib.contextmanager
@@ -761,7 +747,7 @@ def _read_attrs(r, per_set):
 # --- structural verification --------------------------------------------------------------
 
 
-def _verify_structure(model: Model, pre, max_arena_bytes, check_attrs=True):
+def _verify_structure(model: Model, pre, max_arena_bytes):
     if model.arena_size > max_arena_bytes:
         raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
     nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
@@ -772,7 +758,7 @@ def _verify_structure(model: Model, pre, max_arena_bytes, check_attrs=True):
             _check_alias_extent(model, i, t, nbytes)
     _check_io(model)
     _check_nodes(model)
-    check_shape_rules(model, check_attrs)
+    check_shape_rules(model)
 
 
 # Tensor sizes and limits are kept below this (the arena and scratch sizes derived from
@@ -983,7 +969,7 @@ def _expanded_size(tree):
     return memo[id(tree)]
 
 
-def check_shape_rules(model, check_attrs=True):
+def check_shape_rules(model):
     """Check each node's attributes against its op's specs (kernels/attr_specs.py), then
     run its shape rule on its stored input shapes and compare with its stored output
     shapes (and their number). Kernels size their scratch buffers (padding, im2col)
@@ -1000,8 +986,7 @@ def check_shape_rules(model, check_attrs=True):
     that key for every node cost more than the rules it saved on CNNs, where most nodes
     differ in shape. A node whose rule runs has its attributes checked first, once per
     attribute dict (nodes of one attribute set share it) and input ranks, which is all a
-    spec reads (check_attrs False: a header whose attributes passed before). (Runs after
-    _check_nodes: indices are in range.)"""
+    spec reads. (Runs after _check_nodes: indices are in range.)"""
     path, tensors = model.path, model.tensors
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
@@ -1037,12 +1022,11 @@ def check_shape_rules(model, check_attrs=True):
                     got = entry[2]
                     break
         if got is None:
-            if check_attrs:
-                ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
-                checked = node.op, id(node.attrs), ranks
-                if checked not in attrs_passed:
-                    _check_attrs(path, j, node, ranks)
-                    attrs_passed.add(checked)
+            ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
+            checked = node.op, id(node.attrs), ranks
+            if checked not in attrs_passed:
+                _check_attrs(path, j, node, ranks)
+                attrs_passed.add(checked)
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
                                list(map(dtype_of.__getitem__, present)))

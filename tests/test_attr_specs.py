@@ -110,33 +110,6 @@ def test_the_forged_files_differ_only_in_the_attribute(graph, tmp_path):
     np.testing.assert_allclose(y, np.load(str(EXAMPLE) + "_expected.npy"), rtol=1e-4, atol=1e-5)
 
 
-def test_a_header_that_passed_is_not_checked_again(graph, tmp_path, monkeypatch):
-    """The loader remembers headers whose attributes passed (load._ATTRS_PASSED: specs
-    read nothing else), so loading a model again checks none of them again; a header
-    that differs (a forged attribute) is checked, and one that fails is not remembered."""
-    from pmx.runtime import fileformat as ff
-    from pmx.runtime import load
-
-    checked = []
-    real = load._check_attrs
-    monkeypatch.setattr(load, "_check_attrs", lambda *a: checked.append(a[2].op) or real(*a))
-    good, _, _ = _forged(graph, tmp_path, "conv", lambda attrs: None)
-    load._ATTRS_PASSED.clear()
-    InferenceSession(str(good))
-    assert "conv" in checked
-    data = good.read_bytes()
-    header_size = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])["header_size"]
-    assert data[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + header_size] in load._ATTRS_PASSED
-    checked.clear()
-    InferenceSession(str(good))
-    InferenceSession(data)
-    assert checked == []
-    bad, _, _ = _forged(graph, tmp_path, "conv", _setting("stride", (2, 0)))
-    with pytest.raises(PmxFormatError, match="attribute 'stride' is \\(2, 0\\)"):
-        InferenceSession(str(bad))
-    assert checked and len(load._ATTRS_PASSED) == 1
-
-
 # --- the specs themselves -------------------------------------------------------------
 
 
