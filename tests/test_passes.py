@@ -205,12 +205,10 @@ class SiluGemms(nn.Module):
 def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
     """Every SiLU epilogue of a conv or linear runs over the negated product, in three
     numpy passes, and the outputs equal those of the unrewritten model bit for bit (and
-    both match torch). fold_hardswish_scale is off in both: the hardswish conv's output
-    reaches fc through a mean, so it would fold and change fc's weights."""
+    both match torch)."""
     m = make(SiluGemms)
     inputs = (_rand(2, 3, 24, 24)[0] * 4,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights",
-                                            also_disabled=("fold_hardswish_scale",))
+    with_, without = check_with_and_without(check_model, exporter, "passes_silu", m, inputs, "negate_silu_weights")
     negated = [n for n in with_.nodes if text(n) == "div(@0,sub(-1,exp(@0)))"]
     assert len(negated) == 5, [(n.op, text(n)) for n in with_.nodes]
     assert not any(text(n) == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
@@ -247,186 +245,12 @@ def test_negate_silu_weights_leaves_shared_weights():
     assert text(g.nodes[0]) == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
 
 
-# --- fold_channel_gate -----------------------------------------------------------------
-
-
-class GatedConvs(nn.Module):
-    """Squeeze-and-excitation gates (sigmoid of a 1x1 conv of the pooled tensor) before:
-    a 1x1 conv smaller than the gated tensor (folded: 48 < 28 x 28, with a hardswish
-    epilogue, a GEMM big enough to split); and not folded: a 3x3 conv, a 1x1 conv at 4x4
-    whose weights are the larger operand (32 >= 16), a 1x1 conv whose gated input is also
-    reduced, one whose gated input is a graph output, a strided one and a padded one."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 64, 3, padding=1)
-        self.se = nn.ModuleList(nn.Conv2d(c, c, 1) for c in (64, 48, 48, 48, 48, 48, 48))
-        self.project = nn.Conv2d(64, 48, 1)
-        self.c3 = nn.Conv2d(48, 8, 3)
-        self.strided = nn.Conv2d(48, 8, 1, stride=2)
-        self.padded = nn.Conv2d(48, 8, 1, padding=1)
-        self.wide = nn.Conv2d(48, 32, 1)
-        self.shared = nn.Conv2d(48, 8, 1)
-
-    def gated(self, y, i):
-        return y * torch.sigmoid(self.se[i](y.mean((2, 3), keepdim=True)))
-
-    def forward(self, x):
-        y = F.relu(self.stem(x))
-        y = F.hardswish(self.project(self.gated(y, 0)))
-        p = F.avg_pool2d(y, 7)
-        r = self.gated(y, 3)
-        o = self.gated(y, 4)
-        return (self.c3(self.gated(y, 1)), self.wide(self.gated(p, 2)), self.shared(r), r.sum((2, 3)), self.shared(o), o,
-                self.strided(self.gated(y, 5)), self.padded(self.gated(y, 6)))
-
-
 def written_version(graph, tmp_path):
     from pmx.runtime import fileformat as ff
 
     path = tmp_path / f"v{graph.nodes[0].uid}.pmx"
     write(graph, str(path))
     return ff.unpack_preamble(path.read_bytes()[:ff.PREAMBLE_SIZE])["version"]
-
-
-def test_fold_channel_gate_scales_the_weights_of_small_1x1_convs(check_model, exporter, tmp_path):
-    m = make(GatedConvs)
-    inputs = _rand(2, 3, 28, 28)
-    with_, without = check_with_and_without(check_model, exporter, "passes_gate", m, inputs, "fold_channel_gate")
-    gates = [n for n in without.nodes if n.op == "elementwise" and text(n) in ("mul(@0,@1)", "mul(@1,@0)")]
-    assert len(gates) == 7, [(n.op, text(n)) for n in without.nodes]
-    scaled = [n for n in with_.nodes if n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None]
-    assert [n.inputs[1].shape for n in scaled] == [(48, 64, 1, 1)]
-    (conv,) = scaled
-    assert conv.inputs[0].producer.inputs[1].shape == (64, 3, 3, 3), "reads the stem's output itself"
-    assert conv.inputs[3].shape == (2, 64, 1, 1) and text(conv.inputs[3].producer) == "sigmoid(@0)"
-    assert len(with_.nodes) == len(without.nodes) - 1
-    # a runtime that predates input scales would ignore one: the file says it needs version 3
-    assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
-
-
-# --- fold_hardswish_scale ---------------------------------------------------------------
-
-
-class HardswishReaders(nn.Module):
-    """Hardswish epilogues read by: a depthwise conv, a grouped 3x3 conv with reflect
-    padding, a 1x1 conv, a linear layer, and two squeeze-and-excitation blocks (a pool
-    then a 1x1 conv; and a 1x1 conv taking the gate as its input scale, or an elementwise
-    gate before a 3x3 conv): all fold. Not folded: one also sliced (a reader that is not
-    linear in it), one that is a graph output, one that is a graph output and read by a
-    conv, one pooled into a graph output, one a relu also reads, one multiplied by its
-    own mean (the 3x3 conv after would take 6 twice), and one added to another tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
-        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
-        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4, padding_mode="reflect")
-        self.expand = nn.Conv2d(16, 32, 1)
-        self.pooled = nn.Conv2d(32, 16, 1)
-        self.out = nn.Conv2d(16, 8, 1)
-        self.last = nn.Conv2d(16, 24, 1)
-        self.shared = nn.Conv2d(24, 24, 1)
-        self.fc = nn.Linear(24, 12)
-        self.fc2 = nn.Linear(12, 5)
-        self.kout = nn.Conv2d(16, 8, 1)
-        self.kread = nn.Conv2d(8, 4, 1)
-        self.gated_in = nn.Conv2d(16, 16, 1)
-        self.gated_fc = nn.Conv2d(16, 16, 1)
-        self.gated_3x3 = nn.Conv2d(16, 4, 3)
-        self.square_in = nn.Conv2d(16, 16, 1)
-        self.square_out = nn.Conv2d(16, 4, 3)
-        self.sum_in = nn.Conv2d(16, 16, 1)
-        self.sum_out = nn.Conv2d(16, 4, 1)
-        self.se_in = nn.Conv2d(16, 16, 1)
-        self.se_fc = nn.Conv2d(16, 16, 1)
-        self.se_proj = nn.Conv2d(16, 8, 1)
-
-    def forward(self, x):
-        y = self.dw(F.hardswish(self.stem(x)))
-        y = F.hardswish(self.grouped(F.hardswish(y)))
-        e = F.hardswish(self.expand(y))
-        p = self.pooled(e) + e.mean((2, 3), keepdim=True)[:, :16]
-        o = F.hardswish(self.out(p))
-        s = F.hardswish(self.last(p))
-        t = self.shared(s) + self.shared(torch.relu(s))
-        v = F.hardswish(self.fc(t.mean((2, 3))))
-        h = F.hardswish(self.se_in(p))
-        se = self.se_proj(h * torch.sigmoid(self.se_fc(F.adaptive_avg_pool2d(h, 1))))
-        k = F.hardswish(self.kout(p))
-        g = F.hardswish(self.gated_in(p))
-        gated = self.gated_3x3(g * torch.sigmoid(self.gated_fc(F.adaptive_avg_pool2d(g, 1))))
-        q = F.hardswish(self.square_in(p))
-        square = self.square_out(q * F.adaptive_avg_pool2d(q, 1))
-        a = F.hardswish(self.sum_in(p))
-        summed = self.sum_out(a + p)
-        return (self.fc2(v), o, F.avg_pool2d(F.hardswish(self.pooled(e)), 2), se, k, self.kread(k), gated, square,
-                summed)
-
-
-def test_fold_hardswish_scale_moves_the_division_into_the_reader(check_model, exporter):
-    """Where the hardswish output's one reader is a conv or linear, the epilogue drops its
-    division and the reader's weights are the original ones / 6; both compiles match
-    torch."""
-    from pmx.compiler.passes.fold_hardswish_scale import HARDSWISH, SCALED_HARDSWISH
-
-    m = make(HardswishReaders)
-    inputs = (_rand(2, 3, 16, 16)[0] * 4,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_hardswish", m, inputs,
-                                            "fold_hardswish_scale")
-    scaled = sorted(n.inputs[1].shape for n in with_.nodes for r in with_.nodes
-                    if r.expr == SCALED_HARDSWISH and r.outputs[0] is n.inputs[0] and n.op in ("conv", "linear"))
-    # readers: the depthwise conv (after the stem), the grouped conv (after dw), the 1x1
-    # expand conv (after the grouped one), the linear fc2 (after fc), and after se_in
-    # both se_fc (through the pool) and se_proj (the gate folded into its input scale)
-    scaled += sorted(n.inputs[1].shape for n in with_.nodes for r in with_.nodes if r.expr == SCALED_HARDSWISH
-                     and n.inputs[0] is not None and n.inputs[0].producer is not None
-                     and n.inputs[0].producer.op == "adaptive_avg_pool"
-                     and n.inputs[0].producer.inputs[0] is r.outputs[0])
-    assert sorted(scaled) == [(5, 12), (8, 16, 1, 1), (16, 1, 3, 3), (16, 4, 3, 3), (16, 16, 1, 1),
-                              (16, 16, 1, 1), (32, 16, 1, 1)], scaled
-    assert any(len(n.inputs) > 3 and n.inputs[3] is not None for n in with_.nodes), "the gate folded"
-    gated_3x3 = next(n for n in with_.nodes if n.op == "conv" and n.inputs[1].shape == (4, 16, 3, 3))
-    assert gated_3x3.inputs[1].name.endswith(".div6"), "the 3x3 conv after the elementwise gate takes the 1/6"
-    # left: the expand conv's (also sliced after its mean), the two graph outputs, the
-    # one pooled into a graph output, the one a relu also reads, the one times its mean,
-    # the summed one
-    assert sum(n.expr == HARDSWISH for n in without.nodes) == 13
-    assert sum(n.expr == HARDSWISH for n in with_.nodes) == 7
-    originals = {n.name: n for n in without.nodes}
-    for n in with_.nodes:
-        producer = n.inputs[0].producer if n.inputs and n.inputs[0] is not None else None
-        while producer is not None and producer.op == "adaptive_avg_pool":
-            producer = producer.inputs[0].producer
-        if producer is not None and producer.expr == SCALED_HARDSWISH and n.op in ("conv", "linear"):
-            before = np.asarray(originals[n.name].inputs[1].data, np.float64)
-            np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64) * 6, before, rtol=1e-6)
-
-
-def test_fold_hardswish_scale_leaves_shared_weights():
-    """A reader whose weights another node also reads keeps them (the file would hold
-    them twice), and the epilogue keeps its division."""
-    from pmx.compiler.passes.fold_hardswish_scale import HARDSWISH, fold_hardswish_scale
-
-    g = Graph("t")
-    x, y, z, u, v = (Value(n, (1, 4)) for n in "xyzuv")
-    w, shared = (Value(n, (4, 4), data=np.eye(4, dtype=np.float32)) for n in ("w", "shared"))
-    g.inputs = [x, u]
-    g.add_node(Node("linear", "a", [x, w], [y], expr=HARDSWISH))
-    g.add_node(Node("linear", "b", [y, shared], [z]))
-    g.add_node(Node("linear", "c", [u, shared], [v]))
-    g.outputs = [z, v]
-    assert not fold_hardswish_scale(g)
-    assert g.nodes[0].expr == HARDSWISH and g.nodes[1].inputs[1] is shared
-    x, y, z = (Value(n, (1, 4)) for n in "xyz")
-    w, own = (Value(n, (4, 4), data=np.eye(4, dtype=np.float32)) for n in ("w", "own"))
-    g2 = Graph("t2")
-    g2.inputs = [x]
-    g2.add_node(Node("linear", "a", [x, w], [y], expr=HARDSWISH))
-    g2.add_node(Node("linear", "b", [y, own], [z]))
-    g2.outputs = [z]
-    assert fold_hardswish_scale(g2), "the unshared case folds"
-    np.testing.assert_array_equal(np.asarray(g2.nodes[1].inputs[1].data), np.eye(4, dtype=np.float32) / 6)
 
 
 # --- fold_affine_relu ------------------------------------------------------------------
@@ -613,88 +437,6 @@ def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
         assert pool.outputs[0].shape[:2] == pool.inputs[0].shape[:2]
         assert conv.outputs[0].shape[2:] == pool.outputs[0].shape[2:]
     assert sum(n.op == "avg_pool" for n in with_.nodes) == sum(n.op == "avg_pool" for n in without.nodes) == 10
-
-
-# --- fold_norm_affine ------------------------------------------------------------------
-
-
-class NormReaders(nn.Module):
-    """Norms before linear layers. Fold: a layer norm read by two linears (a QKV-like
-    pair, one without bias), an RMS norm with a weight. Stay: a layer norm without
-    affine parameters (nothing to fold), one that is also a graph output, one over the
-    last two dims, one read through a GELU, one multiplied by a constant (a (4, 8)
-    weight at the reader's input 1, as a linear's would be)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ln, self.q, self.k = nn.LayerNorm(8), nn.Linear(8, 6), nn.Linear(8, 5, bias=False)
-        self.rms, self.after_rms = nn.RMSNorm(8), nn.Linear(8, 4)
-        self.plain, self.after_plain = nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 3)
-        self.shown, self.after_shown = nn.LayerNorm(8), nn.Linear(8, 3)
-        self.wide, self.after_wide = nn.LayerNorm((4, 8)), nn.Linear(8, 3)
-        self.gelu, self.after_gelu = nn.LayerNorm(8), nn.Linear(8, 3)
-        self.scaled, self.scale = nn.LayerNorm(8), nn.Parameter(torch.randn(4, 8))
-        g = torch.Generator().manual_seed(3)
-        with torch.no_grad():
-            for norm in (self.ln, self.rms, self.shown, self.wide, self.gelu, self.scaled):
-                norm.weight.copy_(torch.randn(norm.weight.shape, generator=g))
-                if getattr(norm, "bias", None) is not None:
-                    norm.bias.copy_(torch.randn(norm.bias.shape, generator=g))
-
-    def forward(self, x):
-        y = self.ln(x)
-        shown = self.shown(x)
-        return (self.q(y), self.k(y), self.after_rms(self.rms(x)), self.after_plain(self.plain(x)), shown,
-                self.after_shown(shown), self.after_wide(self.wide(x)), self.after_gelu(F.gelu(self.gelu(x))),
-                self.scaled(x) * self.scale)
-
-
-def test_fold_norm_affine_moves_gamma_and_beta_into_the_linears(check_model, exporter):
-    """Where a norm over the last axis is read only by linear layers, it keeps no weight
-    or bias and the linears' weights and biases are W gamma and b + W beta, checked
-    against torch's parameters; both compiles match torch."""
-    m = make(NormReaders)
-    inputs = (_rand(2, 4, 8)[0] * 3,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_norm_affine", m, inputs,
-                                            "fold_norm_affine")
-    bare = lambda g: sum(n.op == "layer_norm" and len(n.inputs) == 1 for n in g.nodes)  # noqa: E731
-    assert bare(without) == 1  # the norm without affine parameters
-    assert bare(with_) == 3
-    before = {n.name: n for n in without.nodes}
-    checked = 0
-    for n in with_.nodes:
-        norm = {"q": m.ln, "k": m.ln, "after_rms": m.rms}.get(n.name.rsplit(".", 1)[-1])
-        if n.op != "linear" or norm is None:
-            continue
-        w = np.asarray(before[n.name].inputs[1].data, np.float64)
-        gamma = norm.weight.detach().double().numpy()
-        beta = norm.bias.detach().double().numpy() if getattr(norm, "bias", None) is not None else np.zeros(8)
-        np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64), w * gamma, rtol=1e-6, atol=1e-7)
-        old = before[n.name].inputs[2] if len(before[n.name].inputs) > 2 else None
-        bias = (0.0 if old is None else np.asarray(old.data, np.float64)) + w @ beta
-        got = n.inputs[2] if len(n.inputs) > 2 and n.inputs[2] is not None else None
-        np.testing.assert_allclose(np.zeros_like(bias) if got is None else np.asarray(got.data, np.float64), bias,
-                                   rtol=1e-5, atol=1e-6)
-        checked += 1
-    assert checked == 3
-
-
-def test_fold_norm_affine_leaves_shared_weights():
-    """A linear whose weights another node also reads keeps them, and the norm keeps its
-    gamma; the unshared case folds."""
-    from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
-
-    def norm(x, y):
-        gamma = Value("gamma", (4,), "float32", data=np.full(4, 3.0, np.float32))
-        return Node("layer_norm", "ln", [x, gamma], [y], attrs={"axes": 1, "eps": 1e-5})
-
-    g = shared_weight_graph(norm, shared=True)
-    assert not fold_norm_affine(g)
-    assert g.nodes[0].inputs[1].name == "gamma" and g.nodes[1].inputs[1].name == "w"
-    g = shared_weight_graph(norm, shared=False)
-    assert fold_norm_affine(g)
-    assert len(g.nodes[0].inputs) == 1
-    np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[1].data), 3 * np.eye(4, dtype=np.float32))
 
 
 # --- fuse_shuffle_split ----------------------------------------------------------------

@@ -9,9 +9,6 @@ import pytest
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.passes.batch_norm_as_elementwise import EXPR, batch_norm_as_elementwise
 from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu
-from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
-from pmx.compiler.passes.fold_hardswish_scale import SCALED_HARDSWISH, fold_hardswish_scale
-from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
@@ -193,30 +190,6 @@ def silu(kind="f", constant=True, order=0):
     return build([x, w], [Node("linear", "l", [x, w, const("b", (4,), dt)], [y], expr=expr)], [y]), None, negate_silu_weights
 
 
-def channel_gate(kind="f", constant=True, order=0):
-    dt = "float32" if kind == "f" else "int32"
-    x, gate = Value("x", (1, 8, 4, 4), dt), Value("gate", (1, 8, 1, 1), dt)
-    y, z = Value("y", (1, 8, 4, 4), dt), Value("z", (1, 4, 4, 4), dt)
-    w = weight("w", (4, 8, 1, 1), dt, constant)
-    ins, expr = [([gate, x], E.call("mul", X0, X1)), ([x, gate], E.call("mul", X0, X1)),
-                 ([gate, x], E.call("mul", X1, X0)), ([x, gate], E.call("mul", X1, X0))][order]
-    mul = Node("elementwise", "m", ins, [y], expr=expr)
-    conv = Node("conv", "c", [y, w], [z], attrs={"groups": 1, "stride": (1, 1), "pads": (0, 0, 0, 0)})
-    return build([x, gate, w], [mul, conv], [z]), y, fold_channel_gate
-
-
-def hardswish(kind="f", constant=True, order=0):
-    from pmx.compiler.passes.fold_hardswish_scale import HARDSWISH
-
-    dt = "float32" if kind == "f" else "int32"
-    x, y, z = Value("x", (2, 3), dt), Value("y", (2, 4), dt), Value("z", (2, 5), dt)
-    w = weight("w", (5, 4), dt, constant)
-    expr = HARDSWISH if order == 0 else E.call("mul", HARDSWISH[2], X0)
-    a = Node("linear", "a", [x, weight("wa", (4, 3), dt)], [y], expr=expr)
-    b = Node("linear", "b", [y, w], [z])
-    return build([x, w], [a, b], [z]), y, fold_hardswish_scale
-
-
 AFFINE_RELUS = [
     E.call("maximum", E.call("add", E.call("mul", X0, X1), X2), 0),
     E.call("maximum", 0, E.call("add", X2, E.call("mul", X1, X0))),
@@ -240,15 +213,6 @@ def pool_conv(kind="f", constant=True, order=0):
     conv = Node("conv", "c", [x, weight("w", (5, 3, 1, 1))], [y], attrs={"stride": (1, 1), "pads": (0, 0, 0, 0)})
     pool = Node("avg_pool", "p", [y], [z], attrs={"kernel": (2, 2), "stride": (2, 2), "pads": (0, 0, 0, 0)})
     return build([x], [conv, pool], [z]), y, pool_before_pointwise
-
-
-def norm_linear(kind="f", constant=True, order=0):
-    dt = "float32" if kind == "f" else "int32"
-    x, y, z = Value("x", (2, 4), dt), Value("y", (2, 4), dt), Value("z", (2, 3), dt)
-    gamma = weight("gamma", (4,), dt, constant)
-    norm = Node("layer_norm", "ln", [x, gamma, const("beta", (4,), dt, 0.25)], [y], attrs={"axes": 1, "eps": 1e-5})
-    lin = Node("linear", "l", [y, weight("w", (3, 4), dt)], [z])
-    return build([x, gamma], [norm, lin], [z]), y, fold_norm_affine
 
 
 def shuffle_split(kind="f", constant=True, order=0):
@@ -275,11 +239,9 @@ def batch_norm(kind="f", constant=True, order=0):
 
 
 RULES = {"fuse_conv_batchnorm": conv_bn, "fuse_activation": gemm_act, "negate_silu_weights": silu,
-         "fold_channel_gate": channel_gate, "fold_hardswish_scale": hardswish, "fold_affine_relu": affine_relu,
-         "pool_before_pointwise": pool_conv, "fold_norm_affine": norm_linear, "fuse_shuffle_split": shuffle_split,
+         "fold_affine_relu": affine_relu, "pool_before_pointwise": pool_conv, "fuse_shuffle_split": shuffle_split,
          "fuse_elementwise": elementwise_pair, "batch_norm_as_elementwise": batch_norm}
-ORDERS = {"negate_silu_weights": 2, "fold_channel_gate": 4, "fold_hardswish_scale": 2, "fold_affine_relu": 3,
-          "fuse_elementwise": 2}
+ORDERS = {"negate_silu_weights": 2, "fold_affine_relu": 3, "fuse_elementwise": 2}
 # rules without a weight guard: kept for every weight; without a kind guard (no other dtype built)
 NO_CONST_GUARD = {"fuse_activation", "pool_before_pointwise", "fuse_shuffle_split", "fuse_elementwise"}
 
@@ -331,10 +293,6 @@ RESULTS = {
     "fuse_activation": lambda g: g.nodes[0].expr == E.call("maximum", X0, 0),
     "batch_norm_as_elementwise": lambda g: g.nodes[0].op == "elementwise" and g.nodes[0].expr == EXPR,
     "negate_silu_weights": lambda g: g.nodes[0].expr == NEGATED_SILU and (g.nodes[0].inputs[1].data < 0).all(),
-    "fold_channel_gate": lambda g: [n.op for n in g.nodes] == ["conv"]
-    and [v.name for v in g.nodes[0].inputs[::3]] == ["x", "gate"],
-    "fold_hardswish_scale": lambda g: g.nodes[0].expr == SCALED_HARDSWISH,
-    "fold_norm_affine": lambda g: len(g.nodes[0].inputs) == 1,
     "pool_before_pointwise": lambda g: [n.op for n in g.nodes] == ["avg_pool", "conv"]
     and g.nodes[0].outputs[0].shape == (1, 3, 2, 2),
     "fuse_shuffle_split": lambda g: [n.op for n in g.nodes] == ["channel_shuffle"]

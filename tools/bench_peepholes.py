@@ -23,13 +23,15 @@ import time
 import numpy as np
 
 PEEPHOLES = ("batch_norm_as_elementwise", "fold_affine_relu", "pool_before_pointwise", "negate_silu_weights",
-             "fold_channel_gate", "fold_hardswish_scale", "fold_norm_affine", "fuse_shuffle_split")
+             "fuse_shuffle_split")
 
 
-def worker(path, runs):
-    from pmx.runtime import InferenceSession
+def worker(path, runs, threads):
+    from pmx.runtime import InferenceSession, SessionOptions
 
-    sess = InferenceSession(path)
+    options = SessionOptions()
+    options.intra_op_num_threads = threads  # 0: the session's default
+    sess = InferenceSession(path, options)
     x = np.load(pathlib.Path(path).parent / "input.npy")
     feed = {sess.get_inputs()[0].name: x}
     for _ in range(max(10, runs // 2)):
@@ -57,8 +59,8 @@ def compile_variants(d):
     return variants
 
 
-def run_worker(path, runs):
-    p = subprocess.run([sys.executable, __file__, "--worker", str(path), "--runs", str(runs)],
+def run_worker(path, runs, threads):
+    p = subprocess.run([sys.executable, __file__, "--worker", str(path), "--runs", str(runs), "--threads", str(threads)],
                        capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"{path}: {p.stderr.strip()[-300:]}")
@@ -70,16 +72,23 @@ def rel_err(path, expected):
     return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
 
 
-def measure(d, variants, runs, rounds):
+def measure(d, variants, runs, rounds, threads):
     names = list(variants)
     samples = {n: [] for n in names}
     for r in range(rounds):
         k = r % len(names)
         for n in names[k:] + names[:k]:
-            samples[n].append(run_worker(variants[n], runs))
+            samples[n].append(run_worker(variants[n], runs, threads))
     expected = np.load(d / "expected.npy")
     return {n: dict(ms=float(np.median(s)), samples=s, rel_err=rel_err(variants[n], expected))
             for n, s in samples.items()}
+
+
+def cpu_name():
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if pathlib.Path("/proc/cpuinfo").exists() else ():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def main():
@@ -89,13 +98,14 @@ def main():
     p.add_argument("--models", default=None, help="comma-separated model directories in --cache")
     p.add_argument("--runs", type=int, default=40)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the session's default)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.worker:
-        return worker(a.worker, a.runs)
+        return worker(a.worker, a.runs, a.threads)
     cache = pathlib.Path(a.cache)
     dirs = [cache / m for m in a.models.split(",")] if a.models else sorted(cache.iterdir())
-    print(f"CPU: {platform.processor() or platform.machine()}; {a.rounds} rounds x {a.runs} runs")
+    print(f"CPU: {cpu_name()}; {a.rounds} rounds x {a.runs} runs; threads: {a.threads or 'default'}")
     print("| model | rule off | ms with | ms without | without/with | rel err with / without |")
     print("|---|---|---:|---:|---:|---|")
     results = {}
@@ -105,7 +115,7 @@ def main():
         variants = compile_variants(d)
         if len(variants) == 1:
             continue
-        res = results[d.name] = measure(d, variants, a.runs, a.rounds)
+        res = results[d.name] = measure(d, variants, a.runs, a.rounds, a.threads)
         on = res["all"]
         for name in list(variants)[1:]:
             off = res[name]

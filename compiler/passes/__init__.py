@@ -17,9 +17,6 @@ from pmx.compiler.passes.canonicalize import canonicalize
 from pmx.compiler.passes.choose_kernels import choose_kernels
 from pmx.compiler.passes.eliminate_dead_code import eliminate_dead_code
 from pmx.compiler.passes.fold_affine_relu import fold_affine_relu
-from pmx.compiler.passes.fold_channel_gate import fold_channel_gate
-from pmx.compiler.passes.fold_hardswish_scale import fold_hardswish_scale
-from pmx.compiler.passes.fold_norm_affine import fold_norm_affine
 from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
@@ -49,8 +46,7 @@ class Pass(NamedTuple):
 
 
 FUSIONS = ("fuse_conv_batchnorm", "fuse_activation", "batch_norm_as_elementwise", "fuse_elementwise",
-           "negate_silu_weights", "fold_channel_gate", "fold_hardswish_scale", "fold_affine_relu",
-           "pool_before_pointwise", "fold_norm_affine", "fuse_shuffle_split")
+           "negate_silu_weights", "fold_affine_relu", "pool_before_pointwise", "fuse_shuffle_split")
 
 PIPELINE = [
     # PNNX spellings -> canonical ops; everything after sees one op set.
@@ -81,13 +77,6 @@ PIPELINE = [
     # After the activations are final: SiLU epilogues run over negated products, one
     # numpy pass fewer (bit-identical results).
     Pass("negate_silu_weights", negate_silu_weights, optional=True, after=("fuse_activation", "fuse_elementwise")),
-    # After fuse_elementwise has left a squeeze-and-excitation gate as one mul node: a
-    # 1x1 conv reading it scales its weights instead (one pass over the tensor fewer).
-    Pass("fold_channel_gate", fold_channel_gate, optional=True, after=("fuse_elementwise",)),
-    # After fold_channel_gate (a gated conv then reads the hardswish output itself): a
-    # hardswish epilogue read only by convs and linears leaves its division by 6 to
-    # their weights (one pass fewer).
-    Pass("fold_hardswish_scale", fold_hardswish_scale, optional=True, after=("fuse_activation", "fold_channel_gate")),
     # After fuse_elementwise has made a pre-activation BN -> ReLU one expression: its
     # scale and shift move into the 1x1 convs reading it, and max(x, t) is left (one
     # pass instead of three; DenseNet).
@@ -96,9 +85,6 @@ PIPELINE = [
     # pool after a 1x1 conv runs before it, so the conv multiplies the pooled positions
     # only (DenseNet's transitions: a quarter of the GEMM).
     Pass("pool_before_pointwise", pool_before_pointwise, optional=True, after=("fold_affine_relu",)),
-    # A layer norm read only by linears leaves its gamma and beta to their weights and
-    # biases (transformers' norm -> QKV and norm -> MLP: two passes fewer).
-    Pass("fold_norm_affine", fold_norm_affine, optional=True, after=("mark_dynamic_dims",)),
     # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2).
     Pass("fuse_shuffle_split", fuse_shuffle_split, optional=True, after=("mark_dynamic_dims",)),
     # Per-node kernel choice; after fusion so it sees the final expressions.

@@ -32,10 +32,10 @@ def _per_channel(x, v):
             and padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2))
 
 
-def readers_with_own_weights(graph, y):
+def _readers_with_own_weights(graph, y):
     """The nodes reading y, each as its input 0 only, with constant weights (input 1) and
     an optional constant bias (input 2) of y's dtype that no other node reads; else None
-    (also when nothing reads y). fold_norm_affine uses it too."""
+    (also when nothing reads y)."""
     readers = list({c.uid: c for c in y.consumers}.values())
     for reader in readers:
         w = reader.inputs[1] if len(reader.inputs) > 1 else None
@@ -51,7 +51,7 @@ def readers_with_own_weights(graph, y):
 def _absorbing_readers(graph, y, channels):
     """The convs (one group, unpadded, no input scale) and linears (on (N, C)) that can take
     y's scale and shift, else None."""
-    readers = readers_with_own_weights(graph, y)
+    readers = _readers_with_own_weights(graph, y)
     for reader in readers or ():
         w, a = reader.inputs[1], reader.attrs
         if reader.op == "conv":

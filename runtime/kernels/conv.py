@@ -4,8 +4,8 @@ Canonical op `conv`: inputs (x, weight[Cout, Cin/groups, *k], bias[Cout]?,
 input_scale[N or 1, Cin, 1, ...]?), attrs stride, pads (begins then ends per spatial dim),
 dilation, groups, padding_mode ("zeros", "reflect", "replicate", "circular"). node.expr is
 an optional fused activation. `input_scale` multiplies each input channel first (a
-squeeze-and-excitation gate the compiler folded in, compiler/passes/fold_channel_gate.py):
-a 1x1 conv with one group scales its (Cout, Cin) weights per image instead of the
+squeeze-and-excitation gate folded in by compilers before the fold was dropped: format
+version 3 files hold it, and they still load): a 1x1 conv with one group scales its (Cout, Cin) weights per image instead of the
 (Cin, H, W) input; any other conv multiplies its input into scratch.
 
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
