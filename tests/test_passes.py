@@ -245,14 +245,6 @@ def test_negate_silu_weights_leaves_shared_weights():
     assert text(g.nodes[0]) == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
 
 
-def written_version(graph, tmp_path):
-    from pmx.runtime import fileformat as ff
-
-    path = tmp_path / f"v{graph.nodes[0].uid}.pmx"
-    write(graph, str(path))
-    return ff.unpack_preamble(path.read_bytes()[:ff.PREAMBLE_SIZE])["version"]
-
-
 # --- fold_affine_relu ------------------------------------------------------------------
 
 
@@ -437,49 +429,6 @@ def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
         assert pool.outputs[0].shape[:2] == pool.inputs[0].shape[:2]
         assert conv.outputs[0].shape[2:] == pool.outputs[0].shape[2:]
     assert sum(n.op == "avg_pool" for n in with_.nodes) == sum(n.op == "avg_pool" for n in without.nodes) == 10
-
-
-# --- fuse_shuffle_split ----------------------------------------------------------------
-
-
-class ShuffleUnits(nn.Module):
-    """Five ShuffleNetV2 units in a row (chunk, branch, cat, shuffle): the first two
-    shuffles feed the next unit's chunk and fuse with it; the third is also averaged (a
-    second reader) and the fourth is returned (a graph output), so neither fuses."""
-
-    def __init__(self, c=16):
-        super().__init__()
-        h = c // 2
-        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(h, h, 1), nn.ReLU(), nn.Conv2d(h, h, 3, padding=1, groups=h),
-                                                    nn.Conv2d(h, h, 1), nn.ReLU()) for _ in range(5))
-        self.shuffle = nn.ChannelShuffle(2)
-
-    def unit(self, x, i):
-        a, b = x.chunk(2, dim=1)
-        return self.shuffle(torch.cat((a, self.branches[i](b)), 1))
-
-    def forward(self, x):
-        z = self.unit(self.unit(self.unit(x, 0), 1), 2)
-        w = self.unit(z, 3)
-        return self.unit(w, 4), w, z.mean((2, 3))
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_fuse_shuffle_split_writes_the_parts(check_model, exporter, batch, tmp_path):
-    m = make(ShuffleUnits)
-    inputs = _rand(batch, 16, 6, 6)
-    with_, without = check_with_and_without(check_model, exporter, f"passes_shuffle_{batch}", m, inputs,
-                                            "fuse_shuffle_split")
-    assert ops(without).count("split") == 5 and ops(without).count("channel_shuffle") == 5
-    fused = [n for n in with_.nodes if n.op == "channel_shuffle" and "sizes" in n.attrs]
-    assert ops(with_).count("split") == 3 and len(fused) == 2, ops(with_)
-    for n in fused:
-        assert n.attrs["sizes"] == (8, 8) and len(n.outputs) == 2
-        first, second = n.outputs
-        assert [c.op for c in second.consumers] == ["conv"] and [c.op for c in first.consumers] == ["concat"]
-        # the part that goes on unchanged is written into its concat (one image: a contiguous slice)
-        assert (first.uid in with_.aliases) == (batch == 1)
-    assert [written_version(g, tmp_path) for g in (with_, without)] == [3, 2]
 
 
 # --- fuse_activation -------------------------------------------------------------------

@@ -12,7 +12,6 @@ from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
-from pmx.compiler.passes.fuse_shuffle_split import fuse_shuffle_split
 from pmx.compiler.passes.negate_silu_weights import NEGATED_SILU, negate_silu_weights
 from pmx.compiler.passes.pool_before_pointwise import pool_before_pointwise
 from pmx.compiler.rewrite import Any, In, Lit, N, V, apply_rules, match, rule
@@ -215,13 +214,6 @@ def pool_conv(kind="f", constant=True, order=0):
     return build([x], [conv, pool], [z]), y, pool_before_pointwise
 
 
-def shuffle_split(kind="f", constant=True, order=0):
-    x, s, a, b = Value("x", (1, 8, 2, 2)), Value("s", (1, 8, 2, 2)), Value("a", (1, 4, 2, 2)), Value("b", (1, 4, 2, 2))
-    shuffle = Node("channel_shuffle", "sh", [x], [s], attrs={"groups": 2})
-    split = Node("split", "sp", [s], [a, b], attrs={"axis": 1 if kind == "f" else 2, "sizes": (4, 4)})
-    return build([x], [shuffle, split], [a, b]), s, fuse_shuffle_split
-
-
 def elementwise_pair(kind="f", constant=True, order=0):
     x, u, v, y = Value("x", (2, 3)), Value("u", (2, 3)), Value("v", (2, 3)), Value("y", (2, 3))
     if kind != "f":
@@ -239,11 +231,11 @@ def batch_norm(kind="f", constant=True, order=0):
 
 
 RULES = {"fuse_conv_batchnorm": conv_bn, "fuse_activation": gemm_act, "negate_silu_weights": silu,
-         "fold_affine_relu": affine_relu, "pool_before_pointwise": pool_conv, "fuse_shuffle_split": shuffle_split,
+         "fold_affine_relu": affine_relu, "pool_before_pointwise": pool_conv,
          "fuse_elementwise": elementwise_pair, "batch_norm_as_elementwise": batch_norm}
 ORDERS = {"negate_silu_weights": 2, "fold_affine_relu": 3, "fuse_elementwise": 2}
 # rules without a weight guard: kept for every weight; without a kind guard (no other dtype built)
-NO_CONST_GUARD = {"fuse_activation", "pool_before_pointwise", "fuse_shuffle_split", "fuse_elementwise"}
+NO_CONST_GUARD = {"fuse_activation", "pool_before_pointwise", "fuse_elementwise"}
 
 
 @pytest.mark.parametrize("name", sorted(RULES))
@@ -295,8 +287,6 @@ RESULTS = {
     "negate_silu_weights": lambda g: g.nodes[0].expr == NEGATED_SILU and (g.nodes[0].inputs[1].data < 0).all(),
     "pool_before_pointwise": lambda g: [n.op for n in g.nodes] == ["avg_pool", "conv"]
     and g.nodes[0].outputs[0].shape == (1, 3, 2, 2),
-    "fuse_shuffle_split": lambda g: [n.op for n in g.nodes] == ["channel_shuffle"]
-    and g.nodes[0].attrs["sizes"] == (4, 4),
     "fuse_elementwise": lambda g: [n.name for n in g.nodes] == ["c"]
     and g.nodes[0].expr == E.call("sub", E.call("exp", X0), X1),
 }

@@ -7,8 +7,8 @@ For every model already prepared by tools/bench.py (model.pnnx.param/.bin, input
 expected.npy in --cache), the model is compiled once with every pass and once more with
 each peephole that fires on it disabled (`--disable NAME`). Every file then runs in
 fresh processes (session defaults: the threads a user gets), the variants of a model
-taking turns in an order rotated every round; each latency is the median of --runs runs
-after warm-up, and the table shows the median over rounds, the ratio off/on (above 1:
+taking turns in an order rotated every round, or with --interleaved all in one process per
+round, one run of each in turn; each latency is the median of --runs runs after warm-up, and the table shows the median over rounds, the ratio off/on (above 1:
 the rule pays) and the worst relative error against torch of either variant.
 """
 
@@ -22,8 +22,7 @@ import time
 
 import numpy as np
 
-PEEPHOLES = ("batch_norm_as_elementwise", "fold_affine_relu", "pool_before_pointwise", "negate_silu_weights",
-             "fuse_shuffle_split")
+PEEPHOLES = ("batch_norm_as_elementwise", "fold_affine_relu", "pool_before_pointwise", "negate_silu_weights")
 
 
 def worker(path, runs, threads):
@@ -43,6 +42,28 @@ def worker(path, runs, threads):
         times.append(time.perf_counter() - t0)
     np.save(pathlib.Path(path).with_suffix(".out.npy"), out[0])
     print(json.dumps(dict(ms=1000 * float(np.median(times)))))
+
+
+def interleaved(paths, runs, threads):
+    """All variants in this process, one run of each in turn: the host's speed drifts by
+    tens of percent over seconds here, and a drift then slows every variant alike."""
+    from pmx.runtime import InferenceSession, SessionOptions
+
+    options = SessionOptions()
+    options.intra_op_num_threads = threads
+    sessions = [InferenceSession(str(p), options) for p in paths]
+    x = np.load(pathlib.Path(paths[0]).parent / "input.npy")
+    feed = {sessions[0].get_inputs()[0].name: x}
+    times = [[] for _ in sessions]
+    for k in range(runs + 10):
+        for s, t in zip(sessions, times):
+            t0 = time.perf_counter()
+            s.run(None, feed)
+            if k >= 10:
+                t.append(time.perf_counter() - t0)
+    for s, p in zip(sessions, paths):
+        np.save(pathlib.Path(p).with_suffix(".out.npy"), s.run(None, feed)[0])
+    return [1000 * float(np.median(t)) for t in times]
 
 
 def compile_variants(d):
@@ -72,10 +93,14 @@ def rel_err(path, expected):
     return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-12))
 
 
-def measure(d, variants, runs, rounds, threads):
+def measure(d, variants, runs, rounds, threads, in_process):
     names = list(variants)
     samples = {n: [] for n in names}
     for r in range(rounds):
+        if in_process:
+            for n, ms in zip(names, interleaved([variants[n] for n in names], runs, threads)):
+                samples[n].append(ms)
+            continue
         k = r % len(names)
         for n in names[k:] + names[:k]:
             samples[n].append(run_worker(variants[n], runs, threads))
@@ -100,6 +125,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the session's default)")
     p.add_argument("--json", default=None)
+    p.add_argument("--interleaved", action="store_true",
+                   help="per round, one process running the variants' runs in turn (else a process per variant)")
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.runs, a.threads)
@@ -115,7 +142,7 @@ def main():
         variants = compile_variants(d)
         if len(variants) == 1:
             continue
-        res = results[d.name] = measure(d, variants, a.runs, a.rounds, a.threads)
+        res = results[d.name] = measure(d, variants, a.runs, a.rounds, a.threads, a.interleaved)
         on = res["all"]
         for name in list(variants)[1:]:
             off = res[name]

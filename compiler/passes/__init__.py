@@ -21,7 +21,6 @@ from pmx.compiler.passes.fold_constants import fold_constants
 from pmx.compiler.passes.fuse_activation import fuse_activation
 from pmx.compiler.passes.fuse_conv_batchnorm import fuse_conv_batchnorm
 from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
-from pmx.compiler.passes.fuse_shuffle_split import fuse_shuffle_split
 from pmx.compiler.passes.infer_shapes import infer_shapes
 from pmx.compiler.passes.mark_dynamic_dims import mark_dynamic_dims
 from pmx.compiler.passes.negate_silu_weights import negate_silu_weights
@@ -46,7 +45,7 @@ class Pass(NamedTuple):
 
 
 FUSIONS = ("fuse_conv_batchnorm", "fuse_activation", "batch_norm_as_elementwise", "fuse_elementwise",
-           "negate_silu_weights", "fold_affine_relu", "pool_before_pointwise", "fuse_shuffle_split")
+           "negate_silu_weights", "fold_affine_relu", "pool_before_pointwise")
 
 PIPELINE = [
     # PNNX spellings -> canonical ops; everything after sees one op set.
@@ -85,8 +84,6 @@ PIPELINE = [
     # pool after a 1x1 conv runs before it, so the conv multiplies the pooled positions
     # only (DenseNet's transitions: a quarter of the GEMM).
     Pass("pool_before_pointwise", pool_before_pointwise, optional=True, after=("fold_affine_relu",)),
-    # A channel shuffle feeding a split writes the split's parts itself (ShuffleNetV2).
-    Pass("fuse_shuffle_split", fuse_shuffle_split, optional=True, after=("mark_dynamic_dims",)),
     # Per-node kernel choice; after fusion so it sees the final expressions.
     Pass("choose_kernels", choose_kernels, after=FUSIONS),
     # Only with --tune: replaces the rule's choices by timings on this machine, on the
@@ -99,9 +96,8 @@ PIPELINE = [
     # Fixes the execution order the file stores; lifetimes (in-place, planning) use it.
     Pass("order", order, after=("prepack_weights",)),
     # Reshape-like views first: a concat slice or in-place write then sees them as part
-    # of their input's buffer. After fuse_shuffle_split, whose parts the alias passes
-    # then place in their concats.
-    Pass("alias_views", alias_views, optional=True, after=("order", "fuse_shuffle_split"), keeps_nodes=True),
+    # of their input's buffer.
+    Pass("alias_views", alias_views, optional=True, after=("order",), keeps_nodes=True),
     # Before write_inplace: removing a concat's copy saves time as well as memory, so
     # concat gets the first claim on a tensor's placement.
     Pass("alias_concat", alias_concat, optional=True, after=("order", "alias_views"), keeps_nodes=True),

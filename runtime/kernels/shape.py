@@ -9,7 +9,8 @@
 `channel_shuffle` attrs groups: (N, g, C/g, ...) -> (N, C/g, g, ...) over the channels,
            torch.nn.ChannelShuffle; one strided copy. With attrs sizes, the shuffled
            channels split along axis 1 into one output per size (a shuffle and the
-           split after it, as the compiler fuses them: compiler/passes/fuse_shuffle_split.py).
+           split after it, as compilers fused them before the fusion was dropped: format
+           version 3 files hold it, and they still load).
 `copy`     identity copy (used where an output must not alias its input).
 `slice_assign` inputs data, src; attrs as `slice`: a copy of data whose slice (the
            elements `slice` would read) is replaced by src, broadcast to the slice's
