@@ -34,9 +34,9 @@ _WORKER = """
 import json, sys, time
 import numpy as np
 from pmx.runtime import InferenceSession
-model_dir, warm = sys.argv[1], int(sys.argv[2])
-sess = InferenceSession(model_dir + "/model.pmx")
-feed = {sess.get_inputs()[0].name: np.load(model_dir + "/input.npy")}
+path, warm = sys.argv[1], int(sys.argv[2])
+sess = InferenceSession(path)
+feed = {sess.get_inputs()[0].name: np.load(path.rsplit("/", 1)[0] + "/input.npy")}
 for _ in range(warm):
     sess.run(None, feed)
 print("ready", flush=True)
@@ -50,8 +50,30 @@ for line in sys.stdin:
 """
 
 
+def model_file(contender, model_dir, args):
+    """With --own-files, the baseline runs the file its own compiler wrote."""
+    own = args.own_files and contender.startswith("pmx-baseline")
+    return pathlib.Path(model_dir) / ("model.baseline.pmx" if own else "model.pmx")
+
+
+def compile_files(model_dir, args):
+    """model.pmx by this checkout's compiler, model.baseline.pmx by the baseline's, the two
+    compiles alternating --compiles times; returns the median seconds of each (fresh
+    processes, imports included, as `pmx compile` runs)."""
+    d = pathlib.Path(model_dir)
+    seconds = {"pmx": [], "pmx-baseline": []}
+    for _ in range(args.compiles):
+        for c, out in (("pmx", "model.pmx"), ("pmx-baseline", "model.baseline.pmx")):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "pmx.compiler", str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"),
+                            "-o", str(d / out)], env=environment(c, args.baseline), check=True, capture_output=True)
+            seconds[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(t) for c, t in seconds.items()}
+
+
 def start(contender, model_dir, args):
-    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(model_dir), str(args.warm)], stdin=subprocess.PIPE,
+    path = model_file(contender, model_dir, args)
+    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(args.warm)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env=environment(contender, args.baseline))
     if p.stdout.readline().strip() != "ready":
         raise RuntimeError(f"{contender} worker failed on {model_dir}")
@@ -86,6 +108,10 @@ def main():
     p.add_argument("--bursts", type=int, default=24)
     p.add_argument("--pause", type=float, default=0.3, help="seconds before each burst")
     p.add_argument("--cache", default="/tmp/pmx_bench")
+    p.add_argument("--own-files", action="store_true",
+                   help="each checkout compiles its own files (model.pmx, model.baseline.pmx) first, and compile "
+                        "times are reported too")
+    p.add_argument("--compiles", type=int, default=3, help="with --own-files: compiles per checkout and model")
     a = p.parse_args()
     names = a.models.split(",") if a.models else list(bench.TORCHVISION_CNNS) + list(bench.SMALL_MODELS)
     contenders = a.contenders.split(",")
@@ -94,8 +120,10 @@ def main():
     print("| model | " + " | ".join(f"{c} ms" for c in contenders) + " | "
           + " | ".join(f"{c} / {contenders[0]}" for c in contenders[1:]) + " |")
     print("|---|" + "---:|" * (2 * len(contenders) - 1))
-    ratios = {}
+    ratios, compile_s = {}, {}
     for name in names:
+        if a.own_files:
+            compile_s[name] = compile_files(pathlib.Path(a.cache) / name, a)
         ms = interleave(contenders, pathlib.Path(a.cache) / name, a)
         ratios[name] = [ms[c] / ms[contenders[0]] for c in contenders[1:]]
         print(f"| {name} | " + " | ".join(f"{ms[c]:.2f}" for c in contenders) + " | "
@@ -106,6 +134,11 @@ def main():
             means = [math.exp(sum(math.log(r[i]) for r in rows) / len(rows)) for i in range(len(contenders) - 1)]
             cells = [f"geomean, {label}"] + [""] * len(contenders) + [f"{m:.3f}" for m in means]
             print("| " + " | ".join(cells) + " |")
+    if compile_s:
+        print(f"\nCompile, seconds (median of {a.compiles} alternating `python -m pmx.compiler` processes)\n")
+        print("| model | pmx s | pmx-baseline s | pmx / pmx-baseline |\n|---|---:|---:|---:|")
+        for name, c in compile_s.items():
+            print(f"| {name} | {c['pmx']:.2f} | {c['pmx-baseline']:.2f} | {c['pmx'] / c['pmx-baseline']:.3f} |")
 
 
 if __name__ == "__main__":
