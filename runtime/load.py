@@ -53,7 +53,7 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels.registry import REGISTRY
 from pmx.runtime.kernels.attr_specs import problem as attr_problem
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
@@ -1057,7 +1057,7 @@ def _attrs_key(attrs):
 
 def _rule_shapes(path, j, node, shapes, dtypes):
     """The output shapes node j's shape rule gives; any failure names the node. The
-    rule's own result, as tuples: kernels.output_shapes would also turn each dim into an
+    rule's own result, as tuples: registry.output_shapes would also turn each dim into an
     int and each dtype into np.dtype (~1.5 us a node), which a comparison with the stored
     shapes (Python ints, checked non-negative) does not need: what differs fails."""
     try:
