@@ -1057,7 +1057,7 @@ def _attrs_key(attrs):
 
 def _rule_shapes(path, j, node, shapes, dtypes):
     """The output shapes node j's shape rule gives; any failure names the node. The
-    rule's own result, as tuples: registry.output_shapes would also turn each dim into an
+    rule's own result, as tuples: kernels.output_shapes would also turn each dim into an
     int and each dtype into np.dtype (~1.5 us a node), which a comparison with the stored
     shapes (Python ints, checked non-negative) does not need: what differs fails."""
     try:
