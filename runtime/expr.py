@@ -575,7 +575,7 @@ def compile_numpy(tree, inputs, out, empty=None):
     into the buffer of an operand it reads for the last time (same shape and dtype:
     elementwise, so in place is safe; SiLU's four steps need one buffer, not two);
     custom steps such as where are not in-place safe and never do. `empty(shape, dtype)`
-    makes the temporaries (default np.empty; kernels pass kernels.temporary_array, whose
+    makes the temporaries (default np.empty; kernels pass BindContext.temporary_array, whose
     buffers the nodes of a binding share)."""
     special = _special_numpy_step(tree, inputs, out)
     if special is not None:

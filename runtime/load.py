@@ -53,7 +53,7 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels import REGISTRY
+from pmx.runtime.kernels.registry import REGISTRY
 from pmx.runtime.kernels.attr_specs import problem as attr_problem
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint

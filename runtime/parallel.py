@@ -1,9 +1,11 @@
 """Threads: each InferenceSession's own worker threads, and how kernels split work over them.
 
 numpy's ufuncs, copies and BLAS calls release the GIL, so a kernel that is a sequence of
-such calls can run disjoint slices of its work on several cores at once. `split(parts)`
-turns callables that each cover one slice into one callable that runs part 0 on the
-calling thread and the others on worker threads of the current `Pool`.
+such calls can run disjoint slices of its work on several cores at once. `split(parts,
+pool)` turns callables that each cover one slice into one callable that runs part 0 on
+the calling thread and the others on worker threads of `pool`. Kernel factories get the
+pool from the binding's context (kernels/bind.py) and pass it here when they make their
+callables; nothing in this module is thread-local.
 
 A pool belongs to one InferenceSession and one calling thread (InferenceSessions keep a pool per thread,
 as they keep an arena per thread), so two InferenceSessions never share or resize each other's
@@ -21,14 +23,12 @@ host costs the others whole scheduler ticks (docs/performance.md, 2026-11-26).
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
 import weakref
 
 from pmx.runtime import blas
-from pmx.runtime.options import default_thread_count
 
 # below this many elements touched, a split's hand-off costs more than the second core saves
 SPLIT_MIN_ELEMENTS = 1 << 16
@@ -66,49 +66,9 @@ def _stop_all(workers):
         w.stop()
 
 
-_context = threading.local()  # .pool: the pool kernels bound on this thread split over
-
-
-def current_pool() -> Pool:
-    """The pool of the binding in progress on this thread (`binding`), else this thread's
-    default pool (the default thread count; compile-time folding and tuning bind here)."""
-    pool = getattr(_context, "pool", None)
-    if pool is None:
-        pool = getattr(_context, "default", None)
-        if pool is None:
-            pool = _context.default = Pool(default_thread_count())
-    return pool
-
-
-@contextlib.contextmanager
-def binding(pool: Pool):
-    """Kernels made inside split their work over `pool`."""
-    saved = getattr(_context, "pool", None)
-    _context.pool = pool
-    try:
-        yield pool
-    finally:
-        _context.pool = saved
-
-
-def using_threads(n: int, splits_gemms: bool | None = None):
-    """Kernels made inside split over a new pool of `n` threads (tests, tools)."""
-    return binding(Pool(n, splits_gemms))
-
-
-def num_threads() -> int:
-    return current_pool().threads
-
-
-def gemm_threads() -> int:
-    """Threads a kernel may split BLAS calls over: the pool's when BLAS runs on one
-    thread, else 1 (BLAS's own threads share the GEMM out)."""
-    pool = current_pool()
-    return pool.threads if pool.splits_gemms else 1
-
-
-def worth_splitting(elements: int) -> bool:
-    return num_threads() > 1 and elements >= SPLIT_MIN_ELEMENTS
+def worth_splitting(elements: int, threads: int) -> bool:
+    """Whether work touching `elements` pays for a split over `threads` threads."""
+    return threads > 1 and elements >= SPLIT_MIN_ELEMENTS
 
 
 def ranges(n: int, parts: int):
@@ -118,9 +78,9 @@ def ranges(n: int, parts: int):
     return [(bounds[k], bounds[k + 1]) for k in range(parts)]
 
 
-def split(parts):
+def split(parts, pool: Pool):
     """One callable running the callables in `parts` concurrently: part 0 on the caller's
-    thread, the others handed to the current pool's workers. A part no worker has started
+    thread, the others handed to `pool`'s workers. A part no worker has started
     by the time the caller is done with its own, the caller runs itself, so a worker that
     is slow to wake (a busy host, a short part) costs no waiting. An exception of any part
     is raised after all parts finish.
@@ -133,7 +93,6 @@ def split(parts):
     if len(parts) <= 1:
         return parts[0] if parts else None
     first, rest = parts[0], parts[1:]
-    pool = current_pool()  # kept alive by run(): a collected pool stops its workers
     workers = pool.workers(len(rest))
 
     def concurrent():

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime.kernels import output_shapes
+from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.record import Record
 from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans

@@ -5,7 +5,7 @@
 
 Load does no graph work: it verifies and wraps the file (runtime/load.py). Each thread
 that calls run() gets its own binding, built once: an arena, a view of it per tensor, one
-scratch buffer all nodes share for their temporaries (runtime/kernels/__init__.py), and
+scratch buffer all nodes share for their temporaries (runtime/kernels/bind.py), and
 the list of kernel callables (weights shared by all threads, read-only). A run copies
 inputs into their arena slots, calls the list (kernels split their work over the worker
 threads this InferenceSession keeps for the calling thread: runtime/parallel.py), and copies the
@@ -33,7 +33,7 @@ import weakref
 
 import numpy as np
 
-from pmx.runtime import blas, compat, kernels, parallel
+from pmx.runtime import blas, compat, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
     PmxError,
@@ -43,6 +43,8 @@ from pmx.runtime.errors import (
     PmxRunTerminated,
     internal_error,
 )
+from pmx.runtime.kernels.bind import BindContext
+from pmx.runtime.kernels.registry import RunSized, get, node_scratch_nbytes
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
@@ -89,8 +91,7 @@ class _Binding:
         self.pool = pool
         self.gate = parallel.RunChooser(pool.threads > 1)
         self.step_nodes = None  # id(step) -> its node, made when profiling first needs it
-        with parallel.binding(pool):
-            self._bind(model, layout, max_arena_bytes, run_sized)
+        self._bind(model, layout, max_arena_bytes, run_sized)
 
     def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
@@ -102,7 +103,7 @@ class _Binding:
             else:
                 self.views[i] = self._arena_view(t, i, layout)
         for i in run_sized:
-            self.views[i] = kernels.RunSized()
+            self.views[i] = RunSized()
         self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
                           [self.views[k] for k in node.outputs]) for node in model.nodes]
         scratch_size = self._scratch_size(model)
@@ -110,23 +111,25 @@ class _Binding:
             raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
                                    f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
         self.scratch = _aligned_empty(scratch_size)
-        self.persistent = {}  # kernels.persistent_buffer: padded inputs shared by same-geometry nodes
-        self.temporaries = []  # kernels.temporary_array: expression temporaries shared by all nodes
+        self.persistent = {}  # BindContext.persistent_buffer: padded inputs shared by same-geometry nodes
+        self.temporaries = []  # BindContext.temporary_array: expression temporaries shared by all nodes
         self.steps = self._make_steps(model)
         self.subsets = {}
 
     def _scratch_size(self, model):
         size = 0
+        ctx = BindContext(self.pool)
         for node, (ins, outs) in zip(model.nodes, self.operands):
             with _naming_node(model, node):
-                size = max(size, kernels.node_scratch_nbytes(node, ins, outs))
+                size = max(size, node_scratch_nbytes(node, ins, outs, ctx))
         return size
 
     def _make_steps(self, model):
         steps = []
+        ctx = BindContext(self.pool, self.scratch, self.persistent, self.temporaries)
         for node, (ins, outs) in zip(model.nodes, self.operands):
-            with _naming_node(model, node), kernels.scratch_scope(self.scratch, self.persistent, self.temporaries):
-                steps.append(kernels.get(node.op).make(node, ins, outs))
+            with _naming_node(model, node):
+                steps.append(get(node.op).make(node, ins, outs, ctx.begin_node()))
         return steps
 
     def before_run(self):
@@ -179,7 +182,7 @@ def _node_arg(t, run_sized=False):
 def _run_sized_outputs(model):
     """Tensors whose length a node reads from tensor values when it runs (attrs
     sized_at_run: arange with tensor bounds): planned empty, the kernel allocates them
-    (kernels.RunSized). The compiler lets no node read such an output."""
+    (registry.RunSized). The compiler lets no node read such an output."""
     sized = set()
     for node in model.nodes:
         if node.attrs.get("sized_at_run") is True:

@@ -6,6 +6,7 @@ nothing checked."""
 
 import collections
 import contextlib
+import functools
 
 
 class _NotingAttrs(dict):
@@ -49,6 +50,7 @@ def _noting(fn, kernel, undeclared):
     """fn (a kernel's infer, make or scratch) called with a node whose reads are noted."""
     declared = kernel.attrs
 
+    @functools.wraps(fn)  # inspect.signature sees fn's parameters
     def call(node, *args):
         if isinstance(node, _Reading):  # a kernel calling another's rule on its own node
             return fn(node, *args)

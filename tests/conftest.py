@@ -26,7 +26,7 @@ def kernels_read_only_declared_attributes():
     only those (runtime/kernels/attr_specs.py)."""
     from attr_reads import record_reads
 
-    from pmx.runtime.kernels import REGISTRY
+    from pmx.runtime.kernels.registry import REGISTRY
 
     with record_reads(REGISTRY) as undeclared:
         yield

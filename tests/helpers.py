@@ -94,14 +94,34 @@ class KernelNode:
         self.op, self.attrs, self.expr, self.variant, self.name = op, dict(attrs or {}), tree, variant, name
 
 
-def run_kernel(op, inputs, attrs=None, expr="", variant=""):
+def kernel_pool(threads, splits_gemms=True):
+    """A worker pool of `threads` threads for kernels made in a test (parallel.Pool); GEMMs
+    split over it whatever BLAS's own thread count."""
+    from pmx.runtime import parallel
+
+    return parallel.Pool(threads, splits_gemms)
+
+
+def bind_context(threads=None, scratch=None, persistent=None, temporaries=None):
+    """A BindContext as an InferenceSession's binding makes one: over a new pool of
+    `threads` (an int, GEMMs split over it: `kernel_pool`; a parallel.Pool as it is; None: the
+    default thread count) and the given scratch, persistent dict and temporaries list."""
+    from pmx.runtime import parallel
+    from pmx.runtime.kernels.bind import BindContext
+
+    workers = threads if threads is None or isinstance(threads, parallel.Pool) else kernel_pool(threads)
+    return BindContext(workers, scratch, persistent, temporaries)
+
+
+def run_kernel(op, inputs, attrs=None, expr="", variant="", threads=None):
     """Run one registered kernel on numpy inputs: output shapes come from the op's shape
     rule, outputs are preallocated (as the arena would be) and returned as a list. The
     kernel is bound as an InferenceSession binds it, over shared scratch of the size its scratch
     rule declares, here full of NaN as if an earlier node had left it so; a request past
-    that size fails the test. With attrs sized_at_run, output 0 is the array the kernel
-    allocated (kernels.RunSized)."""
-    from pmx.runtime.kernels import RunSized, get, node_scratch_nbytes, scratch_scope
+    that size fails the test. `threads`: the pool it splits over, as bind_context takes
+    it. With attrs sized_at_run, output 0 is the array the kernel allocated
+    (registry.RunSized)."""
+    from pmx.runtime.kernels.registry import RunSized, get, node_scratch_nbytes
 
     node = KernelNode(op, attrs, expr, variant)
     kernel = get(op)
@@ -111,10 +131,11 @@ def run_kernel(op, inputs, attrs=None, expr="", variant=""):
     outputs = [np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt) for shape, dt in specs]
     if node.attrs.get("sized_at_run"):
         outputs[0] = RunSized()
-    stale = np.full(-(-node_scratch_nbytes(node, arrays, outputs) // 4), np.nan, np.float32).view(np.uint8)
-    with scratch_scope(stale, {}, []) as use:
-        fn = kernel.make(node, arrays, outputs)
-    assert use.shortfall == 0, f"{op}: scratch_array asked for {use.shortfall} bytes past the declared scratch"
+    ctx = bind_context(threads, None, {}, [])
+    stale = np.full(-(-node_scratch_nbytes(node, arrays, outputs, ctx) // 4), np.nan, np.float32).view(np.uint8)
+    ctx.scratch = stale
+    fn = kernel.make(node, arrays, outputs, ctx)
+    assert ctx.shortfall == 0, f"{op}: scratch_array asked for {ctx.shortfall} bytes past the declared scratch"
     if fn is not None:
         with np.errstate(all="ignore"):
             fn()

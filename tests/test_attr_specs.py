@@ -16,8 +16,8 @@ from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxFormatError
-from pmx.runtime import kernels
-from pmx.runtime.kernels import Kernel, attr_specs
+from pmx.runtime.kernels import attr_specs
+from pmx.runtime.kernels.registry import REGISTRY, Kernel
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn"
 
@@ -91,8 +91,8 @@ def test_attributes_are_checked_before_any_shape_rule_or_kernel(graph, tmp_path,
     error"); now nothing of its kernel runs."""
     path, _, _ = _forged(graph, tmp_path, "softmax", _without("axis"))
     called = []
-    softmax = kernels.REGISTRY["softmax"]
-    monkeypatch.setitem(kernels.REGISTRY, "softmax", softmax.replace(
+    softmax = REGISTRY["softmax"]
+    monkeypatch.setitem(REGISTRY, "softmax", softmax.replace(
         infer=lambda *a: called.append("infer") or softmax.infer(*a),
         make=lambda *a: called.append("make") or softmax.make(*a)))
     with pytest.raises(PmxFormatError, match="attribute 'axis' is missing"):
@@ -114,7 +114,7 @@ def test_the_forged_files_differ_only_in_the_attribute(graph, tmp_path):
 
 
 def test_every_op_declares_its_attributes_as_specs():
-    for op, k in kernels.REGISTRY.items():
+    for op, k in REGISTRY.items():
         for name, spec in k.attrs.items():
             assert isinstance(spec, attr_specs.Spec) and callable(spec.check), (op, name)
 
@@ -152,7 +152,7 @@ def test_the_recorder_notes_reads_of_undeclared_attributes():
     def infer(node, shapes, dtypes):
         return [(shapes[0], dtypes[0])] if node.attrs["axis"] == 0 and "keep" not in node.attrs else []
 
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         attrs = node.attrs
         return lambda: attrs.get("late", 1)
 
@@ -160,6 +160,6 @@ def test_the_recorder_notes_reads_of_undeclared_attributes():
     node = collections.namedtuple("Node", "op name attrs expr variant")("toy", "n", {"axis": 0}, "", "")
     with record_reads(registry) as undeclared:
         registry["toy"].infer(node, [(2,)], [np.float32])
-        registry["toy"].make(node, [], [])()
+        registry["toy"].make(node, [], [], None)()
     assert undeclared == {("toy", "keep"): 1, ("toy", "late"): 1}
     assert registry["toy"].infer is infer and registry["toy"].make is make  # restored

@@ -345,10 +345,10 @@ def test_compile_of_a_torch_or_onnx_file_says_to_export_it(tmp_path, model):
 
 def test_internal_error_exits_3_with_a_bug_report_request(model, monkeypatch, capsys):
     from pmx.compiler.cli import main
-    from pmx.runtime.kernels import REGISTRY
+    from pmx.runtime.kernels.registry import REGISTRY
 
     node = InferenceSession(str(model)).model.nodes[-1]
-    monkeypatch.setattr(REGISTRY[node.op], "make", lambda node, ins, outs: (lambda: [][1]))
+    monkeypatch.setattr(REGISTRY[node.op], "make", lambda node, ins, outs, ctx: (lambda: [][1]))
     assert main(["run", str(model), "--random", "--repeat", "0"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err

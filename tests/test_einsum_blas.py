@@ -14,7 +14,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from helpers import KernelNode
+from helpers import KernelNode, bind_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,16 +51,16 @@ def bound_einsum(eq, ops):
     """(the einsum kernel bound to `ops` as given, in any layout, and its output): as
     helpers.run_kernel binds kernels, over NaN-filled scratch, without making the operands
     contiguous first."""
-    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
+    from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     node = KernelNode("einsum", dict(equation=eq))
     kernel = get("einsum")
     ((shape, dtype),) = kernel.infer(node, [x.shape for x in ops], [x.dtype for x in ops])
     out = np.full(shape, np.nan if np.dtype(dtype).kind == "f" else -1, dtype)
-    stale = np.full(-(-node_scratch_nbytes(node, list(ops), [out]) // 4), np.nan, np.float32).view(np.uint8)
-    with scratch_scope(stale, {}, []) as use:
-        fn = kernel.make(node, list(ops), [out])
-    assert use.shortfall == 0
+    ctx = bind_context(None, None, {}, [])
+    ctx.scratch = np.full(-(-node_scratch_nbytes(node, list(ops), [out], ctx) // 4), np.nan, np.float32).view(np.uint8)
+    fn = kernel.make(node, list(ops), [out], ctx)
+    assert ctx.shortfall == 0
     return fn, out
 
 

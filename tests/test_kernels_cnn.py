@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_error, run_kernel
+from helpers import bind_context, kernel_pool, rel_error, run_kernel
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -168,7 +168,7 @@ def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
         for b, expr in ((None, ""), (signed_input((cout,), j + 3), "maximum(@0,0)")):
             pre = F.conv2d(torch.from_numpy(x * scale), torch.from_numpy(w), None if b is None else torch.from_numpy(b),
                            padding=k // 2, groups=groups)
-            (got,) = run_kernel("conv", [x, w, b, scale], attrs, expr=expr, variant=variant)
+            (got,) = run_kernel("conv", [x, w, b, scale], attrs, expr=expr, variant=variant, threads=two_threads)
             assert_close(got, activation(pre, expr), pre)
             assert np.array_equal(scale, signed_input(scale.shape, j + 2)), "the gate was written to"
 
@@ -178,13 +178,13 @@ def test_conv_input_scale_may_be_a_strided_view():
     weights without a copy at bind time, which would freeze its first values."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     x, w = signed_input((2, 8, 5, 5), 0), signed_input((6, 8, 1, 1), 1)
     wide = signed_input((2, 16, 1, 1), 2)
     gate, out = wide[:, ::2], np.full((2, 6, 5, 5), np.nan, np.float32)
     attrs = dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")
-    run = get("conv").make(KernelNode("conv", attrs, "", "gemm"), [x, w, None, gate], [out])
+    run = get("conv").make(KernelNode("conv", attrs, "", "gemm"), [x, w, None, gate], [out], bind_context())
     for seed in (3, 4):  # new gate values between runs must be used
         wide[...] = signed_input(wide.shape, seed)
         run()
@@ -233,11 +233,9 @@ def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
 @pytest.fixture
 def two_threads():
     """Kernels split work over the threads only above a size threshold and when more than
-    one thread is configured: force two, whatever this machine has."""
-    from pmx.runtime import parallel
-
-    with parallel.using_threads(2, splits_gemms=True):
-        yield
+    one thread is configured: force two, whatever this machine has (a pool of two for
+    run_kernel's threads)."""
+    return kernel_pool(2)
 
 
 @pytest.mark.parametrize("kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3",
@@ -260,7 +258,7 @@ def test_conv_large_enough_to_split(kind, two_threads):
         assert c * c * 9 * size * size >= conv.gemm_split_minimum(False)
         assert conv._split_by_channels(2, groups, c, size * size) == (kind == "gemm_3x3_small_map")
     else:
-        assert parallel.worth_splitting(batch * c * (size // stride) ** 2)
+        assert parallel.worth_splitting(batch * c * (size // stride) ** 2, two_threads.threads)
     x = signed_input((batch, c, size, size), 0)
     w = signed_input((c, c // groups, 3, 3), 1)
     b = signed_input((c,), 2)
@@ -269,7 +267,7 @@ def test_conv_large_enough_to_split(kind, two_threads):
     xt = F.pad(torch.from_numpy(x), (dilation,) * 4, mode="constant" if mode == "zeros" else mode)
     want = F.conv2d(xt, torch.from_numpy(w), torch.from_numpy(b), stride, 0, dilation, groups)
     for variant in ("depthwise", "gemm") if groups > 1 else ("gemm",):
-        (got,) = run_kernel("conv", [x, w, b], attrs, expr="maximum(@0,0)", variant=variant)
+        (got,) = run_kernel("conv", [x, w, b], attrs, expr="maximum(@0,0)", variant=variant, threads=two_threads)
         assert_close(got, F.relu(want), want)
 
 
@@ -298,7 +296,8 @@ def test_flat_depthwise_matches_torch(c):
     before, so the zeroing must happen on every run."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import conv, get
+    from pmx.runtime.kernels import conv
+    from pmx.runtime.kernels.registry import get
 
     w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
     b = signed_input((c["c"],), c["seed"] + 2) if c["bias"] else None
@@ -318,7 +317,7 @@ def test_flat_depthwise_matches_torch(c):
     conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
     try:
         run = get("conv").make(KernelNode("conv", attrs, c["act"], "depthwise"),
-                               [x, w] + ([b] if b is not None else []), [out])
+                               [x, w] + ([b] if b is not None else []), [out], bind_context())
     finally:
         conv.DEPTHWISE_BLOCK_BYTES = before
     for seed in (c["seed"], c["seed"] + 3):
@@ -406,7 +405,7 @@ def test_conv_1x1_on_one_position_into_a_concat_slice():
     """A batch's output that is a channel slice of a concat buffer is not C-contiguous:
     the product must land in the slice, the neighbouring channels untouched."""
     from helpers import KernelNode
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     x = signed_input((3, 6, 1, 1), 0)
     w = signed_input((4, 6, 1, 1), 1)
@@ -415,7 +414,7 @@ def test_conv_1x1_on_one_position_into_a_concat_slice():
     concat = np.full((3, 10, 1, 1), 7.0, np.float32)
     out = concat[:, 3:7]
     assert not out.flags.c_contiguous
-    get("conv").make(KernelNode("conv", attrs, variant="gemm"), [x, w, b], [out])()
+    get("conv").make(KernelNode("conv", attrs, variant="gemm"), [x, w, b], [out], bind_context())()
     assert_close(out, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)))
     assert (concat[:, :3] == 7).all() and (concat[:, 7:] == 7).all()
 
@@ -547,9 +546,8 @@ def test_width_stride_two_max_pool_matches_torch(data):
     assume(want.shape[-1] <= (width + 1) // 2)  # wider outputs keep the phase path
     a = dict(kernel=k, stride=stride, pads=pad + pad, dilation=dilation, ceil_mode=ceil_mode)
     assert _ColumnPairs.of(x, want, a) is not None
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("max_pool", [x], a)
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("max_pool", [x], a, threads=data.draw(st.sampled_from([1, 2])))
     np.testing.assert_array_equal(got, want)
 
 
@@ -585,9 +583,8 @@ def test_width_stride_two_avg_pool_matches_torch(data):
     a = dict(kernel=k, stride=stride, pads=pad + pad, dilation=(1, 1), ceil_mode=ceil_mode,
              count_include_pad=include_pad, divisor_override=divisor)
     assert _ColumnPairs.of(x, want.astype(dtype), a) is not None
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("avg_pool", [x], a)
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("avg_pool", [x], a, threads=data.draw(st.sampled_from([1, 2])))
     assert got.dtype == dtype
     if dtype == np.float32:
         assert_close(got, want)
@@ -612,8 +609,8 @@ def test_avg_pool_matches_torch(c, threads):
     x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
     want = F.avg_pool2d(torch.from_numpy(x), c["k"], c["stride"], c["pad"], ceil_mode=c["ceil_mode"],
                         count_include_pad=c["count_include_pad"], divisor_override=c["divisor"] or None)
-    with parallel.using_threads(threads, splits_gemms=True), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"))
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"), threads=threads)
     assert_close(got, want)
 
 
@@ -656,9 +653,9 @@ def test_same_size_stride_one_pools_match_torch(data):
     a = dict(kernel=k, stride=(1, 1), pads=begins + ends, dilation=dil, ceil_mode=False,
              count_include_pad=kind == "avg", divisor_override=0)
     assert _same_size_stride_one(x, want.numpy(), a)
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("max_pool" if kind == "max" else "avg_pool", [x], a)
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("max_pool" if kind == "max" else "avg_pool", [x], a,
+                            threads=data.draw(st.sampled_from([1, 2])))
     if kind == "max":
         np.testing.assert_array_equal(got, want.numpy())
     else:
@@ -669,12 +666,12 @@ def test_same_size_stride_one_pools_match_torch(data):
 def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride):
     """Pools on the phase path take their padded buffer from the shared scratch, whose
     border each run rewrites (common.restore_stale): the lowest value for a max pool,
-    zero for an average pool, so one must not see the other's. Both bound in one scope,
-    over scratch full of float32 max (whatever an earlier node left), then run in turn,
-    twice."""
+    zero for an average pool, so one must not see the other's. Both bound with one
+    context, over scratch full of float32 max (whatever an earlier node left), then run
+    in turn, twice."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
+    from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((1, 3, 9, 9), 3)
     a = dict(kernel=(kernel, kernel), stride=(stride, stride), pads=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False,
@@ -682,13 +679,12 @@ def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride
     out_shape = F.max_pool2d(torch.from_numpy(x), kernel, stride, 1).shape
     outs = {op: np.empty(out_shape, np.float32) for op in ("max_pool", "avg_pool")}
     nodes = {op: KernelNode(op, a) for op in outs}
-    scratch = np.full(max(node_scratch_nbytes(nodes[op], [x], [outs[op]]) for op in outs) // 4 + 16,
+    scratch = np.full(max(node_scratch_nbytes(nodes[op], [x], [outs[op]], bind_context()) for op in outs) // 4 + 16,
                       np.finfo(np.float32).max, np.float32)
-    persistent = {}
+    ctx = bind_context(None, scratch.view(np.uint8), {})
     runs = []
     for op in ("max_pool", "avg_pool"):
-        with scratch_scope(scratch.view(np.uint8), persistent):
-            runs.append(get(op).make(nodes[op], [x], [outs[op]]))
+        runs.append(get(op).make(nodes[op], [x], [outs[op]], ctx.begin_node()))
     for _ in range(2):
         for run in runs:
             run()
@@ -760,7 +756,7 @@ def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, se
     7.5e-10 off -4.05e-5 on 270 signed values, pmx 9e-11: 1.6e-5 relative to the mean,
     over TOL, although pmx was the closer of the two). Maxima exactly."""
     from helpers import KernelNode
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     size = tuple(sizes[:nd]) if nd < 3 else tuple(s % 9 + 1 for s in sizes)
     x = signed_input((batch, channels) + size, seed).astype(dtype)
@@ -774,7 +770,7 @@ def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, se
     mx = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[nd - 1]
     for op, ref in (("adaptive_avg_pool", avg), ("adaptive_max_pool", mx)):
         out = np.full((batch, channels) + (1,) * nd, np.nan, dtype)
-        get(op).make(KernelNode(op, dict(output_size=(1,) * nd)), [src], [out])()
+        get(op).make(KernelNode(op, dict(output_size=(1,) * nd)), [src], [out], bind_context())()
         want = ref(xt.double(), (1,) * nd).numpy()
         if op == "adaptive_max_pool":
             np.testing.assert_array_equal(out, want.astype(dtype))
@@ -868,7 +864,7 @@ def test_conv3d_gemm_split_in_row_bands(two_threads):
     x = signed_input((1, 8, 12, 20, 20), 0)
     w = signed_input((16, 8, 3, 3, 3), 1)
     attrs = dict(stride=(1, 1, 1), pads=(1, 1, 1, 1, 1, 1), dilation=(1, 1, 1), groups=1, padding_mode="zeros")
-    (got,) = run_kernel("conv", [x, w], attrs, variant="gemm")
+    (got,) = run_kernel("conv", [x, w], attrs, variant="gemm", threads=two_threads)
     assert_close(got, F.conv3d(torch.from_numpy(x), torch.from_numpy(w), padding=1))
 
 
@@ -881,7 +877,7 @@ def test_max_pool_phase_paths(case, two_threads):
 
     if case == "split_2d_ceil":
         x, k, s, p, d, ceil = signed_input((2, 64, 45, 45), 0), (3, 3), (2, 2), (1, 1), (1, 1), True
-        assert parallel.worth_splitting(2 * 64 * 23 * 23 * 9)
+        assert parallel.worth_splitting(2 * 64 * 23 * 23 * 9, two_threads.threads)
         want = F.max_pool2d(torch.from_numpy(x), k, s, p, d, ceil_mode=ceil)
     elif case == "split_3d":
         x, k, s, p, d, ceil = signed_input((1, 32, 12, 20, 20), 1), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1), False
@@ -894,7 +890,7 @@ def test_max_pool_phase_paths(case, two_threads):
         k, s, p, d, ceil = (3, 3), (2, 1), (1, 1), (2, 2), False
         want = F.max_pool2d(torch.from_numpy(x).double(), k, s, p, d).numpy().astype(np.int32)
     attrs = dict(kernel=k, stride=s, pads=p + p, dilation=d, ceil_mode=ceil)
-    (got,) = run_kernel("max_pool", [x], attrs)
+    (got,) = run_kernel("max_pool", [x], attrs, threads=two_threads)
     np.testing.assert_array_equal(got, _np(want))
 
 
@@ -1054,17 +1050,17 @@ def test_cheap_activation_runs_after_split_parts(kind, two_threads):
     pad = k // 2
     attrs = dict(stride=(1, 1), pads=(pad,) * 4, dilation=(1, 1), groups=groups, padding_mode="zeros")
     if kind == "linear":
-        (got,) = run_kernel("linear", [x, w, b], {}, expr=HARDSWISH)
+        (got,) = run_kernel("linear", [x, w, b], {}, expr=HARDSWISH, threads=two_threads)
         want = F.linear(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b))
     elif kind == "winograd":
         (got,) = run_kernel("conv_winograd", [x, transform_weights(w), b], {"pads": attrs["pads"]}, expr=HARDSWISH,
-                            variant="winograd")
+                            variant="winograd", threads=two_threads)
         want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), padding=pad)
     else:
         variant = "depthwise" if kind == "depthwise" else "gemm"
-        (got,) = run_kernel("conv", [x, w, b], attrs, expr=HARDSWISH, variant=variant)
+        (got,) = run_kernel("conv", [x, w, b], attrs, expr=HARDSWISH, variant=variant, threads=two_threads)
         want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), 1, pad, 1, groups)
-    assert common.epilogue_after_parts(KernelNode("conv", {}, HARDSWISH, ""), got)
+    assert common.epilogue_after_parts(bind_context(two_threads), KernelNode("conv", {}, HARDSWISH, ""), got)
     assert_close(got, F.hardswish(want), want)
 
 
@@ -1078,10 +1074,10 @@ def test_which_activations_run_after_split_parts():
 
     small = np.empty(parallel.SPLIT_MIN_ELEMENTS - 1, np.float32)
     big = np.empty(parallel.SPLIT_MIN_ELEMENTS, np.float32)
-    with parallel.using_threads(2):
-        for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
-                           ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
-                           ("", False)]:
-            node = KernelNode("conv", {}, expr, "")
-            assert common.epilogue_after_parts(node, small) == want, expr
-            assert not common.epilogue_after_parts(node, big), expr
+    ctx = bind_context(kernel_pool(2, splits_gemms=None))
+    for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
+                       ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
+                       ("", False)]:
+        node = KernelNode("conv", {}, expr, "")
+        assert common.epilogue_after_parts(ctx, node, small) == want, expr
+        assert not common.epilogue_after_parts(ctx, node, big), expr

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_error, run_kernel
+from helpers import bind_context, kernel_pool, rel_error, run_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -315,20 +315,19 @@ def test_mixed_float_int_bool(variant, pair, x):
     [(1, 96, 40, 40), (1, 96, 40, 40), (40,)],  # batch 1: split along channels; broadcast last axis
     [(1, 1, 300, 300), (1, 1, 1, 300), ()],      # split along the first long axis (rows)
 ])
-def test_numpy_backend_split_over_threads(shapes_, monkeypatch):
+def test_numpy_backend_split_over_threads(shapes_):
     """Tensors past parallel.SPLIT_MIN_ELEMENTS run as one slab per thread (two forced
     here, whatever this machine has); slabs must slice only the inputs that are not
     broadcast along the split axis, and relu6's clip fast path must keep NaN."""
     from pmx.runtime import parallel
 
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     rng = np.random.default_rng(0)
     a, b, c = (rng.standard_normal(s).astype(np.float32) for s in shapes_)
     a.flat[::97] = np.nan
     expr = "minimum(maximum(add(mul(@0,@1),@2),0),6)"
-    assert parallel.worth_splitting(a.size)
+    assert parallel.worth_splitting(a.size, 2)
     for variant in ("numpy", "numpy_1t"):
-        (got,) = run_kernel("elementwise", [a, b, c], expr=expr, variant=variant)
+        (got,) = run_kernel("elementwise", [a, b, c], expr=expr, variant=variant, threads=2)
         want = F.relu6(torch.from_numpy(a) * torch.from_numpy(b) + torch.from_numpy(c)).numpy()
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         assert rel_error(np.nan_to_num(got), np.nan_to_num(want)) <= TOL
@@ -347,18 +346,17 @@ def test_numexpr_work_follows_the_sessions_thread_count(numexpr_threads, monkeyp
 
     from pmx.runtime import parallel
 
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     rng = np.random.default_rng(1)
     a = rng.standard_normal((1, 96, 40, 40)).astype(np.float32)
     b = rng.standard_normal((96, 1, 1)).astype(np.float32)
     expr = "where(gt(@0,0),@0,mul(@0,@1))"  # a per-channel PReLU, which the rule gives numexpr
     pieces, programs = [], []
     real_split, real_numexpr = parallel.split, E.compile_numexpr
-    monkeypatch.setattr(parallel, "split", lambda parts: pieces.append(len(parts)) or real_split(parts))
+    monkeypatch.setattr(parallel, "split", lambda parts, pool: pieces.append(len(parts)) or real_split(parts, pool))
     monkeypatch.setattr(E, "compile_numexpr", lambda *args: programs.append(1) or real_numexpr(*args))
     before = numexpr.set_num_threads(numexpr_threads)
     try:
-        (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr")
+        (got,) = run_kernel("elementwise", [a, b], expr=expr, variant="numexpr", threads=2)
         assert numexpr.get_num_threads() == numexpr_threads
     finally:
         numexpr.set_num_threads(before)
@@ -559,11 +557,11 @@ def test_result_dtype_without_evaluation_agrees_with_evaluation(data, num_inputs
 
 
 def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
-    """Inside a binding (a scratch scope with a pool), an expression's temporaries come
-    from kernels.temporary_array: the k-th request of every node gets the pool's k-th
-    buffer, so nodes share them while the split parts of one node, which run at the
-    same time, each get their own. Both nodes still compute SiLU exactly."""
-    from pmx.runtime import kernels, parallel
+    """Inside a binding (a context with a pool of temporaries), an expression's
+    temporaries come from BindContext.temporary_array: the k-th request of every node
+    gets the pool's k-th buffer, so nodes share them while the split parts of one node,
+    which run at the same time, each get their own. Both nodes still compute SiLU
+    exactly."""
     from pmx.runtime.kernels.common import split_expression
 
     rng = np.random.default_rng(0)
@@ -571,9 +569,9 @@ def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
     originals = [np.asarray(rng.standard_normal((512, 1024)) * 4, np.float32) for _ in range(2)]
     xs = [x.copy() for x in originals]
     pool, runs = [], []
+    ctx = bind_context(kernel_pool(2, splits_gemms=None), np.empty(0, np.uint8), {}, pool)
     for x in xs:  # two nodes, bound one after the other
-        with kernels.scratch_scope(np.empty(0, np.uint8), {}, pool), parallel.using_threads(2):
-            runs.append(split_expression(tree, [x], x, threads=2))
+        runs.append(split_expression(ctx.begin_node(), tree, [x], x, threads=2))
     assert len(pool) == 2, f"{len(pool)} pooled temporaries for two nodes of two parts each"
     assert not np.shares_memory(pool[0], pool[1])
     with np.errstate(over="ignore"):

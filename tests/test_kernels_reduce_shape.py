@@ -5,7 +5,7 @@ softmax on any dim, roll/flip/expand/tile/take/gather/cast/slice/transpose/conca
 import numpy as np
 import pytest
 import torch
-from helpers import rel_error, run_kernel
+from helpers import bind_context, rel_error, run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -153,9 +153,8 @@ def test_softmax_any_dim(op, x, data):
     from pmx.runtime import parallel
 
     axis = data.draw(st.integers(0, x.ndim - 1))
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel(op, [x], dict(axis=axis))
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel(op, [x], dict(axis=axis), threads=data.draw(st.sampled_from([1, 2, 3])))
     close(got, getattr(torch, op)(torch.from_numpy(x).double(), axis).float())
 
 
@@ -274,10 +273,9 @@ def test_transposes_trading_two_runs_of_axes_go_through_blas(shape, dtype, data)
     x.flat[rng.integers(0, x.size, x.size // 2)] = rng.choice(specials, x.size // 2)
     made = []
     real = blas.transposed_copy
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1), \
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1), \
             mock.patch.object(blas, "transposed_copy", lambda s, d: made.append(real(s, d)) or made[-1]):
-        (got,) = run_kernel("transpose", [x], dict(perm=perm))
+        (got,) = run_kernel("transpose", [x], dict(perm=perm), threads=data.draw(st.sampled_from([1, 2, 3])))
     assert made and all(c is not None for c in made), perm
     want = x.transpose(perm)
     nan = np.isnan(want)
@@ -319,9 +317,8 @@ def test_transpose_concat_split(x, data):
     from pmx.runtime import parallel
 
     perm = tuple(data.draw(st.permutations(range(x.ndim))))
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3])), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("transpose", [x], dict(perm=perm))
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        (got,) = run_kernel("transpose", [x], dict(perm=perm), threads=data.draw(st.sampled_from([1, 2, 3])))
     np.testing.assert_array_equal(got, torch.from_numpy(x).permute(perm).numpy())
     axis = data.draw(st.integers(0, x.ndim - 1))
     y = data.draw(floats(x.shape[:axis] + (data.draw(st.integers(1, 3)),) + x.shape[axis + 1:]))
@@ -342,7 +339,7 @@ def test_concat_shape_rule_matches_torch_cat(rank, n, data, dtype):
     oracle is torch.cat of the inputs expanded to the other inputs' size."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import output_shapes
+    from pmx.runtime.kernels.registry import output_shapes
 
     axis = data.draw(st.integers(-rank, rank - 1))
     base = [data.draw(st.integers(1, 4)) for _ in range(rank)]
@@ -386,7 +383,7 @@ def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     (a concat slice: strided across images, the fallback copy)."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     shape = (batch, groups * per_group) + tuple(spatial)
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -396,7 +393,7 @@ def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     close(got, want)
     wide = np.full((batch, shape[1] + 2) + shape[2:], np.nan, np.float32)
     out = wide[:, 1:-1]
-    get("channel_shuffle").make(KernelNode("channel_shuffle", dict(groups=groups)), [x], [out])()
+    get("channel_shuffle").make(KernelNode("channel_shuffle", dict(groups=groups)), [x], [out], bind_context())()
     close(out, want)
     assert np.isnan(wide[:, [0, -1]]).all(), "wrote outside its slice"
 
@@ -411,7 +408,7 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
     `strided` (a concat slice) and nothing outside it."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get, output_shapes
+    from pmx.runtime.kernels.registry import get, output_shapes
 
     c = groups * per_group
     shape = (batch, c) + tuple(spatial)
@@ -424,7 +421,7 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
     assert [s for s, _ in output_shapes(node, [shape], [np.float32])] == [tuple(w.shape) for w in want]
     wides = [np.full((batch, k + 2 * strided) + shape[2:], np.nan, np.float32) for k in sizes]
     outs = [w[:, 1:-1] if strided else w for w in wides]
-    get("channel_shuffle").make(node, [x], outs)()
+    get("channel_shuffle").make(node, [x], outs, bind_context())()
     for got, w, wide in zip(outs, want, wides):
         close(got, w)
         if strided:
@@ -434,7 +431,7 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
 def test_channel_shuffle_sizes_must_split_the_channels():
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import output_shapes
+    from pmx.runtime.kernels.registry import output_shapes
 
     for sizes in ((3, 4), (), (8, -1, 1), (4.0, 4)):
         with pytest.raises(ValueError, match="must split the 8 channels"):
@@ -444,7 +441,7 @@ def test_channel_shuffle_sizes_must_split_the_channels():
 def test_channel_shuffle_refuses_groups_that_do_not_divide():
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import output_shapes
+    from pmx.runtime.kernels.registry import output_shapes
 
     with pytest.raises(ValueError, match="must divide the channels"):
         output_shapes(KernelNode("channel_shuffle", dict(groups=3)), [(1, 8, 2, 2)], [np.float32])

@@ -35,9 +35,9 @@ def run_split(data, op, inputs, attrs, expr=""):
 
     from pmx.runtime import parallel
 
-    with parallel.using_threads(data.draw(st.sampled_from([1, 2, 3]), label="threads"), splits_gemms=True), \
-            mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        return run_kernel(op, inputs, attrs, expr=expr)[0]
+    threads = data.draw(st.sampled_from([1, 2, 3]), label="threads")
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+        return run_kernel(op, inputs, attrs, expr=expr, threads=threads)[0]
 
 
 # --- resize --------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def test_resize_nearest_integer_factors_exact():
 
 def test_resize_shape_rule_follows_scale_factor():
     from helpers import KernelNode
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     node = KernelNode("resize", dict(mode="linear", align_corners=False, sizes=(10, 7),
                                      scales=(2.0, 0.0), scale_factor=(2.0, 0.0)))

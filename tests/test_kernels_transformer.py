@@ -79,13 +79,14 @@ dims = st.integers(1, 6)
 
 
 @contextlib.contextmanager
-def threads(n):
-    """n threads, and every kernel split however small (layer norm splits its rows)."""
+def every_split():
+    """Every kernel split however small (layer norm splits its rows), over the threads
+    run_kernel is given."""
     from unittest import mock
 
     from pmx.runtime import parallel
 
-    with parallel.using_threads(n, splits_gemms=True), mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
+    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         yield
 
 
@@ -100,8 +101,8 @@ def test_layer_norm(seed, shape, data, affine, eps, n_threads):
     w = arr(seed + 1, norm_shape) if affine != "none" else None
     b = arr(seed + 2, norm_shape) if affine == "both" else None
     ins = [x] + [a for a in (w, b) if a is not None]
-    with threads(n_threads):
-        got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps))[0]
+    with every_split():
+        got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps), threads=n_threads)[0]
     want = F.layer_norm(D(x), norm_shape, D(w) if w is not None else None, D(b) if b is not None else None, eps)
     close(got, want, normalization_tol(x, math.prod(shape[:len(shape) - k]), eps))
 
@@ -112,8 +113,9 @@ def test_layer_norm(seed, shape, data, affine, eps, n_threads):
 def test_rms_norm(seed, shape, weighted, n_threads):
     x = arr(seed, shape)
     w = arr(seed + 1, shape[-1:]) if weighted else None
-    with threads(n_threads):
-        got = run_kernel("layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1))[0]
+    with every_split():
+        got = run_kernel("layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1),
+                         threads=n_threads)[0]
     close(got, F.rms_norm(D(x), (shape[-1],), D(w) if weighted else None, 1e-6))
 
 
@@ -127,8 +129,9 @@ def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
     x = arr(seed, [n, c] + spatial, scale=2.0) - 0.7
     w, b = arr(seed + 1, (c,)), arr(seed + 2, (c,))
     assume(per_group * math.prod(spatial) > 1)  # torch refuses groups of a single value
-    with threads(n_threads):  # one image: split by groups; more: by images
-        got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5))[0]
+    with every_split():  # one image: split by groups; more: by images
+        got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5),
+                         threads=n_threads)[0]
     close(got, F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5),
           normalization_tol(x, n * groups, 1e-5))
 
@@ -334,7 +337,6 @@ def test_einsum(seed, eq, sizes, ellipsis):
     ops = [arr(seed + i, s) for i, s in enumerate(shapes)]
     from unittest import mock
 
-    from pmx.runtime import parallel
     from pmx.runtime.kernels import linalg
 
     products = []
@@ -342,10 +344,10 @@ def test_einsum(seed, eq, sizes, ellipsis):
     from pmx.runtime.kernels import common
 
     # every product split over two threads, along a batch axis or out's rows or columns
-    with parallel.using_threads(2, splits_gemms=True), mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
+    with mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
             mock.patch.object(common, "GEMM_SPLIT_MIN_ROWS", 1), mock.patch.object(common, "GEMM_SPLIT_MIN_COLUMNS", 1), \
             mock.patch.object(linalg, "gemm", lambda *a, **k: products.append(a) or real_gemm(*a, threads=2)):
-        got = run_kernel("einsum", ops, dict(equation=eq))[0]
+        got = run_kernel("einsum", ops, dict(equation=eq), threads=2)[0]
     close(got, torch.einsum(eq, *[T(o) for o in ops]))
     assert bool(products) == (eq in BATCHED_MATMULS), eq
 
@@ -374,39 +376,34 @@ def test_embedding_out_of_range_raises(bad):
     ((2, 1), (1, 1), (2, 3), 4, 6),        # batch dims broadcast from different operands
     ((1, 12), (1, 12), (2, 12), 197, 197),  # big enough for the per-head thread split
 ])
-def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s, monkeypatch):
+def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s):
     """Every batch of the output is written when v has batch dims q and k broadcast over
     (only the first was, before the fix)."""
-    from pmx.runtime import parallel
-
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     e = ev = 8
     q, k, v = arr(1, q_batch + (lq, e)), arr(2, k_batch + (s, e)), arr(3, v_batch + (s, ev))
     attrs = dict(heads=0, scale=1.0 / math.sqrt(e), causal=0, masks=(), masked_rows="zero")
-    got = run_kernel("attention", [q, k, v], attrs)[0]
+    got = run_kernel("attention", [q, k, v], attrs, threads=2)[0]
     want = F.scaled_dot_product_attention(T(q), T(k), T(v))
     assert got.shape == tuple(want.shape)
     close(got, want, scale=float(np.abs(v).max()))
 
 
 @pytest.mark.parametrize("kind", ["linear_columns", "linear_rows", "matmul_batch", "matmul_broadcast_b"])
-def test_gemms_split_over_threads(kind, monkeypatch):
+def test_gemms_split_over_threads(kind):
     """Products past common.GEMM_SPLIT_MIN_MACS run in parts on two threads (forced): by
     batch, by output columns or by rows, each part adding its slice of the bias and
     applying the activation."""
-    from pmx.runtime import parallel
     from pmx.runtime.kernels import common
 
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     if kind.startswith("linear"):
         rows, fin, fout = (197, 256, 1024) if kind == "linear_columns" else (4096, 256, 64)
         x, w, b = arr(1, (1, rows, fin)), arr(2, (fout, fin)), arr(3, (fout,))
-        got = run_kernel("linear", [x, w, b], expr="maximum(@0,0)")[0]
+        got = run_kernel("linear", [x, w, b], expr="maximum(@0,0)", threads=2)[0]
         want = F.relu(F.linear(T(x), T(w), T(b)))
     else:
         a = arr(1, (12, 197, 64))
         bm = arr(2, (12, 64, 197) if kind == "matmul_batch" else (64, 1024))
-        got = run_kernel("matmul", [a, bm])[0]
+        got = run_kernel("matmul", [a, bm], threads=2)[0]
         want = torch.matmul(T(a), T(bm))
     assert got.size * (x.shape[-1] if kind.startswith("linear") else 64) >= common.GEMM_SPLIT_MIN_MACS
     close(got, want, scale=float(np.abs(want.numpy()).max()))

@@ -238,12 +238,12 @@ def _last_op(path):
 def test_kernel_failure_at_run_is_an_internal_error(models, monkeypatch):
     """A file that passed every check must run: a kernel raising is pmx's own bug,
     named by node, with a request for a bug report."""
-    from pmx.runtime.kernels import REGISTRY
+    from pmx.runtime.kernels.registry import REGISTRY
 
     plain, _ = models
     node = _last_op(plain)
 
-    def make(node, ins, outs):
+    def make(node, ins, outs, ctx):
         return lambda: 1 / 0
 
     monkeypatch.setattr(REGISTRY[node.op], "make", make)
@@ -259,12 +259,12 @@ def test_kernel_failure_at_run_is_an_internal_error(models, monkeypatch):
 
 
 def test_kernel_failure_at_bind_is_an_internal_error(models, monkeypatch):
-    from pmx.runtime.kernels import REGISTRY
+    from pmx.runtime.kernels.registry import REGISTRY
 
     plain, _ = models
     node = _last_op(plain)
 
-    def make(node, ins, outs):
+    def make(node, ins, outs, ctx):
         raise KeyError("axis")
 
     monkeypatch.setattr(REGISTRY[node.op], "make", make)

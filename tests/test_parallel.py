@@ -22,8 +22,7 @@ def test_ranges_cover_without_gaps_or_empties():
 
 def test_split_runs_every_part_and_raises_after_all_finish():
     done = []
-    with parallel.using_threads(3):
-        ok = parallel.split([lambda i=i: done.append(i) for i in range(3)])
+    ok = parallel.split([lambda i=i: done.append(i) for i in range(3)], parallel.Pool(3))
     ok()
     assert sorted(done) == [0, 1, 2]
 
@@ -36,8 +35,7 @@ def test_split_runs_every_part_and_raises_after_all_finish():
     def failing_part():
         raise ValueError("part failed")
 
-    with parallel.using_threads(3):
-        bad = parallel.split([failing_part, slow_part])
+    bad = parallel.split([failing_part, slow_part], parallel.Pool(3))
     done.clear()
     with pytest.raises(ValueError, match="part failed"):
         bad()
@@ -49,11 +47,11 @@ def test_gemm_split_matches_numpy(monkeypatch):
     """kernels/common.gemm by batch, columns and rows (rows first when asked: 1x1 convs),
     each part with its share of the bias, and the activation seeing each part (the
     epilogue is replaced by one that records the parts it is given)."""
-    from helpers import KernelNode
+    from helpers import KernelNode, bind_context
 
     from pmx.runtime.kernels import common
 
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
+    ctx = bind_context(2)
     rng = np.random.default_rng(0)
     # (a, b, part shape with columns first, part shape with rows first)
     cases = [((6, 200, 64), (6, 64, 200), (3, 200, 200), (3, 200, 200)),
@@ -69,19 +67,19 @@ def test_gemm_split_matches_numpy(monkeypatch):
             # a conv's bias runs along the rows, a linear layer's along the columns
             bias = rng.standard_normal((a_shape[-2], 1) if rows_first else b_shape[-1:]).astype(np.float32)
             seen = []
-            monkeypatch.setattr(common, "epilogue", lambda node, part, threads=None: lambda: seen.append(part.shape))
-            common.gemm(a, b, out, activation=KernelNode("linear", {}, "maximum(@0,0)", ""), rows_first=rows_first,
+            monkeypatch.setattr(common, "epilogue",
+                                lambda ctx, node, part, threads=None: lambda: seen.append(part.shape))
+            common.gemm(ctx, a, b, out, activation=KernelNode("linear", {}, "maximum(@0,0)", ""), rows_first=rows_first,
                         bias=bias)()
             np.testing.assert_allclose(out, np.matmul(a, b) + bias, rtol=1e-5, atol=1e-4)
             assert seen == [part, part], f"rows_first={rows_first}: parts {seen} of {out.shape}, expected two {part}"
 
 
-def test_gemm_split_thresholds_for_matrices_and_vectors(monkeypatch):
+def test_gemm_split_thresholds_for_matrices_and_vectors():
     """A product of two matrices splits from MATRIX_SPLIT_MIN_MACS (384K multiply-adds)
     and a matrix-vector product only from GEMM_SPLIT_MIN_MACS (1.5M)."""
     from pmx.runtime.kernels import common
 
-    monkeypatch.setattr(parallel._context, "pool", parallel.Pool(2, splits_gemms=True), raising=False)
     assert common.MATRIX_SPLIT_MIN_MACS < common.GEMM_SPLIT_MIN_MACS
 
     def splits(a_shape, b_shape):
@@ -100,6 +98,8 @@ def test_gemm_split_thresholds_for_matrices_and_vectors(monkeypatch):
 def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
     """GEMMs split over pmx's threads would multiply with BLAS's own threads: a pool
     splits them only when BLAS is single-threaded (or told to, as tests do)."""
+    from helpers import bind_context
+
     from pmx.runtime.kernels import common
 
     a, b = np.ones((256, 512), np.float32), np.ones((512, 1024), np.float32)
@@ -107,11 +107,10 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
     pieces = []
     real_split = parallel.split
     try:
-        parallel.split = lambda parts: (len(parts) > 1 and pieces.append(len(parts))) or real_split(parts)
+        parallel.split = lambda parts, pool: (len(parts) > 1 and pieces.append(len(parts))) or real_split(parts, pool)
         for splits_gemms, want in ((False, []), (True, [2])):
             pieces.clear()
-            with parallel.using_threads(2, splits_gemms=splits_gemms):
-                common.gemm(a, b, out)()
+            common.gemm(bind_context(parallel.Pool(2, splits_gemms)), a, b, out)()
             assert pieces == want
             np.testing.assert_array_equal(out, np.full((256, 1024), 512, np.float32))
     finally:
@@ -142,8 +141,7 @@ def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
         raise ValueError("part failed")
 
     done = []
-    with parallel.using_threads(2):
-        bad = parallel.split([failing, lambda: done.append(1)])
+    bad = parallel.split([failing, lambda: done.append(1)], parallel.Pool(2))
     for _ in range(2 * parallel._Chooser.TRIALS + 2):
         with pytest.raises(ValueError, match="part failed"):
             bad()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compare_with_torch, rel_error, run_kernel
+from helpers import bind_context, compare_with_torch, kernel_pool, rel_error, run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
 from test_e2e_cnn_blocks import _rand
@@ -15,7 +15,7 @@ from test_kernels_cnn import FAST, assert_close, signed_input
 
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import candidates
-from pmx.runtime import InferenceSession, parallel
+from pmx.runtime import InferenceSession
 from pmx.runtime.kernels import winograd
 from pmx.runtime.kernels.winograd import transform_weights
 
@@ -24,20 +24,18 @@ ACTIVATIONS = {"": lambda y: y, "maximum(@0,0)": F.relu, "mul(@0,sigmoid(@0))": 
 
 @pytest.fixture
 def two_threads():
-    with parallel.using_threads(2, splits_gemms=True):
-        yield
+    return kernel_pool(2)
 
 
 @contextlib.contextmanager
 def split_everything():
-    """Every conv_winograd splits over two threads, however small (the property test's
-    shapes are far below SPLIT_MIN_MACS). A context manager, not a fixture: hypothesis
-    runs many examples per function-scoped fixture."""
+    """Every conv_winograd splits over the threads it is given, however small (the
+    property test's shapes are far below SPLIT_MIN_MACS). A context manager, not a
+    fixture: hypothesis runs many examples per function-scoped fixture."""
     min_macs = winograd.SPLIT_MIN_MACS
     winograd.SPLIT_MIN_MACS = 0
     try:
-        with parallel.using_threads(2, splits_gemms=True):
-            yield
+        yield
     finally:
         winograd.SPLIT_MIN_MACS = min_macs
 
@@ -49,9 +47,9 @@ def torch_reference(x, w, b, pads, act):
     return ACTIVATIONS[act](y), y
 
 
-def run_winograd(x, w, b, pads, act, variant):
+def run_winograd(x, w, b, pads, act, variant, threads=None):
     inputs = [x, transform_weights(w)] + ([b] if b is not None else [])
-    (got,) = run_kernel("conv_winograd", inputs, {"pads": pads}, expr=act, variant=variant)
+    (got,) = run_kernel("conv_winograd", inputs, {"pads": pads}, expr=act, variant=variant, threads=threads)
     return got
 
 
@@ -89,7 +87,7 @@ def test_winograd_split_over_threads_matches_torch(c):
     x, w, b = _case_arrays(c)
     want, pre = torch_reference(x, w, b, c["pads"], c["act"])
     with split_everything():
-        got = run_winograd(x, w, b, c["pads"], c["act"], "winograd")
+        got = run_winograd(x, w, b, c["pads"], c["act"], "winograd", threads=2)
     assert_close(got, want, pre)
 
 
@@ -97,7 +95,7 @@ def test_winograd_big_enough_to_split_by_itself(two_threads):
     x, w, b = signed_input((2, 64, 22, 22), 0), signed_input((64, 64, 3, 3), 1), signed_input((64,), 2)
     assert 16 * 64 * 64 * 2 * 12 * 12 >= winograd.SPLIT_MIN_MACS  # 11x11 tiles -> 12x12 planes
     want, pre = torch_reference(x, w, b, (1, 1, 1, 1), "maximum(@0,0)")
-    got = run_winograd(x, w, b, (1, 1, 1, 1), "maximum(@0,0)", "winograd")
+    got = run_winograd(x, w, b, (1, 1, 1, 1), "maximum(@0,0)", "winograd", threads=two_threads)
     assert_close(got, want, pre)
 
 
@@ -105,7 +103,7 @@ def test_winograd_batch_in_chunks(monkeypatch):
     """A batch whose scratch would pass CHUNK_SCRATCH_BYTES runs in chunks of images (two,
     two, then one here), the chunks of one size sharing a phase buffer."""
     x, w, b = signed_input((5, 6, 9, 7), 0), signed_input((4, 6, 3, 3), 1), signed_input((4,), 2)
-    per_image = winograd.winograd_scratch(None, [x[:1]], [np.empty((1, 4, 9, 7), np.float32)])
+    per_image = winograd.winograd_scratch(None, [x[:1]], [np.empty((1, 4, 9, 7), np.float32)], bind_context())
     monkeypatch.setattr(winograd, "CHUNK_SCRATCH_BYTES", 2 * per_image + 100)
     assert winograd._chunk(x.shape, (5, 4, 9, 7), np.float32) == 2
     want, pre = torch_reference(x, w, b, (1, 1, 1, 1), "maximum(@0,0)")
@@ -118,13 +116,13 @@ def test_winograd_runs_twice_with_new_inputs():
     interior is overwritten."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get
+    from pmx.runtime.kernels.registry import get
 
     x = signed_input((1, 4, 6, 5), 0)
     w, b = signed_input((3, 4, 3, 3), 1), signed_input((3,), 2)
     node = KernelNode("conv_winograd", {"pads": (1, 2, 1, 0)}, "", "winograd")
     out = np.empty((1, 3, 6, 5), np.float32)
-    run = get("conv_winograd").make(node, [x, transform_weights(w), b], [out])
+    run = get("conv_winograd").make(node, [x, transform_weights(w), b], [out], bind_context())
     for seed in (3, 4):
         x[...] = signed_input(x.shape, seed)
         run()
@@ -263,16 +261,16 @@ def test_winograd_never_computes_on_stale_scratch():
     scratch full of float32 max raises nothing with floating-point errors as errors."""
     from helpers import KernelNode
 
-    from pmx.runtime.kernels import get, node_scratch_nbytes, scratch_scope
+    from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((2, 5, 7, 6), 0)
     w, b = signed_input((3, 5, 3, 3), 1), signed_input((3,), 2)
     node = KernelNode("conv_winograd", {"pads": (1, 1, 1, 1)}, "", "winograd_1t")
     u = transform_weights(w)
     out = np.empty((2, 3, 7, 6), np.float32)
-    stale = np.full(node_scratch_nbytes(node, [x, u, b], [out]) // 4, np.finfo(np.float32).max, np.float32)
-    with scratch_scope(stale.view(np.uint8)):
-        run = get("conv_winograd").make(node, [x, u, b], [out])
+    stale = np.full(node_scratch_nbytes(node, [x, u, b], [out], bind_context()) // 4, np.finfo(np.float32).max,
+                    np.float32)
+    run = get("conv_winograd").make(node, [x, u, b], [out], bind_context(None, stale.view(np.uint8)))
     with np.errstate(all="raise"):
         run()
     assert_close(out, torch_reference(x, w, b, (1, 1, 1, 1), "")[0])

@@ -4,9 +4,10 @@ reaches on the same shapes.
     python tools/bench_kernels.py                  # every row
     python tools/bench_kernels.py --only linear,attention --runs 41
 
-Each pmx row builds its kernel as the runtime binds it, kernels.get(op).make(node, inputs,
-outputs): outputs preallocated as arena views would be, weights read-only as the mmap's
-views are. The callable is what gets timed, as an InferenceSession's run() calls it: bound with
+Each pmx row builds its kernel as the runtime binds it, registry.get(op).make(node, inputs,
+outputs, ctx), every row over one pool of the default thread count: outputs preallocated
+as arena views would be, weights read-only as the mmap's views are. The callable is what
+gets timed, as an InferenceSession's run() calls it: bound with
 BLAS on one thread (run it with OPENBLAS_NUM_THREADS=1 for pmx's own GEMM splits) and the
 kernel splitting its work over pmx's threads. The reference is np.matmul(a, b, out=c) with BLAS on its default
 threads, over C-contiguous float32 operands with the same M, N, K and batch; for kernels that need
@@ -41,8 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pmx.compiler.canon.activation import gelu_expr
-from pmx.runtime import parallel
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels.bind import BindContext
+from pmx.runtime.kernels.registry import get
 from pmx.runtime.kernels.winograd import transform_weights
 
 ROUNDS = 3
@@ -196,12 +197,12 @@ def cases():
     ]
 
 
-def bind(case):
-    """The kernel callable, made as the runtime makes it."""
+def bind(case, ctx):
+    """The kernel callable, made as the runtime makes it (over ctx's pool)."""
     kernel = get(case.node.op)
     specs = kernel.infer(case.node, [x.shape for x in case.inputs], [x.dtype for x in case.inputs])
     outputs = [np.empty(shape, dtype) for shape, dtype in specs]
-    return kernel.make(case.node, case.inputs, outputs)
+    return kernel.make(case.node, case.inputs, outputs, ctx)
 
 
 def reference(case):
@@ -270,14 +271,14 @@ def machine_load():
     return f"load average {load}, CPU pressure (10 s) {pressure}"
 
 
-def header(args):
+def header(args, ctx):
     threads = os.environ.get("OPENBLAS_NUM_THREADS") or f"default ({os.cpu_count()} cores)"
     return (f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, "
             f"BLAS threads: {threads}, {machine_load()}\n"
             f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
             f"after warm-ups, each sample the mean of back-to-back calls lasting "
             f"~{args.sample_ms:g} ms; pmx as in an InferenceSession's run() (pmx splits over "
-            f"{parallel.num_threads()} threads), numpy with BLAS's own threads; float32; GFLOP/s "
+            f"{ctx.threads} threads), numpy with BLAS's own threads; float32; GFLOP/s "
             f"count 2*M*N*K per GEMM on both sides\n")
 
 
@@ -292,7 +293,8 @@ def main():
                    help="comma-separated groups: linear,matmul,attention,conv,depthwise")
     args = p.parse_args()
     groups = set(filter(None, args.only.split(",")))
-    print(header(args))
+    ctx = BindContext()
+    print(header(args, ctx))
     print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy "
           "| pmx/numpy throughput % |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -300,7 +302,7 @@ def main():
         if groups and case.group not in groups:
             continue
         with np.errstate(all="ignore"):
-            pmx_s, ref_s = measure(bind(case), reference(case), args.runs, args.sample_ms / 1e3,
+            pmx_s, ref_s = measure(bind(case, ctx), reference(case), args.runs, args.sample_ms / 1e3,
                                    getattr(np, args.stat))
         gflop = flops(case) / 1e9
         print(f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} "

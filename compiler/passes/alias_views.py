@@ -11,7 +11,7 @@ Not aliased, so the kernel copies:
 
 
 from pmx.compiler.passes.plan_memory import resolve
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels.registry import get
 
 
 def alias_views(graph) -> bool:

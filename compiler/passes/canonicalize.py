@@ -4,7 +4,7 @@ import numpy as np
 
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.runtime.errors import PmxUnsupportedOpError
-from pmx.runtime.kernels import REGISTRY, output_shapes
+from pmx.runtime.kernels.registry import REGISTRY, output_shapes
 
 
 def canonicalize(graph) -> bool:

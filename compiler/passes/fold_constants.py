@@ -4,7 +4,8 @@ and expression subtrees like this)."""
 
 import numpy as np
 
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels.bind import BindContext
+from pmx.runtime.kernels.registry import get
 
 # Folding must not blow up the file: an expand of a small constant to a huge tensor is
 # cheaper to compute at run time than to store.
@@ -13,6 +14,7 @@ MAX_FOLDED_BYTES = 16 << 20
 
 def fold_constants(graph) -> bool:
     changed = False
+    ctx = None  # the pool of the default thread count, made when a first node folds
     for node in list(graph.nodes):
         ins = [v for v in node.inputs if v is not None]
         if not ins or not all(v.is_constant for v in ins) or "sized_at_run" in node.attrs:
@@ -22,7 +24,8 @@ def fold_constants(graph) -> bool:
             continue
         outputs = [np.empty(v.shape, v.dtype) for v in node.outputs]
         inputs = [v.data if v is not None else None for v in node.inputs]
-        run = get(node.op).make(node, inputs, outputs)
+        ctx = ctx or BindContext()
+        run = get(node.op).make(node, inputs, outputs, ctx)
         if run is not None:
             with np.errstate(all="ignore"):
                 run()

@@ -8,7 +8,7 @@ pnnx left without a shape get the inferred one.
 import numpy as np
 
 from pmx.runtime.errors import PmxCompileError
-from pmx.runtime.kernels import output_shapes
+from pmx.runtime.kernels.registry import output_shapes
 
 
 def infer_shapes(graph) -> bool:

@@ -22,7 +22,7 @@ graph.fixed_reasons = [text, ...] for the compile summary.
 import numpy as np
 
 from pmx.runtime.errors import PmxCompileError
-from pmx.runtime.kernels import output_shapes
+from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.kernels.shape import resolve_dyn_shape
 
 UNBOUNDED = -1

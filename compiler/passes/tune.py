@@ -37,7 +37,9 @@ import time
 import numpy as np
 
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
-from pmx.runtime.kernels import conv, elementwise, get
+from pmx.runtime.kernels import conv, elementwise
+from pmx.runtime.kernels.bind import BindContext
+from pmx.runtime.kernels.registry import get
 
 TUNE_MARGIN = 0.05  # a candidate must beat the rule's choice by more than this
 TUNE_ROUNDS = 3
@@ -142,7 +144,7 @@ def _bind(node, variant, rng):
         op = node.op
         if len(ins) > 1 and ins[1] is not None:  # the weight as prepack_weights will store it
             op, ins[1] = packed(node, variant, ins[1])
-        run = get(op).make(node, ins, outs)
+        run = get(op).make(node, ins, outs, BindContext())
         if run is not None:
             with np.errstate(all="ignore"):
                 run()

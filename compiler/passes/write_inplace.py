@@ -12,7 +12,7 @@ graph output or kept: the shared buffer then lives to the end and is never overw
 """
 
 from pmx.compiler.passes.plan_memory import resolve, root_lifetimes
-from pmx.runtime.kernels import get
+from pmx.runtime.kernels.registry import get
 
 
 def write_inplace(graph) -> bool:

@@ -29,7 +29,7 @@ attrs:
 Output 0 has q's layout with v's feature size.
 
 How it runs (tools/bench_kernels.py has the numbers): where BLAS runs on one thread
-(parallel.gemm_threads), each slice of the scores is shared out to the runtime's threads along
+(BindContext.gemm_threads), each slice of the scores is shared out to the runtime's threads along
 its first batch axis longer than 1 (the heads; the query rows when there is none), and
 each thread runs every step on its share: q * scale (L*E multiplies, not L*S), QK^T,
 masks, the softmax (row max, subtract, exp in place; row sums as a GEMV with a ones
@@ -44,10 +44,11 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, NUMBER, defaulting, integer, one_of, optional,
                                             or_empty, words)
+from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import along, chain, view_as
+from pmx.runtime.kernels.registry import register
 from pmx.runtime.record import Record
 
 
@@ -223,14 +224,14 @@ def _block_part(b, axis, lo, hi):
                   cut(b.row_sum), masks, cut(b.weights))
 
 
-def _over_threads(b, attend, mean_weights):
+def _over_threads(ctx, b, attend, mean_weights):
     """attend(part of block b) for each thread's share, when the block is big enough to
-    pay for the dispatch, where BLAS runs on one thread (parallel.gemm_threads): then
+    pay for the dispatch, where BLAS runs on one thread (ctx.gemm_threads): then
     this is how both GEMMs and the softmax between them get the other cores."""
     axis = _thread_axis(b, mean_weights)
-    parts = parallel.gemm_threads() if parallel.worth_splitting(b.scores.size) else 1
-    return parallel.split([attend(_block_part(b, axis, lo, hi))
-                           for lo, hi in parallel.ranges(b.scores.shape[axis], parts)])
+    parts = ctx.gemm_threads if ctx.worth_splitting(b.scores.size) else 1
+    return ctx.split([attend(_block_part(b, axis, lo, hi))
+                      for lo, hi in parallel.ranges(b.scores.shape[axis], parts)])
 
 
 def _attend(b, scale, safe, weights, heads, ones):
@@ -362,14 +363,14 @@ def _scratch_requests(q_shape, slab, dtype, scale):
     return [(slab, dtype), (rows, dtype), (rows, dtype)] + scaled_q
 
 
-def attention_scratch(node, inputs, outputs):
+def attention_scratch(node, inputs, outputs, ctx):
     views, _, _, slab = _layout(node.attrs, inputs, outputs[0])
     scale = float(node.attrs.get("scale", 1.0))
     return scratch_nbytes(*_scratch_requests(views[0].shape, slab, outputs[0].dtype, scale))
 
 
 @register("attention", infer=attention_infer, scratch=attention_scratch, attrs=ATTENTION_ATTRS, float_input=True)
-def make_attention(node, inputs, outputs):
+def make_attention(node, inputs, outputs, ctx):
     attrs = node.attrs
     out = outputs[0]
     (qh, kh, vh, oh, masks), full, chunk, slab = _layout(attrs, inputs, out)
@@ -380,7 +381,7 @@ def make_attention(node, inputs, outputs):
     weights = attrs.get("weights", "none")
     w = outputs[1] if weights != "none" else None
     requests = _scratch_requests(qh.shape, slab, dt, scale)
-    buf, max_buf, sum_buf, *scaled = (scratch_array(shape, dtype) for shape, dtype in requests)
+    buf, max_buf, sum_buf, *scaled = (ctx.scratch_array(shape, dtype) for shape, dtype in requests)
     whole = _Block(qh, scaled[0] if scaled else None, np.swapaxes(kh, -1, -2), vh, oh, buf, max_buf,
                    sum_buf, tuple(adds), w)
     ones = np.ones((full[-1], 1), dt)
@@ -391,12 +392,12 @@ def make_attention(node, inputs, outputs):
     mean_weights = weights == "mean"
     nd = len(full)
     if nd == 2:
-        steps = pre + [_over_threads(whole, attend, mean_weights)]
+        steps = pre + [_over_threads(ctx, whole, attend, mean_weights)]
     else:
         steps = list(pre)
         for r0 in range(0, full[0], chunk):
             block = _slice(whole, nd, r0, min(full[0], r0 + chunk))
-            steps.append(_over_threads(block, attend, mean_weights))
+            steps.append(_over_threads(ctx, block, attend, mean_weights))
     return chain(*steps)
 
 

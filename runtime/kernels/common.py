@@ -1,4 +1,6 @@
-"""Helpers shared by kernel families."""
+"""Helpers shared by kernel families. Those that take `ctx` (the binding's
+bind.BindContext, first parameter) read the binding's pool or memory when the factory
+calls them; the callables they return hold what they were given."""
 
 import functools
 import itertools
@@ -9,7 +11,6 @@ import numpy as np
 
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
-from pmx.runtime.kernels import persistent_buffer, scratch_array, temporary_array
 
 
 def view_as(a: np.ndarray, shape) -> np.ndarray:
@@ -89,38 +90,38 @@ def root_array(a):
 SINGLE_THREAD = "_1t"
 
 
-def node_threads(node):
+def node_threads(ctx, node):
     """Threads a node's kernel may split its work over (1 for a `_1t` variant)."""
-    return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.num_threads()
+    return 1 if node.variant.endswith(SINGLE_THREAD) else ctx.threads
 
 
-def gemm_node_threads(node):
-    """Threads a node's kernel may split its BLAS calls over: node_threads(node) when the
-    pool splits GEMMs (BLAS on one thread), else 1 (BLAS's own threads share them)."""
-    return 1 if node.variant.endswith(SINGLE_THREAD) else parallel.gemm_threads()
+def gemm_node_threads(ctx, node):
+    """Threads a node's kernel may split its BLAS calls over: node_threads when the pool
+    splits GEMMs (BLAS on one thread), else 1 (BLAS's own threads share them)."""
+    return 1 if node.variant.endswith(SINGLE_THREAD) else ctx.gemm_threads
 
 
-def split_threads(node, elements):
-    """Threads a node splits `elements` of work over: node_threads(node) when the work pays
-    for a dispatch (parallel.worth_splitting), else 1."""
-    return node_threads(node) if parallel.worth_splitting(elements) else 1
+def split_threads(ctx, node, elements):
+    """Threads a node splits `elements` of work over: node_threads when the work pays
+    for a dispatch (ctx.worth_splitting), else 1."""
+    return node_threads(ctx, node) if ctx.worth_splitting(elements) else 1
 
 
-def split_copy(dst, src, axis, threads):
+def split_copy(ctx, dst, src, axis, threads):
     """Callable np.copyto(dst, src) split over `threads` along `axis` (of both)."""
     lead = (slice(None),) * axis
-    return parallel.split([lambda d=dst[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
-                           for lo, hi in parallel.ranges(dst.shape[axis], threads)])
+    return ctx.split([lambda d=dst[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
+                      for lo, hi in parallel.ranges(dst.shape[axis], threads)])
 
 
-def epilogue(node, out, threads=None):
+def epilogue(ctx, node, out, threads=None):
     """The fused activation of a conv/linear/matmul node (node.expr over @0 = the GEMM
     output), applied in place on `out` (split over `threads`, default all, when big);
     None when there is none."""
     if not node.expr:
         return None
     tree = node.expr
-    return split_expression(tree, [out], out, parallel.num_threads() if threads is None else threads,
+    return split_expression(ctx, tree, [out], out, ctx.threads if threads is None else threads,
                             expression_backend(node, tree))
 
 
@@ -133,7 +134,7 @@ CHEAP_OPS = frozenset({"@", "#", "add", "sub", "mul", "div", "neg", "abs", "maxi
                        "where", "gt", "ge", "lt", "le", "eq", "ne"})
 
 
-def split_activated(node, out, parts):
+def split_activated(ctx, node, out, parts):
     """One callable running `parts`, (work, the part of out it writes) pairs, over the
     threads, each followed by node's fused activation on its part while that is in
     cache; or, where epilogue_after_parts says so, the activation once on all of out
@@ -141,22 +142,22 @@ def split_activated(node, out, parts):
     node None or without an activation: the work alone."""
     works = [work for work, _ in parts]
     if node is None or not node.expr:
-        return parallel.split(works)
-    if len(parts) > 1 and epilogue_after_parts(node, out):
-        return chain(parallel.split(works), epilogue(node, out, threads=1))
-    return parallel.split([chain(work, epilogue(node, part, threads=1)) for work, part in parts])
+        return ctx.split(works)
+    if len(parts) > 1 and epilogue_after_parts(ctx, node, out):
+        return chain(ctx.split(works), epilogue(ctx, node, out, threads=1))
+    return ctx.split([chain(work, epilogue(ctx, node, part, threads=1)) for work, part in parts])
 
 
-def epilogue_after_parts(node, out):
+def epilogue_after_parts(ctx, node, out):
     """Whether a kernel split over the threads runs node's activation once on all of `out`
     after its parts instead of inside each: cheap arithmetic (CHEAP_OPS) on a tensor an
-    elementwise node would not split either (parallel.worth_splitting). A transcendental
+    elementwise node would not split either (ctx.worth_splitting). A transcendental
     activation (SiLU: exp at ~1.8 ns per element) keeps its share of the cores. Steady
     ms, in each part -> after the parts, alternating fresh processes: MobileNetV3-small
     (hardswish) 5.28-5.31 -> 5.10-5.16 (3 pairs), and 6.35-6.46 -> 6.26-6.37 (4 pairs,
     in a slower hour of this host); ShuffleNetV2 9.01-9.42 -> 9.01-9.31 (4 pairs);
     MobileNetV2 and EfficientNet-B0 within noise."""
-    if not node.expr or parallel.worth_splitting(out.size):
+    if not node.expr or ctx.worth_splitting(out.size):
         return False
     return _only_cheap(E.desugar(node.expr))
 
@@ -171,7 +172,7 @@ def expression_backend(node, tree):
     return E.compile_numexpr if node.variant.endswith("numexpr") and E.numexpr_supported(tree) else None
 
 
-def split_expression(tree, inputs, out, threads, backend=None):
+def split_expression(ctx, tree, inputs, out, threads, backend=None):
     """Callable evaluating `tree` into `out` with `backend` (E.compile_numpy, or
     E.compile_numexpr), as one slab per thread along the first axis at least `threads`
     long when the tensor is big enough to pay for the dispatch. Each slab is the same
@@ -189,15 +190,15 @@ def split_expression(tree, inputs, out, threads, backend=None):
             threads = 1  # numexpr's own threads share the program out
         elif numexpr_threads > 1:
             backend = None
-    # numpy's temporaries come from the binding's shared pool (kernels.temporary_array)
-    backend = backend or functools.partial(E.compile_numpy, empty=temporary_array)
+    # numpy's temporaries come from the binding's shared pool (BindContext.temporary_array)
+    backend = backend or functools.partial(E.compile_numpy, empty=ctx.temporary_array)
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
-    if axis is None or not parallel.worth_splitting(out.size):
+    if axis is None or not ctx.worth_splitting(out.size):
         return backend(tree, inputs, out)
     axis -= out.ndim
     parts = [backend(tree, [along(x, axis, lo, hi) for x in inputs], along(out, axis, lo, hi))
              for lo, hi in parallel.ranges(out.shape[axis], threads)]
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 def along(x, axis, lo, hi):
@@ -232,7 +233,7 @@ def product(a, b, out, bias=None):
     return lambda: (np.copyto(out, bias), accumulate())
 
 
-def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
+def gemm(ctx, a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     """Callable computing np.matmul(a, b, out=out), split over the threads when the
     product is big enough: along out's first batch axis longer than 1, else its columns
     (each thread reads half of b: a linear layer's weights), else its rows; with
@@ -243,7 +244,7 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     ms, 32->192 at 28x28 0.203 -> 0.140; SqueezeNet 16->64 at 55x55 0.202 -> 0.121;
     DenseNet 64->128 at 56x56 0.559 -> 0.440. Linear layers keep columns: ViT-B/16's
     3072->768 lost 6.6 -> 7.4 ms with rows. The split happens only where BLAS runs on
-    one thread (parallel.gemm_threads); otherwise BLAS's own threads share the product.
+    one thread (ctx.gemm_threads); otherwise BLAS's own threads share the product.
     `bias` (broadcast against out, or None) is added to each part with its product
     (`product`); `activation` (a node with a fused activation, or None) is applied as
     split_activated does. Measured on this 2-core machine with BLAS on one thread (idle
@@ -255,17 +256,17 @@ def gemm(a, b, out, threads=None, activation=None, rows_first=False, bias=None):
     (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
     576->96 at 7x7 (2.7M) 0.088 -> 0.066, 48->288 at 14x14 + hardswish 0.128 -> 0.114;
     at 1.1M (24->58 at 28x28) it lost: 0.057 -> 0.067."""
-    threads = threads or parallel.gemm_threads()
+    threads = threads or ctx.gemm_threads
     plan = _gemm_split(a, b, out, threads, rows_first)
     if plan is None:
-        return split_activated(activation, out, [(product(a, b, out, bias), out)])
+        return split_activated(ctx, activation, out, [(product(a, b, out, bias), out)])
     (axis_a, axis_b, axis_out), length = plan
     parts = []
     for lo, hi in parallel.ranges(length, threads):
         pa, pb, po = (x if axis is None else along(x, axis, lo, hi) for x, axis in
                       ((a, axis_a), (b, axis_b), (out, axis_out)))
         parts.append((product(pa, pb, po, None if bias is None else along(bias, axis_out, lo, hi)), po))
-    return split_activated(activation, out, parts)
+    return split_activated(ctx, activation, out, parts)
 
 
 def gemm_split_minimum(vector):
@@ -317,17 +318,17 @@ def padded_shape(x_shape, pads):
     return tuple(x_shape[:lead]) + tuple(x_shape[lead + i] + pads[i] + pads[nd + i] for i in range(nd))
 
 
-def padded_buffer(x_shape, pads, dtype, fill, shared_as=None):
+def padded_buffer(ctx, x_shape, pads, dtype, fill, shared_as=None):
     """A buffer for the padded input with its borders set once to `fill`, and the view of
     its interior that receives the input on each run. pads = begins + ends per spatial dim.
     With `shared_as` (what else decides the positions its node writes, such as a padding
     mode that rewrites the border), nodes of one binding with the same geometry share it
-    (kernels.persistent_buffer)."""
+    (BindContext.persistent_buffer)."""
     nd = len(pads) // 2
     spatial = x_shape[-nd:]
     shape = padded_shape(x_shape, pads)
     key = None if shared_as is None else ("padded", tuple(x_shape), tuple(pads), shared_as)
-    buf = persistent_buffer(key, shape, dtype, fill)
+    buf = ctx.persistent_buffer(key, shape, dtype, fill)
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + s) for i, s in enumerate(spatial))]
     return buf, interior
 
@@ -547,7 +548,7 @@ def phase_scratch(g, x_shape, dtype, mode="zeros"):
     return [((g.n, g.c, g.per_channel), dtype)] + padded
 
 
-def phase_buffer(x, g, mode="zeros", fill=0):
+def phase_buffer(ctx, x, g, mode="zeros", fill=0):
     """(buffer, fill(channel slice) -> callable): the phase-split padded input of x (g:
     its Phases) in scratch, and for each channel slice the callable that writes `fill`
     (zeros for a conv, the lowest value for max pooling) where the copy does not reach
@@ -556,13 +557,13 @@ def phase_buffer(x, g, mode="zeros", fill=0):
     padded input first (a second scratch array) and split that, and `fill` then covers
     only what lies past the padded size."""
     nd = len(g.k)
-    buf = scratch_array((g.n, g.c, g.per_channel), x.dtype)
+    buf = ctx.scratch_array((g.n, g.c, g.per_channel), x.dtype)
     phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
                    for p in range(len(g.phases))]
     if mode == "zeros":
         src_spatial, begins, padded = x.shape[2:], g.pads[:nd], None
     else:
-        padded = scratch_array(padded_shape(x.shape, g.pads), x.dtype)
+        padded = ctx.scratch_array(padded_shape(x.shape, g.pads), x.dtype)
         src_spatial, begins = padded.shape[2:], (0,) * nd
     stale = _valid_reads(g)  # less what the copies below write
     pairs = []

@@ -63,8 +63,8 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, one_of, optional, twice, weight_spatial
+from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import (
     GEMM_SPLIT_MIN_COLUMNS,
     GEMM_SPLIT_MIN_ROWS,
@@ -91,6 +91,7 @@ from pmx.runtime.kernels.common import (
     split_activated,
     view_as,
 )
+from pmx.runtime.kernels.registry import register
 
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -120,13 +121,13 @@ def conv_infer(node, shapes, dtypes):
     return [((x[0], w[0]) + spatial, dtypes[0])]
 
 
-def _padded_input(x, a, nd):
+def _padded_input(ctx, x, a, nd):
     """(callable that refreshes the padded copy or None, padded array)."""
     pads = tuple(a["pads"])
     if not any(pads):
         return None, x
     mode = a.get("padding_mode", "zeros")
-    buf, interior = padded_buffer(x.shape, pads, x.dtype, 0, shared_as=("conv input", mode))
+    buf, interior = padded_buffer(ctx, x.shape, pads, x.dtype, 0, shared_as=("conv input", mode))
     return chain(copy_rows(interior, x), _border_step(buf, a, x.shape[-nd:])), buf
 
 
@@ -174,7 +175,7 @@ def _is_pointwise(x, w, a):
             and x.flags.c_contiguous)
 
 
-def conv_scratch(node, inputs, outputs):
+def conv_scratch(node, inputs, outputs, ctx):
     x, w, out = inputs[0], inputs[1], outputs[0]
     scale = _input_scale(inputs)
     if scale is not None and _scales_weights(node, x, w, out):
@@ -182,7 +183,7 @@ def conv_scratch(node, inputs, outputs):
     scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
         g = _depthwise_geometry(x, w, out, node.attrs)
-        padded, rest = _depthwise_scratch(g, *_depthwise_plan(node, g, out.dtype), out.dtype, x.shape,
+        padded, rest = _depthwise_scratch(g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape,
                                           node.attrs.get("padding_mode", "zeros"))
         return scratch_nbytes(*scaled, *padded, *rest)
     if _is_pointwise(x, w, node.attrs):
@@ -191,19 +192,19 @@ def conv_scratch(node, inputs, outputs):
 
 
 @register("conv", infer=conv_infer, scratch=conv_scratch, attrs=CONV_ATTRS, float_input=True)
-def make_conv(node, inputs, outputs):
+def make_conv(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
     scale = _input_scale(inputs)
     if scale is not None:
         if _scales_weights(node, x, w, out):
-            return _scaled_pointwise(node, x, w, b, scale, out)
-        scaled = scratch_array(x.shape, x.dtype)
-        return chain(lambda: np.multiply(x, scale, out=scaled), make_conv(node, [scaled, w, b], outputs))
+            return _scaled_pointwise(ctx, node, x, w, b, scale, out)
+        scaled = ctx.scratch_array(x.shape, x.dtype)
+        return chain(lambda: np.multiply(x, scale, out=scaled), make_conv(node, [scaled, w, b], outputs, ctx))
     if _variant(node, w) == "depthwise":
-        return _depthwise(node, x, w, b, out)
-    return _gemm(node, x, w, b, out)
+        return _depthwise(ctx, node, x, w, b, out)
+    return _gemm(ctx, node, x, w, b, out)
 
 
 # --- input scale (folded squeeze-and-excitation gates) ---------------------------------
@@ -231,25 +232,25 @@ def _scales_weights(node, x, w, out):
             and math.prod(out.shape[2:]) > 1)
 
 
-def _scaled_pointwise(node, x, w, b, scale, out):
+def _scaled_pointwise(ctx, node, x, w, b, scale, out):
     """A 1x1 conv of x * scale as (W * scale) @ x per image: the scaled (Cout, Cin)
     weights go into scratch, then the usual GEMM (split, bias, activation) reads x as it
     is. The compiler folds a gate in only where the weights are smaller than the input
     (Cout < H x W), so this replaces a pass over the input with a smaller one."""
     n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
-    scaled = scratch_array((cout, cin), w.dtype)
+    scaled = ctx.scratch_array((cout, cin), w.dtype)
     w2 = w.reshape(cout, cin)
     rows = scale[(slice(None), slice(None)) + (0,) * (scale.ndim - 2)][:, None, :]  # (images, 1, Cin): a view at any strides
     x2 = view_as(x, (n, cin, -1))
     out2 = view_as(out, (n, cout, -1))
     bias = None if b is None else b.reshape(cout, 1)
-    threads = gemm_node_threads(node)
+    threads = gemm_node_threads(ctx, node)
     multiply = np.multiply
     steps = []
     for i in range(n):
         if i < rows.shape[0]:  # one gate for the whole batch: scaled once
             steps.append(lambda r=rows[i]: multiply(w2, r, out=scaled))
-        steps.append(gemm(scaled, x2[i], out2[i], threads, node, rows_first=True, bias=bias))
+        steps.append(gemm(ctx, scaled, x2[i], out2[i], threads, node, rows_first=True, bias=bias))
     return chain(*steps)
 
 
@@ -262,16 +263,16 @@ def _cols_shape(x, w, out):
     return (groups, w.shape[1] * kk, math.prod(out.shape[2:]))
 
 
-def _gemm(node, x, w, b, out):
+def _gemm(ctx, node, x, w, b, out):
     a = node.attrs
     n, nd = x.shape[0], w.ndim - 2
     groups = x.shape[1] // w.shape[1]
     cout, cg = w.shape[0], w.shape[1]
     k = w.shape[2:]
     o = math.prod(out.shape[2:])
-    threads = gemm_node_threads(node)
+    threads = gemm_node_threads(ctx, node)
     if _is_pointwise(x, w, a) and groups == 1 and o == 1 and (threads == 1 or n * cout * cg < gemm_split_minimum(True)):
-        return _gemv(node, x, w, b, out)
+        return _gemv(ctx, node, x, w, b, out)
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
@@ -279,11 +280,12 @@ def _gemm(node, x, w, b, out):
     bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(gemm(squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True, bias=bias)
+        return chain(*(gemm(ctx, squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True,
+                            bias=bias)
                        for i in range(n)))
-    pad_step, xp = _padded_input(x, a, nd)
+    pad_step, xp = _padded_input(ctx, x, a, nd)
     owner = root_array(xp)  # the windows below are as_strided views, which lose their bases
-    cols = scratch_array(_cols_shape(x, w, out), x.dtype)
+    cols = ctx.scratch_array(_cols_shape(x, w, out), x.dtype)
     cols_windows = view_as(cols, (groups, cg) + tuple(k) + tuple(out.shape[2:]))
     macs = cout * cg * math.prod(k) * o
     threads = threads if macs >= gemm_split_minimum(o == 1) else 1
@@ -296,10 +298,10 @@ def _gemm(node, x, w, b, out):
         band_views = [(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)])
                       for lo, hi in bands]
         if _split_by_channels(threads, groups, cout, o):
-            steps.append(parallel.split([copy_strided(d, s, owner) for d, s in band_views]))
-            steps.append(gemm(wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
+            steps.append(ctx.split([copy_strided(d, s, owner) for d, s in band_views]))
+            steps.append(gemm(ctx, wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
             continue
-        steps.append(split_activated(node, out_g[i], [
+        steps.append(split_activated(ctx, node, out_g[i], [
             _im2col_gemm(copy_strided(dst, src, owner), squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
                          squeeze(out_g[i][..., lo * row:hi * row]), bias)
             for (dst, src), (lo, hi) in zip(band_views, bands)]))
@@ -321,7 +323,7 @@ def _split_by_channels(threads, groups, cout, positions):
             and positions // threads < GEMM_SPLIT_MIN_COLUMNS)
 
 
-def _gemv(node, x, w, b, out):
+def _gemv(ctx, node, x, w, b, out):
     """A 1x1 conv on one position per image (squeeze-and-excitation blocks): one GEMV
     of the (Cout, Cin) weights with the input vector (a batch: the (N, Cin) inputs with the
     transposed weights), then bias and activation, in one callable. The general path's
@@ -342,7 +344,7 @@ def _gemv(node, x, w, b, out):
         def product():
             multiply()
             add(o, b, out=o)
-    return chain(product, epilogue(node, out, threads=1))
+    return chain(product, epilogue(ctx, node, out, threads=1))
 
 
 def _im2col_gemm(copy, w, cols, out, bias):
@@ -373,12 +375,12 @@ def _phases(x, w, out, a):
                   shared_padding=a.get("padding_mode", "zeros") == "zeros")
 
 
-def _depthwise_plan(node, g, dtype):
+def _depthwise_plan(ctx, node, g, dtype):
     """(channel range per thread, channels per im2col block), as make() and the scratch
     sizing both need them."""
     elements = g.n * g.c * g.length * len(g.taps)
-    split = parallel.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
-    threads = node_threads(node) if split else 1
+    split = ctx.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
+    threads = node_threads(ctx, node) if split else 1
     parts = parallel.ranges(g.c, threads)
     per_channel = max(1, len(g.taps) * g.length * np.dtype(dtype).itemsize)
     block = max(1, min(max(hi - lo for lo, hi in parts), DEPTHWISE_BLOCK_BYTES // per_channel))
@@ -447,16 +449,16 @@ def _depthwise_geometry(x, w, out, a):
     return _phases(x, w, out, a)
 
 
-def _depthwise(node, x, w, b, out):
+def _depthwise(ctx, node, x, w, b, out):
     a = node.attrs
     mode = a.get("padding_mode", "zeros")
     g = _depthwise_geometry(x, w, out, a)
-    parts, block = _depthwise_plan(node, g, out.dtype)
+    parts, block = _depthwise_plan(ctx, node, g, out.dtype)
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
     weights = w.reshape(g.c, 1, -1)
     # scratch: the padded input first (as _depthwise_scratch lists it), then the rest
-    buf, fill = _flat_buffer(x, g) if isinstance(g, _Flat) else phase_buffer(x, g, mode)
-    *wide, cols = (scratch_array(shape, dtype) for shape, dtype in
+    buf, fill = _flat_buffer(ctx, x, g) if isinstance(g, _Flat) else phase_buffer(ctx, x, g, mode)
+    *wide, cols = (ctx.scratch_array(shape, dtype) for shape, dtype in
                    _depthwise_scratch(g, parts, block, out.dtype, x.shape, mode)[1])
     if isinstance(g, _Flat):
         # the GEMVs write the output itself
@@ -474,14 +476,14 @@ def _depthwise(node, x, w, b, out):
         blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
         steps.append((chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)),
                       out[:, ch]))
-    return split_activated(node, out, steps)
+    return split_activated(ctx, node, out, steps)
 
 
-def _flat_buffer(x, g):
+def _flat_buffer(ctx, x, g):
     """(buffer, fill(channel slice) -> callable): the flat path's padded input in scratch,
     each channel of x flattened at g.base, and for each channel slice the callable that
     zeroes the positions before and after it (stale from other nodes) and copies it in."""
-    buf = scratch_array((g.n, g.c, g.per_channel), x.dtype)
+    buf = ctx.scratch_array((g.n, g.c, g.per_channel), x.dtype)
     x_flat = view_as(x, (g.n, g.c, -1))
     inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
     stale = np.ones(g.per_channel, bool)

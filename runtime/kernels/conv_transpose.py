@@ -16,9 +16,10 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, optional, twice, weight_spatial
+from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import chain, split_activated, split_threads, view_as
+from pmx.runtime.kernels.registry import register
 
 CONV_TRANSPOSE_ATTRS = dict(stride=ints(weight_spatial, lo=1), pads=ints(twice(weight_spatial), lo=0),
                             output_padding=ints(weight_spatial, lo=0), dilation=ints(weight_spatial, lo=1),
@@ -59,12 +60,12 @@ def _cols_shape(x, w, groups):
     return (x.shape[0], groups, w.shape[1] * math.prod(w.shape[2:]), math.prod(x.shape[2:]))
 
 
-def conv_transpose_scratch(node, inputs, outputs):
+def conv_transpose_scratch(node, inputs, outputs, ctx):
     return scratch_nbytes((_cols_shape(inputs[0], inputs[1], int(node.attrs.get("groups", 1))), outputs[0].dtype))
 
 
 @register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch, attrs=CONV_TRANSPOSE_ATTRS, float_input=True)
-def make_conv_transpose(node, inputs, outputs):
+def make_conv_transpose(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
@@ -86,7 +87,7 @@ def make_conv_transpose(node, inputs, outputs):
     wt = view_as(w_c, (groups, cin_g, cout_g * kk)).transpose(0, 2, 1)
     xg = view_as(x_c, (n, groups, cin_g, length))
 
-    cols = scratch_array(_cols_shape(x, w, groups), out.dtype)
+    cols = ctx.scratch_array(_cols_shape(x, w, groups), out.dtype)
     cols_taps = view_as(cols, (n, cout) + tuple(k) + tuple(in_sp))
     adds = []
     coverage = np.zeros(out_sp, np.int64)
@@ -107,8 +108,8 @@ def make_conv_transpose(node, inputs, outputs):
     # 2x2/2 up-convolution) are written, not accumulated, so out needs no zero fill
     tiled = bool(np.all(coverage == 1))
     # one group: each thread takes a range of output channels, its rows of the GEMM and
-    # its part of col2im (where BLAS runs on one thread: parallel.gemm_threads)
-    threads = min(split_threads(node, cols.size), parallel.gemm_threads()) if groups == 1 else 1
+    # its part of col2im (where BLAS runs on one thread: ctx.gemm_threads)
+    threads = min(split_threads(ctx, node, cols.size), ctx.gemm_threads) if groups == 1 else 1
     parts = []
     for c0, c1 in parallel.ranges(cout, threads):
         ch = slice(c0, c1)
@@ -117,7 +118,7 @@ def make_conv_transpose(node, inputs, outputs):
         multiply = blas.matmul(wt[:, rows], xg, cols[:, :, rows])
         parts.append((_part(multiply, pairs, None if bias is None else bias[:, ch],
                             out[:, ch], tiled), out[:, ch]))
-    return chain(copy_w, copy_x, split_activated(node, out, parts))
+    return chain(copy_w, copy_x, split_activated(ctx, node, out, parts))
 
 
 def _contiguous(a):

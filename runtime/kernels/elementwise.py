@@ -13,8 +13,8 @@ the rule; such files still run as stored).
 import numpy as np
 
 from pmx.runtime import expr as E
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.common import expression_backend, node_threads, split_expression
+from pmx.runtime.kernels.registry import register
 
 
 def variants(node):
@@ -33,8 +33,8 @@ def elementwise_infer(node, shapes, dtypes):
 
 
 @register("elementwise", infer=elementwise_infer, inplace=True)
-def make_elementwise(node, inputs, outputs):
+def make_elementwise(node, inputs, outputs, ctx):
     tree = node.expr
     out = outputs[0]
     backend = expression_backend(node, tree) if inputs else None  # numexpr needs an input
-    return split_expression(tree, inputs, out, node_threads(node), backend)
+    return split_expression(ctx, tree, inputs, out, node_threads(ctx, node), backend)

@@ -33,7 +33,7 @@
           (docs/performance.md, 2026-11-27).
 `masked_select` inputs data, mask (broadcast together); attrs sized_at_run: outputs the
           selected elements (1-d), a length known only when it runs, so allocated by the
-          kernel (kernels.RunSized, see runtime/session.py); the compiler refuses such an
+          kernel (registry.RunSized, see runtime/session.py); the compiler refuses such an
           output feeding any other node, since those need a planned shape.
 `as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
           the input's contiguous storage, copied out.
@@ -42,7 +42,7 @@
           x.shape[axis] (torch.arange(start, x.size(axis), step)), a shape rule of x.
 `arange_values` inputs start, end, step (one element each); attrs dtype, sized_at_run:
           torch.arange with bounds read from tensor values. Its length is known only
-          when it runs, so its output is sized at run time (kernels.RunSized, see
+          when it runs, so its output is sized at run time (registry.RunSized, see
           runtime/session.py): planned empty, allocated by the kernel, a model output
           read by no node. Bounds inconsistent with the step's sign raise PmxInputError,
           as torch raises.
@@ -53,11 +53,11 @@ import math
 
 import numpy as np
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import (AXES, AXIS, DTYPE, FLAG, INT, MISSING, NON_NEGATIVE, NUMBER, TRUE,
                                             at_least_1d, axis, distinct_axes, input_rank, ints, length_of, number,
                                             optional, target_shape, widest_input)
 from pmx.runtime.kernels.common import view_as
+from pmx.runtime.kernels.registry import register
 
 
 def same_shape(node, shapes, dtypes):
@@ -78,7 +78,7 @@ def _copies(pairs):
 
 
 @register("roll", infer=same_shape, attrs=dict(axes=AXES, shifts=ints(length_of("axes"))))
-def make_roll(node, inputs, outputs):
+def make_roll(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     # A roll along k axes is 2^k block copies: along each axis the tail moves to the front.
     pieces = []
@@ -99,7 +99,7 @@ def make_roll(node, inputs, outputs):
 
 
 @register("flip", infer=same_shape, attrs=dict(axes=AXES))
-def make_flip(node, inputs, outputs):
+def make_flip(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     index = [slice(None)] * x.ndim
     for ax in node.attrs["axes"]:
@@ -119,7 +119,7 @@ def expand_infer(node, shapes, dtypes):
 
 
 @register("expand", infer=expand_infer, attrs=dict(shape=target_shape(copies_dims_of=1, min_length=input_rank(0))))
-def make_expand(node, inputs, outputs):
+def make_expand(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x)
 
@@ -138,7 +138,7 @@ def tile_infer(node, shapes, dtypes):
 
 
 @register("tile", infer=tile_infer, attrs=dict(reps=ints(lo=0)))
-def make_tile(node, inputs, outputs):
+def make_tile(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     reps = tuple(node.attrs["reps"])
     if len(reps) < x.ndim:
@@ -160,7 +160,7 @@ def take_infer(node, shapes, dtypes):
 
 
 @register("take", infer=take_infer, attrs=dict(axis=AXIS))
-def make_take(node, inputs, outputs):
+def make_take(node, inputs, outputs, ctx):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
     return lambda: np.take(x, idx, axis=axis, out=out, mode="raise")
@@ -171,7 +171,7 @@ def gather_infer(node, shapes, dtypes):
 
 
 @register("gather", infer=gather_infer, attrs=dict(axis=AXIS))
-def make_gather(node, inputs, outputs):
+def make_gather(node, inputs, outputs, ctx):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
     if not x.flags.c_contiguous or not out.flags.c_contiguous:
@@ -207,7 +207,7 @@ def cast_infer(node, shapes, dtypes):
 
 
 @register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE))
-def make_cast(node, inputs, outputs):
+def make_cast(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
 
@@ -232,7 +232,7 @@ def index_infer(node, shapes, dtypes):
 
 
 @register("index", infer=index_infer, attrs=dict(axes=distinct_axes(length=_index_inputs)))
-def make_index(node, inputs, outputs):
+def make_index(node, inputs, outputs, ctx):
     """x[i0, :, i1] with several integer index tensors (attrs axes: the dims they index),
     numpy's advanced indexing rules, which are torch's: the index tensors broadcast
     together and their dims replace the indexed ones (in place when adjacent, else first)."""
@@ -275,7 +275,7 @@ def index_put_infer(node, shapes, dtypes):
 
 @register("index_put", infer=index_put_infer, inplace=True,
           attrs=dict(axes=_put_axes, accumulate=optional(FLAG), value=_value_unless_input))
-def make_index_put(node, inputs, outputs):
+def make_index_put(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     values = inputs[1] if "value" not in node.attrs else np.asarray(node.attrs["value"], x.dtype)
     key = _key_with(node.attrs["axes"], inputs[2:])
@@ -303,7 +303,7 @@ def _chain(first, second):
 
 
 @register("scatter_add", infer=index_put_infer, inplace=True, attrs=dict(axis=AXIS))
-def make_scatter_add(node, inputs, outputs):
+def make_scatter_add(node, inputs, outputs, ctx):
     x, idx, src, out = inputs[0], inputs[1], inputs[2], outputs[0]
     axis = node.attrs["axis"] % x.ndim
     # torch reads src only where index has elements: src's leading corner of index's shape
@@ -321,7 +321,7 @@ def make_scatter_add(node, inputs, outputs):
 
 
 @register("fill", infer=index_put_infer, attrs=dict(value=_value_unless_input))
-def make_fill(node, inputs, outputs):
+def make_fill(node, inputs, outputs, ctx):
     out = outputs[0]
     if len(inputs) > 1 and inputs[1] is not None:
         v = inputs[1]
@@ -346,7 +346,7 @@ def diag_infer(node, shapes, dtypes):
 
 
 @register("diag", infer=diag_infer, attrs=dict(diagonal=INT))
-def make_diag(node, inputs, outputs):
+def make_diag(node, inputs, outputs, ctx):
     x, out, k = inputs[0], outputs[0], node.attrs["diagonal"]
     if x.ndim == 1:
         n = x.shape[0]
@@ -371,7 +371,7 @@ def cross_infer(node, shapes, dtypes):
 
 
 @register("cross", infer=cross_infer, attrs=dict(axis=axis(widest_input)))
-def make_cross(node, inputs, outputs):
+def make_cross(node, inputs, outputs, ctx):
     a, b, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % out.ndim
     a = np.broadcast_to(a, out.shape)
@@ -397,7 +397,7 @@ def cumulative_infer(node, shapes, dtypes):
 def _cumulative(accumulate):
     """Kernel factory of cumsum / cumprod (`accumulate`: np.cumsum or np.cumprod)."""
 
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         x, out = inputs[0], outputs[0]
         axis = node.attrs["axis"] % max(x.ndim, 1)
         if x.ndim == 0:
@@ -425,7 +425,7 @@ def topk_infer(node, shapes, dtypes):
 # sorted: written by the compiler; the values come out sorted either way
 @register("topk", infer=topk_infer,
           attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG)))
-def make_topk(node, inputs, outputs):
+def make_topk(node, inputs, outputs, ctx):
     x, values, indices = inputs[0], outputs[0], outputs[1]
     if x.ndim == 0:
         def scalar():
@@ -465,7 +465,7 @@ def masked_select_infer(node, shapes, dtypes):
 
 
 @register("masked_select", infer=masked_select_infer, attrs=dict(sized_at_run=TRUE))
-def make_masked_select(node, inputs, outputs):
+def make_masked_select(node, inputs, outputs, ctx):
     x, mask, out = inputs[0], inputs[1], outputs[0]
     shape = np.broadcast_shapes(x.shape, mask.shape)
     xb, mb = np.broadcast_to(x, shape), np.broadcast_to(mask, shape)
@@ -491,7 +491,7 @@ def as_strided_infer(node, shapes, dtypes):
 
 @register("as_strided", infer=as_strided_infer,
           attrs=dict(size=ints(lo=0), stride=ints(length_of("size"), lo=0), offset=optional(NON_NEGATIVE)))
-def make_as_strided(node, inputs, outputs):
+def make_as_strided(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     size, stride, offset = tuple(node.attrs["size"]), node.attrs["stride"], node.attrs.get("offset", 0)
     if x.flags.c_contiguous:
@@ -515,7 +515,7 @@ def repeat_interleave_infer(node, shapes, dtypes):
 
 
 @register("repeat_interleave", infer=repeat_interleave_infer, attrs=dict(axis=AXIS, repeats=NON_NEGATIVE))
-def make_repeat_interleave(node, inputs, outputs):
+def make_repeat_interleave(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axis, r = node.attrs["axis"] % x.ndim, node.attrs["repeats"]
     # out seen with the repeats as a new axis after `axis` receives x broadcast along it
@@ -536,7 +536,7 @@ def arange_infer(node, shapes, dtypes):
 
 
 @register("arange", infer=arange_infer, attrs=dict(start=NUMBER, step=number(nonzero=True), axis=AXIS, dtype=DTYPE))
-def make_arange(node, inputs, outputs):
+def make_arange(node, inputs, outputs, ctx):
     out, start, step = outputs[0], node.attrs["start"], node.attrs["step"]
     exact = isinstance(start, int) and isinstance(step, int)
     # torch computes start + i * step in int64 for integer bounds, else in double
@@ -549,7 +549,7 @@ def arange_values_infer(node, shapes, dtypes):
 
 
 @register("arange_values", infer=arange_values_infer, attrs=dict(dtype=DTYPE, sized_at_run=TRUE))
-def make_arange_values(node, inputs, outputs):
+def make_arange_values(node, inputs, outputs, ctx):
     """torch's arange: an integer result computes in int64 from bounds truncated to
     integers, a floating one in double (at::acc_type), then casts."""
     (start_t, end_t, step_t), out = inputs, outputs[0]

@@ -24,9 +24,9 @@ import numpy as np
 
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import STRING
 from pmx.runtime.kernels.common import chain, gemm, view_as
+from pmx.runtime.kernels.registry import register
 
 
 def linear_infer(node, shapes, dtypes):
@@ -41,7 +41,7 @@ def linear_infer(node, shapes, dtypes):
 
 
 @register("linear", infer=linear_infer, float_input=True)
-def make_linear(node, inputs, outputs):
+def make_linear(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
@@ -51,7 +51,7 @@ def make_linear(node, inputs, outputs):
         x2, out2 = view_as(x, (math.prod(x.shape[:-1]), x.shape[-1])), view_as(out, (math.prod(out.shape[:-1]), out.shape[-1]))
     else:
         x2, out2 = x, out
-    return gemm(x2, wt, out2, activation=node, bias=b)
+    return gemm(ctx, x2, wt, out2, activation=node, bias=b)
 
 
 def matmul_infer(node, shapes, dtypes):
@@ -70,10 +70,10 @@ def matmul_infer(node, shapes, dtypes):
 
 
 @register("matmul", infer=matmul_infer)
-def make_matmul(node, inputs, outputs):
+def make_matmul(node, inputs, outputs, ctx):
     a, b = inputs
     out = outputs[0]
-    return gemm(a, b, out, activation=node)
+    return gemm(ctx, a, b, out, activation=node)
 
 
 def _einsum_parts(equation, ranks):
@@ -147,7 +147,7 @@ _BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 @register("einsum", infer=einsum_infer, attrs=dict(equation=STRING))
-def make_einsum(node, inputs, outputs):
+def make_einsum(node, inputs, outputs, ctx):
     """A batched matmul in einsum's spelling runs as one (gemm: BLAS, split over the
     threads); np.einsum, even with an optimized path, falls back to its own loops when
     indices are kept as batch dims: MaxViT-T's (1,64,2,49,32) x (1,64,2,49,32) ->
@@ -157,7 +157,7 @@ def make_einsum(node, inputs, outputs):
     terms, out_term = _einsum_parts(node.attrs["equation"], [a.ndim for a in inputs])
     out = outputs[0]
     operands = tuple(inputs)
-    fast = _batched_matmul(terms, out_term, operands, out)
+    fast = _batched_matmul(ctx, terms, out_term, operands, out)
     if fast is not None:
         return fast
     if len(operands) == 1 or out.dtype not in _BLAS_DTYPES:
@@ -165,7 +165,7 @@ def make_einsum(node, inputs, outputs):
     return _contractions(terms, out_term, operands, out)
 
 
-def _batched_matmul(terms, out_term, operands, out):
+def _batched_matmul(ctx, terms, out_term, operands, out):
     """gemm over transposed views when the einsum is one batched matmul
     (_batched_matmul_axes), else None."""
     axes = _batched_matmul_axes(terms, out_term) if len(operands) == 2 else None
@@ -176,7 +176,7 @@ def _batched_matmul(terms, out_term, operands, out):
     # other dtypes, or mixed ones, would reach np.matmul (numpy's BLAS for complex numbers)
     if a.shape[-1] != b.shape[-2] or out.dtype not in _BLAS_DTYPES or not a.dtype == b.dtype == out.dtype:
         return None
-    return gemm(a, b, out.transpose(axes[2]))
+    return gemm(ctx, a, b, out.transpose(axes[2]))
 
 
 def _numpy_einsum(terms, out_term, operands, out):
@@ -313,7 +313,7 @@ def embedding_infer(node, shapes, dtypes):
 
 
 @register("embedding", infer=embedding_infer)
-def make_embedding(node, inputs, outputs):
+def make_embedding(node, inputs, outputs, ctx):
     ids, weight = inputs
     out = outputs[0]
     rows = weight.shape[0]

@@ -25,10 +25,10 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
+from pmx.runtime.kernels.registry import register
 
 
 def same_as_input(node, shapes, dtypes):
@@ -42,7 +42,7 @@ def batch_norm_infer(node, shapes, dtypes):
 
 
 @register("batch_norm", infer=batch_norm_infer, inplace=True, float_input=True)
-def make_batch_norm(node, inputs, outputs):
+def make_batch_norm(node, inputs, outputs, ctx):
     x, scale, shift = inputs
     out = outputs[0]
     bshape = (1, scale.shape[0]) + (1,) * (x.ndim - 2)
@@ -116,7 +116,7 @@ def _affine(out, weight, bias, shape):
 # axes: how many trailing dims are normalized
 @register("layer_norm", infer=same_as_input, inplace=True,
           attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)), float_input=True)
-def make_layer_norm(node, inputs, outputs):
+def make_layer_norm(node, inputs, outputs, ctx):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
     bias = inputs[2] if len(inputs) > 2 else None
@@ -128,16 +128,16 @@ def make_layer_norm(node, inputs, outputs):
     out2, post = _rows(out, (rows, inner), out.dtype, writes=True)
     eps, rms = float(node.attrs.get("eps", 1e-5)), bool(node.attrs.get("rms", 0))
     parts = [chain(_normalize_rows(x2[lo:hi], out2[lo:hi], eps, rms), _affine(out2[lo:hi], weight, bias, (inner,)))
-             for lo, hi in _row_parts(node, rows, inner)]
-    return chain(pre, parallel.split(parts), post)
+             for lo, hi in _row_parts(ctx, node, rows, inner)]
+    return chain(pre, ctx.split(parts), post)
 
 
-def _row_parts(node, rows, inner):
+def _row_parts(ctx, node, rows, inner):
     """Row ranges for the threads: rows are normalized independently, so a big enough
     tensor is split by rows. ViT-B/16's 197x768 layer norms, per node in the model,
     one thread -> two: 0.468 -> 0.401 ms (timed alone, hot in cache, they were level,
     0.253 -> 0.258: the parts' ~9 numpy calls each pay the GIL hand-off)."""
-    return parallel.ranges(rows, split_threads(node, rows * inner))
+    return parallel.ranges(rows, split_threads(ctx, node, rows * inner))
 
 
 def group_norm_infer(node, shapes, dtypes):
@@ -148,7 +148,7 @@ def group_norm_infer(node, shapes, dtypes):
 
 
 @register("group_norm", infer=group_norm_infer, inplace=True, attrs=dict(groups=POSITIVE, eps=optional(NUMBER)), float_input=True)
-def make_group_norm(node, inputs, outputs):
+def make_group_norm(node, inputs, outputs, ctx):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
     bias = inputs[2] if len(inputs) > 2 else None
@@ -160,7 +160,7 @@ def make_group_norm(node, inputs, outputs):
     x2, pre = _rows(x, (n * g, cpg * spatial), out.dtype, writes=False)
     out2, post = _rows(out, (n * g, cpg * spatial), out.dtype, writes=True)
     eps = float(node.attrs.get("eps", 1e-5))
-    threads = split_threads(node, n * c * spatial)
+    threads = split_threads(ctx, node, n * c * spatial)
     # rows are (image, group) pairs: split by images, or for one image by groups, so each
     # part's channels are one range and its affine one slice of the weights. One thread
     # -> two: 1x320x64x64 with 32 groups 1.83 -> 0.98 ms, 2x128x32x32 0.41 -> 0.25
@@ -175,12 +175,12 @@ def make_group_norm(node, inputs, outputs):
         affine = _affine(view_as(out2[rows], (images, part_c, spatial)), None if weight is None else weight[channels],
                          None if bias is None else bias[channels], (part_c, 1))
         parts.append(chain(_normalize_rows(x2[rows], out2[rows], eps), affine))
-    return chain(pre, parallel.split(parts), post)
+    return chain(pre, ctx.split(parts), post)
 
 
 @register("lp_normalize", infer=same_as_input, inplace=True,
           attrs=dict(axis=AXIS, p=optional(NUMBER), eps=optional(NUMBER)), float_input=True)
-def make_lp_normalize(node, inputs, outputs):
+def make_lp_normalize(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axis = int(node.attrs["axis"]) % x.ndim
     p = float(node.attrs.get("p", 2.0))

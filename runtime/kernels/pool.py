@@ -11,11 +11,12 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels import register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, input_rank, ints, length_of, optional
+from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable,
                                         phase_buffer, phase_scratch, phases, root_array, split_threads, view_as)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
+from pmx.runtime.kernels.registry import register
 
 
 # kernel first: the other tuples' lengths follow it (one entry per spatial dim, pads
@@ -51,14 +52,14 @@ def pool_infer(node, shapes, dtypes):
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
 
 
-def _taps(x, out, a, fill):
+def _taps(ctx, x, out, a, fill):
     """Padded copy step and one strided view of it per kernel tap."""
     nd = len(a["kernel"])
     k, s = a["kernel"], a["stride"]
     d = a.get("dilation") or (1,) * nd
     pads = _ceil_pads(x.shape, out.shape, a)
     if any(pads):
-        buf, interior = padded_buffer(x.shape, pads, x.dtype, fill)
+        buf, interior = padded_buffer(ctx, x.shape, pads, x.dtype, fill)
         copy_in = copy_rows(interior, x)
     else:
         buf, copy_in = x, None
@@ -76,7 +77,7 @@ def _on_strided_views(node, x, out):
     return x.ndim != len(node.attrs["kernel"]) + 2 or (node.op == "avg_pool" and out.dtype.kind != "f")
 
 
-def _pool_scratch(node, inputs, outputs):
+def _pool_scratch(node, inputs, outputs, ctx):
     """Scratch bytes of the path _whole_channel_pool takes (none on strided views)."""
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -106,15 +107,15 @@ def _lowest(dtype):
 
 
 @register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS)
-def make_max_pool(node, inputs, outputs):
+def make_max_pool(node, inputs, outputs, ctx):
     """Maxima over the taps of whole channels (_whole_channel_pool)."""
     x, out = inputs[0], outputs[0]
     if _on_strided_views(node, x, out):
-        return _max_pool_views(node, x, out)
-    return _whole_channel_pool(node, x, out, _maximum_of, _lowest(x.dtype))
+        return _max_pool_views(ctx, node, x, out)
+    return _whole_channel_pool(ctx, node, x, out, _maximum_of, _lowest(x.dtype))
 
 
-def _whole_channel_pool(node, x, out, combine, pad_value, finish=None):
+def _whole_channel_pool(ctx, node, x, out, combine, pad_value, finish=None):
     """Max or average pooling (`combine`: _maximum_of or _sum_of; `pad_value` the lowest
     value or 0; `finish` (channel slice -> callable) run last in each part) over whole
     channels, split over the threads: by column pairs (_ColumnPairs) for 2-d pools with
@@ -122,10 +123,10 @@ def _whole_channel_pool(node, x, out, combine, pad_value, finish=None):
     input (_same_size_pool), else over the phase-split padded input (_phase_pool)."""
     pairs = _ColumnPairs.of(x, out, node.attrs)
     if pairs is not None:
-        return _column_pairs_pool(node, pairs, x, out, combine, pad_value, finish)
+        return _column_pairs_pool(ctx, node, pairs, x, out, combine, pad_value, finish)
     if _same_size_stride_one(x, out, node.attrs):
-        return _same_size_pool(node, x, out, combine, finish)
-    return _phase_pool(node, x, out, combine, pad_value, finish)
+        return _same_size_pool(ctx, node, x, out, combine, finish)
+    return _phase_pool(ctx, node, x, out, combine, pad_value, finish)
 
 
 def _same_size_stride_one(x, out, a):
@@ -144,7 +145,7 @@ def _image_rows(a):
         return None
 
 
-def _same_size_pool(node, x, out, combine, finish=None):
+def _same_size_pool(ctx, node, x, out, combine, finish=None):
     """Stride-1 pooling with an output as large as the input, separably and with no padded
     copy: each image's channels as one flat range, a tap along the width is a shift of
     that range and one along the height a shift by whole rows, so the row pass (into
@@ -165,9 +166,9 @@ def _same_size_pool(node, x, out, combine, finish=None):
     row_shifts = [ky * dil[0] - pads[0] for ky in range(a["kernel"][0])]
     edge_columns = [ox for ox in range(w) if not all(0 <= ox + dx < w for dx in column_shifts)]
     edge_rows = [oy for oy in range(h) if not all(0 <= oy + dy < h for dy in row_shifts)]
-    row_acc = scratch_array(x.shape, out.dtype)
+    row_acc = ctx.scratch_array(x.shape, out.dtype)
     parts = []
-    for c0, c1 in parallel.ranges(c, split_threads(node, out.size * (len(column_shifts) + len(row_shifts)))):
+    for c0, c1 in parallel.ranges(c, split_threads(ctx, node, out.size * (len(column_shifts) + len(row_shifts)))):
         ch = slice(c0, c1)
         src, acc, dst = x[:, ch], row_acc[:, ch], out[:, ch]
         steps = [_shifted(combine, _image_rows(src), _image_rows(acc), column_shifts)]
@@ -177,7 +178,7 @@ def _same_size_pool(node, x, out, combine, finish=None):
         steps += [combine([acc[:, :, oy + dy] for dy in row_shifts if 0 <= oy + dy < h], dst[:, :, oy])
                   for oy in edge_rows]
         parts.append(chain(*steps, finish(ch) if finish else None))
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 def _shifted(combine, src, dst, shifts):
@@ -190,21 +191,21 @@ def _shifted(combine, src, dst, shifts):
     return combine([src[:, lo + s:hi + s] for s in shifts], dst[:, lo:hi])
 
 
-def _phase_pool(node, x, out, combine, pad_value, finish=None):
+def _phase_pool(ctx, node, x, out, combine, pad_value, finish=None):
     """Pooling over the taps of the phase-split padded input (common.Phases, the depthwise
     conv's layout), its padding `pad_value`: every tap is a contiguous slice of each
     channel's buffer, so each reduction runs over whole channels instead of strided
     output rows (a 3x3 stride-2 max pool on 64x112x112 took 1.57 ms as strided views).
     Stride 1 reduces separably (_separable_taps)."""
     g = _pool_phases(x, out, node.attrs)
-    buf, fill_phases = phase_buffer(x, g, fill=pad_value)
-    wide = scratch_array((g.n, g.c, g.length), out.dtype)
+    buf, fill_phases = phase_buffer(ctx, x, g, fill=pad_value)
+    wide = ctx.scratch_array((g.n, g.c, g.length), out.dtype)
     valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
     wide_valid = view_as(wide, (g.n, g.c) + g.wide)[valid]
     separable = _separable_taps(g)
-    row_acc = scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
+    row_acc = ctx.scratch_array((g.n, g.c, separable[2]), out.dtype) if separable else None
     parts = []
-    for lo, hi in parallel.ranges(g.c, split_threads(node, out.size * len(g.taps))):
+    for lo, hi in parallel.ranges(g.c, split_threads(ctx, node, out.size * len(g.taps))):
         ch = slice(lo, hi)
         if separable:
             reduced = _separable_reduce(buf[:, ch], separable, g.length, row_acc[:, ch], wide[:, ch], combine)
@@ -212,7 +213,7 @@ def _phase_pool(node, x, out, combine, pad_value, finish=None):
             reduced = combine([buf[:, ch, t:t + g.length] for t in g.taps], wide[:, ch])
         parts.append(chain(fill_phases(ch), reduced, copy_rows(out[:, ch], wide_valid[:, ch]),
                            finish(ch) if finish else None))
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 def _separable_taps(g):
@@ -305,7 +306,7 @@ class _ColumnPairs:
         return blocks + ([(tuple(x_shape[:-1]) + (self.width,), dtype)] if x_shape[-1] != self.width else [])
 
 
-def _column_pairs_pool(node, g, x, out, combine, pad_value, finish=None):
+def _column_pairs_pool(ctx, node, g, x, out, combine, pad_value, finish=None):
     """Pooling by _ColumnPairs (see _whole_channel_pool for the arguments). The
     reductions run over each image's channels of a part as one flat range (channel blocks
     of one length), so numpy runs one loop per image, not one per channel (192x56x56, a
@@ -315,21 +316,21 @@ def _column_pairs_pool(node, g, x, out, combine, pad_value, finish=None):
     wider, whose last column is set to the padding value (the lowest value for maxima,
     zero for sums): SqueezeNet's 64x111x111 max pool, 2 threads, phase path 381 -> 297
     us, 128x55x55 231 -> 133."""
-    even, odd, row_max, *widened = (scratch_array(shape, dt) for shape, dt in g.scratch(x.dtype, x.shape))
+    even, odd, row_max, *widened = (ctx.scratch_array(shape, dt) for shape, dt in g.scratch(x.dtype, x.shape))
     source, widen = x, None
     if widened:
         source = widened[0]
         widen = lambda ch: chain(copy_rows(source[:, ch, :, :-1], x[:, ch]),  # noqa: E731
                                  lambda last=source[:, ch, :, -1]: last.fill(pad_value))
     parts = []
-    for c0, c1 in parallel.ranges(g.c, split_threads(node, out.size * len(g.column_taps) * 4)):
+    for c0, c1 in parallel.ranges(g.c, split_threads(ctx, node, out.size * len(g.column_taps) * 4)):
         ch = slice(c0, c1)
         parts.append(chain(widen(ch) if widen else None,
                            _split_columns(source[:, ch], even[:, ch], odd[:, ch]),
                            _row_pass(g, even[:, ch], odd[:, ch], row_max[:, ch], combine),
                            _column_pass(g, row_max[:, ch], even[:, ch], out[:, ch], combine),
                            finish(ch) if finish else None))
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 def _widened(x):
@@ -442,9 +443,9 @@ def _ceil_pads(x_shape, out_shape, a):
     return tuple(pads)
 
 
-def _max_pool_views(node, x, out):
+def _max_pool_views(ctx, node, x, out):
     """Unbatched inputs (no channel axis to split): maxima over strided views."""
-    copy_in, views = _taps(x, out, node.attrs, _lowest(x.dtype))
+    copy_in, views = _taps(ctx, x, out, node.attrs, _lowest(x.dtype))
     return chain(copy_in, _maximum_of(views, out))
 
 
@@ -472,7 +473,7 @@ def _avg_divisor(x, out, a):
 
 
 @register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS)
-def make_avg_pool(node, inputs, outputs):
+def make_avg_pool(node, inputs, outputs, ctx):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
     max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
     strided views of the padded input. Per node inside DenseNet-121, 2 threads, strided views -> column
@@ -489,18 +490,18 @@ def make_avg_pool(node, inputs, outputs):
     elif scale.size and np.all(scale == scale.flat[0]):
         scale = scale.dtype.type(scale.flat[0])  # one multiplier: no broadcast array per pass
     if _on_strided_views(node, x, out):
-        return _avg_pool_views(x, out, a, scale)
+        return _avg_pool_views(ctx, x, out, a, scale)
 
     def finish(ch):
         part = out[:, ch]
         return lambda: np.multiply(part, scale, out=part)
 
-    return _whole_channel_pool(node, x, out, _sum_of, 0, finish)
+    return _whole_channel_pool(ctx, node, x, out, _sum_of, 0, finish)
 
 
-def _avg_pool_views(x, out, a, scale):
+def _avg_pool_views(ctx, x, out, a, scale):
     """Unbatched or integer inputs: sums over strided views of the padded input."""
-    copy_in, views = _taps(x, out, a, 0)
+    copy_in, views = _taps(ctx, x, out, a, 0)
     first, rest = views[0], views[1:]
 
     def run():
@@ -555,10 +556,10 @@ def _make_adaptive(kind, node, inputs, outputs):
 
 
 @register("adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
-def make_adaptive_avg_pool(node, inputs, outputs):
+def make_adaptive_avg_pool(node, inputs, outputs, ctx):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
 @register("adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
-def make_adaptive_max_pool(node, inputs, outputs):
+def make_adaptive_max_pool(node, inputs, outputs, ctx):
     return _make_adaptive("max", node, inputs, outputs)

@@ -17,8 +17,8 @@ intermediate layers need no transposes.
 import numpy as np
 
 from pmx.runtime import blas
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, POSITIVE, integer, one_of, optional
+from pmx.runtime.kernels.registry import register
 
 RECURRENT_ATTRS = dict(hidden_size=POSITIVE, num_layers=POSITIVE, bidirectional=optional(FLAG),
                        batch_first=optional(FLAG), has_bias=optional(FLAG), has_state=optional(FLAG),
@@ -110,7 +110,7 @@ def _sigmoid(a, out):
     np.reciprocal(out, out=out)
 
 
-def make_recurrent(node, inputs, outputs):
+def make_recurrent(node, inputs, outputs, ctx):
     a = node.attrs
     cell = node.op
     x = inputs[0]

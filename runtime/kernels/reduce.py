@@ -9,9 +9,9 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import AXES, AXIS, FLAG, NUMBER, optional
 from pmx.runtime.kernels.common import split_threads, view_as
+from pmx.runtime.kernels.registry import register
 
 # axes absent or (): all of them
 REDUCE_ATTRS = dict(axes=optional(AXES), keepdim=optional(FLAG))
@@ -123,7 +123,7 @@ def reduction(kind, x, out, axes):
 
 
 def _make_reduce(kind):
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         x = inputs[0]
         return reduction(kind, x, outputs[0], _axes(node.attrs.get("axes"), x.ndim))
 
@@ -139,16 +139,16 @@ def same_as_input(node, shapes, dtypes):
 
 
 @register("softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
-def make_softmax(node, inputs, outputs):
-    return _softmax_parts(node, inputs[0], outputs[0], log=False)
+def make_softmax(node, inputs, outputs, ctx):
+    return _softmax_parts(ctx, node, inputs[0], outputs[0], log=False)
 
 
 @register("log_softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
-def make_log_softmax(node, inputs, outputs):
-    return _softmax_parts(node, inputs[0], outputs[0], log=True)
+def make_log_softmax(node, inputs, outputs, ctx):
+    return _softmax_parts(ctx, node, inputs[0], outputs[0], log=True)
 
 
-def _softmax_parts(node, x, out, log):
+def _softmax_parts(ctx, node, x, out, log):
     """(log_)softmax along node's axis, split over the threads along the longest other
     axis (the exp costs ~1.8 ns per element on one core). One thread -> two over the
     last axis: 12x197x197 1.36 -> 0.73 ms, 8x128x128 0.41 -> 0.24."""
@@ -158,10 +158,10 @@ def _softmax_parts(node, x, out, log):
         return make(x, out, axis)
     along = max((i for i in range(x.ndim) if i != axis), key=lambda i: x.shape[i])
     parts = []
-    for lo, hi in parallel.ranges(x.shape[along], split_threads(node, x.size)):
+    for lo, hi in parallel.ranges(x.shape[along], split_threads(ctx, node, x.size)):
         part = (slice(None),) * along + (slice(lo, hi),)
         parts.append(make(x[part], out[part], axis))
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 def _softmax(x, out, axis):
@@ -212,7 +212,7 @@ def arg_infer(node, shapes, dtypes):
 
 
 def _make_arg(fn):
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         x, out = inputs[0], outputs[0]
         axis = node.attrs["axis"] % x.ndim
         keep = bool(node.attrs.get("keepdim", False))
@@ -237,7 +237,7 @@ def _keepdims_target(x, out, axes):
 
 
 def _statistic(sqrt):
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         x, out = inputs[0], outputs[0]
         axes = _axes(node.attrs.get("axes"), x.ndim)
         target = _keepdims_target(x, out, axes)
@@ -267,7 +267,7 @@ register("reduce_std", infer=float_reduce_infer, attrs=STATISTIC_ATTRS)(_statist
 
 
 @register("reduce_norm", infer=float_reduce_infer, attrs=dict(REDUCE_ATTRS, p=optional(NUMBER)))
-def make_reduce_norm(node, inputs, outputs):
+def make_reduce_norm(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)
     target = _keepdims_target(x, out, axes)
@@ -289,7 +289,7 @@ def make_reduce_norm(node, inputs, outputs):
 
 
 @register("reduce_logsumexp", infer=float_reduce_infer, attrs=REDUCE_ATTRS)
-def make_reduce_logsumexp(node, inputs, outputs):
+def make_reduce_logsumexp(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)
     target = _keepdims_target(x, out, axes)

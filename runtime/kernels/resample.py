@@ -24,10 +24,10 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import FLAG, POSITIVE, ints, length_of, number, numbers, one_of, optional, or_empty
 from pmx.runtime.kernels.common import (check_border_pads, chain, fill_border, padded_shape, pairs_castable, split_copy,
                                         split_threads, view_as)
+from pmx.runtime.kernels.registry import register
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -121,7 +121,7 @@ RESIZE_ATTRS = dict(mode=one_of("nearest", "nearest_exact", "linear", "cubic"),
 
 
 @register("resize", infer=resize_infer, attrs=RESIZE_ATTRS)
-def make_resize(node, inputs, outputs):
+def make_resize(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
     mode = a["mode"]
@@ -148,7 +148,7 @@ def make_resize(node, inputs, outputs):
     along = 1 if lead >= 2 else 0
     matrices = [_interpolation_matrix(t, x.shape[axis], out.shape[axis], out.dtype) for axis, t in axes]
     parts = []
-    for lo, hi in parallel.ranges(x.shape[along], split_threads(node, out.size)):
+    for lo, hi in parallel.ranges(x.shape[along], split_threads(ctx, node, out.size)):
         part = (slice(None),) * along + (slice(lo, hi),)
         steps = [(_axis_step(arrays[k][part], arrays[k + 1][part], axis, t),
                   _product_step(arrays[k][part], arrays[k + 1][part], axis, m))
@@ -158,7 +158,7 @@ def make_resize(node, inputs, outputs):
             parts.append(_finite_or(x[part], chain(*(product or gather for gather, product in steps)), gathers))
         else:
             parts.append(gathers)
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 # Linear and cubic interpolation along an axis of at most this many input positions runs
@@ -283,7 +283,7 @@ def pad_infer(node, shapes, dtypes):
 @register("pad", infer=pad_infer, attrs=dict(pads=_pads, mode=optional(one_of("constant", "reflect", "replicate",
                                                                            "circular")),
                                              value=optional(number(none=True))))
-def make_pad(node, inputs, outputs):
+def make_pad(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
     pads = tuple(a["pads"])
@@ -362,7 +362,7 @@ def _split_view(a, shape):
 
 
 @register("pixel_shuffle", infer=pixel_shuffle_infer, attrs=dict(factor=POSITIVE, inverse=optional(FLAG)))
-def make_pixel_shuffle(node, inputs, outputs):
+def make_pixel_shuffle(node, inputs, outputs, ctx):
     """`pixel_shuffle`: attrs factor, inverse (pixel_unshuffle). One strided copy between
     (..., C, r, r, H, W) and (..., C, H, r, W, r) views of input and output."""
     x, out = inputs[0], outputs[0]
@@ -386,7 +386,7 @@ def make_pixel_shuffle(node, inputs, outputs):
         # split by channels over the threads: the copy's innermost runs are r items long,
         # so it is bound by numpy's loop, not memory. One thread -> two, 1x64x224x224 by
         # 2: 8.4 -> 4.2 ms, pixel_unshuffle of 1x16x448x448 by 2: 2.4 -> 0.8
-        return split_copy(dst, src.transpose(perm), dst.ndim - 5, split_threads(node, out.size))
+        return split_copy(ctx, dst, src.transpose(perm), dst.ndim - 5, split_threads(ctx, node, out.size))
 
     def run():
         np.copyto(out, x.reshape(src_shape).transpose(perm).reshape(out.shape))

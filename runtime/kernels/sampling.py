@@ -19,8 +19,8 @@ import numpy as np
 
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import FLAG, INT, NUMBER, POSITIVE, ints, one_of, optional
+from pmx.runtime.kernels.registry import register
 
 F32 = np.float32
 CUBIC_A = F32(-0.75)
@@ -107,7 +107,7 @@ def grid_sample_infer(node, shapes, dtypes):
 @register("grid_sample", infer=grid_sample_infer,
           attrs=dict(mode=one_of("bilinear", "nearest", "bicubic"),
                      padding_mode=one_of("zeros", "border", "reflection"), align_corners=optional(FLAG)), float_input=True)
-def make_grid_sample(node, inputs, outputs):
+def make_grid_sample(node, inputs, outputs, ctx):
     x, grid, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
     mode, padding_mode, align = a["mode"], a["padding_mode"], bool(a.get("align_corners", False))
@@ -162,7 +162,7 @@ def affine_grid_infer(node, shapes, dtypes):
 
 @register("affine_grid", infer=affine_grid_infer,
           attrs=dict(size=ints(min_length=4, max_length=5, lo=0), align_corners=optional(FLAG)))
-def make_affine_grid(node, inputs, outputs):
+def make_affine_grid(node, inputs, outputs, ctx):
     theta, out = inputs[0], outputs[0]
     size = tuple(node.attrs["size"])
     align = bool(node.attrs.get("align_corners", False))
@@ -215,7 +215,7 @@ def _roi_bilinear(plane, y, x):
 
 @register("roi_align", infer=roi_align_infer,
           attrs=dict(output_size=ints(2, lo=1), spatial_scale=NUMBER, sampling_ratio=INT, aligned=FLAG), float_input=True)
-def make_roi_align(node, inputs, outputs):
+def make_roi_align(node, inputs, outputs, ctx):
     x, rois, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
     ph, pw = a["output_size"]
@@ -270,7 +270,7 @@ def deform_conv_infer(node, shapes, dtypes):
 @register("deform_conv", infer=deform_conv_infer,
           attrs=dict(stride=ints(2, lo=1), pads=ints(2, lo=0), dilation=ints(2, lo=1), groups=POSITIVE,
                      has_mask=optional(FLAG), has_bias=optional(FLAG)), float_input=True)
-def make_deform_conv(node, inputs, outputs):
+def make_deform_conv(node, inputs, outputs, ctx):
     a = node.attrs
     x, offset, w, out = inputs[0], inputs[1], inputs[2], outputs[0]
     rest = list(inputs[3:])

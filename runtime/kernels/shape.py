@@ -22,10 +22,10 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import (AXES, AXIS, FLAG, POSITIVE, UNREAD, axis, ints, length_of, optional,
                                             permutation, target_shape, widest_input)
 from pmx.runtime.kernels.common import chain, split_copy, split_threads, view_as
+from pmx.runtime.kernels.registry import register
 
 
 def _resolve_shape(shape, numel):
@@ -72,7 +72,7 @@ def _same_memory(a, b):
 # pnnx_shape: the shape argument as written, which only the compiler reads
 @register("reshape", infer=reshape_infer, view=True,
           attrs=dict(shape=target_shape(), dyn_shape=optional(target_shape(copies_dims_of=0)), pnnx_shape=UNREAD))
-def make_reshape(node, inputs, outputs):
+def make_reshape(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     if _same_memory(x, out) and x.flags.c_contiguous and out.flags.c_contiguous:
         return None
@@ -80,7 +80,7 @@ def make_reshape(node, inputs, outputs):
 
 
 @register("copy", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])])
-def make_copy(node, inputs, outputs):
+def make_copy(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
 
@@ -129,7 +129,7 @@ def _skipped_by_cat(shape):
 
 
 @register("concat", infer=concat_infer, attrs=dict(axis=axis(widest_input), broadcast=optional(FLAG)))
-def make_concat(node, inputs, outputs):
+def make_concat(node, inputs, outputs, ctx):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
     pairs = []
@@ -167,7 +167,7 @@ def split_infer(node, shapes, dtypes):
 
 
 @register("split", infer=split_infer, attrs=dict(axis=AXIS, sizes=ints(lo=0, min_length=1)))
-def make_split(node, inputs, outputs):
+def make_split(node, inputs, outputs, ctx):
     x = inputs[0]
     axis = node.attrs["axis"] % x.ndim
     pairs = []
@@ -227,7 +227,7 @@ def slice_infer(node, shapes, dtypes):
 
 
 @register("slice", infer=slice_infer, attrs=SLICE_ATTRS)
-def make_slice(node, inputs, outputs):
+def make_slice(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     src = x[_slice_index(node.attrs, x.ndim)]
     if _same_view(src, out):
@@ -253,7 +253,7 @@ def _matrix_swap(shape, perm):
     return math.prod(shape[:k]), math.prod(shape[k:m]), math.prod(shape[m:])
 
 
-def _blas_transposes(x, out, swap, threads):
+def _blas_transposes(ctx, x, out, swap, threads):
     """Callable transposing each matrix of the batch by blas.transposed_copy, the output's
     rows split over the threads; None where BLAS cannot take them."""
     batch, rows, cols = swap
@@ -264,11 +264,11 @@ def _blas_transposes(x, out, swap, threads):
         if any(c is None for c in copies):
             return None
         parts.append(chain(*copies))
-    return parallel.split(parts)
+    return ctx.split(parts)
 
 
 @register("transpose", infer=transpose_infer, attrs=dict(perm=permutation()))
-def make_transpose(node, inputs, outputs):
+def make_transpose(node, inputs, outputs, ctx):
     """A batch of matrix transposes (NCHW <-> NHWC) by BLAS's blocked transpose where it
     has one (runtime/blas.py), split over the threads by output rows: ConvNeXt-tiny's 46
     permutes, inside the model on 2 threads, 2.98-2.99 -> 1.78-1.82 ms (2.03-2.06 with
@@ -277,17 +277,17 @@ def make_transpose(node, inputs, outputs):
     (blocked numpy copies were no faster than numpy's own order; 96x56x56 154 -> 92 us
     and back 219 -> 121 over two threads)."""
     x, out = inputs[0], outputs[0]
-    threads = split_threads(node, out.size)
+    threads = split_threads(ctx, node, out.size)
     swap = _matrix_swap(x.shape, node.attrs["perm"])
     if swap is not None and x.flags.c_contiguous and out.flags.c_contiguous:
-        run = _blas_transposes(x, out, swap, threads)
+        run = _blas_transposes(ctx, x, out, swap, threads)
         if run is not None:
             return run
     src = x.transpose(node.attrs["perm"])
     axis = next((i for i, d in enumerate(out.shape) if d >= threads), None) if threads > 1 else None
     if axis is None:
         return lambda: np.copyto(out, src)
-    return split_copy(out, src, axis, threads)
+    return split_copy(ctx, out, src, axis, threads)
 
 
 def channel_shuffle_infer(node, shapes, dtypes):
@@ -303,7 +303,7 @@ def channel_shuffle_infer(node, shapes, dtypes):
 
 
 @register("channel_shuffle", infer=channel_shuffle_infer, attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))))
-def make_channel_shuffle(node, inputs, outputs):
+def make_channel_shuffle(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     g = node.attrs["groups"]
     n, c = x.shape[:2]
@@ -355,7 +355,7 @@ def slice_assign_infer(node, shapes, dtypes):
 
 
 @register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS)
-def make_slice_assign(node, inputs, outputs):
+def make_slice_assign(node, inputs, outputs, ctx):
     x, src, out = inputs[0], inputs[1], outputs[0]
     dst = out[_slice_index(node.attrs, out.ndim)]
     np.broadcast_shapes(src.shape, dst.shape)  # a src that cannot fill the slice fails at bind

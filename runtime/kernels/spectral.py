@@ -20,9 +20,9 @@ complex inputs are the matching float dtype.
 
 import numpy as np
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, POSITIVE, distinct_axes, integer, ints, length_of,
                                             one_of, optional)
+from pmx.runtime.kernels.registry import register
 
 COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"), np.dtype("float64"): np.dtype("complex128"),
               np.dtype("float16"): np.dtype("complex64"), np.dtype("complex64"): np.dtype("complex64"),
@@ -48,7 +48,7 @@ def complex_infer(node, shapes, dtypes):
 
 
 @register("complex", infer=complex_infer)
-def make_complex(node, inputs, outputs):
+def make_complex(node, inputs, outputs, ctx):
     re, im, out = inputs[0], inputs[1], outputs[0]
 
     def run():
@@ -63,7 +63,7 @@ def part_infer(node, shapes, dtypes):
 
 
 def _part(take):
-    def make(node, inputs, outputs):
+    def make(node, inputs, outputs, ctx):
         x, out = inputs[0], outputs[0]
         return lambda: np.copyto(out, take(x), casting="unsafe")
 
@@ -79,7 +79,7 @@ def view_as_real_infer(node, shapes, dtypes):
 
 
 @register("view_as_real", infer=view_as_real_infer)
-def make_view_as_real(node, inputs, outputs):
+def make_view_as_real(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
 
     def run():
@@ -97,7 +97,7 @@ def view_as_complex_infer(node, shapes, dtypes):
 
 
 @register("view_as_complex", infer=view_as_complex_infer)
-def make_view_as_complex(node, inputs, outputs):
+def make_view_as_complex(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
 
     def run():
@@ -156,7 +156,7 @@ def _transform(kind, lengths, axes, norm):
 @register("fft", infer=fft_infer,
           attrs=dict(kind=one_of("fft", "ifft", "rfft", "irfft", "hfft", "ihfft"), axes=distinct_axes(min_length=1),
                      lengths=ints(length_of("axes"), lo=0), norm=optional(one_of("backward", "forward", "ortho"))))
-def make_fft(node, inputs, outputs):
+def make_fft(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
     kind, axes = a["kind"], tuple(a["axes"])
@@ -208,7 +208,7 @@ def _window(window, n_fft, win_length, dtype):
 
 @register("stft", infer=stft_infer,
           attrs=dict(FRAMES_ATTRS, onesided=FLAG, pad_mode=one_of("reflect", "constant", "replicate", "circular")))
-def make_stft(node, inputs, outputs):
+def make_stft(node, inputs, outputs, ctx):
     a = node.attrs
     x, out = inputs[0], outputs[0]
     window = inputs[1] if len(inputs) > 1 else None
@@ -253,7 +253,7 @@ def istft_infer(node, shapes, dtypes):
 @register("istft", infer=istft_infer,
           attrs=dict(FRAMES_ATTRS, onesided=optional(FLAG), length=optional(NON_NEGATIVE),
                      return_complex=optional(FLAG)))
-def make_istft(node, inputs, outputs):
+def make_istft(node, inputs, outputs, ctx):
     a = node.attrs
     x, out = inputs[0], outputs[0]
     window = inputs[1] if len(inputs) > 1 else None

@@ -20,10 +20,10 @@ import math
 
 import numpy as np
 
-from pmx.runtime.kernels import register
 from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
 from pmx.runtime.kernels.pool import ADAPTIVE_ATTRS, POOL_ATTRS, _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
+from pmx.runtime.kernels.registry import register
 
 
 UNFOLD_ATTRS = dict(kernel=ints(min_length=1, lo=1), stride=ints(length_of("kernel"), lo=1),
@@ -76,7 +76,7 @@ def _flat_index(coords, spatial):
 
 
 @register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS)
-def make_max_pool_indices(node, inputs, outputs):
+def make_max_pool_indices(node, inputs, outputs, ctx):
     """Maxima over strided tap views of the input padded with the lowest value, and for
     each the tap's input position, updated where a tap is greater (or NaN)."""
     x, (out, idx) = inputs[0], outputs
@@ -86,7 +86,7 @@ def make_max_pool_indices(node, inputs, outputs):
     d = a.get("dilation") or (1,) * nd
     pads = _ceil_pads(x.shape, out.shape, a)
     spatial, out_sp = x.shape[-nd:], out.shape[-nd:]
-    buf, interior = padded_buffer(x.shape, pads, x.dtype, _lowest(x.dtype))
+    buf, interior = padded_buffer(ctx, x.shape, pads, x.dtype, _lowest(x.dtype))
     copy_in = copy_rows(interior, x)
     # per output position, the window's first valid element: where an all -inf window points
     first = _flat_index(np.ix_(*[_first_inside(out_sp[i], spatial[i], k[i], s[i], d[i], pads[i])
@@ -116,7 +116,7 @@ def make_max_pool_indices(node, inputs, outputs):
 
 
 @register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, attrs=ADAPTIVE_ATTRS)
-def make_adaptive_max_pool_indices(node, inputs, outputs):
+def make_adaptive_max_pool_indices(node, inputs, outputs, ctx):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
     x, (out, idx) = inputs[0], outputs
@@ -192,7 +192,7 @@ def _tap_slices(a, blocks):
 
 
 @register("unfold", infer=unfold_infer, attrs=UNFOLD_ATTRS)
-def make_unfold(node, inputs, outputs):
+def make_unfold(node, inputs, outputs, ctx):
     """One copy per kernel tap from a strided view of the zero-padded input into that
     tap's rows of the output."""
     x, out = inputs[0], outputs[0]
@@ -200,7 +200,7 @@ def make_unfold(node, inputs, outputs):
     nd = len(a["kernel"])
     blocks = _blocks(x.shape[-nd:], a)
     if any(a["pads"]):
-        buf, interior = padded_buffer(x.shape, a["pads"], x.dtype, 0)
+        buf, interior = padded_buffer(ctx, x.shape, a["pads"], x.dtype, 0)
         copy_in = copy_rows(interior, x)
     else:
         buf, copy_in = x, None
@@ -227,7 +227,7 @@ def fold_infer(node, shapes, dtypes):
 
 
 @register("fold", infer=fold_infer, attrs=FOLD_ATTRS)
-def make_fold(node, inputs, outputs):
+def make_fold(node, inputs, outputs, ctx):
     """Sums of each tap's rows into a strided view of a zero-padded output buffer, whose
     interior is then copied out."""
     x, out = inputs[0], outputs[0]

@@ -31,9 +31,10 @@ import math
 import numpy as np
 
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels import persistent_buffer, register, scratch_array, scratch_nbytes
 from pmx.runtime.kernels.attr_specs import ints
+from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import chain, copy_strided, gemm_node_threads, split_activated
+from pmx.runtime.kernels.registry import register
 
 # Split over threads only from this many multiply-adds: the two dispatches and the ~40
 # numpy calls per part cost more than they save below it (measured: 4-11M lose, 14M
@@ -93,7 +94,7 @@ def _chunk(x_shape, out_shape, dtype):
     return max(1, min(x_shape[0], CHUNK_SCRATCH_BYTES // per_image))
 
 
-def winograd_scratch(node, inputs, outputs):
+def winograd_scratch(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     n = _chunk(x.shape, out.shape, out.dtype)
     return scratch_nbytes(*_scratch_shapes(_Geometry((n,) + x.shape[1:], (n,) + out.shape[1:]), out.dtype))
@@ -106,38 +107,38 @@ def _scratch_shapes(g, dtype):
 
 
 @register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch, attrs=dict(pads=ints(4, lo=0)), float_input=True)
-def make_conv_winograd(node, inputs, outputs):
+def make_conv_winograd(node, inputs, outputs, ctx):
     x, u, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 else None
     n = _chunk(x.shape, out.shape, out.dtype)
     full = _Geometry((n,) + x.shape[1:], (n,) + out.shape[1:])
     # one scratch carve for the largest chunk; a smaller last chunk uses the front of it
-    buffers = [scratch_array((math.prod(shape),), dtype) for shape, dtype in _scratch_shapes(full, out.dtype)]
+    buffers = [ctx.scratch_array((math.prod(shape),), dtype) for shape, dtype in _scratch_shapes(full, out.dtype)]
     phases = {}  # chunk size -> its phase buffer, shared by the chunks of that size
     steps = []
     for i0 in range(0, x.shape[0], n):
         i1 = min(x.shape[0], i0 + n)
-        steps.append(_images(node, x[i0:i1], u, bias, out[i0:i1], buffers, phases))
+        steps.append(_images(ctx, node, x[i0:i1], u, bias, out[i0:i1], buffers, phases))
     return chain(*steps)
 
 
-def _images(node, x, u, bias, out, buffers, phase_buffers):
+def _images(ctx, node, x, u, bias, out, buffers, phase_buffers):
     """The conv of one chunk of images: two dispatches (input transform by channels,
     then GEMMs and output by output channels)."""
     g = _Geometry(x.shape, out.shape)
     # persistent (not scratch): the padding between the copied-in pixels stays zero (every
     # chunk of a size writes the same interior positions)
     if g.n not in phase_buffers:
-        phase_buffers[g.n] = persistent_buffer(("winograd", x.shape, out.shape, tuple(node.attrs["pads"])),
-                                               (2, 2, g.span + g.margin), x.dtype)
+        phase_buffers[g.n] = ctx.persistent_buffer(("winograd", x.shape, out.shape, tuple(node.attrs["pads"])),
+                                                   (2, 2, g.span + g.margin), x.dtype)
     phases = phase_buffers[g.n]
     rows_combined, v, m = (buf[:math.prod(shape)].reshape(shape)
                            for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
-    threads = gemm_node_threads(node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
+    threads = gemm_node_threads(ctx, node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
     transform_in = [_input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
                     for lo, hi in parallel.ranges(g.c, threads)]
     multiply_out = [_output_part(u, bias, out, g, v, m, lo, hi) for lo, hi in parallel.ranges(g.k, threads)]
-    return chain(parallel.split(transform_in), split_activated(node, out, multiply_out))
+    return chain(ctx.split(transform_in), split_activated(ctx, node, out, multiply_out))
 
 
 def _combine_rows(d0, d1, d2, d3, out):

@@ -1,0 +1,113 @@
+"""The kernel registry: one entry per canonical op.
+
+A kernel is a factory `make(node, inputs, outputs, ctx) -> callable | None`:
+    node     has .op .name .attrs (dict of plain values) .expr .variant
+    inputs   numpy arrays (weights are read-only views of the mmap; None = absent input)
+    outputs  numpy arrays, the node's planned arena views, written in place
+    ctx      the bind.BindContext of the binding in progress: the shared scratch, the
+             binding's persistent buffers and temporaries, and the worker pool the node's
+             work splits over
+It returns a zero-argument callable that computes outputs from inputs, or None when
+there is nothing to do at run time (an output that is already a view of the input).
+Factories do all the per-node work once (geometry, scratch buffers, weight views, the
+pool a split runs on) so the callable is a few numpy calls with out=.
+
+A shape rule `infer(node, shapes, dtypes) -> [(shape, dtype), ...]` gives output shapes
+and dtypes from input shapes and attributes; the compiler checks pnnx's declared shapes
+against it and the runtime uses it to re-plan other input shapes.
+
+Attributes: `attrs` at registration declares every attribute the op's rules and factory
+read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
+before anything reads them, and refuses attributes the op does not declare.
+
+Scratch: `scratch(node, inputs, outputs, ctx) -> bytes` at registration declares what
+make() takes with ctx.scratch_array (bind.py; computed with bind.scratch_nbytes over the
+same shapes, which may depend on the threads the node splits over: ctx as make() gets it,
+less the buffer, which these rules size).
+
+This module imports no kernel family; the families import it and register themselves
+when the package runtime/kernels is imported. Python imports a package before any of its
+modules, so `from pmx.runtime.kernels.registry import get` anywhere finds every family
+registered: no caller has to import the families first, and no family imports the
+package (the families' imports of this module and of common.py form no cycle).
+"""
+
+import numpy as np
+
+from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.kernels.attr_specs import as_specs
+from pmx.runtime.record import Record
+
+
+class Kernel(Record):
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs", "float_input")
+
+    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
+        self.op, self.make, self.infer = op, make, infer
+        # the op's output may overwrite its first input when that input dies here
+        self.inplace = inplace
+        # output is a reinterpretation of input 0's bytes (reshape-like): plannable as alias
+        self.view = view
+        # bytes of shared scratch make() takes, from (node, inputs, outputs, ctx); None = none
+        self.scratch = scratch
+        # {attribute name: attr_specs.Spec}: every attribute the op reads ({}: none)
+        self.attrs = as_specs(attrs)
+        # input 0 must be floating-point or complex: the kernel computes in floats, which
+        # an integer or bool output (the dtype of input 0) cannot take; torch refuses
+        # such inputs to these ops too
+        self.float_input = float_input
+
+
+REGISTRY: dict[str, Kernel] = {}
+
+
+class RunSized(Record):
+    """What make() gets in place of an output array when the node declares attrs
+    sized_at_run (a length read from tensor values, unknown until it runs): the callable
+    stores a new array in .value each run, and the InferenceSession returns it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = None
+
+
+def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
+    def deco(make):
+        if op in REGISTRY:
+            raise RuntimeError(f"kernel {op!r} registered twice")
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs, float_input)
+        return make
+
+    return deco
+
+
+def get(op: str) -> Kernel:
+    try:
+        return REGISTRY[op]
+    except KeyError:
+        raise PmxFormatError(f"unknown op {op!r} in model (this runtime knows {len(REGISTRY)} ops)") from None
+
+
+def node_scratch_nbytes(node, inputs, outputs, ctx) -> int:
+    """Bytes of shared scratch the node's make() takes with this ctx (its kernel's scratch
+    rule; 0: none)."""
+    k = get(node.op)
+    return int(k.scratch(node, inputs, outputs, ctx)) if k.scratch is not None else 0
+
+
+def output_shapes(node, shapes, dtypes):
+    """The op's shape rule, normalized: [(shape as a tuple of ints, np.dtype)] per output.
+    Whatever the rule raises when the inputs do not fit propagates (callers add context);
+    a negative dim is a ValueError too. Used by the compiler's checks, the loader's
+    verifier and run-time re-planning alike."""
+    kernel = get(node.op)
+    if kernel.float_input and dtypes and np.dtype(dtypes[0]).kind not in "fc":
+        raise ValueError(f"input of dtype {np.dtype(dtypes[0]).name}: {node.op} takes floating-point inputs")
+    result = []
+    for shape, dtype in kernel.infer(node, shapes, dtypes):
+        shape = tuple(map(int, shape))
+        if shape and min(shape) < 0:
+            raise ValueError(f"negative output shape {shape}")
+        result.append((shape, np.dtype(dtype)))
+    return result
