@@ -21,8 +21,9 @@ shapes, inputs and outputs cut at checked ends, known dtypes (numpy dtypes), ran
 most MAX_RANK, numbers as Python ints (which do not overflow, so offsets and sizes are
 compared as read); and for the parse_expression it is handed (load._expression), which
 parses with pmx's own grammar, never eval, and gives one tree object per distinct text
-and input count, so check_shape_rules tells expressions apart by identity. It never
-imports the reader: what it needs comes in as arguments.
+and input count, so check_shape_rules can key expressions by identity and reuse a rule's
+result across nodes with equal text. It never imports the reader: what it needs comes
+in as arguments.
 """
 
 from __future__ import annotations
