@@ -184,8 +184,9 @@ def _label(j, node):
 def _check_nodes(model, parse_expression):
     """Indices in range, stored order respected (each input is a constant, a model input
     or produced earlier), each tensor produced once, expressions within the grammar
-    (parse_expression, the reader's) and bounded in expanded size. A node that passes is checked with a few set operations; one that fails is walked
-    index by index to name what is wrong."""
+    (parse_expression, the reader's) and bounded in expanded size. A node that passes is
+    checked with a few set operations; one that fails is walked index by index to name
+    what is wrong."""
     path, tensors = model.path, model.tensors
     constant, fixed = schema.TensorKind.Constant, (schema.TensorKind.Constant, schema.TensorKind.Input)
     available = {i for i, t in enumerate(tensors) if t.kind == constant} | set(model.inputs)
