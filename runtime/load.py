@@ -1,38 +1,42 @@
-"""Open a .pmx file: mmap it, verify it completely, and describe it as plain data.
+"""Open a .pmx file: mmap it, read its header into plain data, have it verified, and wrap its weights.
 
-Nothing here trusts the file. The preamble's and the header's CRC32s are checked first,
-so accidental damage is refused before anything reads the header (the data's CRC32 only
-with verify_checksum: it reads every weight byte); a forged file with recomputed CRCs
-meets the checks below. The header is read by a small FlatBuffers reader of our
-own (the generated accessors neither check bounds nor run fast: they cost microseconds
-per field, which was most of the load time). It takes each field's vtable slot, type and
-default from schema/layout.py (derived from the generated code by tools/regen_schema.py);
-each vtable in a file becomes one struct that reads all of a table's fields in one call. Tensors and nodes are stored as
-columns (format versions 2 and 3, one layout: schema/pmx.fbs; runtime/fileformat.py
-says what 3 adds): each field of all tensors is one vector, read with one struct call,
-and the names are one string cut at stored ends, so a model's hundreds of tensors cost
-a few dozen calls instead of a table each. Attribute sets,
-which a CNN repeats across hundreds of nodes, are stored once each (compiler/write.py)
-and nodes with equal attributes share one dict (read-only: nothing in pmx changes a
-loaded node's attributes). Where tables remain (attributes, pass statistics), one field
-of all of them is read by one list comprehension, each distinct position once. That is
-plain Python on purpose: a model has hundreds of tables, not millions, and numpy's
-per-call overhead (tens of microseconds for each operation's first use in a process)
-costs more than the loops do. Every position is checked against the header's bytes before it
-is read, and every vector and string is charged against a budget the size of the header
-before any of it is read, so a hostile file cannot make the reader loop or allocate more
-than a small multiple of its header size. Then, before any numpy view is made, every
-offset and size is checked against the file and the data section, every tensor index a
-node names against the tensor table, every column's length and every set of ends
-(names, shapes, node inputs and outputs) against what it cuts, every shape for sign,
-rank and overflow, the stored
-order, arena offsets, alias chains and extents, expression strings (parsed by
-runtime/expr.py, never eval'd, and bounded in expanded size) and each node's attributes
-against its op's attribute specs and shape rule (run once per distinct op, attributes
-and input shapes). A failure names the first tensor or node that fails. Any failure
-raises PmxFormatError naming the field and the values found; sizes beyond the configured limits raise
-PmxResourceError before anything is allocated. Weights are then wrapped zero-copy
-(read-only numpy views of the mmap).
+The reader. It owns the preamble's checks and CRC32 and the header's CRC32 and padding,
+checked first, so accidental damage is refused before anything reads the header; the
+decoding of the header into Model, TensorInfo and NodeInfo; the parsing of expression
+text into trees (_expression, memoized); the zero-copy weight views; the pause of the
+garbage collector. Nothing here trusts the file: a forged file with recomputed CRCs
+meets the reader's checks and then the verifier's. The header is read by a small
+FlatBuffers reader of our own (the generated accessors neither check bounds nor run
+fast: they cost microseconds per field, which was most of the load time). It takes each
+field's vtable slot, type and default from schema/layout.py (derived from the generated
+code by tools/regen_schema.py); each vtable in a file becomes one struct that reads all
+of a table's fields in one call. Tensors and nodes are stored as columns (format
+versions 2 and 3, one layout: schema/pmx.fbs; runtime/fileformat.py says what 3 adds):
+each field of all tensors is one vector, read with one struct call, and the names are
+one string cut at stored ends, so a model's hundreds of tensors cost a few dozen calls
+instead of a table each. Attribute sets, which a CNN repeats across hundreds of nodes,
+are stored once each (compiler/write.py) and nodes with equal attributes share one dict
+(read-only: nothing in pmx changes a loaded node's attributes). Where tables remain
+(attributes, pass statistics), one field of all of them is read by one list
+comprehension, each distinct position once. That is plain Python on purpose: a model has
+hundreds of tables, not millions, and numpy's per-call overhead (tens of microseconds
+for each operation's first use in a process) costs more than the loops do. Every
+position is checked against the header's bytes before it is read, and every vector and
+string is charged against a budget the size of the header before any of it is read, so a
+hostile file cannot make the reader loop or allocate more than a small multiple of its
+header size. Decoding checks what decoding itself needs: every column's length and every
+set of ends (names, shapes, node inputs and outputs) against what it cuts, ranks, dim
+ranges, dtype and attribute kind codes, and the string and attribute-set entries nodes
+name.
+
+Everything else the header claims is checked by runtime/verify.py, which open_model runs
+on the decoded model before any numpy view is made (and, with verify_checksum, which
+checks the data's CRC32). The reader trusts it: once verify_structure returns, every
+constant lies inside the data section, so _wrap_constants makes its views unchecked
+(read-only numpy views of the mmap). The verifier is handed _expression and parses each
+node's expression in its own order of checks, so the first fault in a file is the one
+named. Any failure raises PmxFormatError naming the field and the values found; sizes
+beyond the configured limits raise PmxResourceError before anything is allocated.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ import contextlib
 import functools
 import gc
 import itertools
-import math
 import mmap
 import operator
 import os
@@ -53,21 +56,17 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels.registry import REGISTRY
-from pmx.runtime.kernels.attr_specs import problem as attr_problem
 from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
+from pmx.runtime.verify import MAX_EXPANDED_EXPR, check_data_checksum, verify_structure
+from pmx.runtime.verify import check_shape_rules as check_shape_rules  # importable from here, as before
 from pmx.schema import layout as schema
 
 # Refuse files whose arena or tensors exceed this before allocating anything; raise it
 # with InferenceSession(..., max_arena_bytes=N) for models that really need more.
 DEFAULT_MAX_ARENA_BYTES = 8 << 30
 MAX_RANK = 32
-# Nodes of the expression after desugaring, counting repeated subtrees each time: the
-# numexpr and numpy backends walk the expanded tree, so nested erf/square would blow up.
-MAX_EXPANDED_EXPR = 1 << 16
 
-_KINDS = (schema.TensorKind.Intermediate, schema.TensorKind.Constant, schema.TensorKind.Input, schema.TensorKind.Output)
 # What reading a damaged header can raise: positions outside it (IndexError, from
 # _Reader, which turns struct's errors into it), names that are not UTF-8, and (kept as
 # a safety net) struct or Python refusing a nonsensical size.
@@ -174,7 +173,7 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
             _fail(path, f"damaged header (an offset or length points outside it): {type(e).__name__}: {str(e)[:120]}")
         except MemoryError:
             raise PmxResourceError(f"{path}: out of memory while reading the header") from None
-        _verify_structure(model, pre, max_arena_bytes)
+        verify_structure(model, pre, max_arena_bytes, _expression)
         model._map = buf
         _wrap_constants(model, buf, pre)
     return model
@@ -243,16 +242,6 @@ def check_header_checksum(path, buf, pre):
         _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {crc:#010x}: the file is damaged")
     if padding.count(0) != len(padding):
         _fail(path, f"the padding between header and data (bytes {h1}..{pre['data_offset'] - 1}) is not zero: the file is damaged")
-
-
-def check_data_checksum(path, buf, pre):
-    """CRC32 of the data section against the preamble (`pmx verify`, verify=True): it
-    reads every weight byte, so a plain load leaves it out."""
-    d0 = pre["data_offset"]
-    with memoryview(buf) as view:
-        crc = ff.crc32(view[d0:d0 + pre["data_size"]])
-    if crc != pre["data_crc"]:
-        _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {crc:#010x}: the file is damaged")
 
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
@@ -744,203 +733,14 @@ def _read_attrs(r, per_set):
     return [dict(itertools.islice(items, len(attrs))) for attrs in per_set]
 
 
-# --- structural verification --------------------------------------------------------------
-
-
-def _verify_structure(model: Model, pre, max_arena_bytes):
-    if model.arena_size > max_arena_bytes:
-        raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
-    nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
-    model.roots = _resolve_aliases(model)
-    constant = schema.TensorKind.Constant
-    for i, t in enumerate(model.tensors):
-        if t.alias_of >= 0 and t.kind != constant:
-            _check_alias_extent(model, i, t, nbytes)
-    _check_io(model)
-    _check_nodes(model)
-    check_shape_rules(model)
-
-
-# Tensor sizes and limits are kept below this (the arena and scratch sizes derived from
-# them stay far from int64 overflow in numpy). Nothing real comes near 2 EiB.
-_CLAMP = 1 << 61
-
-
-def _tensor_label(i, t):
-    """How messages name tensor i (built only on failure, like _label for nodes)."""
-    return f"tensor {i} ({t.name[:40]!r})"
-
-
-def _check_tensors(model, data_size, max_arena_bytes):
-    """Kind, shape, size, and where each tensor's bytes are (data section, arena range or
-    alias target). Returns each tensor's byte count. (Plain Python: on the few hundred
-    tensors of a model a loop costs less than the numpy calls would, and a fresh process
-    pays tens of microseconds for the first use of each numpy operation.)"""
-    path, tensors, n = model.path, model.tensors, len(model.tensors)
-
-    limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
-    prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), schema.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
-    nbytes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
-    for i, (t, size) in enumerate(zip(tensors, nbytes)):
-        if t.kind not in kinds:
-            _fail(path, f"{_tensor_label(i, t)} has kind {t.kind}, not one of {list(_KINDS)}")
-        shape, bound = t.shape, size
-        if shape and min(shape) <= 0:
-            if min(shape) < 0:
-                _fail(path, f"{_tensor_label(i, t)} has shape {shape}: dims must be non-negative")
-            # Zero dims count as 1 (kernels may loop over the other dims of an empty
-            # tensor) and views count in full (a stride-0 view of 4 bytes can have 2**40
-            # elements): the bound is on work, not only on bytes.
-            bound = prod(max(d, 1) for d in shape) * t.dtype.itemsize
-        if bound > limit:
-            raise PmxResourceError(f"{path}: {_tensor_label(i, t)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
-    # Python ints do not overflow: offsets and sizes are compared as read.
-    for i, (t, size) in enumerate(zip(tensors, nbytes)):
-        if t.kind == constant:
-            if t.alias_of != -1 or t.alias_strides is not None:
-                _fail(path, f"{_tensor_label(i, t)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
-            if t.data_size != size:
-                _fail(path, f"{_tensor_label(i, t)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
-            if t.data_offset % align or t.data_offset + size > data_size:
-                _fail(path, f"{_tensor_label(i, t)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned")
-        elif t.alias_of == -1:
-            if t.alias_strides is not None:
-                _fail(path, f"{_tensor_label(i, t)} has alias_strides {t.alias_strides} but aliases nothing")
-            if t.arena_offset % align or t.arena_offset + size > arena_size:
-                _fail(path, f"{_tensor_label(i, t)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned")
-        elif not 0 <= t.alias_of < n:
-            _fail(path, f"{_tensor_label(i, t)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
-    return nbytes
-
-
-def _resolve_aliases(model):
-    """(root, byte offset) for every tensor, following alias chains once each (memoized,
-    so long chains cost linear time); a chain that loops or ends at a constant fails."""
-    path, tensors, constant = model.path, model.tensors, schema.TensorKind.Constant
-    roots = [None if t.kind != constant and t.alias_of >= 0 else (i, 0) for i, t in enumerate(tensors)]
-    for i in [i for i, r in enumerate(roots) if r is None]:
-        chain = []
-        on_chain = set()
-        j = i
-        while roots[j] is None:
-            if j in on_chain:
-                _fail(path, f"{_tensor_label(i, tensors[i])}: alias chain loops at tensor {j}")
-            on_chain.add(j)
-            chain.append(j)
-            j = tensors[j].alias_of
-        if tensors[j].kind == schema.TensorKind.Constant:
-            _fail(path, f"{_tensor_label(chain[-1], tensors[chain[-1]])} aliases constant tensor {j}; views of constants are not stored")
-        root, offset = roots[j]
-        for k in reversed(chain):
-            offset += tensors[k].alias_offset
-            roots[k] = (root, offset)
-    return roots
-
-
-def _check_alias_extent(model, i, t, nbytes):
-    """The bytes a view can touch must lie inside its root's arena range."""
-    path = model.path
-    root, offset = model.roots[i]
-    root_bytes = nbytes[root]
-    if 0 in t.shape:
-        lo, hi = 0, 0
-    elif t.alias_strides is not None:
-        if len(t.alias_strides) != len(t.shape):
-            _fail(path, f"{_tensor_label(i, t)}: {len(t.alias_strides)} alias strides for rank {len(t.shape)}")
-        lo = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s < 0)
-        hi = sum(s * (d - 1) for s, d in zip(t.alias_strides, t.shape) if s > 0) + t.dtype.itemsize
-    else:
-        lo, hi = 0, nbytes[i]
-    if offset + lo < 0 or offset + hi > root_bytes:
-        _fail(path, f"{_tensor_label(i, t)}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})")
-    target = model.tensors[t.alias_of]
-    if target.alias_strides is None and t.alias_offset + hi > nbytes[t.alias_of]:
-        # inside the arena, but reaching past the tensor it claims to view
-        _fail(path, f"{_tensor_label(i, t)}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes")
-
-
-def _check_io(model):
-    path, tensors, n = model.path, model.tensors, len(model.tensors)
-    for name, ids in (("inputs", model.inputs), ("outputs", model.outputs), ("kept", model.kept)):
-        for idx in ids:
-            if not 0 <= idx < n:
-                _fail(path, f"model {name} names tensor {idx}, but there are {n} tensors")
-    if len(set(model.inputs)) != len(model.inputs):
-        _fail(path, f"model inputs {model.inputs} name a tensor twice")
-    input_kind = schema.TensorKind.Input
-    marked = {i for i, t in enumerate(tensors) if t.kind == input_kind}
-    if marked != set(model.inputs):
-        _fail(path, f"tensors marked as inputs {sorted(marked)} differ from the model inputs {sorted(model.inputs)}")
-
-
-def _label(j, node):
-    """How messages name node j (built only on failure: formatting it for every node
-    would cost more than the checks)."""
-    return f"node {j} ({node.op[:40]!r} {node.name[:40]!r})"
-
-
-def _check_nodes(model):
-    """Indices in range, stored order respected (each input is a constant, a model input
-    or produced earlier), each tensor produced once, expressions within the grammar.
-    A node that passes is checked with a few set operations; one that fails is walked
-    index by index to name what is wrong."""
-    path, tensors = model.path, model.tensors
-    constant, fixed = schema.TensorKind.Constant, (schema.TensorKind.Constant, schema.TensorKind.Input)
-    available = {i for i, t in enumerate(tensors) if t.kind == constant} | set(model.inputs)
-    available.add(-1)  # an absent optional input
-    writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
-    for j, node in enumerate(model.nodes):
-        if node.op not in REGISTRY:
-            _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
-        outputs = set(node.outputs)
-        if not (available.issuperset(node.inputs) and writable.issuperset(outputs)
-                and len(outputs) == len(node.outputs)):
-            _explain_node(model, j, node, available, writable)
-        writable -= outputs  # each tensor is produced once
-        available |= outputs
-        if not node.expr:
-            node.expr = None
-            if node.op == "elementwise":
-                _fail(path, f"{_label(j, node)}: an elementwise node without an expression")
-        elif node.op == "elementwise" and -1 in node.inputs:
-            _fail(path, f"{_label(j, node)}: an elementwise node with an absent input")
-        if isinstance(node.expr, str):  # as read (a model checked again holds trees)
-            try:
-                node.expr, size = _expression(node.expr, len(node.inputs) if node.op == "elementwise" else 1)
-            except PmxFormatError as e:
-                _fail(path, f"{_label(j, node)}: {e}")
-            if size > MAX_EXPANDED_EXPR:
-                _fail(path, f"{_label(j, node)}: expression expands to more than {MAX_EXPANDED_EXPR} terms ({size})")
-    for idx in model.outputs + model.kept:
-        if idx == -1 or idx not in available:
-            _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
-
-
-def _explain_node(model, j, node, available, writable):
-    """Fail naming the first input or output of node j that _check_nodes refuses."""
-    path, tensors, n = model.path, model.tensors, len(model.tensors)
-    for idx in node.inputs:
-        if idx == -1:
-            continue
-        if not 0 <= idx < n:
-            _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
-        if idx not in available:
-            _fail(path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
-    seen = set()
-    for idx in node.outputs:
-        if not 0 <= idx < n:
-            _fail(path, f"{_label(j, node)}: output tensor index {idx} out of range (0..{n - 1})")
-        if idx not in writable or idx in seen:
-            _fail(path, f"{_label(j, node)}: writes tensor {idx} ({tensors[idx].name[:40]!r}), which is a constant, an input or already produced")
-        seen.add(idx)
-    _fail(path, f"{_label(j, node)}: inputs {node.inputs} / outputs {node.outputs} are inconsistent")
+# --- expressions ------------------------------------------------------------------------
 
 
 @functools.lru_cache(maxsize=4096)
 def _expression(text, num_inputs):
     """(tree, _expanded_size) of a stored expression: the one place the runtime parses
     expression text. Memoized: a model repeats the same few activations many times, and
-    nodes with equal text then share one tree object (check_shape_rules relies on it:
+    nodes with equal text then share one tree object (verify.check_shape_rules relies on it:
     trees that differ only in a literal's type compare equal, their objects do not)."""
     tree = E.parse(text, num_inputs)
     return tree, _expanded_size(E.desugar(tree))
@@ -969,110 +769,9 @@ def _expanded_size(tree):
     return memo[id(tree)]
 
 
-def check_shape_rules(model):
-    """Check each node's attributes against its op's specs (kernels/attr_specs.py), then
-    run its shape rule on its stored input shapes and compare with its stored output
-    shapes (and their number). Kernels size their scratch buffers (padding, im2col)
-    from attributes; this ties the attributes to shapes already checked against the
-    arena, so a damaged padding or stride is refused here instead of becoming a huge
-    allocation at bind. It needs a model the rest of the verifier passed (open_model
-    runs it last). Of all
-    checks it alone runs per-op code (the rules), so it is kept cheap: a rule reads only
-    the op, attributes, expression, variant and input shapes and dtypes, so a node that
-    repeats all of them (the blocks of a CNN stage, the layers of a transformer) reuses
-    the first one's result. Nodes are first told apart by op and
-    inputs, each input as a small int standing for its (shape, dtype); only nodes that
-    match there compare expression, variant and attributes, since building and hashing
-    that key for every node cost more than the rules it saved on CNNs, where most nodes
-    differ in shape. A node whose rule runs has its attributes checked first, once per
-    attribute dict (nodes of one attribute set share it) and input ranks, which is all a
-    spec reads. (Runs after _check_nodes: indices are in range.)"""
-    path, tensors = model.path, model.tensors
-    kinds = {}
-    sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
-    shape_of = [t.shape for t in tensors]
-    seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
-    attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes of one attribute set share its dict
-
-    def exact_key(node):
-        attrs = node.attrs
-        key = attrs_keys.get(id(attrs))
-        if key is None:
-            key = attrs_keys[id(attrs)] = _attrs_key(attrs)
-        return id(node.expr), node.variant, key
-
-    dtype_of = [t.dtype for t in tensors]
-    rank_of_sig = [len(shape) for shape, _ in kinds] + [None]  # [None]: an absent input (sig -1)
-    attrs_passed = set()  # (op, id(attrs), input ranks): attribute sets that met their op's specs
-    nodes = model.nodes
-    # built by comprehensions, which cost less per node than the statements of the loop
-    groups = [(node.op, *map(sig.__getitem__, node.inputs)) for node in nodes]
-    wanted = [list(map(shape_of.__getitem__, node.outputs)) for node in nodes]
-    for j, (node, group, want) in enumerate(zip(nodes, groups, wanted)):
-        same_inputs = seen.get(group)
-        got = None
-        if same_inputs is None:
-            same_inputs = seen[group] = []
-        else:
-            key = exact_key(node)
-            for entry in same_inputs:
-                if entry[1] is None:
-                    entry[1] = exact_key(entry[0])
-                if entry[1] == key:
-                    got = entry[2]
-                    break
-        if got is None:
-            ranks = tuple(map(rank_of_sig.__getitem__, group[1:]))
-            checked = node.op, id(node.attrs), ranks
-            if checked not in attrs_passed:
-                _check_attrs(path, j, node, ranks)
-                attrs_passed.add(checked)
-            present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
-            got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
-                               list(map(dtype_of.__getitem__, present)))
-            same_inputs.append([node, None, got])
-        if got != want:
-            if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
-                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}")
-            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
-
-
-def _check_attrs(path, j, node, ranks):
-    """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
-    shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
-    try:
-        found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
-    except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
-        found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
-    if found is not None:
-        name, message = found
-        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): attribute {name[:40]!r} {message}")
-
-
-def _attrs_key(attrs):
-    """`attrs` as a hashable key that tells 1, 1.0 and True apart: equal in Python, not
-    necessarily to a shape rule. (Tuples read from a file hold one type throughout.)"""
-    return tuple((k, v, type(v[0]) if type(v) is tuple and v else type(v)) for k, v in attrs.items())
-
-
-def _rule_shapes(path, j, node, shapes, dtypes):
-    """The output shapes node j's shape rule gives; any failure names the node. The
-    rule's own result, as tuples: kernels.output_shapes would also turn each dim into an
-    int and each dtype into np.dtype (~1.5 us a node), which a comparison with the stored
-    shapes (Python ints, checked non-negative) does not need: what differs fails."""
-    try:
-        return [tuple(shape) for shape, _ in REGISTRY[node.op].infer(node, shapes, dtypes)]
-    except PmxError as e:
-        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
-    except MemoryError:
-        raise PmxResourceError(f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory") from None
-    except Exception as e:  # noqa: BLE001 - a rule refusing hostile attributes, whatever it raises
-        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}")
-
-
 def _wrap_constants(model, buf, pre):
     """Read-only views of the mmap (np.ndarray over the buffer: one call, where
-    frombuffer + reshape is two), placed where _check_tensors checked they fit."""
+    frombuffer + reshape is two), placed where the verifier checked they fit."""
     base, constant = pre["data_offset"], schema.TensorKind.Constant
     model.constants.update((i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
                            for i, t in enumerate(model.tensors) if t.kind == constant)

@@ -26,7 +26,7 @@ from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
-from pmx.runtime import load
+from pmx.runtime import load, verify
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
 from test_pmx_fuzz import Views
@@ -468,11 +468,11 @@ def test_check_nodes_names_each_fault(cnn_model):
     ]
     for bad, message in cases:
         with pytest.raises(PmxFormatError) as e:
-            load._check_nodes(_with_nodes(m, bad))
+            verify._check_nodes(_with_nodes(m, bad), load._expression)
         assert message in str(e.value), (message, str(e.value))
     # the valid model passes, and so does an absent optional input (-1)
-    load._check_nodes(m)
-    load._check_nodes(_with_nodes(m, replaced(0, inputs=nodes[0].inputs + (-1,))))
+    verify._check_nodes(m, load._expression)
+    verify._check_nodes(_with_nodes(m, replaced(0, inputs=nodes[0].inputs + (-1,))), load._expression)
 
 
 def test_shape_rule_cache_checks_nodes_that_differ_only_in_attributes(cnn_model):
