@@ -12,7 +12,7 @@ lifetimes the planner will; the lifetime and span computations themselves live i
 runtime/plan.py, shared with run-time re-planning.
 """
 
-from pmx.runtime.plan import check_plan, lifetimes, lower_bound, plan_arena, root_spans
+from pmx.runtime.plan import check_plan, lifetimes, lower_bound, naive_bytes, plan_arena, root_spans
 
 
 def resolve(v, aliases):
@@ -55,8 +55,6 @@ def plan_memory(graph) -> bool:
     graph.aliases = aliases
     graph.arena_size = arena
     graph.lower_bound = lower_bound(buffers)
-    # what one buffer per tensor (no reuse over time, no views, no in-place) would take
-    spans = value_lifetimes(graph)
-    graph.naive_bytes = sum(v.nbytes for v in graph.values()
-                            if not v.is_constant and v.uid in spans)
+    by_uid = {v.uid: v for v in graph.values()}
+    graph.naive_bytes = naive_bytes(value_lifetimes(graph), lambda uid: by_uid[uid].nbytes)
     return True
