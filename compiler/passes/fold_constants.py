@@ -11,7 +11,7 @@ from pmx.runtime.kernels import get
 MAX_FOLDED_BYTES = 16 << 20
 
 
-def fold_constants(graph) -> bool:
+def fold_constants(graph, ctx) -> bool:
     changed = False
     for node in list(graph.nodes):
         ins = [v for v in node.inputs if v is not None]

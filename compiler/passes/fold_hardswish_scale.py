@@ -24,7 +24,7 @@ OWN_WEIGHT = V(const=True, kind="f", sole=True)
 def _weighted_readers(graph, v, depth=0):
     """Every conv or linear reading v as its input, directly or through THROUGH ops and
     products, when all of v's readers are such; else None."""
-    if v in graph.outputs or v in getattr(graph, "kept", ()) or not v.consumers or depth > 4:
+    if v in graph.outputs or v in graph.kept or not v.consumers or depth > 4:
         return None
     targets = []
     for reader in {c.uid: c for c in v.consumers}.values():
