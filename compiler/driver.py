@@ -2,11 +2,13 @@
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pmx.compiler import pnnx
 from pmx.compiler.ir import Node
-from pmx.compiler.passes import OPTIONAL, PIPELINE, run_pipeline
+from pmx.compiler.options import CompileOptions
+from pmx.compiler.passes import PIPELINE, run_pipeline
+from pmx.compiler.plan import PassContext, Plan
 from pmx.compiler.write import write
 from pmx.runtime.errors import PmxCompileError, PmxError
 
@@ -49,15 +51,16 @@ UNBOUNDED = -1
 PLACEHOLDER_SIZES = (64, 224, 32, 128, 16, 8, 256, 512)
 
 
-def _plan_dynamic_inputs(graph, dynamic, plan_shapes, auto_batch):
+def _plan_dynamic_inputs(graph, options, notes):
     """Inputs pnnx wrote with '?' dims get the shape memory is planned for, and those dims
     become dynamic: any size (1..), or the range asked for; a fixed size asked for fixes
-    them. The size planned for is the one given (`plan_shapes`, from --shape: a range's
-    lower end), else a placeholder at which the whole graph infers shapes: the runtime
-    plans memory again at the first run's shape, as for any new shape. With --static
-    (no auto_batch) a '?' dim needs a given size: --static promises the planned shapes."""
-    plan_shapes = plan_shapes or {}
-    dynamic = _check_requested_shapes(graph, dynamic or {}, plan_shapes)
+    them. The size planned for is the one given (`options.plan_shapes`, from --shape: a
+    range's lower end), else a placeholder at which the whole graph infers shapes (said
+    in `notes`): the runtime plans memory again at the first run's shape, as for any new
+    shape. With --static (no auto_batch) a '?' dim needs a given size: --static promises
+    the planned shapes. Returns the dynamic dims requested, checked, with the '?' ones."""
+    plan_shapes = options.plan_shapes
+    dynamic = _check_requested_shapes(graph, options.dynamic, plan_shapes)
     unplanned = {}  # (input, dim) -> (min, max): '?' dims without a size to plan for
     for v in graph.inputs:
         if v.shape is not None and None not in v.shape:
@@ -85,9 +88,9 @@ def _plan_dynamic_inputs(graph, dynamic, plan_shapes, auto_batch):
                                       f"outside its range {_range_text(lo, hi)}")
         v.shape = tuple(plan)
     if unplanned:
-        if not auto_batch:
+        if not options.auto_batch:
             raise PmxCompileError(_static_needs_shapes(graph, unplanned))
-        _plan_at_placeholder(graph, unplanned)
+        _plan_at_placeholder(graph, unplanned, options, notes)
     return dynamic
 
 
@@ -103,21 +106,22 @@ def _example_shape(v):
     return "x".join(str(d) if d is not None else ("1" if i == 0 else "224") for i, d in enumerate(v.shape))
 
 
-def _plan_at_placeholder(graph, unplanned):
+def _plan_at_placeholder(graph, unplanned, options, notes):
     """Give `unplanned` '?' dims the first placeholder sizes at which canonicalization and
-    shape inference of the whole graph succeed (tried on a copy), and say so in the notes."""
+    shape inference of the whole graph succeed (tried on a copy), and say so in `notes`."""
     from pmx.compiler.passes.canonicalize import canonicalize
     from pmx.compiler.passes.infer_shapes import infer_shapes
 
     tried, first_error = [], None
+    ctx = PassContext(options)  # the trial's; its findings are dropped
     for sizes in _placeholder_candidates(unplanned):
         shapes = _with_sizes(graph, sizes)
         trial = graph.clone()
         for v in trial.inputs:
             v.shape = shapes[v.name]
         try:
-            canonicalize(trial)
-            infer_shapes(trial)
+            canonicalize(trial, ctx)
+            infer_shapes(trial, ctx)
         except PmxError as e:
             tried.append(shapes)
             first_error = first_error or e
@@ -127,8 +131,8 @@ def _plan_at_placeholder(graph, unplanned):
         for v in {v.uid: v for v, _ in unplanned}.values():
             dims = [str(d) for u, d in unplanned if u is v]
             which = f"dims {', '.join(dims)} are" if len(dims) > 1 else f"dim {dims[0]} is"
-            graph.notes.append(f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
-                               f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape")
+            notes.append(f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
+                         f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape")
         return
     shown = "; ".join(", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
                       for t in tried[:3])
@@ -241,43 +245,38 @@ def _shape_text(shape):
     return "?" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def compile_graph(graph, keep=(), verify=False, disabled=(), no_opt=False, dynamic=None, auto_batch=True,
-                  plan_shapes=None, tune=False):
-    """Run the pipeline on a parsed graph. `dynamic` = {input name: {dim: (min, max)}}
-    (max -1 = unbounded) declares input dims that may change at run time, (n, n) fixes a
-    dim at n; with auto_batch, dim 0 of every input is made dynamic too when the model
-    allows it. Requests are checked against the shapes pnnx recorded
-    (_check_requested_shapes). `plan_shapes` = {input name: shape} gives the size to
-    plan for to inputs that pnnx wrote with '?' dims (those dims become dynamic); without
-    it they are planned at a placeholder size (_plan_dynamic_inputs). With `tune`,
-    kernels are chosen by timing the candidates on this machine
-    (compiler/passes/tune.py) at the planned shapes."""
-    dynamic = _plan_dynamic_inputs(graph, dynamic, plan_shapes, auto_batch)
-    graph.tune = tune
-    graph.tune_report = []
-    graph.dynamic_request = dict(dynamic or {})
-    graph.auto_batch = auto_batch
+def compile_graph(graph, options) -> Plan:
+    """Run the pipeline on a parsed graph with `options` (a CompileOptions) and return
+    its Plan. `options.dynamic` = {input name: {dim: (min, max)}} (max -1 = unbounded)
+    declares input dims that may change at run time, (n, n) fixes a dim at n; with
+    auto_batch, dim 0 of every input is made dynamic too when the model allows it.
+    Requests are checked against the shapes pnnx recorded (_check_requested_shapes).
+    `options.plan_shapes` = {input name: shape} gives the size to plan for to inputs that
+    pnnx wrote with '?' dims (those dims become dynamic); without it they are planned at
+    a placeholder size (_plan_dynamic_inputs). With `options.tune`, kernels are chosen by
+    timing the candidates on this machine (compiler/passes/tune.py) at the planned shapes."""
+    notes = []
+    dynamic = _plan_dynamic_inputs(graph, options, notes)
     by_name = {v.name: v for v in graph.values()}
     kept = []
-    for name in keep:
+    for name in options.keep:
         if name not in by_name:
             sample = ", ".join(sorted(by_name)[:12])
             raise PmxCompileError(f"--keep {name}: no tensor of that name in {graph.source} (some names: {sample})")
         kept.append(by_name[name])
-    graph.kept = kept
-    disabled = set(disabled) | (OPTIONAL if no_opt else set())
-    unknown = set(disabled) - {p.name for p in PIPELINE}
+    graph.keep(kept)
+    unknown = options.disabled - {p.name for p in PIPELINE}
     if unknown:
         raise PmxCompileError(f"unknown pass name(s) {sorted(unknown)}; passes: {[p.name for p in PIPELINE]}")
-    if verify:
+    if options.verify:
         # pnnx records no shape for 0-d results and index lists; infer_shapes fills them
         graph.verify(after="pnnx frontend", require_shapes=False)
-    run_pipeline(graph, verify=verify, disabled=disabled)
+    plan = run_pipeline(graph, PassContext(replace(options, dynamic=dynamic), notes=notes))
     inputs = {v.uid for v in graph.inputs}
     for i, v in enumerate(graph.outputs):
         if v.uid not in inputs and not v.is_constant and v not in kept:
             v.name = f"out{i}"
-    return graph
+    return plan
 
 
 def _internal_error(e, source):
@@ -313,18 +312,18 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
     try:
-        compile_graph(graph, keep=keep, verify=verify, disabled=disabled, no_opt=no_opt,
-                      dynamic=dynamic, auto_batch=auto_batch, plan_shapes=plan_shapes, tune=tune)
+        options = CompileOptions(keep=keep, verify=verify, disabled=disabled, no_opt=no_opt, dynamic=dynamic,
+                                 auto_batch=auto_batch, plan_shapes=plan_shapes, tune=tune, metadata=metadata)
+        plan = compile_graph(graph, options)
     except PmxError:
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash
         raise _internal_error(e, param_path) from e
-    graph.metadata = dict(metadata or {})
-    size = write(graph, output, _fail_after_bytes=_fail_after_bytes)
+    size = write(graph, plan, options, output, _fail_after_bytes=_fail_after_bytes)
     consts = [v for v in graph.values() if v.is_constant]
     return CompileResult(
         output=output, ops_in=ops_in, ops_out=len(graph.nodes), constants=len(consts),
-        constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=graph.arena_size,
-        lower_bound_bytes=graph.lower_bound, naive_bytes=graph.naive_bytes,
-        seconds=time.perf_counter() - t0, pass_stats=list(graph.pass_stats), rule_hits=list(graph.rule_hits),
-        dynamic=dict(graph.dynamic), notes=graph.notes + list(graph.fixed_reasons), tuned=list(graph.tune_report))
+        constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=plan.arena_size,
+        lower_bound_bytes=plan.lower_bound, naive_bytes=plan.naive_bytes,
+        seconds=time.perf_counter() - t0, pass_stats=list(plan.pass_stats), rule_hits=list(plan.rule_hits),
+        dynamic=dict(plan.dynamic), notes=list(plan.notes + plan.fixed_reasons), tuned=list(plan.tune_report))

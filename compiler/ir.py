@@ -82,10 +82,10 @@ class Graph:
         self.nodes: list[Node] = []
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
+        # tensors that stay readable after a run besides the outputs (`--keep`): every pass
+        # treats them as it treats outputs, and the file lists them
+        self.kept: list[Value] = []
         self.source = source
-        self.pass_stats: list[tuple[str, int, int]] = []
-        self.notes: list[str] = []  # what the compile decided that the user should know
-        self.rule_hits: list[tuple[str, str, int]] = []  # (rule set, rule, hits), compiler/rewrite.py
 
     # --- construction -------------------------------------------------------------
 
@@ -131,6 +131,10 @@ class Graph:
         for i, v in enumerate(values):
             self.set_input(node, i, v)
 
+    def keep(self, values):
+        """`values` are the graph's kept tensors."""
+        self.kept = list(values)
+
     def move_before(self, node: Node, other: Node):
         """node runs right before `other` (a rewrite that swapped their order)."""
         self.nodes.remove(node)
@@ -157,7 +161,7 @@ class Graph:
     def sole_reader(self, v: Value):
         """The one node that reads v (once or more), when nothing else sees v: it is not a
         graph output or kept (`--keep`). Else None. A fusion may then fold v away."""
-        if v in self.outputs or v in getattr(self, "kept", ()):
+        if v in self.outputs or v in self.kept:
             return None
         readers = {c.uid: c for c in v.consumers}
         return next(iter(readers.values())) if len(readers) == 1 else None
@@ -194,6 +198,7 @@ class Graph:
                             n.input_names, n.line, n.expr, n.variant))
         g.inputs = [copy(v) for v in self.inputs]
         g.outputs = [copy(v) for v in self.outputs]
+        g.kept = [copy(v) for v in self.kept]
         return g
 
     # --- checking -----------------------------------------------------------------

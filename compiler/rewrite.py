@@ -150,7 +150,7 @@ def match_value(graph, p, v, reader, m):
     if ((p.of is not None and (v.producer is None or v.producer.op not in p.of.ops))
             or (p.const is not None and v.is_constant != p.const) or (p.kind and np.dtype(v.dtype).kind not in p.kind)
             or (p.sole and graph.sole_reader(v) is not reader)
-            or (p.internal and (v in graph.outputs or v in getattr(graph, "kept", ())))
+            or (p.internal and (v in graph.outputs or v in graph.kept))
             or (p.where is not None and not p.where(v)) or (m := _bind(m, p.name, v)) is None):
         return []
     return [m] if p.of is None else match_node(graph, p.of, v.producer, m)
@@ -197,8 +197,8 @@ def fits(graph, pattern, value, reader=None):
 def apply_rules(graph, name, rules, max_hits=None):
     """Run `rules` over the graph until none fires: every node is tried once, in order; a
     node where a rule fired is tried again at once, and the matched nodes' neighbours are
-    queued again. Hits per rule are added to graph.rule_hits. More than `max_hits` hits
-    (default: 16 per node) means a rule undoes another: PmxInternalError."""
+    queued again. Returns {rule name: hits}. More than `max_hits` hits (default: 16 per
+    node) means a rule undoes another: PmxInternalError."""
     by_op = defaultdict(list)
     for r in rules:
         for op in r.pattern.ops:
@@ -234,8 +234,7 @@ def apply_rules(graph, name, rules, max_hits=None):
                         if y is not None and y is not node and y.uid not in queued and y.op in by_op:
                             queue.append(y)
                             queued.add(y.uid)
-    graph.rule_hits.extend((name, r, n) for r, n in hits.items())
-    return total
+    return hits
 
 
 def _fire(graph, rules, node):
@@ -247,9 +246,12 @@ def _fire(graph, rules, node):
 
 
 def rule_pass(name, rules):
-    """A pipeline pass that runs `rules` to a fixpoint; changed? = some rule fired."""
-    def run(graph):
-        return apply_rules(graph, name, rules) > 0
+    """A pipeline pass that runs `rules` to a fixpoint and records their hits in the
+    compile's context; changed? = some rule fired."""
+    def run(graph, ctx):
+        hits = apply_rules(graph, name, rules)
+        ctx.rule_hits.extend((name, r, n) for r, n in hits.items())
+        return any(hits.values())
 
     run.__name__ = run.__qualname__ = name
     run.rules = tuple(rules)

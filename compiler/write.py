@@ -1,4 +1,4 @@
-"""Serialize a planned Graph into a .pmx file, atomically.
+"""Serialize a Graph and its Plan (compiler/plan.py) into a .pmx file, atomically.
 
 Layout: 64-byte preamble (runtime/fileformat.py), the FlatBuffer header (schema/pmx.fbs),
 padding to 64 bytes, then the data section with every constant 64-byte aligned.
@@ -15,10 +15,11 @@ import zlib
 import flatbuffers
 import numpy as np
 
+from pmx.compiler.plan import Plan
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxInternalError
 from pmx.runtime.load import MAX_RANK
 from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
@@ -141,16 +142,16 @@ def _unique_names(values):
     return names
 
 
-def _dim_ranges(graph):
+def _dim_ranges(graph, plan):
     """{value uid: [(min, max) per dim]} for graph inputs with dynamic dims (from
     mark_dynamic_dims) and for outputs whose dims follow them ((0, -1) = varies)."""
     out = {}
-    dynamic = getattr(graph, "dynamic", {})
+    dynamic = plan.dynamic
     for v in graph.inputs:
         if v.name in dynamic:
             out[v.uid] = [tuple(r) for r in dynamic[v.name]]
     for v in graph.outputs:
-        dims = getattr(graph, "dynamic_outputs", {}).get(v.uid)
+        dims = plan.dynamic_outputs.get(v.uid)
         if dims and v.uid not in out:
             out[v.uid] = [(0, -1) if i in dims else (d, d) for i, d in enumerate(v.shape)]
     return out
@@ -164,11 +165,11 @@ def _ends(lengths):
     return list(itertools.accumulate(lengths))
 
 
-def _tensor_columns(b, graph, values, names, index, const_place):
+def _tensor_columns(b, graph, plan, values, names, index, const_place):
     """The Tensors table: one vector per field (schema/pmx.fbs)."""
     input_ids = {v.uid for v in graph.inputs}
     output_ids = {v.uid for v in graph.outputs}
-    ranges = _dim_ranges(graph)
+    ranges = _dim_ranges(graph, plan)
     cols = {k: [] for k in ("kinds", "dtypes", "ranks", "dims", "data_offsets", "data_sizes", "arena_offsets",
                             "alias_of", "alias_offsets", "strided", "strides", "ranged", "dim_min", "dim_max")}
     for i, v in enumerate(values):
@@ -183,7 +184,7 @@ def _tensor_columns(b, graph, values, names, index, const_place):
         cols["dims"].extend(v.shape)
         data_offset = data_size = arena_offset = alias_offset = 0
         alias_of = -1
-        alias = graph.aliases.get(v.uid) if not v.is_constant else None
+        alias = plan.aliases.get(v.uid) if not v.is_constant else None
         if v.is_constant:
             data_offset, data_size = const_place[v.uid]
         elif alias is not None:
@@ -191,8 +192,11 @@ def _tensor_columns(b, graph, values, names, index, const_place):
             if alias[2] is not None:
                 cols["strided"].append(i)
                 cols["strides"].extend(alias[2])
+        elif v.uid in plan.offsets:
+            arena_offset = plan.offsets[v.uid]
         else:
-            arena_offset = graph.offsets[v.uid]
+            raise PmxInternalError(f"{graph.source}: tensor {v.name} has neither an arena offset nor an alias in the "
+                                   f"plan: the graph changed after it was planned")
         for k, x in (("data_offsets", data_offset), ("data_sizes", data_size), ("arena_offsets", arena_offset),
                      ("alias_of", alias_of), ("alias_offsets", alias_offset)):
             cols[k].append(x)
@@ -218,19 +222,19 @@ def _tensor_columns(b, graph, values, names, index, const_place):
     return fb.TensorsEnd(b)
 
 
-def _node_columns(b, shared, graph, index):
+def _node_columns(b, shared, plan, index):
     """The Nodes table (schema/pmx.fbs) and the strings its ops, expressions and variants
     index (the first is "")."""
     strings = {"": 0}
     ops, exprs, variants, attr_sets, inputs, outputs = [], [], [], [], [], []
-    for node in graph.nodes:
+    for node in plan.order:
         ops.append(strings.setdefault(node.op, len(strings)))
         exprs.append(strings.setdefault(E.to_text(node.expr) if node.expr else "", len(strings)))
         variants.append(strings.setdefault(node.variant or "", len(strings)))
         attr_sets.append(shared.attr_set(node.attrs))
         inputs.append([index[v.uid] if v is not None else -1 for v in node.inputs])
         outputs.append([index[v.uid] for v in node.outputs])
-    names = [node.name for node in graph.nodes]
+    names = [node.name for node in plan.order]
     offs = [b.CreateString("".join(names))] + [_vector(b, values, dtype) for values, dtype in (
         (_ends(map(len, names)), np.uint32), (ops, np.uint32), (_ends(map(len, inputs)), np.uint32),
         ([i for ins in inputs for i in ins], np.int32), (_ends(map(len, outputs)), np.uint32),
@@ -244,8 +248,20 @@ def _node_columns(b, shared, graph, index):
     return fb.NodesEnd(b), list(strings)
 
 
-def build(graph):
+def _check_plan_fits(graph, plan):
+    """Refuse (PmxInternalError) to write without a Plan, or with one made for another
+    node list: the file would store offsets and aliases no check has seen."""
+    if not isinstance(plan, Plan):
+        raise PmxInternalError(f"{graph.source}: write() needs the Plan the pipeline returned, got "
+                               f"{type(plan).__name__}")
+    if len(plan.order) != len(graph.nodes) or any(a is not b for a, b in zip(plan.order, graph.nodes)):
+        raise PmxInternalError(f"{graph.source}: the plan orders other nodes than the graph has: the graph changed "
+                               f"after it was planned")
+
+
+def build(graph, plan, options):
     """Return (header bytes, list of (relative offset, constant array), data size)."""
+    _check_plan_fits(graph, plan)
     values = graph.values()
     index = {v.uid: i for i, v in enumerate(values)}
     names = _unique_names(values)
@@ -263,13 +279,13 @@ def build(graph):
 
     b = flatbuffers.Builder(1024)
     shared = _SharedParts(b)
-    tensors_off = _tensor_columns(b, graph, values, names, index, const_place)
-    nodes_off, strings = _node_columns(b, shared, graph, index)
+    tensors_off = _tensor_columns(b, graph, plan, values, names, index, const_place)
+    nodes_off, strings = _node_columns(b, shared, plan, index)
     strings_off = _string_vector(b, fb.ModelStartStringsVector, [b.CreateString(t) for t in strings])
     attr_sets_off = _table_vector(b, fb.ModelStartAttrSetsVector, shared.attr_set_offsets)
 
     stat_offs = []
-    for name, before, after in graph.pass_stats:
+    for name, before, after in plan.pass_stats:
         n_off = b.CreateString(name)
         fb.PassStatStart(b)
         fb.PassStatAddName(b, n_off)
@@ -282,8 +298,8 @@ def build(graph):
     stats_off = _table_vector(b, fb.ModelStartPassStatsVector, stat_offs)
     inputs_off = shared.numbers([index[v.uid] for v in graph.inputs])
     outputs_off = shared.numbers([index[v.uid] for v in graph.outputs])
-    kept_off = shared.numbers([index[v.uid] for v in getattr(graph, "kept", [])])
-    metadata_off = _metadata(b, getattr(graph, "metadata", None) or {})
+    kept_off = shared.numbers([index[v.uid] for v in graph.kept])
+    metadata_off = _metadata(b, options.metadata)
     fb.ModelStart(b)
     fb.ModelAddProducer(b, producer_off)
     fb.ModelAddTensors(b, tensors_off)
@@ -293,7 +309,7 @@ def build(graph):
     fb.ModelAddInputs(b, inputs_off)
     fb.ModelAddOutputs(b, outputs_off)
     fb.ModelAddKept(b, kept_off)
-    fb.ModelAddArenaSize(b, graph.arena_size)
+    fb.ModelAddArenaSize(b, plan.arena_size)
     fb.ModelAddPassStats(b, stats_off)
     fb.ModelAddSource(b, source_off)
     if metadata_off is not None:
@@ -332,9 +348,10 @@ def _format_version(graph):
     return ff.OLDEST_READABLE_VERSION
 
 
-def write(graph, path, _fail_after_bytes=None):
-    """Write atomically. `_fail_after_bytes` is a test hook simulating a crash mid-write."""
-    header, blobs, data_size = build(graph)
+def write(graph, plan, options, path, _fail_after_bytes=None):
+    """Write `graph` as `plan` (from run_pipeline) places it, with `options`' metadata,
+    atomically. `_fail_after_bytes` is a test hook simulating a crash mid-write."""
+    header, blobs, data_size = build(graph, plan, options)
     data_offset = ff.align(ff.PREAMBLE_SIZE + len(header))
     crc = 0
     for off, arr in _with_padding(blobs, data_size):

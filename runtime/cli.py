@@ -506,13 +506,12 @@ def inspect_dict(model):
     get_inputs() reports it: null for dims that may change), planned_shape (the shape
     memory was planned for) and, where dims may change, allowed (the sizes they take)."""
     from pmx.runtime import expr as E
-    from pmx.runtime.plan import lower_bound
-    from pmx.runtime.replan import root_buffers
+    from pmx.runtime.plan import lower_bound, naive_bytes
+    from pmx.runtime.replan import root_buffers, tensor_lifetimes
     from pmx.schema.layout import TensorKind
 
     t = model.tensors
     _, buffers = root_buffers(model, [x.shape for x in t], lambda i: model.roots[i][0])
-    naive = sum(ti.nbytes for ti in t if ti.kind != TensorKind.Constant)  # one buffer per tensor
     return {
         "model": model.path,
         "producer": model.producer,
@@ -527,7 +526,7 @@ def inspect_dict(model):
         "constant_bytes": sum(x.data_size for x in t if x.kind == TensorKind.Constant),
         "arena_bytes": model.arena_size,
         "lower_bound_bytes": lower_bound(buffers),
-        "naive_bytes": naive,
+        "naive_bytes": naive_bytes(tensor_lifetimes(model), lambda i: t[i].nbytes),
         "passes": [dict(name=a, nodes_before=b, nodes_after=c) for a, b, c in model.pass_stats],
         "node_table": [
             dict(op=nd.op, name=nd.name, variant=nd.variant,

@@ -102,6 +102,15 @@ def lower_bound(buffers):
     return peak
 
 
+def naive_bytes(spans, nbytes):
+    """The unplanned sum pmx compile and pmx inspect report: the bytes of every tensor in
+    `spans` (from lifetimes(): each non-constant tensor the model takes as an input,
+    computes, reads or keeps, views and in-place outputs included), nbytes(t) each,
+    unaligned, as if each had a buffer of its own for the whole run: no reuse over time,
+    no views, no in-place writes."""
+    return sum(nbytes(t) for t in spans)
+
+
 def lifetimes(steps, graph_inputs, live_to_end, is_constant):
     """{tensor: (first step, last step)} over `steps`, a list of (input ids, output ids)
     in execution order (None inputs are absent ones). Graph inputs start at -1, tensors in

@@ -71,15 +71,21 @@ def infer_shapes(model, input_shapes: dict) -> list:
     return shapes
 
 
+def tensor_lifetimes(model):
+    """{tensor index: (first step, last step)} of every non-constant tensor over the
+    stored order (runtime/plan.py lifetimes)."""
+    tensors = model.tensors
+    steps = [([i if i >= 0 else None for i in node.inputs], node.outputs) for node in model.nodes]
+    return lifetimes(steps, model.inputs, list(model.outputs) + list(model.kept),
+                     lambda i: tensors[i].kind == TensorKind.Constant)
+
+
 def root_buffers(model, shapes, root_of):
     """The planner's input: one buffer per root tensor (root_of(i) for every tensor that
     lives in the arena) over the stored order. Returns (root indices, [(bytes, first
     step, last step)])."""
     tensors = model.tensors
-    steps = [([i if i >= 0 else None for i in node.inputs], node.outputs) for node in model.nodes]
-    spans = lifetimes(steps, model.inputs, list(model.outputs) + list(model.kept),
-                      lambda i: tensors[i].kind == TensorKind.Constant)
-    per_root = root_spans(spans, root_of)
+    per_root = root_spans(tensor_lifetimes(model), root_of)
     roots = sorted(per_root, key=lambda r: (per_root[r][0], r))
     return roots, [(_nbytes(shapes[r], tensors[r].dtype), *per_root[r]) for r in roots]
 

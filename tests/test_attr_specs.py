@@ -14,6 +14,7 @@ from attr_reads import record_reads
 
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
+from pmx.compiler.options import CompileOptions
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxFormatError
 from pmx.runtime.kernels import attr_specs
@@ -25,21 +26,23 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "c
 @pytest.fixture(scope="module")
 def graph():
     """The example CNN compiled (convs, a depthwise conv, pools, a reshape, linear and a
-    softmax over a rank-2 input), as the compiler's graph, ready to write."""
+    softmax over a rank-2 input): the compiler's graph, its Plan and the options, ready
+    to write."""
     g = pnnx.load(str(EXAMPLE) + ".pnnx.param", str(EXAMPLE) + ".pnnx.bin")
-    compile_graph(g)
-    return g
+    options = CompileOptions()
+    return g, compile_graph(g, options), options
 
 
-def _forged(graph, tmp_path, op, edit):
+def _forged(compiled, tmp_path, op, edit):
     """The graph written with edit(attrs) applied to the first `op` node's attributes
     (restored afterwards); returns (path, that node's index, its name)."""
+    graph, plan, options = compiled
     j, node = next((j, n) for j, n in enumerate(graph.nodes) if n.op == op)
     saved = dict(node.attrs)
     edit(node.attrs)
     try:
         path = tmp_path / f"{op}.pmx"
-        write(graph, str(path))
+        write(graph, plan, options, str(path))
     finally:
         node.attrs.clear()
         node.attrs.update(saved)

@@ -143,7 +143,7 @@ def test_no_opt_and_disable(prefix, net, tmp_path, capsys):
 
 
 def test_verify_names_the_pass_that_broke_the_graph(prefix, tmp_path, monkeypatch):
-    def break_graph(graph):
+    def break_graph(graph, ctx):
         graph.remove_node(graph.nodes[1])  # its output is still read downstream
         return True
 
@@ -155,11 +155,11 @@ def test_verify_names_the_pass_that_broke_the_graph(prefix, tmp_path, monkeypatc
 
 
 def test_verify_checks_aliases_after_each_pass(prefix, tmp_path, monkeypatch):
-    def bad_alias(graph):
+    def bad_alias(graph, ctx):
         x = graph.inputs[0]
         y = graph.nodes[0].outputs[0]
-        graph.aliases[x.uid] = (y, 0, None)  # x -> y -> x: a loop
-        graph.aliases[y.uid] = (x, 0, None)
+        ctx.aliases[x.uid] = (y, 0, None)  # x -> y -> x: a loop
+        ctx.aliases[y.uid] = (x, 0, None)
         return True
 
     pipeline = list(P.PIPELINE)
@@ -179,7 +179,7 @@ def test_a_misordered_pipeline_is_refused_naming_both_passes(monkeypatch):
         P.check_pipeline(pipeline)
     monkeypatch.setattr(P, "PIPELINE", pipeline)
     with pytest.raises(PmxError, match="fuse_activation must run after fuse_conv_batchnorm"):
-        P.run_pipeline(None)  # refused before any pass runs
+        P.run_pipeline(None, None)  # refused before any pass runs
     late = list(shipped)
     late.insert(len(late) - 1, P.Pass("fold_again", P.fold_constants, optional=True, after=("order",)))
     with pytest.raises(PmxError, match="pass fold_again changes the node list after placement pass alias_views"):
@@ -196,7 +196,7 @@ def test_every_ordering_comment_of_the_pipeline_is_a_constraint():
 
 
 def test_a_placement_pass_that_changes_the_nodes_is_refused(prefix, tmp_path, monkeypatch):
-    def drop_last(graph):
+    def drop_last(graph, ctx):
         graph.remove_node(graph.nodes[-1])
         return True
 

@@ -208,6 +208,7 @@ def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
     from pmx.compiler.ir import Graph, Node, Value
     from pmx.compiler.passes.order import order
     from pmx.compiler.passes.plan_memory import plan_memory
+    from pmx.compiler.plan import PassContext
     from pmx.compiler.write import write
     from pmx.runtime import InferenceSession
     from pmx.runtime.errors import PmxInternalError
@@ -218,10 +219,10 @@ def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
     g.inputs, g.outputs = [x, gate], [y]
     g.add_node(Node("conv", "gated_conv", [x, w, None, gate], [y],
                     attrs=dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")))
-    g.aliases = {}
-    order(g)
-    plan_memory(g)
-    write(g, str(tmp_path / "bad.pmx"))
+    ctx = PassContext()
+    order(g, ctx)
+    plan_memory(g, ctx)
+    write(g, ctx.plan(g), ctx.options, str(tmp_path / "bad.pmx"))
     sess = InferenceSession(str(tmp_path / "bad.pmx"))
     feed = {"x": signed_input((1, 4, 3, 3), 1), "gate": signed_input((1, 5, 1, 1), 2)}
     with pytest.raises(PmxInternalError, match=r"node 'gated_conv' \(conv\) failed at bind: ValueError: input scale "

@@ -453,6 +453,7 @@ def test_constant_inputs_fold_away():
     from pmx.compiler.ir import Graph, Node, Value
     from pmx.compiler.passes.fold_constants import fold_constants
     from pmx.compiler.passes.infer_shapes import infer_shapes
+    from pmx.compiler.plan import PassContext
 
     rng = np.random.default_rng(0)
     w = Value("w", (5, 4), "float32", data=rng.standard_normal((5, 4)).astype(np.float32))
@@ -478,8 +479,8 @@ def test_constant_inputs_fold_away():
         graph.add_node(Node(op, f"n{i}", ins, [out], attrs))
         outs.append(out)
     graph.outputs = outs
-    infer_shapes(graph)
-    fold_constants(graph)
+    infer_shapes(graph, PassContext())
+    fold_constants(graph, PassContext())
     assert graph.nodes == []
     for out, (op, _, _, fn) in zip(outs, specs):
         assert out.is_constant, op

@@ -8,6 +8,7 @@ vtables overlap fields; the checks' messages on models damaged where a shortcut 
 look away; the collector's state. No timing is asserted.
 """
 
+import dataclasses
 import gc
 import math
 import pathlib
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
+from pmx.compiler.options import CompileOptions
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError
 from pmx.runtime import expr as E
@@ -200,9 +202,10 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
         g.add_node(Node("elementwise", f"n{i}", [prev], [y], expr=E.call("neg", E.at(0)), attrs={"a": v, "b": 2}))
         prev = y
     g.outputs = [prev]
-    compile_graph(g, disabled=["fuse_elementwise"])
+    options = CompileOptions(disabled=["fuse_elementwise"])
+    plan = compile_graph(g, options)
     path = tmp_path / "shared.pmx"
-    write(g, str(path))
+    write(g, plan, options, str(path))
     data = path.read_bytes()
     pre, header = header_of(data)
     model = load._read_header(str(path), header, pre, len(data))
@@ -357,10 +360,11 @@ def _strided_view_file(tmp_path):
     g.add_node(Node("elementwise", "n0", [x], [y0], expr=E.call("neg", E.at(0))))
     g.add_node(Node("elementwise", "n1", [y0], [y1], expr=E.call("neg", E.at(0))))
     g.outputs = [y1]
-    compile_graph(g, disabled=["fuse_elementwise"])
-    g.aliases[y0.uid] = (x, 0, (12, 4))
+    options = CompileOptions(disabled=["fuse_elementwise"])
+    plan = compile_graph(g, options)
+    plan = dataclasses.replace(plan, aliases={**plan.aliases, y0.uid: (x, 0, (12, 4))})
     path = tmp_path / "strided.pmx"
-    write(g, str(path))
+    write(g, plan, options, str(path))
     return path.read_bytes()
 
 

@@ -1,6 +1,8 @@
 """Each optimizing pass: outputs with and without it agree with torch on models where it
 fires (and it does fire), and it does not fire where it must not."""
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch.nn.functional as F
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
+from pmx.compiler.options import CompileOptions
+from pmx.compiler.plan import PassContext
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession
 from pmx.runtime import expr as E
@@ -35,11 +39,28 @@ def randomize_bn(module, seed=0):
     return module.eval()
 
 
+# graph -> (its Plan, the CompileOptions it was compiled with), for graphs compiled here
+PLANS = weakref.WeakKeyDictionary()
+
+
+def compile_here(graph, **kwargs):
+    options = CompileOptions(verify=True, **kwargs)
+    PLANS[graph] = (compile_graph(graph, options), options)
+    return graph
+
+
+def plan_of(graph):
+    return PLANS[graph][0]
+
+
+def write_compiled(graph, path):
+    write(graph, *PLANS[graph], str(path))
+
+
 def compiled(exporter, name, module, inputs, **kwargs):
-    """The planned graph of a pnnx export (not written)."""
+    """The planned graph of a pnnx export (not written); plan_of(graph) is its Plan."""
     prefix = exporter(name, module, inputs)
-    graph = pnnx.load(prefix + ".pnnx.param", prefix + ".pnnx.bin")
-    return compile_graph(graph, verify=True, **kwargs)
+    return compile_here(pnnx.load(prefix + ".pnnx.param", prefix + ".pnnx.bin"), **kwargs)
 
 
 def ops(graph):
@@ -129,7 +150,7 @@ def test_fuse_conv_batchnorm_folds_in_float64():
                     dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1)))
     g.add_node(Node("batch_norm", "bn", [y, Value("s", (4,), data=scale), Value("t", (4,), data=shift)], [z]))
     g.outputs = [z]
-    compile_graph(g, verify=True)
+    compile_here(g)
     (conv,) = g.nodes
     want_w = (w.astype(np.float64) * scale.astype(np.float64)[:, None, None, None]).astype(np.float32)
     np.testing.assert_array_equal(conv.inputs[1].data, want_w)
@@ -225,7 +246,7 @@ def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
     outs = []
     for g in (with_, without):
         path = tmp_path / f"{len(outs)}.pmx"
-        write(g, str(path))
+        write_compiled(g, path)
         outs.append(InferenceSession(str(path)).run(None, feed)[0])
     np.testing.assert_array_equal(outs[0].view(np.int32), outs[1].view(np.int32))
 
@@ -241,7 +262,7 @@ def test_negate_silu_weights_leaves_shared_weights():
     g.add_node(Node("linear", "a", [x, w], [y], expr=tree("mul(@0,sigmoid(@0))")))
     g.add_node(Node("linear", "b", [y, w], [z]))
     g.outputs = [z]
-    assert not negate_silu_weights(g)
+    assert not negate_silu_weights(g, PassContext())
     assert text(g.nodes[0]) == "mul(@0,sigmoid(@0))" and g.nodes[0].inputs[1] is w
 
 
@@ -364,10 +385,10 @@ def test_fold_affine_relu_leaves_shared_weights():
         return Node("elementwise", "bnrelu", [x, scale, shift], [y], expr=E.call("maximum", EXPR, 0))
 
     g = shared_weight_graph(bn_relu, shared=True)
-    assert not fold_affine_relu(g)
+    assert not fold_affine_relu(g, PassContext())
     assert g.nodes[0].expr == E.call("maximum", EXPR, 0) and g.nodes[1].inputs[1].name == "w"
     g = shared_weight_graph(bn_relu, shared=False)
-    assert fold_affine_relu(g)
+    assert fold_affine_relu(g, PassContext())
     assert g.nodes[0].expr == FOLDED
     np.testing.assert_array_equal(np.asarray(g.nodes[0].inputs[1].data), np.full(4, -0.5, np.float32))
     np.testing.assert_array_equal(np.asarray(g.nodes[1].inputs[1].data), 2 * np.eye(4, dtype=np.float32))
@@ -535,8 +556,9 @@ class Fire(nn.Module):
 def aliases_by_op(graph):
     """{op of the aliased tensor's producer: count}"""
     out = {}
+    aliases = plan_of(graph).aliases
     for v in graph.values():
-        if v.uid in graph.aliases and v.producer is not None:
+        if v.uid in aliases and v.producer is not None:
             out[v.producer.op] = out.get(v.producer.op, 0) + 1
     return out
 
@@ -544,8 +566,8 @@ def aliases_by_op(graph):
 def test_alias_concat_fires(check_model, exporter):
     g, without = check_with_and_without(check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_concat")
     concat_inputs = [v for n in g.nodes if n.op == "concat" for v in n.inputs]
-    assert len(concat_inputs) == 4 and all(v.uid in g.aliases for v in concat_inputs)
-    assert g.arena_size < without.arena_size
+    assert len(concat_inputs) == 4 and all(v.uid in plan_of(g).aliases for v in concat_inputs)
+    assert plan_of(g).arena_size < plan_of(without).arena_size
     sess, _, _ = check_model("passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
     binding = sess._binding()
     concat_steps = [s for n, s in zip(sess.model.nodes, binding.steps) if n.op == "concat"]
@@ -571,17 +593,17 @@ def test_alias_concat_dense_block_copies_nothing(check_model, exporter):
                                         "alias_concat")
     concats = [n for n in g.nodes if n.op == "concat"]
     assert len(concats) == 4  # pnnx drops the cat of one tensor
-    assert all(n.outputs[0].uid in g.aliases for n in concats[:-1])  # each a prefix of the next
+    assert all(n.outputs[0].uid in plan_of(g).aliases for n in concats[:-1])  # each a prefix of the next
     sess, _, _ = check_model("passes_dense_block", make(DenseBlock), _rand(1, 4, 6, 6))
     steps = sess._binding().steps
     assert all(s is None for n, s in zip(sess.model.nodes, steps) if n.op == "concat")
-    assert g.arena_size < without.arena_size
+    assert plan_of(g).arena_size < plan_of(without).arena_size
 
 
 def test_alias_concat_not_for_strided_slices(check_model, exporter):
     # batch 2: each input's slice of the cat output has gaps -> copied
     g, _ = check_with_and_without(check_model, exporter, "passes_fire_b2", make(Fire), _rand(2, 8, 5, 5), "alias_concat")
-    assert all(v.uid not in g.aliases for n in g.nodes if n.op == "concat" for v in n.inputs)
+    assert all(v.uid not in plan_of(g).aliases for n in g.nodes if n.op == "concat" for v in n.inputs)
 
 
 class CatOfOutput(nn.Module):
@@ -600,11 +622,12 @@ def test_alias_concat_not_for_outputs_inputs_or_repeats(check_model, exporter):
                                   "alias_concat")
     a = g.outputs[1]
     x = g.inputs[0]
-    assert a.uid not in g.aliases and x.uid not in g.aliases
+    aliases = plan_of(g).aliases
+    assert a.uid not in aliases and x.uid not in aliases
     for n in g.nodes:
         if n.op == "concat":
             repeated = [v for v in n.inputs if n.inputs.count(v) > 1]
-            assert all(v.uid not in g.aliases or g.aliases[v.uid][0] is not n.outputs[0] for v in repeated)
+            assert all(v.uid not in aliases or aliases[v.uid][0] is not n.outputs[0] for v in repeated)
 
 
 def test_alias_views_fires_and_not_for_kept(check_model, exporter):
@@ -615,7 +638,7 @@ def test_alias_views_fires_and_not_for_kept(check_model, exporter):
     cat_out = [n for n in g.nodes if n.op == "concat"][-1].outputs[0].name
     gk = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), keep=[cat_out])
     kept = gk.kept[0]
-    assert all(c.outputs[0].uid not in gk.aliases for c in kept.consumers if c.op == "reshape")
+    assert all(c.outputs[0].uid not in plan_of(gk).aliases for c in kept.consumers if c.op == "reshape")
     sess, _, _ = check_model("passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), keep=[cat_out])
     m = make(Fire)
     x = _rand(1, 8, 5, 5)[0]
@@ -642,22 +665,23 @@ class InplaceChain(nn.Module):
 def test_write_inplace_fires(check_model, exporter):
     g, without = check_with_and_without(check_model, exporter, "passes_inplace_chain", make(InplaceChain), _rand(1, 3, 8, 8),
                                         "write_inplace")
-    inplace = [n for n in g.nodes if n.outputs[0].uid in g.aliases and n.op in ("elementwise", "softmax")]
-    assert inplace and not any(n.outputs[0].uid in without.aliases for n in without.nodes if n.op == "elementwise")
+    aliases, without_aliases = plan_of(g).aliases, plan_of(without).aliases
+    inplace = [n for n in g.nodes if n.outputs[0].uid in aliases and n.op in ("elementwise", "softmax")]
+    assert inplace and not any(n.outputs[0].uid in without_aliases for n in without.nodes if n.op == "elementwise")
     x = g.inputs[0]
     for n in g.nodes:
         if x in n.inputs:
-            assert g.aliases.get(n.outputs[0].uid, (None,))[0] is not x
-    assert g.arena_size <= without.arena_size
+            assert aliases.get(n.outputs[0].uid, (None,))[0] is not x
+    assert plan_of(g).arena_size <= plan_of(without).arena_size
 
 
 # --- fold_constants, eliminate_dead_code: hand-built graphs ------------------------------
 
 
 def _run_graph(g, tmp_path, feed, **kwargs):
-    compile_graph(g, verify=True, **kwargs)
+    compile_here(g, **kwargs)
     path = tmp_path / "g.pmx"
-    write(g, str(path))
+    write_compiled(g, path)
     sess = InferenceSession(str(path))
     return sess.run(None, feed), g
 
@@ -692,18 +716,19 @@ def test_fold_constants_and_dce(tmp_path, disabled):
 
 def test_no_opt_runs_only_required_passes(exporter):
     g = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), no_opt=True)
-    ran = [name for name, _, _ in g.pass_stats]
+    ran = [name for name, _, _ in plan_of(g).pass_stats]
     assert ran == ["canonicalize", "infer_shapes", "mark_dynamic_dims", "choose_kernels", "order", "plan_memory"]
-    assert not g.aliases
+    assert not plan_of(g).aliases
 
 
 def test_order_is_deterministic(exporter):
     a = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
     b = compiled(exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5))
     assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
-    assert a.arena_size == b.arena_size
-    assert [a.offsets[v.uid] for v in a.values() if v.uid in a.offsets] == \
-        [b.offsets[v.uid] for v in b.values() if v.uid in b.offsets]
+    pa, pb = plan_of(a), plan_of(b)
+    assert pa.arena_size == pb.arena_size
+    assert [pa.offsets[v.uid] for v in a.values() if v.uid in pa.offsets] == \
+        [pb.offsets[v.uid] for v in b.values() if v.uid in pb.offsets]
 
 
 # models tools/bench_memory.py adds to its table: (name, factory, inputs)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
+from pmx.compiler.options import CompileOptions
 from pmx.compiler.write import write
 from pmx.runtime import InferenceSession
 from pmx.runtime import expr as E
@@ -149,11 +150,12 @@ def random_graph(draw):
 def test_random_graphs_run_correctly(tmp_path_factory, case, keep_one):
     g, reference = case
     keep = [g.nodes[0].outputs[0].name] if keep_one else []
-    compile_graph(g, verify=True, keep=keep)
-    buffers_ok = g.arena_size >= g.lower_bound
+    options = CompileOptions(verify=True, keep=keep)
+    plan = compile_graph(g, options)
+    buffers_ok = plan.arena_size >= plan.lower_bound
     assert buffers_ok
     path = tmp_path_factory.mktemp("rg") / "g.pmx"
-    write(g, str(path))
+    write(g, plan, options, str(path))
     sess = InferenceSession(str(path), verify=True)
     feed = np.random.default_rng(0).standard_normal((1, 2, 4)).astype(np.float32)
     got = sess.run(None, {"x": feed})

@@ -89,22 +89,23 @@ def export_suite(name, module, inputs):
 def compile_stats(prefix, no_opt=False):
     from pmx.compiler import pnnx
     from pmx.compiler.driver import compile_graph
+    from pmx.compiler.options import CompileOptions
 
     graph = pnnx.load(prefix + ".pnnx.param", prefix + ".pnnx.bin")
     ops_in = len(graph.nodes)
-    compile_graph(graph, no_opt=no_opt)
+    plan = compile_graph(graph, CompileOptions(no_opt=no_opt))
     kinds = {}
     for v in graph.values():
-        if v.uid in graph.aliases and v.producer is not None:
-            target = graph.aliases[v.uid][0]
+        if v.uid in plan.aliases and v.producer is not None:
+            target = plan.aliases[v.uid][0]
             kind = ("view" if v.producer.op == "reshape" else "concat" if target.producer is not None
                     and target.producer.op == "concat" else "inplace")
             kinds[kind] = kinds.get(kind, 0) + 1
     # "CNN" for the half-the-naive-sum target: one output, at least two convolutions
     # (the op-coverage blocks return many tensors that all live to the end)
     cnn = len(graph.outputs) == 1 and sum(n.op == "conv" for n in graph.nodes) >= 2
-    return dict(ops_in=ops_in, nodes=len(graph.nodes), arena=graph.arena_size, lb=graph.lower_bound,
-                naive=graph.naive_bytes, kinds=kinds, cnn=cnn, graph=graph)
+    return dict(ops_in=ops_in, nodes=len(graph.nodes), arena=plan.arena_size, lb=plan.lower_bound,
+                naive=plan.naive_bytes, kinds=kinds, cnn=cnn, graph=graph)
 
 
 def check_outputs(prefix, module, inputs, out_path):

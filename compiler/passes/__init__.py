@@ -1,10 +1,12 @@
-"""The optimization pipeline: an ordered list of passes, each a function Graph -> bool
-(changed?) with the passes it must follow. A local-rewrite pass is a rule table
+"""The optimization pipeline: an ordered list of passes, each a function (Graph,
+PassContext) -> bool (changed?) with the passes it must follow. The PassContext
+(compiler/plan.py) carries the compile's options to the passes and collects what they
+find; run_pipeline returns that as the Plan. A local-rewrite pass is a rule table
 (compiler/rewrite.py) whose run applies its rule set to a fixpoint. The order is checked
 when a pipeline is built or run (check_pipeline), as torch.fx checks its pass
 constraints: a pass placed before one it must follow is refused, naming both. Passes from
 `order` on must keep the node list as it is (they only place tensors); run_pipeline
-checks that too. With verify=True (tests, `pmx compile --verify`) the graph is checked
+checks that too. With options.verify (tests, `pmx compile --verify`) the graph is checked
 after every pass and a failure names the pass."""
 
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from pmx.compiler.passes.pool_before_pointwise import pool_before_pointwise
 from pmx.compiler.passes.prepack_weights import prepack_weights
 from pmx.compiler.passes.tune import tune
 from pmx.compiler.passes.write_inplace import write_inplace
+from pmx.compiler.plan import Plan
 from pmx.runtime.errors import PmxInternalError
 
 
@@ -137,34 +140,36 @@ check_pipeline(PIPELINE)
 OPTIONAL = frozenset(p.name for p in PIPELINE if p.optional)
 
 
-def run_pipeline(graph, verify=False, disabled=()):
+def run_pipeline(graph, ctx) -> Plan:
+    """Run the passes ctx.options leaves on (not `disabled`, none of the optional ones
+    with `no_opt`) and return the Plan they made."""
     check_pipeline(PIPELINE)
-    if not hasattr(graph, "aliases"):
-        graph.aliases = {}
+    options = ctx.options
+    disabled = options.disabled | (OPTIONAL if options.no_opt else frozenset())
     shapes_known = False  # pnnx leaves some shapes out; infer_shapes fills them
     for p in PIPELINE:
         if p.optional and p.name in disabled:
             continue
         nodes = list(graph.nodes)
-        p.run(graph)
-        graph.pass_stats.append((p.name, len(nodes), len(graph.nodes)))
+        p.run(graph, ctx)
+        ctx.pass_stats.append((p.name, len(nodes), len(graph.nodes)))
         if p.keeps_nodes and (len(nodes) != len(graph.nodes) or any(a is not b for a, b in zip(nodes, graph.nodes))):
             raise PmxInternalError(f"pass {p.name} changed the node list; placement passes only place tensors")
         shapes_known = shapes_known or p.name == "infer_shapes"
-        if verify:
+        if options.verify:
             graph.verify(after=p.name, require_shapes=shapes_known)
-            check_aliases(graph, after=p.name)
-    return graph
+            check_aliases(graph, ctx.aliases, after=p.name)
+    return ctx.plan(graph)
 
 
-def check_aliases(graph, after=""):
+def check_aliases(graph, aliases, after=""):
     """Every alias points at a live, non-constant tensor with room for the view, and
     alias chains end (no cycles)."""
     from pmx.runtime.errors import PmxCompileError
 
     where = f" after pass {after}" if after else ""
     values = {v.uid for v in graph.values()}
-    for uid, (target, offset, strides) in graph.aliases.items():
+    for uid, (target, offset, strides) in aliases.items():
         if uid not in values:
             continue  # the viewing tensor was removed; harmless, the writer ignores it
         if target.is_constant or target.uid not in values:
@@ -172,14 +177,14 @@ def check_aliases(graph, after=""):
                 f"alias check failed{where}: a tensor aliases {target.name}, which is not a live tensor")
         seen = {uid}
         t = target
-        while t.uid in graph.aliases:
+        while t.uid in aliases:
             if t.uid in seen:
                 raise PmxCompileError(
                     f"alias check failed{where}: alias chain through {t.name} loops")
             seen.add(t.uid)
-            t = graph.aliases[t.uid][0]
+            t = aliases[t.uid][0]
     by_uid = {v.uid: v for v in graph.values()}
-    for uid, (target, offset, strides) in graph.aliases.items():
+    for uid, (target, offset, strides) in aliases.items():
         v = by_uid.get(uid)
         if v is not None and strides is None and offset + v.nbytes > target.nbytes:
             raise PmxCompileError(f"alias check failed{where}: {v.name} [{offset}, +{v.nbytes}) "

@@ -29,12 +29,11 @@ def _contiguous_slices(node, aliases):
     return int(np.prod(out.shape[:axis], dtype=np.int64)) == 1 and not resolve(out, aliases)[2]
 
 
-def _alias_prefixes(graph, concats, fixed):
+def _alias_prefixes(aliases, concats, fixed):
     """DenseNet: layer k concatenates [x0 .. xk-1], layer k+1 [x0 .. xk]. Each concat
     whose inputs are a prefix of a later concat's (same axis) becomes the leading part of
     that concat's output, so a block's features are written once into one buffer and no
     layer copies them again."""
-    aliases = graph.aliases
     changed = False
     for i, a in enumerate(concats):
         out = a.outputs[0]
@@ -58,11 +57,11 @@ def _is_prefix(a, b):
     return len(b.inputs) > n and b.inputs[:n] == a.inputs and same_axis and x.dtype == y.dtype
 
 
-def alias_concat(graph) -> bool:
-    aliases = graph.aliases
-    fixed = {v.uid for v in graph.inputs + graph.outputs + list(getattr(graph, "kept", ()))}
+def alias_concat(graph, ctx) -> bool:
+    aliases = ctx.aliases
+    fixed = {v.uid for v in graph.inputs + graph.outputs + graph.kept}
     concats = [n for n in graph.nodes if n.op == "concat"]
-    changed = _alias_prefixes(graph, concats, fixed)
+    changed = _alias_prefixes(aliases, concats, fixed)
     for node in concats:
         out = node.outputs[0]
         if not _contiguous_slices(node, aliases):

@@ -14,9 +14,9 @@ from pmx.compiler.passes.plan_memory import resolve
 from pmx.runtime.kernels.registry import get
 
 
-def alias_views(graph) -> bool:
-    aliases = graph.aliases
-    kept = {v.uid for v in getattr(graph, "kept", ())}
+def alias_views(graph, ctx) -> bool:
+    aliases = ctx.aliases
+    kept = {v.uid for v in graph.kept}
     changed = False
     for node in graph.nodes:
         if not get(node.op).view:

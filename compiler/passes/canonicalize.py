@@ -7,7 +7,7 @@ from pmx.runtime.errors import PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes
 
 
-def canonicalize(graph) -> bool:
+def canonicalize(graph, ctx) -> bool:
     unknown = [n for n in graph.nodes if n.op not in REGISTRY and n.op not in RULES]
     if unknown:
         first = unknown[0]
@@ -18,12 +18,12 @@ def canonicalize(graph) -> bool:
             f"`pmx compile --list-ops` prints the supported op types"
             + (" (Tensor.size appears in exports with dynamic dims: export with a fixed shape and "
                "declare dynamic dims with --dynamic / --shape)" if first.op in ("Tensor.size", "aten::size") else ""))
-    ctx = Context(graph)
+    rules_ctx = Context(graph)
     changed = False
     for node in list(graph.nodes):
         if node.op in REGISTRY:
             continue
-        result = RULES[node.op](node, ctx)
+        result = RULES[node.op](node, rules_ctx)
         index = graph.nodes.index(node)
         graph.remove_node(node)
         changed = True

@@ -92,7 +92,7 @@ def elementwise_variant(node):
     return "numpy"
 
 
-def choose_kernels(graph) -> bool:
+def choose_kernels(graph, ctx) -> bool:
     for node in graph.nodes:
         if node.variant:
             continue

@@ -2,9 +2,9 @@
 walk back from them. Unused constants then have no consumer and are not written."""
 
 
-def eliminate_dead_code(graph) -> bool:
+def eliminate_dead_code(graph, ctx) -> bool:
     live_values = set()
-    stack = [v for v in graph.outputs + list(getattr(graph, "kept", [])) if v is not None]
+    stack = [v for v in graph.outputs + graph.kept if v is not None]
     live_nodes = set()
     while stack:
         v = stack.pop()

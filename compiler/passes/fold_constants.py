@@ -12,7 +12,7 @@ from pmx.runtime.kernels.registry import get
 MAX_FOLDED_BYTES = 16 << 20
 
 
-def fold_constants(graph) -> bool:
+def fold_constants(graph, ctx) -> bool:
     changed = False
     ctx = None  # the pool of the default thread count, made when a first node folds
     for node in list(graph.nodes):

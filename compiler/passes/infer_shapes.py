@@ -11,7 +11,7 @@ from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 
 
-def infer_shapes(graph) -> bool:
+def infer_shapes(graph, ctx) -> bool:
     changed = False
     for node in graph.nodes:
         shapes = [v.shape if v is not None else None for v in node.inputs]

@@ -15,8 +15,9 @@ then probes the graph with those dims changed, running every node's shape rule:
   input dims are fixed and by which node (an explicit --dynamic request that cannot be
   honoured fails the compile, naming the node and its .param line).
 
-Results: graph.dynamic = {input name: [(min, max) per dim]} (max -1 = unbounded) and
-graph.fixed_reasons = [text, ...] for the compile summary.
+Results, in the compile's context: ctx.dynamic = {input name: [(min, max) per dim]} (max
+-1 = unbounded), ctx.dynamic_outputs = {output uid: [dims that follow the inputs]} and
+ctx.fixed_reasons = [text, ...] for the compile summary.
 """
 
 import numpy as np
@@ -159,7 +160,7 @@ def _with_inferred(t):
     return t2
 
 
-def _requested(graph):
+def _requested(graph, options):
     """{input uid: {dim: (min, max)}} and whether each request was explicit. A request
     (n, n) fixes the dim (`--shape in0=1x...`): it is not probed, and not made dynamic as
     the batch by default."""
@@ -167,7 +168,7 @@ def _requested(graph):
     explicit = set()
     fixed = set()
     by_name = {v.name: v for v in graph.inputs}
-    for name, dims in getattr(graph, "dynamic_request", {}).items():
+    for name, dims in options.dynamic.items():
         if name not in by_name:
             raise PmxCompileError(f"--dynamic/--shape names input {name!r}; the model's inputs are {list(by_name)}")
         v = by_name[name]
@@ -180,7 +181,7 @@ def _requested(graph):
             req.setdefault(v.uid, {})[dim % len(v.shape)] = rng
             explicit.add((v.uid, dim % len(v.shape)))
     auto = {}
-    if getattr(graph, "auto_batch", True):
+    if options.auto_batch:
         for v in graph.inputs:
             if v.shape and 0 not in req.get(v.uid, {}) and (v.uid, 0) not in fixed:
                 auto[v.uid] = {0: (1, UNBOUNDED)}
@@ -195,12 +196,9 @@ def _probe_value(compiled, rng):
     return None
 
 
-def mark_dynamic_dims(graph) -> bool:
+def mark_dynamic_dims(graph, ctx) -> bool:
     """All requested dims are probed together (inputs that share a batch move together)."""
-    explicit_req, explicit, auto = _requested(graph)
-    graph.dynamic = {}
-    graph.dynamic_outputs = {}
-    graph.fixed_reasons = []
+    explicit_req, explicit, auto = _requested(graph, ctx.options)
     req = {uid: {**auto.get(uid, {}), **explicit_req.get(uid, {})} for uid in set(explicit_req) | set(auto)}
     if not req:
         return False
@@ -209,7 +207,7 @@ def mark_dynamic_dims(graph) -> bool:
         # the batch the user did not ask for may be what cannot change: try without it
         node, why = failure
         names = ", ".join(f"{v.name} dim 0" for v in graph.inputs if v.uid in auto)
-        graph.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
+        ctx.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
         req = explicit_req
         failure, shapes = _probe(graph, req)
     if failure is not None:
@@ -218,18 +216,18 @@ def mark_dynamic_dims(graph) -> bool:
             names = ", ".join(f"{v.name}:{d}" for v in graph.inputs for d in req.get(v.uid, {}))
             raise PmxCompileError(f"dynamic dims {names} cannot change: {node.where()} {why}")
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
-        graph.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
+        ctx.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
         return False
     for v in graph.inputs:
         if v.uid in req:
             ranges = [(d, d) for d in v.shape]
             for d, rng in req[v.uid].items():
                 ranges[d] = rng
-            graph.dynamic[v.name] = ranges
+            ctx.dynamic[v.name] = ranges
     # outputs whose dims moved in the probe are reported as dynamic (get_outputs: None)
-    graph.dynamic_outputs = {
+    ctx.dynamic_outputs.update({
         v.uid: [i for i, (a, b) in enumerate(zip(v.shape, shapes[v.uid])) if a != b]
-        for v in graph.outputs if v.uid in shapes and shapes[v.uid] != v.shape}
+        for v in graph.outputs if v.uid in shapes and shapes[v.uid] != v.shape})
     return False
 
 

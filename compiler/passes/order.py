@@ -4,7 +4,7 @@ The runtime executes this stored order and never sorts."""
 import heapq
 
 
-def order(graph) -> bool:
+def order(graph, ctx) -> bool:
     position = {n.uid: i for i, n in enumerate(graph.nodes)}
     indegree = {}
     for n in graph.nodes:

@@ -38,7 +38,7 @@ def packed(node, variant, weight):
     return node.op, weight
 
 
-def prepack_weights(graph) -> bool:
+def prepack_weights(graph, ctx) -> bool:
     changed = False
     for node in graph.nodes:
         if not winograd_applies(node):

@@ -58,10 +58,10 @@ def candidates(node):
     return []
 
 
-def tune(graph) -> bool:
-    if not getattr(graph, "tune", False):
+def tune(graph, ctx) -> bool:
+    if not ctx.options.tune:
         return False
-    report = graph.tune_report = []
+    report = ctx.tune_report
     rng = np.random.default_rng(0)
     for node in graph.nodes:
         options = candidates(node)

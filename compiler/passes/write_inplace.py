@@ -15,9 +15,9 @@ from pmx.compiler.passes.plan_memory import resolve, root_lifetimes
 from pmx.runtime.kernels.registry import get
 
 
-def write_inplace(graph) -> bool:
-    aliases = graph.aliases
-    fixed = {v.uid for v in graph.inputs + graph.outputs + list(getattr(graph, "kept", ()))}
+def write_inplace(graph, ctx) -> bool:
+    aliases = ctx.aliases
+    fixed = {v.uid for v in graph.inputs + graph.outputs + graph.kept}
     roots = root_lifetimes(graph, aliases)
     # roots holding an input, output or kept tensor (directly or through a view)
     pinned = {resolve(v, aliases)[0].uid for v in graph.values() if v.uid in fixed}
