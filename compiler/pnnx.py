@@ -13,7 +13,9 @@ first '=':
                       elements are typed one by one; otherwise a value that starts with a
                       digit or '-digit' is a number (float if it has '.' or 'e'), anything
                       else a bare string
-    expr=...          kept as the raw string (pnnx.Expression; has commas and parentheses)
+    expr=...          kept as the raw string (pnnx.Expression, Tensor.index; has commas,
+                      parentheses and brackets): canon/math_ops.py's pnnx_expression_tree
+                      reads it into a tree
     @name=(2,3)f32    weight stored in the .bin zip as entry "<op name>.<name>"
     $name=operand     labels the input that reads that operand
     #operand=(1,?,8)f32  operand shape and type; '?' is dynamic, '%s' symbolic

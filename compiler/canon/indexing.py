@@ -7,8 +7,6 @@ Shapes and dtypes come from what pnnx recorded for the node's outputs; the kerne
 shape rules re-check them in infer_shapes.
 """
 
-import re
-
 import numpy as np
 
 from pmx.compiler.canon import (
@@ -22,7 +20,9 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
+from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
 from pmx.runtime import expr as E
+from pmx.runtime.errors import PmxFormatError
 
 
 _NO_DEFAULT = object()
@@ -95,18 +95,28 @@ def flipud(node, ctx):
     return [make(node, "flip", [data_input(node)], dict(axes=(0,)))]
 
 
-def attach_expand_sizes(node, ctx):
-    """A pnnx.Expression listing sizes (`[size(@0,0),-1,3]`, a dynamic-shape export of
-    x.expand(y.size())) that only feeds Tensor.expand: its text and its one tensor move
-    onto each consumer, which reads the sizes from that tensor at run time."""
+def attach_expand_sizes(node, ctx, sizes):
+    """A pnnx.Expression listing sizes (the tree of `[size(@0,0),-1,3]`, a dynamic-shape
+    export of x.expand(y.size())) that only feeds Tensor.expand: the list and its one
+    tensor move onto each consumer, which reads the sizes from that tensor at run time."""
     if len(node.inputs) != 1:
-        fail(node, f"size list {node.attrs['expr']!r} must read one tensor")
+        fail(node, f"size list {pnnx_text(sizes)!r} must read one tensor")
     for c in list(node.outputs[0].consumers):
         i = c.inputs.index(node.outputs[0])
         ctx.graph.set_input(c, i, node.inputs[0])
         c.input_names[i] = "like"
-        c.attrs["sizes_expr"] = node.attrs["expr"]
+        c.attrs["size_list"] = sizes
     return []
+
+
+def _int(tree):
+    """The int a literal leaf holds (not a bool), else None."""
+    return tree[1] if tree[0] == "#" and type(tree[1]) is int else None
+
+
+def _size_dim(tree):
+    """d when tree is size(@0, d) with d an int literal, else None."""
+    return _int(tree[2]) if tree[0] == "size" and tree[1] == E.at(0) else None
 
 
 def _like_sizes(node, x, like):
@@ -114,15 +124,16 @@ def _like_sizes(node, x, like):
     rank = len(in_shape(node, like))
     if node.op == "Tensor.expand_as":
         return tuple(-2 - k for k in range(rank))
+    sizes = node.attrs["size_list"]
     codes = []
-    for item in _split_top(node.attrs["sizes_expr"]) or ():
-        m = re.fullmatch(r"size\(@0,(-?\d+)\)", item)
-        if m and -rank <= int(m.group(1)) < rank:
-            codes.append(-2 - int(m.group(1)) % rank)
-        elif re.fullmatch(r"-?\d+", item) and int(item) >= -1:
-            codes.append(int(item))
+    for item in sizes[1:]:
+        d, n = _size_dim(item), _int(item)
+        if d is not None and -rank <= d < rank:
+            codes.append(-2 - d % rank)
+        elif n is not None and n >= -1:
+            codes.append(n)
         else:
-            fail(node, f"size list {node.attrs['sizes_expr']!r}: entry {item!r} is not an int or size(@0, dim)")
+            fail(node, f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} is not an int or size(@0, dim)")
     return tuple(codes)
 
 
@@ -230,32 +241,15 @@ def gather(node, ctx):
     return [make(node, "gather", [x, idx], dict(axis=dim))]
 
 
-def _split_top(text):
-    """'[None,[1,2],@0]' -> ['None', '[1,2]', '@0']; '[size(@0,0),3]' -> ['size(@0,0)', '3']"""
-    if not (text.startswith("[") and text.endswith("]")):
-        return None
-    parts, depth, cur = [], 0, ""
-    for ch in text[1:-1]:
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        depth += (ch in "[(") - (ch in "])")
-        cur += ch
-    if cur:
-        parts.append(cur)
-    return parts
-
-
-def attach_index_expression(node, ctx):
-    """A pnnx.Expression producing a list (`[None,@0]`) only feeds Tensor.index: move its
-    text and inputs onto each consumer, which then reads them directly."""
-    text = node.attrs["expr"]
+def attach_index_expression(node, ctx, indices):
+    """A pnnx.Expression producing a list (the tree of `[None,@0]`) only feeds Tensor.index
+    or index_put: move the list and the inputs it reads onto each consumer, which then
+    reads them directly (@k as its input expr@k)."""
     for c in list(node.outputs[0].consumers):
         i = c.inputs.index(node.outputs[0])
         ctx.graph.set_input(c, i, None)
         c.input_names[i] = None
-        c.attrs["expr"] = text
+        c.attrs["index_list"] = indices
         for k, v in enumerate(node.inputs):
             c.inputs.append(v)
             c.input_names.append(f"expr@{k}")
@@ -263,39 +257,54 @@ def attach_index_expression(node, ctx):
     return []
 
 
+def _index_list(node):
+    """(pnnx's spelling, items) of the node's index list: the tree attach_index_expression
+    moved onto it, or the constant list pnnx folds into the node's own expr=
+    (`[None,[4,0,-1]]`), read by the pnnx expression reader."""
+    tree = node.attrs.get("index_list")
+    if tree is None:
+        text = node.attrs.get("expr")
+        if not isinstance(text, str):
+            fail(node, f"indices must be a list expression such as [None,@0], got {text!r}")
+        try:
+            tree = pnnx_expression_tree(text, sum(1 for n in node.input_names if n and n.startswith("expr@")))
+        except PmxFormatError as e:
+            fail(node, str(e))
+    if tree[0] != LIST:
+        fail(node, f"index expression {pnnx_text(tree)!r} is not a list")
+    return pnnx_text(tree), tree[1:]
+
+
 @rule("Tensor.index")
 def index(node, ctx):
     x = node.named_input("input") or node.inputs[0]
     rank = len(in_shape(node, x))
-    text = param(node, "expr")
-    parts = _split_top(text) if isinstance(text, str) else None
-    if parts is None:
-        fail(node, f"index expression {text!r} is not a list")
+    text, parts = _index_list(node)
     if len(parts) > rank:
         fail(node, f"index expression {text!r} has more entries than the input's {rank} dims")
-    used = [(d, p) for d, p in enumerate(parts) if p != "None"]
+    used = [(d, p) for d, p in enumerate(parts) if p != NONE]
     if not used:
         return Forward(x)
     indices = []
     for axis, p in used:
-        if p.startswith("@"):
-            indices.append(_index_tensor(node, ctx, node.named_input(f"expr{p}"), "index"))
+        if p[0] == "@":
+            indices.append(_index_tensor(node, ctx, node.named_input(f"expr@{p[1]}"), "index"))
             continue
-        if not p.startswith("["):
-            fail(node, f"index entry {p!r} in {text!r} is not supported")
+        if p[0] != LIST:
+            fail(node, f"index entry {pnnx_text(p)!r} in {text!r} is not supported")
         n = x.shape[axis]
-        items = p[1:-1].split(",")
-        if items and all(e in ("True", "False") for e in items):
+        items = p[1:]
+        if items and all(e[0] == "#" and type(e[1]) is bool for e in items):
             # a constant bool list selects the positions holding True (torch's nonzero)
             if len(items) != n:
-                fail(node, f"boolean index list {p!r} has {len(items)} entries for dim {axis} of size {n}")
-            items = [str(i) for i, e in enumerate(items) if e == "True"]
-        try:
-            vals = [int(e) for e in items]
-        except ValueError:
-            fail(node, f"index list {p!r} must hold constant ints or bools")
+                fail(node, f"boolean index list {pnnx_text(p)!r} has {len(items)} entries for dim {axis} of size {n}")
+            vals = [i for i, e in enumerate(items) if e[1]]
+        else:
+            vals = [_int(e) for e in items]
+            if not vals or None in vals:
+                fail(node, f"index list {pnnx_text(p)!r} must hold constant ints or bools")
         if any(not -n <= e < n for e in vals):
-            fail(node, f"index list {p!r} out of range for dim {axis} of size {n}")
+            fail(node, f"index list {pnnx_text(p)!r} out of range for dim {axis} of size {n}")
         indices.append(ctx.const(f"{node.name}.index{axis}", np.array([e % n for e in vals], np.int64)))
     if len(used) == 1:
         return [make(node, "take", [x, indices[0]], dict(axis=used[0][0]))]
@@ -410,11 +419,12 @@ def _number(node, v, label):
         return p.expr[1]
     text = p.attrs.get("expr") if p.op == "pnnx.Expression" else None
     if isinstance(text, str):
-        for cast in (int, float):
-            try:
-                return cast(text)
-            except ValueError:
-                pass
+        try:
+            tree = pnnx_expression_tree(text, 0)
+        except PmxFormatError:
+            return None
+        if tree[0] == "#" and type(tree[1]) in (int, float):
+            return tree[1]
     return None
 
 
@@ -430,22 +440,19 @@ def _scalar_param(node, label, default=_NO_DEFAULT):
     return n
 
 
-_SIZE = re.compile(r"size\(@0,(-?\d+)\)")
-
-
-def attach_arange_size(node, ctx):
-    """`size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
+def attach_arange_size(node, ctx, size):
+    """The tree of `size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
     arange(x.size(d))): each arange reads the tensor and dim directly, so its length is
     a shape rule of that tensor's shape (re-planned like any other), not a value."""
-    m = _SIZE.fullmatch(node.attrs["expr"])
-    if m is None or len(node.inputs) != 1:
-        fail(node, f"expression {node.attrs['expr']!r} feeding arange must be size(@0,dim)")
+    d = _size_dim(size)
+    if d is None or len(node.inputs) != 1:
+        fail(node, f"expression {pnnx_text(size)!r} feeding arange must be size(@0,dim)")
     for c in list(node.outputs[0].consumers):
         i = c.inputs.index(node.outputs[0])
         label = c.input_names[i]
         ctx.graph.set_input(c, i, node.inputs[0])
         c.input_names[i] = f"{label}@size"
-        c.attrs[f"{label}@size"] = int(m.group(1))
+        c.attrs[f"{label}@size"] = d
     return []
 
 
@@ -569,25 +576,22 @@ def fill(node, ctx):
 
 @rule("Tensor.index_put", "Tensor.index_put_", "torch.index_put", "torch.index_put_")
 def index_put(node, ctx):
-    """x[i0, :, i1] = values (accumulate: +=). The indices arrive as the list expression
+    """x[i0, :, i1] = values (accumulate: +=). The indices arrive as the list tree
     attach_index_expression moved onto this node: None entries are whole dims, @k
     entries integer or boolean tensors."""
     x = data_input(node)
     rank = len(in_shape(node, x))
-    text = param(node, "expr", None)
-    parts = _split_top(text) if isinstance(text, str) else None
-    if parts is None:
-        fail(node, f"indices must be a list of tensors, got {text!r}")
+    text, parts = _index_list(node)
     axes, indices, dim = [], [], 0
     for p in parts:
-        if p == "None":
+        if p == NONE:
             dim += 1
             continue
-        if not p.startswith("@"):
-            fail(node, f"index entry {p!r} in {text!r} is not supported")
-        v = node.named_input(f"expr{p}")
+        if p[0] != "@":
+            fail(node, f"index entry {pnnx_text(p)!r} in {text!r} is not supported")
+        v = node.named_input(f"expr@{p[1]}")
         if v is None:
-            fail(node, f"missing index tensor {p}")
+            fail(node, f"missing index tensor @{p[1]}")
         kind = np.dtype(v.dtype).kind
         if kind not in "iub":
             fail(node, f"index {v.name} must be an integer or boolean tensor, found {v.dtype}")

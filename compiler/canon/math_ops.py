@@ -6,33 +6,90 @@ from pmx.compiler.canon import Forward, data_input, elementwise, fail, make, par
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
 
-_PNNX_SEPARATORS = re.compile(r"[(),]")
+# pnnx's shape arithmetic in dynamic-shape exports: x.size(d), int(), and casts of such
+# scalars (Tensor.to of a scalar, written with the dtype's name)
+SHAPE_FUNCTIONS = {"size": 2, "int": 1} | {f"torch.{t}": 1 for t in (
+    "bool", "uint8", "int8", "short", "int16", "int", "int32", "long", "int64", "half", "float16", "bfloat16",
+    "float", "float32", "double", "float64", "complex64", "complex128")}
+# pnnx's list [a,b,...] as the tree (LIST, a, b, ...): a compiler-side head, since index and
+# size lists are consumed by canonicalization and never stored
+LIST = "list"
+NONE = ("#", None)
+_ARITY = E.FUNCTIONS | SHAPE_FUNCTIONS
+_PNNX_TOKEN = re.compile(r"[\[\]()]|,|[^\[\](),]+")
+_OPENS = {")": "(", "]": "["}
+_END = object()  # stands for a ']' while the items of its list are read
+
+
+def _pnnx_tokens(text):
+    """The names and values between pnnx's separators '(', ')', ',', with '[' and ']' kept
+    (they bound lists). Brackets and parentheses must nest, and '(' follows a function's
+    name (pnnx writes nothing else), though the parentheses carry no meaning after this."""
+    tokens, opened, prev = [], [], None
+    for m in _PNNX_TOKEN.finditer(text):
+        t = m.group().strip()
+        if not t:
+            continue
+        if t in ("(", "["):
+            if t == "(" and prev not in _ARITY:
+                raise PmxFormatError(f"expression {text[:80]!r}: '(' at {m.start()} follows no function name")
+            opened.append(t)
+        elif t in (")", "]"):
+            if not opened or opened.pop() != _OPENS[t]:
+                raise PmxFormatError(f"expression {text[:80]!r}: unbalanced {t!r} at {m.start()}")
+        if t not in ("(", ")", ","):
+            tokens.append(t)
+        prev = t
+    if opened:
+        raise PmxFormatError(f"expression {text[:80]!r}: {len(opened)} unclosed {opened[-1]!r}")
+    return tokens
+
+
+def _leaf(t, text):
+    if t == "None":
+        return NONE
+    try:
+        return E.parse(t)  # an input or a literal: t holds no separator, so never a call
+    except PmxFormatError:
+        raise PmxFormatError(f"expression {text[:80]!r}: unknown token {t[:40]!r}") from None
 
 
 def pnnx_expression_tree(text, num_inputs):
     """The tree pnnx means by `text`: pnnx reads its expressions as prefix notation over
     tokens split at '(', ')' and ',', each function taking its fixed number of operands
     (tools/pnnx/src/ir.cpp, expand_expression), so it writes some unary calls as
-    `expm1,sub(@0,0.5)` or `log1p,@0`. Read the same way here, then checked by the
-    strict grammar (E.parse) of the text pmx stores. Iterative, with the grammar's
-    length and depth limits checked on the way (a deep tree would overflow to_text's
-    recursion)."""
+    `expm1,sub(@0,0.5)` or `log1p,@0`; '[' ... ']' is a list of the values between them.
+    Read the same way here: leaves by the strict grammar (E.parse) of the text pmx stores,
+    plus None; functions E's and pnnx's shape functions (SHAPE_FUNCTIONS); lists as
+    (LIST, item, ...) (`[None,@0]`, `[size(@0,0),3]`), never a function's operand.
+    Iterative, with E's length and depth limits checked on the way (a deep tree would
+    overflow to_text's recursion). Anything else is a PmxFormatError."""
     if len(text) > E.MAX_EXPR_LENGTH:
         raise PmxFormatError(f"expression {text[:80]!r}... is longer than {E.MAX_EXPR_LENGTH} characters")
-    tokens = [t.strip() for t in _PNNX_SEPARATORS.split(text)]
-    stack = []  # (tree, depth)
-    for t in reversed([t for t in tokens if t]):
-        arity = E.FUNCTIONS.get(t)
-        if arity is None:
-            stack.append((E.parse(t), 1))  # an input or a literal (anything else is refused there)
+    stack = []  # (tree, depth), or _END
+    for t in reversed(_pnnx_tokens(text)):
+        if t == "]":
+            stack.append(_END)
             continue
-        if len(stack) < arity:
-            raise PmxFormatError(f"expression {text[:80]!r}: {t} takes {arity} operands, finds {len(stack)}")
-        args = [stack.pop() for _ in range(arity)]
-        depth = 1 + max(d for _, d in args)
-        if depth > E.MAX_DEPTH:
-            raise PmxFormatError(f"expression {text[:80]!r} nests deeper than {E.MAX_DEPTH}")
-        stack.append(((t, *(a for a, _ in args)), depth))
+        if t == "[":
+            items = []
+            while stack[-1] is not _END:  # there is one: the brackets nest
+                items.append(stack.pop())
+            stack.pop()
+            stack.append(_grown(text, LIST, items))
+            continue
+        arity = _ARITY.get(t)
+        if arity is None:
+            stack.append((_leaf(t, text), 1))
+            continue
+        args = []
+        while len(args) < arity and stack and stack[-1] is not _END:
+            args.append(stack.pop())
+        if len(args) < arity:
+            raise PmxFormatError(f"expression {text[:80]!r}: {t} takes {arity} operands, finds {len(args)}")
+        if any(a[0] == LIST for a, _ in args):
+            raise PmxFormatError(f"expression {text[:80]!r}: a list is no operand of {t}")
+        stack.append(_grown(text, t, args))
     if len(stack) != 1:
         raise PmxFormatError(f"expression {text[:80]!r} holds {len(stack)} values, expected one expression")
     tree = stack[0][0]
@@ -42,32 +99,63 @@ def pnnx_expression_tree(text, num_inputs):
     return tree
 
 
+def _grown(text, head, operands):
+    depth = 1 + max((d for _, d in operands), default=0)
+    if depth > E.MAX_DEPTH:
+        raise PmxFormatError(f"expression {text[:80]!r} nests deeper than {E.MAX_DEPTH}")
+    return (head, *(a for a, _ in operands)), depth
+
+
+def pnnx_text(tree):
+    """pnnx's spelling of a tree pnnx_expression_tree read, for messages."""
+    if tree == NONE:
+        return "None"
+    if tree[0] in ("@", "#"):
+        return E.to_text(tree)
+    inner = ",".join(pnnx_text(a) for a in tree[1:])
+    return f"[{inner}]" if tree[0] == LIST else f"{tree[0]}({inner})"
+
+
+def _subtrees(tree):
+    todo = [tree]
+    while todo:
+        t = todo.pop()
+        yield t
+        if t[0] not in ("@", "#"):
+            todo.extend(t[1:])
+
+
 @rule("pnnx.Expression")
 def expression(node, ctx):
+    """An elementwise expression, or a list or size its consumers read as parameters
+    (index lists, expand's sizes, arange's end; canon/indexing.py moves the tree onto
+    them). Other shape arithmetic is refused."""
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
-    if text.startswith("[") and node.outputs[0].consumers and all(  # x[:, ids]: [None,@0]
-            c.op in ("Tensor.index", "Tensor.index_put", "Tensor.index_put_") for c in node.outputs[0].consumers):
-        from pmx.compiler.canon.indexing import attach_index_expression
-
-        return attach_index_expression(node, ctx)
-    if text.startswith("size(") and node.outputs[0].consumers and all(
-            c.op == "torch.arange" for c in node.outputs[0].consumers):  # arange(x.size(1)), dynamic export
-        from pmx.compiler.canon.indexing import attach_arange_size
-
-        return attach_arange_size(node, ctx)
-    if text.startswith("[") and node.outputs[0].consumers and all(
-            c.op == "Tensor.expand" for c in node.outputs[0].consumers):  # x.expand(y.size())
-        from pmx.compiler.canon.indexing import attach_expand_sizes
-
-        return attach_expand_sizes(node, ctx)
-    if "size(" in text or "[" in text or "int(" in text:
-        fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape")
     try:
         tree = pnnx_expression_tree(text, len(node.inputs))
     except PmxFormatError as e:
         fail(node, str(e))
+    readers = {c.op for c in node.outputs[0].consumers}
+    if tree[0] == LIST and readers and readers <= {"Tensor.index", "Tensor.index_put", "Tensor.index_put_"}:
+        from pmx.compiler.canon.indexing import attach_index_expression  # x[:, ids]: [None,@0]
+
+        return attach_index_expression(node, ctx, tree)
+    if tree[0] == "size" and readers == {"torch.arange"}:  # arange(x.size(1)), dynamic export
+        from pmx.compiler.canon.indexing import attach_arange_size
+
+        return attach_arange_size(node, ctx, tree)
+    if tree[0] == LIST and readers == {"Tensor.expand"}:  # x.expand(y.size())
+        from pmx.compiler.canon.indexing import attach_expand_sizes
+
+        return attach_expand_sizes(node, ctx, tree)
+    parts = list(_subtrees(tree))
+    if any(t[0] == LIST or t[0] in SHAPE_FUNCTIONS for t in parts):
+        fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); "
+                   "export with a fixed input shape")
+    if NONE in parts:
+        fail(node, f"expression {text!r}: None is no value to compute with")
     return [elementwise(node, tree, list(node.inputs))]
 
 
