@@ -5,4 +5,4 @@ from pmx.compiler.driver import CompileResult, compile_model
 from pmx.compiler.from_torch import check_against_torch, from_torch
 from pmx.runtime.version import __version__
 
-__all__ = ["compile_model", "from_torch", "check_against_torch", "CompileResult", "__version__"]
+__all__ = ["CompileResult", "__version__", "check_against_torch", "compile_model", "from_torch"]

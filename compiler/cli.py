@@ -20,9 +20,9 @@ import sys
 from pmx.runtime.cli import (
     EPILOG,
     _check_model_arg,
-    _planned_shapes,
     _common,
     _key_value,
+    _planned_shapes,
     add_runtime_commands,
     dispatch_runtime,
     guarded,
@@ -38,18 +38,29 @@ def _version():
 def _compile(args):
     from pmx.compiler.driver import compile_model
 
-    r = compile_model(args.param, args.bin, args.output, keep=args.keep or (), verify=args.verify,
-                      disabled=args.disable or (), no_opt=args.no_opt,
-                      dynamic=parse_dynamic(args.dynamic or (), args.shape or ()), auto_batch=not args.static,
-                      plan_shapes=parse_plan_shapes(args.shape or ()), tune=args.tune,
-                      metadata=dict(args.meta or ()))
+    r = compile_model(
+        args.param,
+        args.bin,
+        args.output,
+        keep=args.keep or (),
+        verify=args.verify,
+        disabled=args.disable or (),
+        no_opt=args.no_opt,
+        dynamic=parse_dynamic(args.dynamic or (), args.shape or ()),
+        auto_batch=not args.static,
+        plan_shapes=parse_plan_shapes(args.shape or ()),
+        tune=args.tune,
+        metadata=dict(args.meta or ()),
+    )
     if args.quiet:
         return 0
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
-    print(f"  arena      {r.arena_bytes / 1e6:.2f} MB (lower bound {r.lower_bound_bytes / 1e6:.2f} MB, "
-          f"unplanned sum {r.naive_bytes / 1e6:.2f} MB)")
+    print(
+        f"  arena      {r.arena_bytes / 1e6:.2f} MB (lower bound {r.lower_bound_bytes / 1e6:.2f} MB, "
+        f"unplanned sum {r.naive_bytes / 1e6:.2f} MB)"
+    )
     print(f"  file       {r.file_bytes / 1e6:.2f} MB")
     print(f"  time       {r.seconds * 1e3:.0f} ms")
     from pmx.runtime.replan import format_ranges
@@ -163,15 +174,23 @@ def _list_ops(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="pmx", description="Compile PNNX models to .pmx and run them.", epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pmx",
+        description="Compile PNNX models to .pmx and run them.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("-V", "--version", action="version", version=f"pmx {_version()}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")
     sub = p.add_subparsers(dest="command", required=True, metavar="{compile,run,inspect,verify}")
 
-    c = sub.add_parser("compile", help="compile model.pnnx.param + model.pnnx.bin into model.pmx", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "compile",
+        help="compile model.pnnx.param + model.pnnx.bin into model.pmx",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_compile_args(c)
     _common(c)
 
@@ -189,23 +208,45 @@ def add_compile_args(c):
     c.add_argument("--disable", action="append", metavar="PASS", help="skip one optimizing pass")
     c.add_argument("--list-ops", action="store_true", help="print the supported pnnx op types, one per line, and exit")
     c.add_argument("--json", action="store_true", help="with --list-ops: print a JSON list")
-    c.add_argument("--dynamic", action="append", metavar="NAME:DIM[,DIM]",
-                   help="let these input dims take any size at run time (dim 0 is tried by default)")
-    c.add_argument("--shape", action="append", metavar="NAME=1..16x3x224x224",
-                   help="allowed sizes per input dim: N, A..B, A.. or ?; a dim exported with a fixed size "
-                        "takes that N or a range containing it, a '?' dim any (memory is planned at N or "
-                        "A; for '?' at a placeholder, and again at the first run's shape)")
+    c.add_argument(
+        "--dynamic",
+        action="append",
+        metavar="NAME:DIM[,DIM]",
+        help="let these input dims take any size at run time (dim 0 is tried by default)",
+    )
+    c.add_argument(
+        "--shape",
+        action="append",
+        metavar="NAME=1..16x3x224x224",
+        help="allowed sizes per input dim: N, A..B, A.. or ?; a dim exported with a fixed size "
+        "takes that N or a range containing it, a '?' dim any (memory is planned at N or "
+        "A; for '?' at a placeholder, and again at the first run's shape)",
+    )
     c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
-    c.add_argument("--tune", action="store_true",
-                   help="time each node's candidate kernels on this machine and store the fastest")
-    c.add_argument("-v", "--verbose", action="store_true",
-                   help="list how often each rewrite rule fired (and with --tune every tuned node, not the top 10)")
-    c.add_argument("--check", action="store_true",
-                   help="compare the compiled model with the traced model.pt beside the .param (needs torch)")
-    c.add_argument("--meta", action="extend", nargs="+", metavar="KEY=VALUE", type=_key_value,
-                   help="store these KEY=VALUE pairs in the file (one or more, flag repeatable; "
-                        "InferenceSession.get_modelmeta()"
-                        ".custom_metadata_map)")
+    c.add_argument(
+        "--tune", action="store_true", help="time each node's candidate kernels on this machine and store the fastest"
+    )
+    c.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="list how often each rewrite rule fired (and with --tune every tuned node, not the top 10)",
+    )
+    c.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the compiled model with the traced model.pt beside the .param (needs torch)",
+    )
+    c.add_argument(
+        "--meta",
+        action="extend",
+        nargs="+",
+        metavar="KEY=VALUE",
+        type=_key_value,
+        help="store these KEY=VALUE pairs in the file (one or more, flag repeatable; "
+        "InferenceSession.get_modelmeta()"
+        ".custom_metadata_map)",
+    )
 
 
 def _check_compile_options(args, parser):
@@ -240,6 +281,7 @@ def _dispatch(args):
         _check_model_arg(args.param, "compile")
         return _compile(args)
     return dispatch_runtime(args)
+
 
 def main(argv=None, prog_args=None):
     parser = build_parser()

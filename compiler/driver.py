@@ -27,8 +27,8 @@ class CompileResult:
     seconds: float
     pass_stats: list = field(default_factory=list)
     rule_hits: list = field(default_factory=list)  # (pass, rule, hits) per rule of each rule-table pass run
-    dynamic: dict = field(default_factory=dict)   # input name -> [(min, max) per dim]
-    notes: list = field(default_factory=list)     # e.g. which input dims are fixed and why
+    dynamic: dict = field(default_factory=dict)  # input name -> [(min, max) per dim]
+    notes: list = field(default_factory=list)  # e.g. which input dims are fixed and why
     # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
     tuned: list = field(default_factory=list)
 
@@ -68,8 +68,10 @@ def _plan_dynamic_inputs(graph, options, notes):
         plan = plan_shapes.get(v.name)
         if v.shape is None:
             if plan is None or None in plan:
-                raise PmxCompileError(f"{graph.source}: input {v.name} has no recorded shape; give the shape to "
-                                      f"compile for, e.g. --shape {v.name}=1x3x224x224")
+                raise PmxCompileError(
+                    f"{graph.source}: input {v.name} has no recorded shape; give the shape to "
+                    f"compile for, e.g. --shape {v.name}=1x3x224x224"
+                )
             v.shape = tuple(plan)
             continue
         plan = list(plan or [None] * len(v.shape))
@@ -84,8 +86,10 @@ def _plan_dynamic_inputs(graph, options, notes):
             elif plan[d] is None:
                 unplanned[(v, d)] = (lo, hi)
             elif not _in_range(plan[d], lo, hi):
-                raise PmxCompileError(f"{graph.source}: input {v.name}: the size {plan[d]} to plan dim {d} for is "
-                                      f"outside its range {_range_text(lo, hi)}")
+                raise PmxCompileError(
+                    f"{graph.source}: input {v.name}: the size {plan[d]} to plan dim {d} for is "
+                    f"outside its range {_range_text(lo, hi)}"
+                )
         v.shape = tuple(plan)
     if unplanned:
         if not options.auto_batch:
@@ -97,9 +101,11 @@ def _plan_dynamic_inputs(graph, options, notes):
 def _static_needs_shapes(graph, unplanned):
     v = next(iter(unplanned))[0]
     shown = "x".join("?" if d is None else str(d) for d in v.shape)
-    return (f"{graph.source}: input {v.name} has dynamic dims ({shown}) and --static keeps the shapes the "
-            f"model is compiled for: give them, e.g. --shape {v.name}={_example_shape(v)} (or drop --static: "
-            f"the dims then take any size)")
+    return (
+        f"{graph.source}: input {v.name} has dynamic dims ({shown}) and --static keeps the shapes the "
+        f"model is compiled for: give them, e.g. --shape {v.name}={_example_shape(v)} (or drop --static: "
+        f"the dims then take any size)"
+    )
 
 
 def _example_shape(v):
@@ -131,15 +137,21 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
         for v in {v.uid: v for v, _ in unplanned}.values():
             dims = [str(d) for u, d in unplanned if u is v]
             which = f"dims {', '.join(dims)} are" if len(dims) > 1 else f"dim {dims[0]} is"
-            notes.append(f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
-                         f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape")
+            notes.append(
+                f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
+                f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape"
+            )
         return
-    shown = "; ".join(", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
-                      for t in tried[:3])
+    shown = "; ".join(
+        ", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
+        for t in tried[:3]
+    )
     v = next(iter(unplanned))[0]
-    raise PmxCompileError(f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
-                          f"sizes tried fits ({shown}, ...): {first_error}. Give one with --shape, e.g. "
-                          f"--shape {v.name}={_example_shape(v)}") from None
+    raise PmxCompileError(
+        f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
+        f"sizes tried fits ({shown}, ...): {first_error}. Give one with --shape, e.g. "
+        f"--shape {v.name}={_example_shape(v)}"
+    ) from None
 
 
 def _placeholder_candidates(unplanned):
@@ -174,14 +186,17 @@ def _check_requested_shapes(graph, dynamic, plan_shapes):
     for name in [*plan_shapes, *dynamic]:
         if name not in inputs:
             listed = ", ".join(f"{n} {_shape_text(v.shape)}" for n, v in inputs.items())
-            raise PmxCompileError(f"{graph.source}: --shape/--dynamic names input {name!r}; the model's inputs are "
-                                  f"{listed or 'none'}")
+            raise PmxCompileError(
+                f"{graph.source}: --shape/--dynamic names input {name!r}; the model's inputs are {listed or 'none'}"
+            )
     for name, plan in plan_shapes.items():
         v = inputs[name]
         if v.shape is not None and len(plan) != len(v.shape):
-            raise PmxCompileError(f"{graph.source}: input {name} was exported as {_shape_text(v.shape)}; the "
-                                  f"requested shape {_request_text(plan, {}, len(plan))} has rank {len(plan)}, "
-                                  f"not {len(v.shape)}")
+            raise PmxCompileError(
+                f"{graph.source}: input {name} was exported as {_shape_text(v.shape)}; the "
+                f"requested shape {_request_text(plan, {}, len(plan))} has rank {len(plan)}, "
+                f"not {len(v.shape)}"
+            )
     checked = {}
     for name, dims in dynamic.items():
         v = inputs[name]
@@ -202,8 +217,9 @@ def _check_one_input(source, v, plan, dims):
     given = _request_text(plan, dims, len(v.shape))
 
     def refuse(why):
-        raise PmxCompileError(f"{source}: input {v.name} was exported as {_shape_text(v.shape)}; the requested "
-                              f"shape {given} {why}")
+        raise PmxCompileError(
+            f"{source}: input {v.name} was exported as {_shape_text(v.shape)}; the requested shape {given} {why}"
+        )
 
     for d, recorded in enumerate(v.shape):
         if recorded is None:
@@ -213,9 +229,11 @@ def _check_one_input(source, v, plan, dims):
             if lo == hi and lo != recorded:
                 refuse(f"fixes dim {d} at {lo}: only its '?' dims can take another fixed size")
             if not _in_range(recorded, lo, hi):
-                refuse(f"allows {_range_text(lo, hi)} in dim {d}, without its exported size {recorded}: the model "
-                       f"is compiled at that size, so a range must include it (e.g. "
-                       f"{_range_text(min(lo, recorded), hi if hi == UNBOUNDED else max(hi, recorded))})")
+                refuse(
+                    f"allows {_range_text(lo, hi)} in dim {d}, without its exported size {recorded}: the model "
+                    f"is compiled at that size, so a range must include it (e.g. "
+                    f"{_range_text(min(lo, recorded), hi if hi == UNBOUNDED else max(hi, recorded))})"
+                )
         elif plan is not None and plan[d] is not None and plan[d] != recorded:
             refuse(f"plans dim {d} at {plan[d]}: only its '?' dims can take another size")
 
@@ -290,13 +308,27 @@ def _internal_error(e, source):
         site = "/".join(tb.tb_frame.f_code.co_filename.split(os.sep)[-2:]) + f":{tb.tb_lineno}"
         tb = tb.tb_next
     detail = " ".join(str(e).split())[:300]  # one line, as the CLI prints it
-    return PmxCompileError(f"{source}:{where} cannot compile: {type(e).__name__}: {detail} "
-                           f"(internal error at {site}; check the op's parameters)")
+    return PmxCompileError(
+        f"{source}:{where} cannot compile: {type(e).__name__}: {detail} "
+        f"(internal error at {site}; check the op's parameters)"
+    )
 
 
-def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False, disabled=(),
-                  no_opt=False, dynamic=None, auto_batch=True, plan_shapes=None, tune=False, metadata=None,
-                  _fail_after_bytes=None):
+def compile_model(
+    param_path,
+    bin_path=None,
+    output=None,
+    keep=(),
+    verify=False,
+    disabled=(),
+    no_opt=False,
+    dynamic=None,
+    auto_batch=True,
+    plan_shapes=None,
+    tune=False,
+    metadata=None,
+    _fail_after_bytes=None,
+):
     """metadata: {key: value} strings stored in the file (pmx compile --meta KEY=VALUE),
     read back as InferenceSession.get_modelmeta().custom_metadata_map."""
     t0 = time.perf_counter()
@@ -308,12 +340,23 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     output = output or default_output(param_path)
     for src in (param_path, bin_path):
         if os.path.exists(output) and os.path.exists(src) and os.path.samefile(output, src):
-            raise PmxCompileError(f"refusing to overwrite the input file {src} with the compiled model; choose another -o")
+            raise PmxCompileError(
+                f"refusing to overwrite the input file {src} with the compiled model; choose another -o"
+            )
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
     try:
-        options = CompileOptions(keep=keep, verify=verify, disabled=disabled, no_opt=no_opt, dynamic=dynamic,
-                                 auto_batch=auto_batch, plan_shapes=plan_shapes, tune=tune, metadata=metadata)
+        options = CompileOptions(
+            keep=keep,
+            verify=verify,
+            disabled=disabled,
+            no_opt=no_opt,
+            dynamic=dynamic,
+            auto_batch=auto_batch,
+            plan_shapes=plan_shapes,
+            tune=tune,
+            metadata=metadata,
+        )
         plan = compile_graph(graph, options)
     except PmxError:
         raise
@@ -322,8 +365,19 @@ def compile_model(param_path, bin_path=None, output=None, keep=(), verify=False,
     size = write(graph, plan, options, output, _fail_after_bytes=_fail_after_bytes)
     consts = [v for v in graph.values() if v.is_constant]
     return CompileResult(
-        output=output, ops_in=ops_in, ops_out=len(graph.nodes), constants=len(consts),
-        constant_bytes=sum(v.nbytes for v in consts), file_bytes=size, arena_bytes=plan.arena_size,
-        lower_bound_bytes=plan.lower_bound, naive_bytes=plan.naive_bytes,
-        seconds=time.perf_counter() - t0, pass_stats=list(plan.pass_stats), rule_hits=list(plan.rule_hits),
-        dynamic=dict(plan.dynamic), notes=list(plan.notes + plan.fixed_reasons), tuned=list(plan.tune_report))
+        output=output,
+        ops_in=ops_in,
+        ops_out=len(graph.nodes),
+        constants=len(consts),
+        constant_bytes=sum(v.nbytes for v in consts),
+        file_bytes=size,
+        arena_bytes=plan.arena_size,
+        lower_bound_bytes=plan.lower_bound,
+        naive_bytes=plan.naive_bytes,
+        seconds=time.perf_counter() - t0,
+        pass_stats=list(plan.pass_stats),
+        rule_hits=list(plan.rule_hits),
+        dynamic=dict(plan.dynamic),
+        notes=list(plan.notes + plan.fixed_reasons),
+        tuned=list(plan.tune_report),
+    )

@@ -18,7 +18,6 @@ import os
 import tempfile
 
 import numpy as np
-
 from pmx.compiler.driver import compile_model
 from pmx.runtime.errors import PmxCompileError
 
@@ -26,8 +25,17 @@ from pmx.runtime.errors import PmxCompileError
 DEFAULT_RTOL, DEFAULT_ATOL = 1e-4, 1e-5
 
 
-def from_torch(module, example_inputs, output, *, check=True, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL,
-               export_options=None, **compile_options):
+def from_torch(
+    module,
+    example_inputs,
+    output,
+    *,
+    check=True,
+    rtol=DEFAULT_RTOL,
+    atol=DEFAULT_ATOL,
+    export_options=None,
+    **compile_options,
+):
     """Export `module` (traced on `example_inputs`, a tensor or a tuple of them) with
     pnnx, compile it to `output` (str or os.PathLike) with `compile_options` (those of
     compile_model: dynamic=, keep=, tune=, metadata=, ...) and, with `check`, compare the
@@ -73,8 +81,10 @@ def check_against_torch(module, example_inputs, pmx_path, *, rtol=DEFAULT_RTOL, 
         if bad:
             which = "the example inputs" if draw == 0 else "a random draw of inputs like them"
             detail = ", ".join(f"{k}: max |error| {e[0]:.3g} (max |torch| {e[1]:.3g})" for k, e in bad.items())
-            raise PmxCompileError(f"{pmx_path}: the compiled model differs from the torch module on {which}: {detail}. "
-                                  f"pnnx's export may not match the module (compare model_pnnx.py with it)")
+            raise PmxCompileError(
+                f"{pmx_path}: the compiled model differs from the torch module on {which}: {detail}. "
+                f"pnnx's export may not match the module (compare model_pnnx.py with it)"
+            )
 
 
 def _errors(got, want):
@@ -89,8 +99,10 @@ def _errors(got, want):
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
         both_nan = np.isnan(g64) & np.isnan(w64)
         diff = np.where(both_nan, 0.0, np.abs(g64 - w64))
-        errors[f"out{k}"] = (float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0)),
-                             float(np.nan_to_num(np.abs(w64), nan=0.0).max(initial=0.0)))
+        errors[f"out{k}"] = (
+            float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0)),
+            float(np.nan_to_num(np.abs(w64), nan=0.0).max(initial=0.0)),
+        )
     return errors
 
 
@@ -109,5 +121,7 @@ def _torch_and_pnnx():
         import pnnx
         import torch
     except ImportError as e:
-        raise PmxCompileError(f"from_torch needs torch and pnnx installed (pip install torch pnnx, or the [torch] extra): {e}") from None
+        raise PmxCompileError(
+            f"from_torch needs torch and pnnx installed (pip install torch pnnx, or the [torch] extra): {e}"
+        ) from None
     return torch, pnnx

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-
 from pmx.runtime.errors import PmxCompileError
 
 _ids = itertools.count()
@@ -46,11 +45,9 @@ class Value:
 
 
 class Node:
-    __slots__ = ("op", "name", "inputs", "outputs", "attrs", "input_names", "line",
-                 "expr", "variant", "uid")
+    __slots__ = ("op", "name", "inputs", "outputs", "attrs", "input_names", "line", "expr", "variant", "uid")
 
-    def __init__(self, op, name, inputs=(), outputs=(), attrs=None, input_names=None,
-                 line=0, expr=None, variant=""):
+    def __init__(self, op, name, inputs=(), outputs=(), attrs=None, input_names=None, line=0, expr=None, variant=""):
         self.op = op
         self.name = name
         self.inputs = list(inputs)
@@ -194,8 +191,19 @@ class Graph:
 
         g = Graph(self.source)
         for n in self.nodes:
-            g.add_node(Node(n.op, n.name, [copy(v) for v in n.inputs], [copy(v) for v in n.outputs], n.attrs,
-                            n.input_names, n.line, n.expr, n.variant))
+            g.add_node(
+                Node(
+                    n.op,
+                    n.name,
+                    [copy(v) for v in n.inputs],
+                    [copy(v) for v in n.outputs],
+                    n.attrs,
+                    n.input_names,
+                    n.line,
+                    n.expr,
+                    n.variant,
+                )
+            )
         g.inputs = [copy(v) for v in self.inputs]
         g.outputs = [copy(v) for v in self.outputs]
         g.kept = [copy(v) for v in self.kept]
@@ -212,7 +220,9 @@ class Graph:
         for i, n in enumerate(self.nodes):
             for v in n.outputs:
                 if v.producer is not n:
-                    raise PmxCompileError(f"graph check failed{where}: {v.name} output of {n.where()} has producer {v.producer}")
+                    raise PmxCompileError(
+                        f"graph check failed{where}: {v.name} output of {n.where()} has producer {v.producer}"
+                    )
                 if v.uid in position:
                     raise PmxCompileError(f"graph check failed{where}: {v.name} produced twice")
                 position[v.uid] = i
@@ -221,13 +231,19 @@ class Graph:
                 if v is None:
                     continue
                 if n not in v.consumers:
-                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name} but is not among its consumers")
+                    raise PmxCompileError(
+                        f"graph check failed{where}: {n.where()} reads {v.name} but is not among its consumers"
+                    )
                 if v.is_constant or v in self.inputs:
                     continue
                 if v.uid not in position:
-                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name}, which nothing produces")
+                    raise PmxCompileError(
+                        f"graph check failed{where}: {n.where()} reads {v.name}, which nothing produces"
+                    )
                 if position[v.uid] >= i:
-                    raise PmxCompileError(f"graph check failed{where}: {n.where()} reads {v.name} before it is produced")
+                    raise PmxCompileError(
+                        f"graph check failed{where}: {n.where()} reads {v.name} before it is produced"
+                    )
             for v in n.inputs + n.outputs if require_shapes else ():
                 if v is not None and v.shape is None:
                     raise PmxCompileError(f"graph check failed{where}: {v.name} of {n.where()} has no shape")

@@ -36,7 +36,8 @@ class CompileOptions:
         # the containers given become read-only copies, so no pass can change the options
         object.__setattr__(self, "keep", tuple(self.keep or ()))
         object.__setattr__(self, "disabled", frozenset(self.disabled or ()))
-        object.__setattr__(self, "dynamic", MappingProxyType(
-            {name: _frozen(dims) for name, dims in (self.dynamic or {}).items()}))
+        object.__setattr__(
+            self, "dynamic", MappingProxyType({name: _frozen(dims) for name, dims in (self.dynamic or {}).items()})
+        )
         object.__setattr__(self, "plan_shapes", _frozen(self.plan_shapes))
         object.__setattr__(self, "metadata", _frozen(self.metadata))

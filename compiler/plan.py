@@ -72,10 +72,17 @@ class PassContext:
         if self.offsets is None:
             raise PmxInternalError(f"{graph.source}: no memory plan: the pipeline ended without plan_memory")
         return Plan(
-            order=tuple(graph.nodes), offsets=MappingProxyType(dict(self.offsets)),
-            aliases=MappingProxyType(dict(self.aliases)), arena_size=self.arena_size, lower_bound=self.lower_bound,
+            order=tuple(graph.nodes),
+            offsets=MappingProxyType(dict(self.offsets)),
+            aliases=MappingProxyType(dict(self.aliases)),
+            arena_size=self.arena_size,
+            lower_bound=self.lower_bound,
             naive_bytes=self.naive_bytes,
             dynamic=MappingProxyType({name: list(ranges) for name, ranges in self.dynamic.items()}),
-            dynamic_outputs=MappingProxyType(dict(self.dynamic_outputs)), fixed_reasons=tuple(self.fixed_reasons),
-            tune_report=tuple(self.tune_report), pass_stats=tuple(self.pass_stats),
-            rule_hits=tuple(self.rule_hits), notes=tuple(self.notes))
+            dynamic_outputs=MappingProxyType(dict(self.dynamic_outputs)),
+            fixed_reasons=tuple(self.fixed_reasons),
+            tune_report=tuple(self.tune_report),
+            pass_stats=tuple(self.pass_stats),
+            rule_hits=tuple(self.rule_hits),
+            notes=tuple(self.notes),
+        )

@@ -62,7 +62,6 @@ import struct
 import zlib
 
 import numpy as np
-
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.runtime.errors import PmxFormatError, PmxResourceError
 
@@ -93,14 +92,56 @@ DTYPES = {
     "c32": ("float16", "complex64"),  # complex32: pairs of float16, widened
 }
 
-_NCNN_LAYERS = set(
-    "Input Convolution ConvolutionDepthWise Convolution1D Convolution3D Deconvolution "
-    "DeconvolutionDepthWise Pooling Pooling1D Pooling3D ReLU InnerProduct BatchNorm Split "
-    "Concat Eltwise Softmax Reshape Permute Flatten Sigmoid Interp Crop Slice BinaryOp UnaryOp "
-    "MemoryData Padding Gemm MatMul LayerNorm GELU Swish HardSwish HardSigmoid Clip Dropout "
-    "Noop ExpandDims Squeeze Reduction MultiHeadAttention GroupNorm InstanceNorm PReLU ELU TanH "
-    "Mish".split()
-)
+_NCNN_LAYERS = {
+    "Input",
+    "Convolution",
+    "ConvolutionDepthWise",
+    "Convolution1D",
+    "Convolution3D",
+    "Deconvolution",
+    "DeconvolutionDepthWise",
+    "Pooling",
+    "Pooling1D",
+    "Pooling3D",
+    "ReLU",
+    "InnerProduct",
+    "BatchNorm",
+    "Split",
+    "Concat",
+    "Eltwise",
+    "Softmax",
+    "Reshape",
+    "Permute",
+    "Flatten",
+    "Sigmoid",
+    "Interp",
+    "Crop",
+    "Slice",
+    "BinaryOp",
+    "UnaryOp",
+    "MemoryData",
+    "Padding",
+    "Gemm",
+    "MatMul",
+    "LayerNorm",
+    "GELU",
+    "Swish",
+    "HardSwish",
+    "HardSigmoid",
+    "Clip",
+    "Dropout",
+    "Noop",
+    "ExpandDims",
+    "Squeeze",
+    "Reduction",
+    "MultiHeadAttention",
+    "GroupNorm",
+    "InstanceNorm",
+    "PReLU",
+    "ELU",
+    "TanH",
+    "Mish",
+}
 
 _PACK = ("prim::TupleConstruct", "prim::ListConstruct")
 _UNPACK = ("prim::TupleUnpack", "prim::ListUnpack")
@@ -162,34 +203,24 @@ def parse_shape(spec: str, what: str, allow_null=False):
     pnnx writes 'null' for an operand whose type it does not know (allow_null)."""
     close = spec.rfind(")")
     if not spec.startswith("(") or close < 0:
-        raise PmxFormatError(
-            f"{what}: expected '(dims)type' such as (1,3,?,?)f32, found {spec[:80]!r}"
-        )
+        raise PmxFormatError(f"{what}: expected '(dims)type' such as (1,3,?,?)f32, found {spec[:80]!r}")
     type_str = spec[close + 1 :]
     if type_str not in DTYPES and not (allow_null and type_str == "null"):
-        raise PmxFormatError(
-            f"{what}: unknown dtype {type_str[:20]!r} in {spec[:80]!r} (known: {', '.join(DTYPES)})"
-        )
+        raise PmxFormatError(f"{what}: unknown dtype {type_str[:20]!r} in {spec[:80]!r} (known: {', '.join(DTYPES)})")
     body = spec[1:close]
     dims = []
     if body:
         if body.count(",") >= MAX_RANK:
-            raise PmxFormatError(
-                f"{what}: {body.count(',') + 1} dimensions in {spec[:80]!r}; the limit is {MAX_RANK}"
-            )
+            raise PmxFormatError(f"{what}: {body.count(',') + 1} dimensions in {spec[:80]!r}; the limit is {MAX_RANK}")
         for d in body.split(","):
             if d == "?" or (d.startswith("%") and len(d) > 1):
                 dims.append(None)
                 continue
             if not _INT.fullmatch(d):
-                raise PmxFormatError(
-                    f"{what}: dimension {d[:20]!r} in {spec[:80]!r} is not an integer, '?' or '%name'"
-                )
+                raise PmxFormatError(f"{what}: dimension {d[:20]!r} in {spec[:80]!r} is not an integer, '?' or '%name'")
             n = int(d)
             if n > MAX_DIM:
-                raise PmxResourceError(
-                    f"{what}: dimension {d[:24]} in {spec[:80]!r} exceeds {MAX_DIM}"
-                )
+                raise PmxResourceError(f"{what}: dimension {d[:24]} in {spec[:80]!r} exceeds {MAX_DIM}")
             if n < 0:
                 if n not in (-1, -233):
                     raise PmxFormatError(
@@ -236,9 +267,7 @@ class StoreZip:
             self._read_directory(size)
         except struct.error:
             self.close()
-            raise PmxFormatError(
-                f"{path}: not a valid pnnx weights zip: truncated zip structure"
-            ) from None
+            raise PmxFormatError(f"{path}: not a valid pnnx weights zip: truncated zip structure") from None
         except OSError as e:
             self.close()
             raise PmxFormatError(f"{path}: cannot map weights file: {e.strerror}") from None
@@ -287,9 +316,7 @@ class StoreZip:
         if loc >= 0 and m[loc : loc + 4] == b"PK\x06\x07":
             _, _, z64_offset, _ = _Z64_LOCATOR.unpack_from(m, loc)
             if z64_offset > loc - _Z64_EOCD.size or m[z64_offset : z64_offset + 4] != b"PK\x06\x06":
-                self._fail(
-                    f"zip64 end record offset {z64_offset} does not point at a zip64 end record"
-                )
+                self._fail(f"zip64 end record offset {z64_offset} does not point at a zip64 end record")
             rec = _Z64_EOCD.unpack_from(m, z64_offset)
             count, cd_size, cd_offset = rec[7], rec[8], rec[9]
             if rec[6] != count:
@@ -305,20 +332,14 @@ class StoreZip:
                 f"{MAX_ZIP_ENTRIES} entries and {MAX_ZIP_DIRECTORY} bytes"
             )
         if cd_offset > limit or cd_size > limit - cd_offset:
-            self._fail(
-                f"central directory [{cd_offset}, +{cd_size}) runs past the end record at {limit}"
-            )
+            self._fail(f"central directory [{cd_offset}, +{cd_size}) runs past the end record at {limit}")
         if count * _CDFH.size > cd_size:
-            self._fail(
-                f"central directory of {cd_size} bytes cannot hold the {count} entries it declares"
-            )
+            self._fail(f"central directory of {cd_size} bytes cannot hold the {count} entries it declares")
         pos, end = cd_offset, cd_offset + cd_size
         for _ in range(count):
             pos = self._read_entry(pos, end, cd_offset)
         if pos != end:
-            self._fail(
-                f"central directory has {end - pos} bytes after its {count} declared entries"
-            )
+            self._fail(f"central directory has {end - pos} bytes after its {count} declared entries")
 
     def _read_entry(self, pos, end, cd_offset):
         m = self._map
@@ -342,23 +363,17 @@ class StoreZip:
         if flag & 0x2041:
             self._fail(f"entry {name!r} is encrypted")
         if method != 0:
-            self._fail(
-                f"entry {name!r} uses compression method {method}; pnnx writes store-only (method 0) zips"
-            )
+            self._fail(f"entry {name!r} uses compression method {method}; pnnx writes store-only (method 0) zips")
         if csize != usize:
             self._fail(f"entry {name!r}: stored size {csize} differs from its size {usize}")
         if start_disk != 0:
-            self._fail(
-                f"entry {name!r} is on disk {start_disk}; multi-disk archives are not supported"
-            )
+            self._fail(f"entry {name!r} is on disk {start_disk}; multi-disk archives are not supported")
         if lfh > cd_offset - _LFH.size or m[lfh : lfh + 4] != b"PK\x03\x04":
             self._fail(f"entry {name!r}: no local header at offset {lfh}")
         _, _, _, lmethod, _, _, _, _, _, lnlen, lxlen = _LFH.unpack_from(m, lfh)
         data = lfh + _LFH.size + lnlen + lxlen
         if lmethod != method or bytes(m[lfh + _LFH.size : lfh + _LFH.size + lnlen]) != raw_name:
-            self._fail(
-                f"entry {name!r}: local header at {lfh} disagrees with the central directory"
-            )
+            self._fail(f"entry {name!r}: local header at {lfh} disagrees with the central directory")
         if data > cd_offset or usize > cd_offset - data:
             self._fail(
                 f"entry {name!r}: data [{data}, +{usize}) runs past the end of the stored data "
@@ -381,9 +396,7 @@ class StoreZip:
         view = memoryview(self._map)[offset : offset + size]
         try:
             if zlib.crc32(view) != crc:
-                raise PmxFormatError(
-                    f"{self.path}: entry {name!r}: CRC-32 mismatch, the weights are damaged"
-                )
+                raise PmxFormatError(f"{self.path}: entry {name!r}: CRC-32 mismatch, the weights are damaged")
             arr = np.frombuffer(view, dtype=stored_dtype, count=count)
             out = arr.copy()
             del arr
@@ -447,9 +460,7 @@ def load(param_path: str, bin_path: str | None = None, max_param_bytes=MAX_PARAM
     except OSError as e:
         raise PmxFormatError(f"{param_path}: cannot read: {e.strerror}") from None
     if size > max_param_bytes:
-        raise PmxResourceError(
-            f"{param_path}: {size} bytes exceeds the {max_param_bytes}-byte limit for .param files"
-        )
+        raise PmxResourceError(f"{param_path}: {size} bytes exceeds the {max_param_bytes}-byte limit for .param files")
     try:
         with open(param_path, "rb") as f:
             raw = f.read(max_param_bytes + 1)
@@ -458,15 +469,9 @@ def load(param_path: str, bin_path: str | None = None, max_param_bytes=MAX_PARAM
     try:
         text = raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
-        raise PmxFormatError(
-            f"{param_path}: not a text file (byte {e.start} is not UTF-8)"
-        ) from None
+        raise PmxFormatError(f"{param_path}: not a text file (byte {e.start} is not UTF-8)") from None
     if bin_path is None:
-        bin_path = (
-            param_path[: -len(".param")] + ".bin"
-            if param_path.endswith(".param")
-            else param_path + ".bin"
-        )
+        bin_path = param_path[: -len(".param")] + ".bin" if param_path.endswith(".param") else param_path + ".bin"
     lines = text.split("\n", 3)
     if len(lines) >= 3:
         _check_not_ncnn(_split(lines[2]), f"{param_path}: line 3")
@@ -495,9 +500,7 @@ def parse(text: str, zf: StoreZip, path: str = "<param>") -> Graph:
     first = _split(lines[0]) if lines else []
     if first != [str(MAGIC)]:
         got = lines[0].strip()[:40] if lines else ""
-        raise PmxFormatError(
-            f"{path}: line 1: expected the pnnx magic number {MAGIC}, found {got!r}"
-        )
+        raise PmxFormatError(f"{path}: line 1: expected the pnnx magic number {MAGIC}, found {got!r}")
     if len(lines) < 2:
         raise PmxFormatError(f"{path}: line 2: missing '<operator count> <operand count>' line")
     counts = _split(lines[1])
@@ -508,9 +511,7 @@ def parse(text: str, zf: StoreZip, path: str = "<param>") -> Graph:
         )
     op_count, operand_count = int(counts[0]), int(counts[1])
     if op_count > MAX_OPERATORS:
-        raise PmxResourceError(
-            f"{path}: line 2 declares {counts[0][:24]} operators; the limit is {MAX_OPERATORS}"
-        )
+        raise PmxResourceError(f"{path}: line 2 declares {counts[0][:24]} operators; the limit is {MAX_OPERATORS}")
     body = lines[2:]
     if op_count != len(body):
         raise PmxFormatError(
@@ -528,9 +529,7 @@ def parse(text: str, zf: StoreZip, path: str = "<param>") -> Graph:
             f"{path}: line 2 declares {operand_count} operands but the operators define {len(operands)}"
         )
     if not outputs:
-        raise PmxFormatError(
-            f"{path}: the model has no pnnx.Output operator (or it reads no operand)"
-        )
+        raise PmxFormatError(f"{path}: the model has no pnnx.Output operator (or it reads no operand)")
     _name_graph_tensors(graph, outputs)
     _drop_unused_packs(graph)
     return graph
@@ -556,9 +555,7 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
     where = f"{path}: line {lineno}"
     tokens = _split(line)
     if len(tokens) < 4:
-        raise PmxFormatError(
-            f"{where}: expected '<type> <name> <nin> <nout> ...', found {line[:60]!r}"
-        )
+        raise PmxFormatError(f"{where}: expected '<type> <name> <nin> <nout> ...', found {line[:60]!r}")
     op_type, name = tokens[0], tokens[1]
     if not (_INT.fullmatch(tokens[2]) and _INT.fullmatch(tokens[3])):
         raise PmxFormatError(
@@ -589,9 +586,7 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
     outs = []
     for n in out_names:
         if n in operands:
-            raise PmxFormatError(
-                f"{where}: {op_type[:40]} {name[:40]} produces operand {n[:40]!r} a second time"
-            )
+            raise PmxFormatError(f"{where}: {op_type[:40]} {name[:40]} produces operand {n[:40]!r} a second time")
         v = Value(n, None)
         operands[n] = v
         outs.append(v)
@@ -606,17 +601,13 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
     for item in tokens[4 + nin + nout :]:
         key, eq, value = item.partition("=")
         if not eq or not key or (key[0] in "@$#" and len(key) == 1):
-            raise PmxFormatError(
-                f"{where}: {op_type[:40]} {name[:40]}: expected key=value, found {item[:60]!r}"
-            )
+            raise PmxFormatError(f"{where}: {op_type[:40]} {name[:40]}: expected key=value, found {item[:60]!r}")
         if key[0] == "@":
             weights[key[1:]] = value
         elif key[0] == "$":
             labels.append((key[1:], value))
         elif key[0] == "#":
-            shape, type_str = parse_shape(
-                value, f"{where}: operand {key[1:][:40]}", allow_null=True
-            )
+            shape, type_str = parse_shape(value, f"{where}: operand {key[1:][:40]}", allow_null=True)
             v = operands.get(key[1:])
             if v is None or v.uid not in touched:
                 raise PmxFormatError(
@@ -632,9 +623,7 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
             try:
                 params[key] = parse_value(value)
             except ValueError as e:
-                raise PmxFormatError(
-                    f"{where}: {op_type[:40]} {name[:40]}: parameter {key[:40]}: {e}"
-                ) from None
+                raise PmxFormatError(f"{where}: {op_type[:40]} {name[:40]}: parameter {key[:40]}: {e}") from None
 
     input_names = [None] * len(inputs)
     unlabelled = {}  # operand name -> indices of the inputs reading it, not yet labelled
@@ -663,17 +652,10 @@ def _parse_op_line(line, lineno, path, zf, graph, operands, outputs):
         return
     if op_type == "pnnx.Attribute":
         if len(outs) != 1 or "data" not in const_values:
-            raise PmxFormatError(
-                f"{where}: pnnx.Attribute {name[:40]} needs one output and an @data weight"
-            )
+            raise PmxFormatError(f"{where}: pnnx.Attribute {name[:40]} needs one output and an @data weight")
         data = const_values["data"].data
         v = outs[0]
-        if (
-            v.shape is not None
-            and None not in v.shape
-            and v.shape != data.shape
-            and math.prod(v.shape) == data.size
-        ):
+        if v.shape is not None and None not in v.shape and v.shape != data.shape and math.prod(v.shape) == data.size:
             data = data.reshape(v.shape)
         v.data, v.shape, v.dtype = data, data.shape, str(data.dtype)
         return
@@ -697,10 +679,19 @@ def _drop_tied_parameters(inputs, input_names, weights):
     reaches pnnx as the module op with its @weight plus, as an extra unlabelled operand,
     the pnnx.Attribute of the same tensor. The attribute is the parameter: the operand
     goes, so the module's data input is its only operand again."""
+
     def tied(v, label):
-        return label is None and v.data is not None and any(
-            w.data is not None and w.data.shape == v.data.shape and w.data.dtype == v.data.dtype
-            and np.array_equal(w.data, v.data) for w in weights.values())
+        return (
+            label is None
+            and v.data is not None
+            and any(
+                w.data is not None
+                and w.data.shape == v.data.shape
+                and w.data.dtype == v.data.dtype
+                and np.array_equal(w.data, v.data)
+                for w in weights.values()
+            )
+        )
 
     keep = [i for i, (v, label) in enumerate(zip(inputs, input_names)) if not tied(v, label)]
     if not keep or len(keep) == len(inputs):
@@ -718,9 +709,7 @@ def _tuple_items(v, where):
     while stack:
         steps += 1
         if steps > MAX_PACKED:
-            raise PmxResourceError(
-                f"{where}: tuple {v.name[:40]!r} unpacks to more than {MAX_PACKED} tensors"
-            )
+            raise PmxResourceError(f"{where}: tuple {v.name[:40]!r} unpacks to more than {MAX_PACKED} tensors")
         x = stack.pop()
         if x.producer is not None and x.producer.op in _PACK:
             stack.extend(reversed(x.producer.inputs))
@@ -737,8 +726,7 @@ def _drop_unused_packs(graph):
     kept_outputs = {v.uid for v in graph.outputs}
     for node in reversed(graph.nodes):
         if node.op in _PACK and all(
-            v.uid not in kept_outputs and all(c in removed for c in v.consumers)
-            for v in node.outputs
+            v.uid not in kept_outputs and all(c in removed for c in v.consumers) for v in node.outputs
         ):
             removed.add(node)
     if not removed:
@@ -754,9 +742,7 @@ def _drop_unused_packs(graph):
 def _load_weight(zf, op_name, wname, spec, where):
     shape, type_str = parse_shape(spec, f"{where}: weight @{wname[:40]}")
     if any(d is None for d in shape):
-        raise PmxFormatError(
-            f"{where}: weight @{wname[:40]} has a dynamic or negative shape {spec[:80]!r}"
-        )
+        raise PmxFormatError(f"{where}: weight @{wname[:40]} has a dynamic or negative shape {spec[:80]!r}")
     count = math.prod(shape)
     if count > MAX_ELEMENTS:
         raise PmxResourceError(
@@ -769,9 +755,7 @@ def _load_weight(zf, op_name, wname, spec, where):
     raw = zf.read(entry, stored, count)
     if raw is None:
         if count != 0:
-            raise PmxFormatError(
-                f"{where}: weight {entry!r} ({spec[:80]}) is missing from {zf.path}"
-            )
+            raise PmxFormatError(f"{where}: weight {entry!r} ({spec[:80]}) is missing from {zf.path}")
         raw = np.zeros(0, stored)
     data = _widen(raw, type_str).reshape(shape)
     return Value(entry, data.shape, str(data.dtype), data=data)

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
-
 from pmx.compiler.ir import Node
 from pmx.runtime.errors import PmxInternalError
 
@@ -114,8 +113,10 @@ def _may_match(p, node):
         return False
     for i, q in enumerate(p.inputs):
         v = node.inputs[i] if i < len(node.inputs) else None
-        if q is not None and (v is None and not q.opt or v is not None and q.of is not None and (
-                v.producer is None or v.producer.op not in q.of.ops)):
+        if q is not None and (
+            (v is None and not q.opt)
+            or (v is not None and q.of is not None and (v.producer is None or v.producer.op not in q.of.ops))
+        ):
             return False
     return p.expr is None or (node.expr is not None and (p.expr[0] in _LEAVES or node.expr[0] == p.expr[0]))
 
@@ -147,11 +148,15 @@ def match_value(graph, p, v, reader, m):
         return [m]
     if v is None:
         return [m] if p.opt and (m := _bind(m, p.name, None)) is not None else []
-    if ((p.of is not None and (v.producer is None or v.producer.op not in p.of.ops))
-            or (p.const is not None and v.is_constant != p.const) or (p.kind and np.dtype(v.dtype).kind not in p.kind)
-            or (p.sole and graph.sole_reader(v) is not reader)
-            or (p.internal and (v in graph.outputs or v in graph.kept))
-            or (p.where is not None and not p.where(v)) or (m := _bind(m, p.name, v)) is None):
+    if (
+        (p.of is not None and (v.producer is None or v.producer.op not in p.of.ops))
+        or (p.const is not None and v.is_constant != p.const)
+        or (p.kind and np.dtype(v.dtype).kind not in p.kind)
+        or (p.sole and graph.sole_reader(v) is not reader)
+        or (p.internal and (v in graph.outputs or v in graph.kept))
+        or (p.where is not None and not p.where(v))
+        or (m := _bind(m, p.name, v)) is None
+    ):
         return []
     return [m] if p.of is None else match_node(graph, p.of, v.producer, m)
 
@@ -220,8 +225,10 @@ def apply_rules(graph, name, rules, max_hits=None):
             hits[r.name] += 1
             total += 1
             if total > budget:
-                raise PmxInternalError(f"rule set {name} did not reach a fixpoint in {budget} rewrites "
-                                       f"(rule {r.name} keeps firing, last at {node.where()})")
+                raise PmxInternalError(
+                    f"rule set {name} did not reach a fixpoint in {budget} rewrites "
+                    f"(rule {r.name} keeps firing, last at {node.where()})"
+                )
             touched = [node] + [x for x in m.values() if isinstance(x, Node) and x is not node]
             if len(graph.nodes) != len(live):
                 # a removed node no longer produces its outputs; where that does not
@@ -230,7 +237,9 @@ def apply_rules(graph, name, rules, max_hits=None):
                 live = live - gone if len(live) - len(gone) == len(graph.nodes) else {n.uid for n in graph.nodes}
             for x in touched:
                 if x.uid in live:
-                    for y in [v.producer for v in x.inputs if v is not None] + [c for v in x.outputs for c in v.consumers]:
+                    for y in [v.producer for v in x.inputs if v is not None] + [
+                        c for v in x.outputs for c in v.consumers
+                    ]:
                         if y is not None and y is not node and y.uid not in queued and y.op in by_op:
                             queue.append(y)
                             queued.add(y.uid)
@@ -248,6 +257,7 @@ def _fire(graph, rules, node):
 def rule_pass(name, rules):
     """A pipeline pass that runs `rules` to a fixpoint and records their hits in the
     compile's context; changed? = some rule fired."""
+
     def run(graph, ctx):
         hits = apply_rules(graph, name, rules)
         ctx.rule_hits.extend((name, r, n) for r, n in hits.items())

@@ -14,7 +14,6 @@ import zlib
 
 import flatbuffers
 import numpy as np
-
 from pmx.compiler.plan import Plan
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
@@ -82,9 +81,13 @@ class _SharedParts:
         first, each once, so equal offsets mean equal stored values and the table is
         keyed on them: 1, 1.0 and True differ in kind or vector, -0.0 and 0.0 in bytes."""
         kind, ints, floats, strings = _attr_fields(name, value)
-        key = (self.string(name), kind, None if ints is None else self.numbers(ints, np.int64),
-               None if floats is None else self.numbers(floats, np.float64),
-               None if strings is None else tuple(self.string(s) for s in strings))
+        key = (
+            self.string(name),
+            kind,
+            None if ints is None else self.numbers(ints, np.int64),
+            None if floats is None else self.numbers(floats, np.float64),
+            None if strings is None else tuple(self.string(s) for s in strings),
+        )
         off = self._attrs.get(key)
         if off is None:
             off = self._attrs[key] = _attr(self.b, *key)
@@ -170,15 +173,39 @@ def _tensor_columns(b, graph, plan, values, names, index, const_place):
     input_ids = {v.uid for v in graph.inputs}
     output_ids = {v.uid for v in graph.outputs}
     ranges = _dim_ranges(graph, plan)
-    cols = {k: [] for k in ("kinds", "dtypes", "ranks", "dims", "data_offsets", "data_sizes", "arena_offsets",
-                            "alias_of", "alias_offsets", "strided", "strides", "ranged", "dim_min", "dim_max")}
+    cols = {
+        k: []
+        for k in (
+            "kinds",
+            "dtypes",
+            "ranks",
+            "dims",
+            "data_offsets",
+            "data_sizes",
+            "arena_offsets",
+            "alias_of",
+            "alias_offsets",
+            "strided",
+            "strides",
+            "ranged",
+            "dim_min",
+            "dim_max",
+        )
+    }
     for i, v in enumerate(values):
         if v.dtype not in NAME_TO_ENUM:
             raise PmxCompileError(f"tensor {v.name} has dtype {v.dtype}, which .pmx cannot store")
         if len(v.shape) > MAX_RANK:
             raise PmxCompileError(f"tensor {v.name} has rank {len(v.shape)}; the runtime reads at most {MAX_RANK}")
-        cols["kinds"].append(fb.TensorKind.Constant if v.is_constant else fb.TensorKind.Input if v.uid in input_ids
-                             else fb.TensorKind.Output if v.uid in output_ids else fb.TensorKind.Intermediate)
+        cols["kinds"].append(
+            fb.TensorKind.Constant
+            if v.is_constant
+            else fb.TensorKind.Input
+            if v.uid in input_ids
+            else fb.TensorKind.Output
+            if v.uid in output_ids
+            else fb.TensorKind.Intermediate
+        )
         cols["dtypes"].append(NAME_TO_ENUM[v.dtype])
         cols["ranks"].append(len(v.shape))
         cols["dims"].extend(v.shape)
@@ -195,10 +222,17 @@ def _tensor_columns(b, graph, plan, values, names, index, const_place):
         elif v.uid in plan.offsets:
             arena_offset = plan.offsets[v.uid]
         else:
-            raise PmxInternalError(f"{graph.source}: tensor {v.name} has neither an arena offset nor an alias in the "
-                                   f"plan: the graph changed after it was planned")
-        for k, x in (("data_offsets", data_offset), ("data_sizes", data_size), ("arena_offsets", arena_offset),
-                     ("alias_of", alias_of), ("alias_offsets", alias_offset)):
+            raise PmxInternalError(
+                f"{graph.source}: tensor {v.name} has neither an arena offset nor an alias in the "
+                f"plan: the graph changed after it was planned"
+            )
+        for k, x in (
+            ("data_offsets", data_offset),
+            ("data_sizes", data_size),
+            ("arena_offsets", arena_offset),
+            ("alias_of", alias_of),
+            ("alias_offsets", alias_offset),
+        ):
             cols[k].append(x)
         rng = ranges.get(v.uid)
         if rng:
@@ -206,15 +240,22 @@ def _tensor_columns(b, graph, plan, values, names, index, const_place):
             cols["dim_min"].extend(lo for lo, _ in rng)
             cols["dim_max"].extend(hi for _, hi in rng)
     columns = (  # (add to the table, values, element type)
-        (fb.TensorsAddNameEnds, _ends(map(len, names)), np.uint32), (fb.TensorsAddKinds, cols["kinds"], np.int8),
-        (fb.TensorsAddDtypes, cols["dtypes"], np.int8), (fb.TensorsAddRanks, cols["ranks"], np.uint8),
-        (fb.TensorsAddDims, cols["dims"], np.int64), (fb.TensorsAddDataOffsets, cols["data_offsets"], np.uint64),
+        (fb.TensorsAddNameEnds, _ends(map(len, names)), np.uint32),
+        (fb.TensorsAddKinds, cols["kinds"], np.int8),
+        (fb.TensorsAddDtypes, cols["dtypes"], np.int8),
+        (fb.TensorsAddRanks, cols["ranks"], np.uint8),
+        (fb.TensorsAddDims, cols["dims"], np.int64),
+        (fb.TensorsAddDataOffsets, cols["data_offsets"], np.uint64),
         (fb.TensorsAddDataSizes, cols["data_sizes"], np.uint64),
         (fb.TensorsAddArenaOffsets, cols["arena_offsets"], np.uint64),
-        (fb.TensorsAddAliasOf, cols["alias_of"], np.int32), (fb.TensorsAddAliasOffsets, cols["alias_offsets"], np.uint64),
-        (fb.TensorsAddStrided, cols["strided"], np.uint32), (fb.TensorsAddStrides, cols["strides"], np.int64),
-        (fb.TensorsAddRanged, cols["ranged"], np.uint32), (fb.TensorsAddDimMin, cols["dim_min"], np.int64),
-        (fb.TensorsAddDimMax, cols["dim_max"], np.int64))
+        (fb.TensorsAddAliasOf, cols["alias_of"], np.int32),
+        (fb.TensorsAddAliasOffsets, cols["alias_offsets"], np.uint64),
+        (fb.TensorsAddStrided, cols["strided"], np.uint32),
+        (fb.TensorsAddStrides, cols["strides"], np.int64),
+        (fb.TensorsAddRanged, cols["ranged"], np.uint32),
+        (fb.TensorsAddDimMin, cols["dim_min"], np.int64),
+        (fb.TensorsAddDimMax, cols["dim_max"], np.int64),
+    )
     offs = [b.CreateString("".join(names))] + [_vector(b, values, dtype) for _, values, dtype in columns]
     fb.TensorsStart(b)
     for add, off in zip([fb.TensorsAddNames] + [add for add, _, _ in columns], offs):
@@ -235,15 +276,36 @@ def _node_columns(b, shared, plan, index):
         inputs.append([index[v.uid] if v is not None else -1 for v in node.inputs])
         outputs.append([index[v.uid] for v in node.outputs])
     names = [node.name for node in plan.order]
-    offs = [b.CreateString("".join(names))] + [_vector(b, values, dtype) for values, dtype in (
-        (_ends(map(len, names)), np.uint32), (ops, np.uint32), (_ends(map(len, inputs)), np.uint32),
-        ([i for ins in inputs for i in ins], np.int32), (_ends(map(len, outputs)), np.uint32),
-        ([i for outs in outputs for i in outs], np.int32), (attr_sets, np.uint32), (exprs, np.uint32),
-        (variants, np.uint32))]
+    offs = [b.CreateString("".join(names))] + [
+        _vector(b, values, dtype)
+        for values, dtype in (
+            (_ends(map(len, names)), np.uint32),
+            (ops, np.uint32),
+            (_ends(map(len, inputs)), np.uint32),
+            ([i for ins in inputs for i in ins], np.int32),
+            (_ends(map(len, outputs)), np.uint32),
+            ([i for outs in outputs for i in outs], np.int32),
+            (attr_sets, np.uint32),
+            (exprs, np.uint32),
+            (variants, np.uint32),
+        )
+    ]
     fb.NodesStart(b)
-    for add, off in zip((fb.NodesAddNames, fb.NodesAddNameEnds, fb.NodesAddOps, fb.NodesAddInputEnds,
-                         fb.NodesAddInputs, fb.NodesAddOutputEnds, fb.NodesAddOutputs, fb.NodesAddAttrSets,
-                         fb.NodesAddExprs, fb.NodesAddVariants), offs):
+    for add, off in zip(
+        (
+            fb.NodesAddNames,
+            fb.NodesAddNameEnds,
+            fb.NodesAddOps,
+            fb.NodesAddInputEnds,
+            fb.NodesAddInputs,
+            fb.NodesAddOutputEnds,
+            fb.NodesAddOutputs,
+            fb.NodesAddAttrSets,
+            fb.NodesAddExprs,
+            fb.NodesAddVariants,
+        ),
+        offs,
+    ):
         add(b, off)
     return fb.NodesEnd(b), list(strings)
 
@@ -252,11 +314,13 @@ def _check_plan_fits(graph, plan):
     """Refuse (PmxInternalError) to write without a Plan, or with one made for another
     node list: the file would store offsets and aliases no check has seen."""
     if not isinstance(plan, Plan):
-        raise PmxInternalError(f"{graph.source}: write() needs the Plan the pipeline returned, got "
-                               f"{type(plan).__name__}")
+        raise PmxInternalError(
+            f"{graph.source}: write() needs the Plan the pipeline returned, got {type(plan).__name__}"
+        )
     if len(plan.order) != len(graph.nodes) or any(a is not b for a, b in zip(plan.order, graph.nodes)):
-        raise PmxInternalError(f"{graph.source}: the plan orders other nodes than the graph has: the graph changed "
-                               f"after it was planned")
+        raise PmxInternalError(
+            f"{graph.source}: the plan orders other nodes than the graph has: the graph changed after it was planned"
+        )
 
 
 def build(graph, plan, options):
@@ -343,7 +407,8 @@ def _format_version(graph):
     reads."""
     for n in graph.nodes:
         if (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None) or (
-                n.op == "channel_shuffle" and "sizes" in n.attrs):
+            n.op == "channel_shuffle" and "sizes" in n.attrs
+        ):
             return 3
     return ff.OLDEST_READABLE_VERSION
 
@@ -354,7 +419,7 @@ def write(graph, plan, options, path, _fail_after_bytes=None):
     header, blobs, data_size = build(graph, plan, options)
     data_offset = ff.align(ff.PREAMBLE_SIZE + len(header))
     crc = 0
-    for off, arr in _with_padding(blobs, data_size):
+    for _off, arr in _with_padding(blobs, data_size):
         crc = zlib.crc32(arr, crc)
     version = _format_version(graph)
     preamble = ff.pack_preamble(len(header), data_offset, data_size, ff.crc32(header), crc & 0xFFFFFFFF, version)
@@ -367,7 +432,9 @@ def write(graph, plan, options, path, _fail_after_bytes=None):
     try:
         fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     except OSError as e:
-        raise PmxCompileError(f"cannot write {path}: cannot create a temporary file in {directory}: {e.strerror}") from None
+        raise PmxCompileError(
+            f"cannot write {path}: cannot create a temporary file in {directory}: {e.strerror}"
+        ) from None
     try:
         # mkstemp makes the file 0600; give it the mode a plain open() would (or the
         # mode of the file it replaces) so other users and services can still read it.
@@ -398,7 +465,9 @@ def write(graph, plan, options, path, _fail_after_bytes=None):
         except OSError:
             pass
         if isinstance(e, OSError):
-            raise PmxCompileError(f"cannot write {path}: {e.strerror or e}; the previous file (if any) is unchanged") from e
+            raise PmxCompileError(
+                f"cannot write {path}: {e.strerror or e}; the previous file (if any) is unchanged"
+            ) from e
         raise
     _fsync_directory(directory)
     return data_offset + data_size

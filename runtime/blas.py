@@ -36,7 +36,6 @@ import math
 import os
 
 import numpy as np
-
 from pmx.runtime.record import FrozenRecord
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
@@ -48,9 +47,14 @@ PRIVATE_PACKAGE = "scipy_openblas32"
 
 # names a loaded BLAS library's file may have (the fallback's search)
 _BLAS_LIB_HINTS = ("openblas", "mkl_rt", "libblis")
-_THREAD_GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
-                   "openblas_get_num_threads64_", "openblas_get_num_threads", "MKL_Get_Max_Threads",
-                   "bli_thread_get_num_threads")
+_THREAD_GETTERS = (
+    "scipy_openblas_get_num_threads64_",
+    "scipy_openblas_get_num_threads",
+    "openblas_get_num_threads64_",
+    "openblas_get_num_threads",
+    "MKL_Get_Max_Threads",
+    "bli_thread_get_num_threads",
+)
 
 
 class Library(FrozenRecord):
@@ -92,8 +96,12 @@ def _thread_getter(handle):
 
 _PRIVATE_SPELLINGS = (("scipy_cblas_{}", ctypes.c_int),)
 # numpy's wheels ship ILP64 OpenBLAS (scipy_cblas_sgemm64_); other builds, LP64
-_SHARED_SPELLINGS = (("scipy_cblas_{}64_", ctypes.c_int64), ("cblas_{}64_", ctypes.c_int64),
-                     ("scipy_cblas_{}", ctypes.c_int), ("cblas_{}", ctypes.c_int))
+_SHARED_SPELLINGS = (
+    ("scipy_cblas_{}64_", ctypes.c_int64),
+    ("cblas_{}64_", ctypes.c_int64),
+    ("scipy_cblas_{}", ctypes.c_int),
+    ("cblas_{}", ctypes.c_int),
+)
 
 
 @functools.cache
@@ -131,18 +139,19 @@ def _private_library_path():
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    lib_dir = os.path.join(list(spec.submodule_search_locations)[0], "lib")
-    found = sorted(glob.glob(os.path.join(lib_dir, "libscipy_openblas*.so*"))
-                   + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dylib"))
-                   + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dll")))
+    lib_dir = os.path.join(next(iter(spec.submodule_search_locations)), "lib")
+    found = sorted(
+        glob.glob(os.path.join(lib_dir, "libscipy_openblas*.so*"))
+        + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dylib"))
+        + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dll"))
+    )
     return found[0] if found else None
 
 
 @functools.cache
 def shared_library() -> Library | None:
     """The first BLAS among the libraries already loaded (numpy's), or None."""
-    for path in sorted(p for p in _mapped_files()
-                       if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS)):
+    for path in sorted(p for p in _mapped_files() if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS)):
         try:
             handle = ctypes.CDLL(path)
         except OSError:
@@ -179,8 +188,10 @@ def _entry_point(routine):
 # --- products ----------------------------------------------------------------------------
 
 # (gemm routine, batched routine, C type of alpha and beta) per item type
-_GEMM = {np.dtype(np.float32): ("sgemm", "sgemm_batch_strided", ctypes.c_float),
-         np.dtype(np.float64): ("dgemm", "dgemm_batch_strided", ctypes.c_double)}
+_GEMM = {
+    np.dtype(np.float32): ("sgemm", "sgemm_batch_strided", ctypes.c_float),
+    np.dtype(np.float64): ("dgemm", "dgemm_batch_strided", ctypes.c_double),
+}
 # at most this many cblas calls for a batch whose strides do not collapse to one
 _MAX_CALLS = 256
 
@@ -231,8 +242,12 @@ def _through_copies(a, b, out):
     contiguous buffer (made once) before the product, out through one after it."""
     steps, stand_ins = [], []
     for x in (a, b, out):
-        readable = (x.flags.aligned and x.dtype.isnative and _batch_layout(x) is not None
-                    and (_output_matrix(x) if x is out else _matrix(x)) is not None)
+        readable = (
+            x.flags.aligned
+            and x.dtype.isnative
+            and _batch_layout(x) is not None
+            and (_output_matrix(x) if x is out else _matrix(x)) is not None
+        )
         if readable and (x is out or not np.may_share_memory(x, out)):
             stand_ins.append(x)
             continue
@@ -270,8 +285,12 @@ def gemm(a, b, out, accumulate=False):
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = out.shape[:-2]
-    if (b.shape[-2] != k or out.shape[-2:] != (m, n) or np.broadcast_shapes(a.shape[:-2], b.shape[:-2], batch) != batch
-            or not all(x.flags.aligned and x.dtype.isnative for x in (a, b, out))):
+    if (
+        b.shape[-2] != k
+        or out.shape[-2:] != (m, n)
+        or np.broadcast_shapes(a.shape[:-2], b.shape[:-2], batch) != batch
+        or not all(x.flags.aligned and x.dtype.isnative for x in (a, b, out))
+    ):
         return None
     if out.size == 0:
         return lambda: None
@@ -299,19 +318,42 @@ def gemm(a, b, out, accumulate=False):
         batched = _entry_point(routines[1]) if library().private else None
         if batched is not None and batched[1] is integer and len(outer) <= _MAX_CALLS:
             pa, pb, pc = pointers
-            calls = [functools.partial(
-                batched[0], *head, ctypes.c_void_p(pa + oa), integer(ops[0][1]), integer(strides[0]),
-                ctypes.c_void_p(pb + ob), integer(ops[1][1]), integer(strides[1]), beta,
-                ctypes.c_void_p(pc + oc), integer(ops[2][1]), integer(strides[2]), integer(count))
-                for oa, ob, oc in outer]
+            calls = [
+                functools.partial(
+                    batched[0],
+                    *head,
+                    ctypes.c_void_p(pa + oa),
+                    integer(ops[0][1]),
+                    integer(strides[0]),
+                    ctypes.c_void_p(pb + ob),
+                    integer(ops[1][1]),
+                    integer(strides[1]),
+                    beta,
+                    ctypes.c_void_p(pc + oc),
+                    integer(ops[2][1]),
+                    integer(strides[2]),
+                    integer(count),
+                )
+                for oa, ob, oc in outer
+            ]
             return _run_all(calls, (a, b, out))
         outer = _expanded(layout, out.itemsize)
     if len(outer) > _MAX_CALLS:
         return None
-    calls = [functools.partial(fn, *head, ctypes.c_void_p(pointers[0] + oa), integer(ops[0][1]),
-                               ctypes.c_void_p(pointers[1] + ob), integer(ops[1][1]), beta,
-                               ctypes.c_void_p(pointers[2] + oc), integer(ops[2][1]))
-             for oa, ob, oc in outer]
+    calls = [
+        functools.partial(
+            fn,
+            *head,
+            ctypes.c_void_p(pointers[0] + oa),
+            integer(ops[0][1]),
+            ctypes.c_void_p(pointers[1] + ob),
+            integer(ops[1][1]),
+            beta,
+            ctypes.c_void_p(pointers[2] + oc),
+            integer(ops[2][1]),
+        )
+        for oa, ob, oc in outer
+    ]
     return _run_all(calls, (a, b, out))
 
 
@@ -344,17 +386,31 @@ def _vector_products(a, b, out, ops, layout, routines, beta):
         return None
     pm, px, py = matrix.ctypes.data, x.ctypes.data, y.ctypes.data
     head = (_ROW_MAJOR, trans, integer(rows), integer(cols), routines[2](1.0))
-    calls = [functools.partial(fn, *head, ctypes.c_void_p(pm + om), integer(ld), ctypes.c_void_p(px + ox),
-                               integer(incx), beta, ctypes.c_void_p(py + oy), integer(incy))
-             for om, ox, oy in offsets]
+    calls = [
+        functools.partial(
+            fn,
+            *head,
+            ctypes.c_void_p(pm + om),
+            integer(ld),
+            ctypes.c_void_p(px + ox),
+            integer(incx),
+            beta,
+            ctypes.c_void_p(py + oy),
+            integer(incy),
+        )
+        for om, ox, oy in offsets
+    ]
     return _run_all(calls, (a, b, out))
 
 
 def _expanded(layout, item):
     """A batch layout's byte offsets of every product, one (a, b, out) triple each."""
     outer, (count, strides) = layout
-    return [(oa + i * strides[0] * item, ob + i * strides[1] * item, oc + i * strides[2] * item)
-            for oa, ob, oc in outer for i in range(count)]
+    return [
+        (oa + i * strides[0] * item, ob + i * strides[1] * item, oc + i * strides[2] * item)
+        for oa, ob, oc in outer
+        for i in range(count)
+    ]
 
 
 def _run_all(calls, operands):
@@ -469,8 +525,15 @@ def transposed_copy(src, dst):
     if not ENABLED or routine is None or not isinstance(dst, np.ndarray) or dst.dtype != src.dtype:
         return None
     found = _entry_point(routine[0])
-    if (found is None or src.ndim != 2 or dst.shape != src.shape[::-1] or src.size == 0 or not src.dtype.isnative
-            or not (src.flags.aligned and dst.flags.aligned) or np.may_share_memory(src, dst)):
+    if (
+        found is None
+        or src.ndim != 2
+        or dst.shape != src.shape[::-1]
+        or src.size == 0
+        or not src.dtype.isnative
+        or not (src.flags.aligned and dst.flags.aligned)
+        or np.may_share_memory(src, dst)
+    ):
         return None
     (trans_a, lda), (trans_b, ldb) = _matrix(src) or (None, 0), _matrix(dst) or (None, 0)
     if trans_a != _NO_TRANS or trans_b != _NO_TRANS:
@@ -479,8 +542,17 @@ def transposed_copy(src, dst):
     rows, cols = src.shape
     if max(rows, cols, lda, ldb) > _integer_max(integer):
         return None
-    run = functools.partial(fn, _ROW_MAJOR, _TRANS, integer(rows), integer(cols), routine[1](1.0),
-                            ctypes.c_void_p(src.ctypes.data), integer(lda), ctypes.c_void_p(dst.ctypes.data),
-                            integer(ldb))
+    run = functools.partial(
+        fn,
+        _ROW_MAJOR,
+        _TRANS,
+        integer(rows),
+        integer(cols),
+        routine[1](1.0),
+        ctypes.c_void_p(src.ctypes.data),
+        integer(lda),
+        ctypes.c_void_p(dst.ctypes.data),
+        integer(ldb),
+    )
     run.operands = (src, dst)  # the arrays whose addresses it passes stay alive with it
     return run

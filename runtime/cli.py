@@ -24,7 +24,6 @@ A closed output pipe (pmx run m.pmx --random | head -1) ends pmx quietly with st
 """
 
 
-
 class _Failure(Exception):
     """A check the command made failed (an --expect mismatch): exit 1, message printed."""
 
@@ -84,37 +83,70 @@ def _common(sub):
     """--debug and -q on a subcommand as on pmx itself (SUPPRESS: an option given before
     the subcommand is not reset by the subcommand's default)."""
     sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    sub.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                     help="print nothing but errors (and --json output)")
+    sub.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="print nothing but errors (and --json output)",
+    )
     sub.set_defaults(_parser=sub)
 
 
 def add_runtime_commands(sub):
     """The run, inspect and verify subcommands, on `sub` (argparse subparsers)."""
-    r = sub.add_parser("run", help="run a .pmx model on given or random inputs", epilog=EPILOG,
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Run a .pmx model once (then --repeat more times, timed) and print its outputs. "
-                                   "Every input needs --input NAME=FILE.npy unless --random is given.")
+    r = sub.add_parser(
+        "run",
+        help="run a .pmx model on given or random inputs",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a .pmx model once (then --repeat more times, timed) and print its outputs. "
+        "Every input needs --input NAME=FILE.npy unless --random is given.",
+    )
     r.add_argument("model")
-    r.add_argument("--input", action="append", metavar="NAME=FILE.npy", type=_name_equals("FILE.npy"),
-                   help="an input's value (repeat for each input)")
+    r.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=FILE.npy",
+        type=_name_equals("FILE.npy"),
+        help="an input's value (repeat for each input)",
+    )
     r.add_argument("--random", action="store_true", help="random values for the inputs not given with --input")
     r.add_argument("--repeat", type=_int_at_least(0), default=10, help="timed runs after the first (default 10)")
-    r.add_argument("--threads", type=_int_at_least(1), default=None,
-                   help="threads of this run's kernel splits (default: OMP_NUM_THREADS, else all cores)")
+    r.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        help="threads of this run's kernel splits (default: OMP_NUM_THREADS, else all cores)",
+    )
     r.add_argument("--profile", action="store_true", help="print per-node times")
     r.add_argument("--json", action="store_true", help="print the results as JSON")
-    r.add_argument("--save", metavar="DIR", help="save each output as DIR/<output name>.npy (with --batch-dir: "
-                                                 "DIR/<input file stem>.npy, or .npz for several outputs)")
-    r.add_argument("--expect", action="append", metavar="NAME=FILE.npy", type=_name_equals("FILE.npy"),
-                   help="compare output NAME with FILE.npy; exit 1 on a mismatch, printing the largest error")
+    r.add_argument(
+        "--save",
+        metavar="DIR",
+        help="save each output as DIR/<output name>.npy (with --batch-dir: "
+        "DIR/<input file stem>.npy, or .npz for several outputs)",
+    )
+    r.add_argument(
+        "--expect",
+        action="append",
+        metavar="NAME=FILE.npy",
+        type=_name_equals("FILE.npy"),
+        help="compare output NAME with FILE.npy; exit 1 on a mismatch, printing the largest error",
+    )
     r.add_argument("--rtol", type=_tolerance, default=1e-4, help="--expect: relative tolerance (default 1e-4)")
-    r.add_argument("--atol", type=_tolerance, default=1e-5,
-                   help="--expect: absolute tolerance (default 1e-5); passes where |out - expected| <= "
-                        "atol + rtol * |expected|")
-    r.add_argument("--batch-dir", metavar="DIR",
-                   help="run every .npy (the input of a single-input model) and .npz (one array per input name) "
-                        "in DIR, sorted by name; needs --save")
+    r.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=1e-5,
+        help="--expect: absolute tolerance (default 1e-5); passes where |out - expected| <= atol + rtol * |expected|",
+    )
+    r.add_argument(
+        "--batch-dir",
+        metavar="DIR",
+        help="run every .npy (the input of a single-input model) and .npz (one array per input name) "
+        "in DIR, sorted by name; needs --save",
+    )
     _common(r)
 
     i = sub.add_parser("inspect", help="print inputs, outputs, metadata, passes, memory plan and nodes")
@@ -124,7 +156,7 @@ def add_runtime_commands(sub):
 
     v = sub.add_parser("verify", help="check a .pmx file's structure and checksums")
     v.add_argument("model")
-    v.add_argument("--json", action="store_true", help="print the result as JSON ({\"ok\": false, ...} on failure)")
+    v.add_argument("--json", action="store_true", help='print the result as JSON ({"ok": false, ...} on failure)')
     _common(v)
 
 
@@ -134,8 +166,16 @@ def dispatch_runtime(args):
         if args.batch_dir is not None:
             if not args.save:
                 parser.error("--batch-dir needs --save DIR for the outputs")
-            clash = [o for o, v in (("--input", args.input), ("--random", args.random), ("--expect", args.expect),
-                                    ("--profile", args.profile)) if v]
+            clash = [
+                o
+                for o, v in (
+                    ("--input", args.input),
+                    ("--random", args.random),
+                    ("--expect", args.expect),
+                    ("--profile", args.profile),
+                )
+                if v
+            ]
             if clash:
                 parser.error(f"--batch-dir takes its inputs from the directory; it cannot be combined with {clash[0]}")
         elif args.expect is None and (args.rtol != 1e-4 or args.atol != 1e-5):
@@ -144,6 +184,7 @@ def dispatch_runtime(args):
 
 
 # --- what a file is, when it is not a .pmx ----------------------------------------------
+
 
 def _check_model_arg(path, command):
     from pmx.runtime.errors import PmxInputError
@@ -261,9 +302,15 @@ def _compare(name, got, path, want, rtol, atol):
     nonzero = np.abs(b) > 0
     rel = np.where(nonzero, diff / np.where(nonzero, np.abs(b), 1.0), 0.0)
     ok = bool(np.all(nan_ok) and np.all(diff <= atol + rtol * np.abs(b)))
-    return dict(row, ok=ok, max_abs_error=float(diff.max()), max_rel_error=float(np.nanmax(rel)),
-                worst_index=[int(i) for i in np.unravel_index(worst, got.shape)] if got.ndim else [],
-                worst_value=float(a.reshape(-1)[worst]), expected_value=float(b.reshape(-1)[worst]))
+    return dict(
+        row,
+        ok=ok,
+        max_abs_error=float(diff.max()),
+        max_rel_error=float(np.nanmax(rel)),
+        worst_index=[int(i) for i in np.unravel_index(worst, got.shape)] if got.ndim else [],
+        worst_value=float(a.reshape(-1)[worst]),
+        expected_value=float(b.reshape(-1)[worst]),
+    )
 
 
 def _expectations(sess, specs):
@@ -306,33 +353,64 @@ def _run(args):
     profile = sess.profile(feed, repeat=max(args.repeat, 5)) if args.profile else None
     overhead = _overhead(sess, feed, args.repeat) if args.profile else None
     if args.json:
-        print(_dumps(dict(
-            model=args.model, load_ms=load_ms, first_run_ms=first_ms, repeat=args.repeat,
-            median_ms=float(np.median(times)) if times else None,
-            inputs=[dict(name=a.name, shape=list(feed[a.name].shape), dtype=feed[a.name].dtype.name,
-                         declared_shape=a.shape) for a in sess.get_inputs()],
-            outputs=[dict(name=n, shape=list(y.shape), dtype=y.dtype.name, declared_shape=a.shape,
-                          first_values=_json_values(y.reshape(-1)[:6]))
-                     for n, y, a in zip(names, outputs, sess.get_outputs())],
-            saved=saved, expect=checks, profile=profile,
-            framework_overhead=None if overhead is None else dict(
-                wall_ms=overhead.wall_ms, kernel_ms=overhead.kernel_ms, fraction=overhead.overhead))))
+        print(
+            _dumps(
+                dict(
+                    model=args.model,
+                    load_ms=load_ms,
+                    first_run_ms=first_ms,
+                    repeat=args.repeat,
+                    median_ms=float(np.median(times)) if times else None,
+                    inputs=[
+                        dict(
+                            name=a.name,
+                            shape=list(feed[a.name].shape),
+                            dtype=feed[a.name].dtype.name,
+                            declared_shape=a.shape,
+                        )
+                        for a in sess.get_inputs()
+                    ],
+                    outputs=[
+                        dict(
+                            name=n,
+                            shape=list(y.shape),
+                            dtype=y.dtype.name,
+                            declared_shape=a.shape,
+                            first_values=_json_values(y.reshape(-1)[:6]),
+                        )
+                        for n, y, a in zip(names, outputs, sess.get_outputs())
+                    ],
+                    saved=saved,
+                    expect=checks,
+                    profile=profile,
+                    framework_overhead=None
+                    if overhead is None
+                    else dict(wall_ms=overhead.wall_ms, kernel_ms=overhead.kernel_ms, fraction=overhead.overhead),
+                )
+            )
+        )
     elif not args.quiet:
         for name, y in zip(names, outputs):
             flat = y.reshape(-1)[:6]
-            print(f"{name}: shape {list(y.shape)} {y.dtype}  first values {np.array2string(flat, precision=5, separator=', ')}")
+            print(
+                f"{name}: shape {list(y.shape)} {y.dtype}  first values {np.array2string(flat, precision=5, separator=', ')}"
+            )
         steady = f", median of {args.repeat} runs {np.median(times):.2f} ms" if times else ""
         print(f"load {load_ms:.2f} ms, first run {first_ms:.2f} ms{steady}")
         for path in saved:
             print(f"saved {path}")
         for c in checks:
             if c["ok"]:
-                print(f"{c['name']}: matches {c['file']} (max abs error {c['max_abs_error']:.3g}, "
-                      f"max rel error {c['max_rel_error']:.3g})")
+                print(
+                    f"{c['name']}: matches {c['file']} (max abs error {c['max_abs_error']:.3g}, "
+                    f"max rel error {c['max_rel_error']:.3g})"
+                )
         if profile is not None:
             _print_profile(profile)
-            print(f"framework overhead {100 * overhead.overhead:.1f}% of run() (run {overhead.wall_ms:.3f} ms, "
-                  f"kernels {overhead.kernel_ms:.3f} ms: the rest is feed checks, copies in and out, the loop)")
+            print(
+                f"framework overhead {100 * overhead.overhead:.1f}% of run() (run {overhead.wall_ms:.3f} ms, "
+                f"kernels {overhead.kernel_ms:.3f} ms: the rest is feed checks, copies in and out, the loop)"
+            )
     failed = [c for c in checks if not c["ok"]]
     if failed:
         raise _Failure("; ".join(_mismatch_text(c) for c in failed))
@@ -341,6 +419,7 @@ def _run(args):
 
 def _dumps(obj):
     """Strict JSON (no NaN or Infinity tokens, which many parsers refuse), indented."""
+
     def strict(o):
         if isinstance(o, float):
             return _json_number(o)
@@ -368,9 +447,11 @@ def _json_number(v):
 def _mismatch_text(c):
     if "error" in c:
         return f"{c['name']} does not match {c['file']}: {c['error']}"
-    return (f"{c['name']} does not match {c['file']}: max abs error {c['max_abs_error']:.6g} at "
-            f"{tuple(c['worst_index'])} (got {c['worst_value']:.6g}, expected {c['expected_value']:.6g}), "
-            f"max rel error {c['max_rel_error']:.6g}; allowed atol {c['atol']:g} + rtol {c['rtol']:g} x |expected|")
+    return (
+        f"{c['name']} does not match {c['file']}: max abs error {c['max_abs_error']:.6g} at "
+        f"{tuple(c['worst_index'])} (got {c['worst_value']:.6g}, expected {c['expected_value']:.6g}), "
+        f"max rel error {c['max_rel_error']:.6g}; allowed atol {c['atol']:g} + rtol {c['rtol']:g} x |expected|"
+    )
 
 
 def batch_files(directory):
@@ -398,8 +479,10 @@ def _batch_feed(sess, path):
         raise PmxInputError(f"{path}: cannot read: {e}") from None
     if isinstance(loaded, np.ndarray):
         if len(inputs) != 1:
-            raise PmxInputError(f"{path}: a .npy file feeds a model with one input; this one has {inputs}: "
-                                f"give each run as a .npz with one array per input name")
+            raise PmxInputError(
+                f"{path}: a .npy file feeds a model with one input; this one has {inputs}: "
+                f"give each run as a .npz with one array per input name"
+            )
         return {inputs[0]: loaded}
     with loaded:
         feed = {k: loaded[k] for k in loaded.files}
@@ -476,7 +559,9 @@ def _print_profile(rows):
     print(f"\n{'op':<18} {'variant':<10} {'name':<28} {'input shapes':<30} {'ms':>8} {'%':>6}")
     for r in rows:
         shapes = " ".join("x".join(map(str, s)) for s in r["in_shapes"])[:30]
-        print(f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / (total or 1.0):>5.1f}%")
+        print(
+            f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / (total or 1.0):>5.1f}%"
+        )
     print(f"{'total':<88} {total:>8.3f}")
 
 
@@ -529,10 +614,15 @@ def inspect_dict(model):
         "naive_bytes": naive_bytes(tensor_lifetimes(model), lambda i: t[i].nbytes),
         "passes": [dict(name=a, nodes_before=b, nodes_after=c) for a, b, c in model.pass_stats],
         "node_table": [
-            dict(op=nd.op, name=nd.name, variant=nd.variant,
-                 inputs=[t[i].name if i >= 0 else None for i in nd.inputs],
-                 outputs=[t[i].name for i in nd.outputs],
-                 planned_shapes=[list(t[i].shape) for i in nd.outputs], expr=E.to_text(nd.expr) if nd.expr else "")
+            dict(
+                op=nd.op,
+                name=nd.name,
+                variant=nd.variant,
+                inputs=[t[i].name if i >= 0 else None for i in nd.inputs],
+                outputs=[t[i].name for i in nd.outputs],
+                planned_shapes=[list(t[i].shape) for i in nd.outputs],
+                expr=E.to_text(nd.expr) if nd.expr else "",
+            )
             for nd in model.nodes
         ],
     }
@@ -557,8 +647,10 @@ def _inspect(args):
     print("passes (nodes before -> after):")
     for p in info["passes"]:
         print(f"  {p['name']:<22} {p['nodes_before']:>5} -> {p['nodes_after']}")
-    print(f"memory: arena {info['arena_bytes']} B, lower bound {info['lower_bound_bytes']} B, "
-          f"unplanned sum {info['naive_bytes']} B")
+    print(
+        f"memory: arena {info['arena_bytes']} B, lower bound {info['lower_bound_bytes']} B, "
+        f"unplanned sum {info['naive_bytes']} B"
+    )
     print(f"\n{'#':>4} {'op':<18} {'variant':<10} {'name':<32} output shapes")
     for j, nd in enumerate(info["node_table"]):
         shapes = ", ".join("x".join(map(str, s)) for s in nd["planned_shapes"])
@@ -579,13 +671,26 @@ def _verify(args):
         raise
     pre = model.preamble
     if args.json:
-        print(_dumps(dict(model=args.model, ok=True, file_bytes=model.file_size, nodes=len(model.nodes),
-                              tensors=len(model.tensors), format_version=pre["version"],
-                              header_crc=f"{pre['header_crc']:#010x}", data_crc=f"{pre['data_crc']:#010x}")))
+        print(
+            _dumps(
+                dict(
+                    model=args.model,
+                    ok=True,
+                    file_bytes=model.file_size,
+                    nodes=len(model.nodes),
+                    tensors=len(model.tensors),
+                    format_version=pre["version"],
+                    header_crc=f"{pre['header_crc']:#010x}",
+                    data_crc=f"{pre['data_crc']:#010x}",
+                )
+            )
+        )
     elif not args.quiet:
-        print(f"{args.model}: OK ({model.file_size} bytes, {len(model.nodes)} nodes, {len(model.tensors)} tensors, "
-              f"structure valid, header and data checksums match: "
-              f"{pre['header_crc']:#010x} {pre['data_crc']:#010x})")
+        print(
+            f"{args.model}: OK ({model.file_size} bytes, {len(model.nodes)} nodes, {len(model.tensors)} tensors, "
+            f"structure valid, header and data checksums match: "
+            f"{pre['header_crc']:#010x} {pre['data_crc']:#010x})"
+        )
     return 0
 
 
@@ -614,11 +719,14 @@ def guarded(fn, debug):
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # noqa: BLE001 - the CLI never shows a bare traceback
+    except Exception as e:
         if debug:
             raise
-        print(f"pmx: internal error: {type(e).__name__}: {e}. This is a bug in pmx; please report it with the "
-              f"model file and the command line (rerun with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"pmx: internal error: {type(e).__name__}: {e}. This is a bug in pmx; please report it with the "
+            f"model file and the command line (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_INTERNAL
 
 

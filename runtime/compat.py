@@ -16,7 +16,6 @@ import time
 import warnings
 
 import numpy as np
-
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.options import checked_value
@@ -32,22 +31,57 @@ class ModelMetadata(FrozenRecord):
     KEY=VALUE` stored. A .pmx file has no domain, description or model version: those
     read as "" and 0, as onnxruntime reports them for an ONNX file without them."""
 
-    __slots__ = ("producer_name", "producer_version", "graph_name", "graph_description", "domain", "description",
-                 "version", "custom_metadata_map")
+    __slots__ = (
+        "producer_name",
+        "producer_version",
+        "graph_name",
+        "graph_description",
+        "domain",
+        "description",
+        "version",
+        "custom_metadata_map",
+    )
 
-    def __init__(self, producer_name, producer_version, graph_name, graph_description, domain, description, version,
-                 custom_metadata_map):
-        for f, v in zip(self.__slots__, (producer_name, producer_version, graph_name, graph_description, domain,
-                                         description, version, custom_metadata_map)):
+    def __init__(
+        self,
+        producer_name,
+        producer_version,
+        graph_name,
+        graph_description,
+        domain,
+        description,
+        version,
+        custom_metadata_map,
+    ):
+        for f, v in zip(
+            self.__slots__,
+            (
+                producer_name,
+                producer_version,
+                graph_name,
+                graph_description,
+                domain,
+                description,
+                version,
+                custom_metadata_map,
+            ),
+        ):
             object.__setattr__(self, f, v)
 
 
 def model_metadata(model) -> ModelMetadata:
     name, _, version = (model.producer or "").partition(" ")
     graph = os.path.basename(model.source or "").removesuffix(".param").removesuffix(".pnnx")
-    return ModelMetadata(producer_name=name or "pmx", producer_version=version, graph_name=graph,
-                         graph_description="", domain="", description="", version=0,
-                         custom_metadata_map=dict(model.metadata))
+    return ModelMetadata(
+        producer_name=name or "pmx",
+        producer_version=version,
+        graph_name=graph,
+        graph_description="",
+        domain="",
+        description="",
+        version=0,
+        custom_metadata_map=dict(model.metadata),
+    )
 
 
 def check_providers(providers):
@@ -61,8 +95,12 @@ def check_providers(providers):
     for entry in providers:
         name = entry[0] if isinstance(entry, (tuple, list)) and entry else entry
         if name != CPU_PROVIDER:
-            warnings.warn(f"Specified provider {name!r} is not available in pmx, which runs on the CPU only; "
-                          f"running with {CPU_PROVIDER!r}", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"Specified provider {name!r} is not available in pmx, which runs on the CPU only; "
+                f"running with {CPU_PROVIDER!r}",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 class Profiler:
@@ -82,14 +120,32 @@ class Profiler:
         return round((t - self.start) * 1e6, 3)
 
     def node(self, node, t0, t1, shapes):
-        self.events.append({"name": node.name, "cat": "Node", "ph": "X", "ts": self._us(t0),
-                            "dur": round((t1 - t0) * 1e6, 3), "pid": self.pid, "tid": threading.get_ident(),
-                            "op": node.op, "args": {"op_name": node.op, "variant": node.variant,
-                                                    "output_shapes": shapes}})
+        self.events.append(
+            {
+                "name": node.name,
+                "cat": "Node",
+                "ph": "X",
+                "ts": self._us(t0),
+                "dur": round((t1 - t0) * 1e6, 3),
+                "pid": self.pid,
+                "tid": threading.get_ident(),
+                "op": node.op,
+                "args": {"op_name": node.op, "variant": node.variant, "output_shapes": shapes},
+            }
+        )
 
     def run(self, t0, t1):
-        self.events.append({"name": "model_run", "cat": "Session", "ph": "X", "ts": self._us(t0),
-                            "dur": round((t1 - t0) * 1e6, 3), "pid": self.pid, "tid": threading.get_ident()})
+        self.events.append(
+            {
+                "name": "model_run",
+                "cat": "Session",
+                "ph": "X",
+                "ts": self._us(t0),
+                "dur": round((t1 - t0) * 1e6, 3),
+                "pid": self.pid,
+                "tid": threading.get_ident(),
+            }
+        )
 
     def write(self):
         """Write the trace to <prefix>_<local time>.json (a numbered suffix if that exists)

@@ -44,4 +44,5 @@ def internal_error(path, node, stage, exc):
     return PmxInternalError(
         f"{path}: internal error: {where} failed at {stage}: {type(exc).__name__}: {str(exc)[:160]}. "
         f"This is a bug in pmx; please report it with the model file (the .pmx, or the "
-        f".pnnx.param and .pnnx.bin it was compiled from) and this message")
+        f".pnnx.param and .pnnx.bin it was compiled from) and this message"
+    )

@@ -23,23 +23,71 @@ import math
 import re
 
 import numpy as np
-
 from pmx.runtime.errors import PmxFormatError
 
 # name -> arity
 FUNCTIONS = {
     # pnnx binary spellings
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "pow": 2, "max": 2, "min": 2,
-    "maximum": 2, "minimum": 2, "atan2": 2, "fmod": 2, "remainder": 2,
-    "floor_divide": 2, "and": 2, "or": 2, "xor": 2, "lshift": 2, "rshift": 2, "logaddexp": 2,
+    "add": 2,
+    "sub": 2,
+    "mul": 2,
+    "div": 2,
+    "pow": 2,
+    "max": 2,
+    "min": 2,
+    "maximum": 2,
+    "minimum": 2,
+    "atan2": 2,
+    "fmod": 2,
+    "remainder": 2,
+    "floor_divide": 2,
+    "and": 2,
+    "or": 2,
+    "xor": 2,
+    "lshift": 2,
+    "rshift": 2,
+    "logaddexp": 2,
     # comparisons (produce bool)
-    "gt": 2, "ge": 2, "lt": 2, "le": 2, "eq": 2, "ne": 2,
+    "gt": 2,
+    "ge": 2,
+    "lt": 2,
+    "le": 2,
+    "eq": 2,
+    "ne": 2,
     # unary
-    "neg": 1, "abs": 1, "sqrt": 1, "rsqrt": 1, "exp": 1, "log": 1, "log10": 1,
-    "log1p": 1, "expm1": 1, "sign": 1, "floor": 1, "ceil": 1, "round": 1, "trunc": 1,
-    "sin": 1, "cos": 1, "tan": 1, "asin": 1, "acos": 1, "atan": 1, "sinh": 1,
-    "cosh": 1, "tanh": 1, "asinh": 1, "acosh": 1, "atanh": 1, "reciprocal": 1,
-    "square": 1, "sigmoid": 1, "erf": 1, "erfc": 1, "not": 1, "lgamma": 1,
+    "neg": 1,
+    "abs": 1,
+    "sqrt": 1,
+    "rsqrt": 1,
+    "exp": 1,
+    "log": 1,
+    "log10": 1,
+    "log1p": 1,
+    "expm1": 1,
+    "sign": 1,
+    "floor": 1,
+    "ceil": 1,
+    "round": 1,
+    "trunc": 1,
+    "sin": 1,
+    "cos": 1,
+    "tan": 1,
+    "asin": 1,
+    "acos": 1,
+    "atan": 1,
+    "sinh": 1,
+    "cosh": 1,
+    "tanh": 1,
+    "asinh": 1,
+    "acosh": 1,
+    "atanh": 1,
+    "reciprocal": 1,
+    "square": 1,
+    "sigmoid": 1,
+    "erf": 1,
+    "erfc": 1,
+    "not": 1,
+    "lgamma": 1,
     # ternary
     "where": 3,
 }
@@ -48,9 +96,11 @@ MAX_EXPR_LENGTH = 1 << 16
 MAX_DEPTH = 200
 
 # a number, or a complex one as pnnx writes it: "%e+%ej", the "+" kept before a negative part
-_TOKEN = re.compile(r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)"
-                    r"|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:\+?[-+](?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?j)?)"
-                    r"|(-inf)|(\()|(\))|(,))")
+_TOKEN = re.compile(
+    r"\s*(?:(@\d+)|([A-Za-z_][A-Za-z_0-9]*)"
+    r"|([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:\+?[-+](?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?j)?)"
+    r"|(-inf)|(\()|(\))|(,))"
+)
 
 
 def at(i):
@@ -76,7 +126,7 @@ def parse(text: str, num_inputs: int | None = None):
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if not m or m.end() == pos:
-            raise PmxFormatError(f"expression {text[:80]!r}: unexpected character at {pos}: {text[pos:pos+10]!r}")
+            raise PmxFormatError(f"expression {text[:80]!r}: unexpected character at {pos}: {text[pos : pos + 10]!r}")
         tokens.append(m)
         pos = m.end()
     tree, i = _parse_at(tokens, 0, text, 0)
@@ -182,8 +232,18 @@ def size(tree) -> int:
 
 # erfc(a), a >= 0: t * exp(-a^2 + P(t)), t = 1 / (1 + a/2) (Numerical Recipes' erfcc,
 # Chebyshev fit, relative error < 1.2e-7 for every a); P's coefficients, constant first.
-_ERFC_P = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807,
-           -1.13520398, 1.48851587, -0.82215223, 0.17087277)
+_ERFC_P = (
+    -1.26551223,
+    1.00002368,
+    0.37409196,
+    0.09678418,
+    -0.18628806,
+    0.27886807,
+    -1.13520398,
+    1.48851587,
+    -0.82215223,
+    0.17087277,
+)
 # erf(z) = 2/sqrt(pi) * z * S(z^2) for |z| < 0.5 (Taylor to z^11), where 1 - erfc loses
 # relative accuracy
 _ERF_TAYLOR = (1.0, -1 / 3, 1 / 10, -1 / 42, 1 / 216, -1 / 1320)
@@ -209,7 +269,7 @@ def _erfc_abs(a):
 # ~4 ns per element on a sign that changes at random (GELU's input), ~20x an add; a
 # 0/1 mask from a saturated scale costs two cheap passes. 2^100 saturates every float32
 # difference that matters here (the smallest nonzero |z| - 0.5 is 2^-25).
-_SATURATE = 2.0 ** 100
+_SATURATE = 2.0**100
 
 
 def _mask_negative(z):
@@ -229,8 +289,11 @@ def _erf(z):
     small = ("mul", ("mul", _c(2 / math.sqrt(math.pi)), zc), _horner(_ERF_TAYLOR, ("mul", zc, zc)))
     sign = ("sub", _c(1.0), ("mul", _mask_negative(z), _c(2.0)))
     large = ("mul", sign, ("sub", _c(1.0), _erfc_abs(a)))
-    beyond_half = ("minimum", ("maximum", ("add", ("mul", ("sub", a, _c(0.5)), _c(_SATURATE)), _c(1.0)), _c(0.0)),
-                   _c(1.0))
+    beyond_half = (
+        "minimum",
+        ("maximum", ("add", ("mul", ("sub", a, _c(0.5)), _c(_SATURATE)), _c(1.0)), _c(0.0)),
+        _c(1.0),
+    )
     return _blend(beyond_half, small, large)
 
 
@@ -267,17 +330,59 @@ def desugar(tree):
 
 # --- numexpr backend -------------------------------------------------------------------
 
-_NE_BINOP = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**",
-             "gt": ">", "ge": ">=", "lt": "<", "le": "<=", "eq": "==", "ne": "!=",
-             "and": "&", "or": "|", "xor": "^"}
-_NE_UNARY = {"abs": "abs", "sqrt": "sqrt", "exp": "exp", "log": "log", "log10": "log10",
-             "log1p": "log1p", "expm1": "expm1", "floor": "floor", "ceil": "ceil",
-             "sin": "sin", "cos": "cos", "tan": "tan", "asin": "arcsin", "acos": "arccos",
-             "atan": "arctan", "sinh": "sinh", "cosh": "cosh", "tanh": "tanh",
-             "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh"}
+_NE_BINOP = {
+    "add": "+",
+    "sub": "-",
+    "mul": "*",
+    "div": "/",
+    "pow": "**",
+    "gt": ">",
+    "ge": ">=",
+    "lt": "<",
+    "le": "<=",
+    "eq": "==",
+    "ne": "!=",
+    "and": "&",
+    "or": "|",
+    "xor": "^",
+}
+_NE_UNARY = {
+    "abs": "abs",
+    "sqrt": "sqrt",
+    "exp": "exp",
+    "log": "log",
+    "log10": "log10",
+    "log1p": "log1p",
+    "expm1": "expm1",
+    "floor": "floor",
+    "ceil": "ceil",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "asin": "arcsin",
+    "acos": "arccos",
+    "atan": "arctan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "tanh": "tanh",
+    "asinh": "arcsinh",
+    "acosh": "arccosh",
+    "atanh": "arctanh",
+}
 # numexpr computes these in float64 or lacks them; such expressions run on numpy.
-_NE_UNSUPPORTED = {"sign", "round", "trunc", "remainder", "floor_divide", "fmod", "not", "lshift", "rshift",
-                   "logaddexp", "lgamma"}
+_NE_UNSUPPORTED = {
+    "sign",
+    "round",
+    "trunc",
+    "remainder",
+    "floor_divide",
+    "fmod",
+    "not",
+    "lshift",
+    "rshift",
+    "logaddexp",
+    "lgamma",
+}
 
 
 def numexpr_supported(tree) -> bool:
@@ -380,9 +485,17 @@ def _where(c, a, b, out):
 # Lanczos' approximation of the gamma function, g = 7 with 9 coefficients (the widely
 # published set): relative error about 1e-15 in float64 for x >= 0.5.
 _LANCZOS_G = 7.0
-_LANCZOS = (0.99999999999980993, 676.5203681218851, -1259.1392167224028, 771.32342877765313,
-            -176.61502916214059, 12.507343278686905, -0.13857109526572012, 9.9843695780195716e-6,
-            1.5056327351493116e-7)
+_LANCZOS = (
+    0.99999999999980993,
+    676.5203681218851,
+    -1259.1392167224028,
+    771.32342877765313,
+    -176.61502916214059,
+    12.507343278686905,
+    -0.13857109526572012,
+    9.9843695780195716e-6,
+    1.5056327351493116e-7,
+)
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -427,20 +540,61 @@ def _lgamma(x, out=None):
 
 
 NUMPY_FUNCS = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.true_divide,
-    "pow": np.power, "maximum": np.maximum, "minimum": np.minimum, "atan2": np.arctan2,
-    "fmod": np.fmod, "remainder": np.remainder, "floor_divide": _floor_divide,
-    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
-    "gt": np.greater, "ge": np.greater_equal, "lt": np.less, "le": np.less_equal,
-    "eq": np.equal, "ne": np.not_equal, "not": np.logical_not,
-    "neg": np.negative, "abs": np.absolute, "sqrt": np.sqrt, "rsqrt": _rsqrt, "exp": np.exp,
-    "log": np.log, "log10": np.log10, "log1p": np.log1p, "expm1": np.expm1,
-    "sign": np.sign, "floor": np.floor, "ceil": np.ceil, "round": np.rint, "trunc": np.trunc,
-    "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos,
-    "atan": np.arctan, "sinh": np.sinh, "cosh": np.cosh, "tanh": np.tanh,
-    "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh,
-    "reciprocal": np.reciprocal, "square": np.square, "sigmoid": _sigmoid, "where": _where,
-    "lshift": np.left_shift, "rshift": np.right_shift, "logaddexp": np.logaddexp, "lgamma": _lgamma,
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.true_divide,
+    "pow": np.power,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+    "atan2": np.arctan2,
+    "fmod": np.fmod,
+    "remainder": np.remainder,
+    "floor_divide": _floor_divide,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "not": np.logical_not,
+    "neg": np.negative,
+    "abs": np.absolute,
+    "sqrt": np.sqrt,
+    "rsqrt": _rsqrt,
+    "exp": np.exp,
+    "log": np.log,
+    "log10": np.log10,
+    "log1p": np.log1p,
+    "expm1": np.expm1,
+    "sign": np.sign,
+    "floor": np.floor,
+    "ceil": np.ceil,
+    "round": np.rint,
+    "trunc": np.trunc,
+    "sin": np.sin,
+    "cos": np.cos,
+    "tan": np.tan,
+    "asin": np.arcsin,
+    "acos": np.arccos,
+    "atan": np.arctan,
+    "sinh": np.sinh,
+    "cosh": np.cosh,
+    "tanh": np.tanh,
+    "asinh": np.arcsinh,
+    "acosh": np.arccosh,
+    "atanh": np.arctanh,
+    "reciprocal": np.reciprocal,
+    "square": np.square,
+    "sigmoid": _sigmoid,
+    "where": _where,
+    "lshift": np.left_shift,
+    "rshift": np.right_shift,
+    "logaddexp": np.logaddexp,
+    "lgamma": _lgamma,
 }
 
 
@@ -479,8 +633,21 @@ def result_dtype(tree, input_dtypes):
 
 
 # Functions that map floats of one dtype (with int or float literals) to that dtype.
-_FLOAT_KEEPING = frozenset(FUNCTIONS) - {"gt", "ge", "lt", "le", "eq", "ne", "and", "or", "xor", "not", "where",
-                                           "lshift", "rshift"}  # shifts take integers only
+_FLOAT_KEEPING = frozenset(FUNCTIONS) - {
+    "gt",
+    "ge",
+    "lt",
+    "le",
+    "eq",
+    "ne",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "where",
+    "lshift",
+    "rshift",
+}  # shifts take integers only
 
 
 @functools.lru_cache(maxsize=4096)
@@ -586,8 +753,13 @@ def compile_numpy(tree, inputs, out, empty=None):
     # check, conservative)
     out_free = final_into_out and not any(np.may_share_memory(out, x) for x in inputs if isinstance(x, np.ndarray))
     program, slot_shapes, slot_of, result = _numpy_plan(
-        Exact(tree), tuple(np.shape(x) for x in inputs), tuple(x.dtype for x in inputs), out.dtype,
-        final_into_out, out.shape if out_free else None)
+        Exact(tree),
+        tuple(np.shape(x) for x in inputs),
+        tuple(x.dtype for x in inputs),
+        out.dtype,
+        final_into_out,
+        out.shape if out_free else None,
+    )
     slots = [(empty or np.empty)(shape, dtype) for shape, dtype in slot_shapes]
 
     def array(ref):
@@ -702,9 +874,17 @@ def _gelu_operand(tree, inputs):
     if tree[0] != "mul":
         return None
     a, b = tree[1], tree[2]
-    if not (a[0] == "mul" and a[1][0] == "@" and a[2] == ("#", 0.5) and b[0] == "erfc" and b[1][0] == "mul"
-            and b[1][1] == a[1] and b[1][2][0] == "#" and isinstance(b[1][2][1], float)
-            and abs(b[1][2][1] + math.sqrt(0.5)) < 1e-12):
+    if not (
+        a[0] == "mul"
+        and a[1][0] == "@"
+        and a[2] == ("#", 0.5)
+        and b[0] == "erfc"
+        and b[1][0] == "mul"
+        and b[1][1] == a[1]
+        and b[1][2][0] == "#"
+        and isinstance(b[1][2][1], float)
+        and abs(b[1][2][1] + math.sqrt(0.5)) < 1e-12
+    ):
         return None
     x = inputs[a[1][1]]
     return x if isinstance(x, np.ndarray) else None
@@ -725,7 +905,7 @@ GELU_TABLE_LO, GELU_TABLE_HI, GELU_TABLE_BITS = -8.0, 6.0, 11
 def _gelu_tables():
     """(Phi at each step's left end, Phi's rise over the step), float32, row i for the
     step starting at GELU_TABLE_LO + i * step; ~1 ms, once per process."""
-    step = 2.0 ** -GELU_TABLE_BITS
+    step = 2.0**-GELU_TABLE_BITS
     xs = GELU_TABLE_LO + step * np.arange(int((GELU_TABLE_HI - GELU_TABLE_LO) / step) + 1)
     phi = 0.5 * _erfc_float64(-xs / math.sqrt(2))
     return phi[:-1].astype(np.float32), np.diff(phi).astype(np.float32)
@@ -755,7 +935,7 @@ def _gelu_table_step(x, out):
     197x3072 3.89 -> 3.40 (ViT-B/16's). Splitting the passes into blocks that stay in
     cache gained nothing (6.23-7.57 against 7.32, over blocks of 16K-256K elements)."""
     phi_at, rise = _gelu_tables()
-    inv_step = np.float32(2.0 ** GELU_TABLE_BITS)
+    inv_step = np.float32(2.0**GELU_TABLE_BITS)
     first = np.float32(GELU_TABLE_LO * inv_step)  # in steps, as the scaled x below
     last = np.float32(GELU_TABLE_HI * inv_step - 1)
     lo = np.float32(GELU_TABLE_LO)
@@ -809,7 +989,7 @@ def _buffer_slots(program, temps, out_key=None):
     if out_key is not None:
         free[out_key] = [OUT_SLOT]
     for k, step in enumerate(program):
-        t, operands, target, bounds = step
+        _t, operands, target, _bounds = step
         for v in dying.pop(k - 1, ()):  # read for the last time by an earlier step
             free.setdefault(_key(temps[v]), []).append(slot_of[v])
         if _in_place_safe(step):

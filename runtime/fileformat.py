@@ -50,18 +50,46 @@ def crc32(data) -> int:
 
 def pack_preamble(header_size, data_offset, data_size, header_crc, data_crc, version=FORMAT_VERSION) -> bytes:
     head = _LAYOUT.pack(
-        MAGIC, version, 0, PREAMBLE_SIZE, header_size, data_offset, data_size,
-        header_crc, data_crc, 0, 0,
+        MAGIC,
+        version,
+        0,
+        PREAMBLE_SIZE,
+        header_size,
+        data_offset,
+        data_size,
+        header_crc,
+        data_crc,
+        0,
+        0,
     )
     return head[:56] + struct.pack("<I", crc32(head[:56])) + head[60:]
 
 
 def unpack_preamble(raw: bytes) -> dict:
-    (magic, version, flags, header_offset, header_size, data_offset, data_size,
-     header_crc, data_crc, preamble_crc, reserved) = _LAYOUT.unpack(raw[:PREAMBLE_SIZE])
+    (
+        magic,
+        version,
+        flags,
+        header_offset,
+        header_size,
+        data_offset,
+        data_size,
+        header_crc,
+        data_crc,
+        preamble_crc,
+        reserved,
+    ) = _LAYOUT.unpack(raw[:PREAMBLE_SIZE])
     return dict(
-        magic=magic, version=version, flags=flags, header_offset=header_offset,
-        header_size=header_size, data_offset=data_offset, data_size=data_size,
-        header_crc=header_crc, data_crc=data_crc, preamble_crc=preamble_crc,
-        preamble_crc_actual=crc32(raw[:56]), reserved=reserved,
+        magic=magic,
+        version=version,
+        flags=flags,
+        header_offset=header_offset,
+        header_size=header_size,
+        data_offset=data_offset,
+        data_size=data_size,
+        header_crc=header_crc,
+        data_crc=data_crc,
+        preamble_crc=preamble_crc,
+        preamble_crc_actual=crc32(raw[:56]),
+        reserved=reserved,
     )

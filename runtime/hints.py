@@ -24,17 +24,24 @@ def foreign_model_hint(path, command):
         pass
     if head.startswith(MAGIC):
         return f"{path} is already compiled: pmx run {path} --random" if command == "compile" else None
-    if name.endswith((".pt", ".pth", ".torchscript", ".ptl")) or (head.startswith(b"PK\x03\x04") and not name.endswith(".bin")):
-        return (f"{path} is a PyTorch model; "
-                + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"))
+    if name.endswith((".pt", ".pth", ".torchscript", ".ptl")) or (
+        head.startswith(b"PK\x03\x04") and not name.endswith(".bin")
+    ):
+        return f"{path} is a PyTorch model; " + _PNNX_HINT.format(
+            cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"
+        )
     if name.endswith(".onnx"):
-        return f"{path} is an ONNX model; " + _PNNX_HINT.format(cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)")
+        return f"{path} is an ONNX model; " + _PNNX_HINT.format(
+            cmd=f"pnnx {path} inputshape=[1,3,224,224] (your input shape)"
+        )
     text = head.lstrip()
     is_param_text = text.startswith(b"7767517")
     if name.endswith(".pnnx.param") or (is_param_text and b"pnnx.Input" in head):
         if command == "compile":
             return None
-        return f"{path} is a PNNX model, not compiled yet: pmx compile {path} -o model.pmx, then: pmx {command} model.pmx"
+        return (
+            f"{path} is a PNNX model, not compiled yet: pmx compile {path} -o model.pmx, then: pmx {command} model.pmx"
+        )
     if name.endswith(".pnnx.bin"):
         param = str(path)[: -len(".bin")] + ".param"
         if command == "compile":
@@ -43,8 +50,10 @@ def foreign_model_hint(path, command):
     if name.endswith((".param", ".bin")) or is_param_text:
         if command == "compile" and name.endswith(".param"):
             return None  # the PNNX parser says what it found (an ncnn file, or where it broke)
-        return (f"{path} looks like an ncnn model: pnnx's ncnn output (model.ncnn.param/.bin) is not pmx input; "
-                f"compile the model.pnnx.param pnnx wrote beside it: pmx compile model.pnnx.param")
+        return (
+            f"{path} looks like an ncnn model: pnnx's ncnn output (model.ncnn.param/.bin) is not pmx input; "
+            f"compile the model.pnnx.param pnnx wrote beside it: pmx compile model.pnnx.param"
+        )
     if command == "compile" and name.endswith(".pmx"):
         return f"{path} is already compiled: pmx run {path} --random"
     return None

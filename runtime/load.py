@@ -51,13 +51,12 @@ import os
 import struct
 
 import numpy as np
-
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.record import Record
 from pmx.runtime.hints import foreign_model_hint
+from pmx.runtime.record import Record
 from pmx.runtime.verify import MAX_EXPANDED_EXPR, check_data_checksum, verify_structure
 from pmx.runtime.verify import check_shape_rules as check_shape_rules  # importable from here, as before
 from pmx.schema import layout as schema
@@ -74,11 +73,36 @@ _READ_ERRORS = (IndexError, ValueError, UnicodeDecodeError, TypeError, OverflowE
 
 
 class TensorInfo(Record):
-    __slots__ = ("name", "kind", "dtype", "shape", "data_offset", "data_size", "arena_offset", "alias_of",
-                 "alias_offset", "alias_strides", "dim_min", "dim_max")
+    __slots__ = (
+        "name",
+        "kind",
+        "dtype",
+        "shape",
+        "data_offset",
+        "data_size",
+        "arena_offset",
+        "alias_of",
+        "alias_offset",
+        "alias_strides",
+        "dim_min",
+        "dim_max",
+    )
 
-    def __init__(self, name, kind, dtype, shape, data_offset, data_size, arena_offset, alias_of, alias_offset,
-                 alias_strides, dim_min=None, dim_max=None):
+    def __init__(
+        self,
+        name,
+        kind,
+        dtype,
+        shape,
+        data_offset,
+        data_size,
+        arena_offset,
+        alias_of,
+        alias_offset,
+        alias_strides,
+        dim_min=None,
+        dim_max=None,
+    ):
         self.name, self.kind, self.dtype, self.shape = name, kind, dtype, shape
         self.data_offset, self.data_size, self.arena_offset = data_offset, data_size, arena_offset
         self.alias_of, self.alias_offset, self.alias_strides = alias_of, alias_offset, alias_strides
@@ -103,11 +127,44 @@ class NodeInfo(Record):
 
 
 class Model(Record):
-    __slots__ = ("path", "tensors", "nodes", "inputs", "outputs", "kept", "arena_size", "constants",
-                 "pass_stats", "producer", "source", "file_size", "preamble", "_map", "roots", "metadata")
+    __slots__ = (
+        "path",
+        "tensors",
+        "nodes",
+        "inputs",
+        "outputs",
+        "kept",
+        "arena_size",
+        "constants",
+        "pass_stats",
+        "producer",
+        "source",
+        "file_size",
+        "preamble",
+        "_map",
+        "roots",
+        "metadata",
+    )
 
-    def __init__(self, path, tensors, nodes, inputs, outputs, kept, arena_size, constants, pass_stats,
-                 producer, source, file_size, preamble, _map=None, roots=None, metadata=None):
+    def __init__(
+        self,
+        path,
+        tensors,
+        nodes,
+        inputs,
+        outputs,
+        kept,
+        arena_size,
+        constants,
+        pass_stats,
+        producer,
+        source,
+        file_size,
+        preamble,
+        _map=None,
+        roots=None,
+        metadata=None,
+    ):
         self.path, self.tensors, self.nodes = path, tensors, nodes
         self.inputs, self.outputs, self.kept, self.arena_size = inputs, outputs, kept, arena_size
         self.constants = constants  # tensor index -> read-only ndarray over the mmap
@@ -136,17 +193,23 @@ def open_model(path, verify_checksum=False, max_arena_bytes=DEFAULT_MAX_ARENA_BY
         buf = path if isinstance(path, bytes) else bytes(path)
         path, size = BYTES_LABEL, len(buf)
         if size < ff.PREAMBLE_SIZE:
-            _fail(path, f"{size} bytes, shorter than the {ff.PREAMBLE_SIZE}-byte preamble: bytes are read as the "
-                        f"model's content (pass a str or os.PathLike for a path)")
+            _fail(
+                path,
+                f"{size} bytes, shorter than the {ff.PREAMBLE_SIZE}-byte preamble: bytes are read as the "
+                f"model's content (pass a str or os.PathLike for a path)",
+            )
         return _open_buffer(path, buf, size, verify_checksum, max_arena_bytes)
     try:
-        f = open(path, "rb")
+        f = open(path, "rb")  # noqa: SIM115 - the with below closes it; only the open is guarded
     except (OSError, ValueError) as e:
         raise PmxFormatError(f"{path}: cannot open: {getattr(e, 'strerror', None) or e}") from None
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < ff.PREAMBLE_SIZE:
-            _fail(path, f"file is {size} bytes, shorter than the {ff.PREAMBLE_SIZE}-byte preamble (truncated or not a .pmx)")
+            _fail(
+                path,
+                f"file is {size} bytes, shorter than the {ff.PREAMBLE_SIZE}-byte preamble (truncated or not a .pmx)",
+            )
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:
@@ -161,7 +224,7 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
     if verify_checksum:
         check_data_checksum(path, buf, pre)
     with memoryview(buf) as view:
-        header = bytes(view[pre["header_offset"]:pre["header_offset"] + pre["header_size"]])
+        header = bytes(view[pre["header_offset"] : pre["header_offset"] + pre["header_size"]])
     with collector_paused():
         try:
             if header[4:8] != ff.FILE_IDENTIFIER:
@@ -201,31 +264,51 @@ def _check_preamble(path, buf, size):
     pre = ff.unpack_preamble(bytes(buf[: ff.PREAMBLE_SIZE]))
     if pre["magic"] != ff.MAGIC:
         hint = foreign_model_hint(path, "run") if isinstance(path, (str, os.PathLike)) else None
-        _fail(path, f"magic is {pre['magic']!r}, expected {ff.MAGIC!r}: not a .pmx file" + (f"; {hint}" if hint else ""))
+        _fail(
+            path, f"magic is {pre['magic']!r}, expected {ff.MAGIC!r}: not a .pmx file" + (f"; {hint}" if hint else "")
+        )
     if pre["preamble_crc"] != pre["preamble_crc_actual"]:
-        _fail(path, f"preamble checksum {pre['preamble_crc']:#010x} does not match its bytes ({pre['preamble_crc_actual']:#010x}): the file is damaged")
+        _fail(
+            path,
+            f"preamble checksum {pre['preamble_crc']:#010x} does not match its bytes ({pre['preamble_crc_actual']:#010x}): the file is damaged",
+        )
     if pre["reserved"] != 0:
         _fail(path, f"preamble bytes 60..63 are {pre['reserved']:#010x}, expected 0: the file is damaged")
     if pre["version"] > ff.FORMAT_VERSION:
-        _fail(path, f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}); upgrade pnnx-pmx")
+        _fail(
+            path,
+            f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}); upgrade pnnx-pmx",
+        )
     if pre["version"] < 1:
         _fail(path, f"format version {pre['version']} is invalid")
     if pre["version"] < ff.OLDEST_READABLE_VERSION:
         # version 1 stored a table per tensor and per node (version 2: columns, read faster)
-        _fail(path, f"format version {pre['version']} was written by an older pmx; this runtime reads versions "
-                    f"{ff.OLDEST_READABLE_VERSION}-{ff.FORMAT_VERSION}: compile the model again (pmx compile model.pnnx.param)")
+        _fail(
+            path,
+            f"format version {pre['version']} was written by an older pmx; this runtime reads versions "
+            f"{ff.OLDEST_READABLE_VERSION}-{ff.FORMAT_VERSION}: compile the model again (pmx compile model.pnnx.param)",
+        )
     if pre["flags"] != 0:
         _fail(path, f"preamble flags {pre['flags']:#x}: this runtime knows no flags")
     if pre["header_offset"] != ff.PREAMBLE_SIZE:
         _fail(path, f"header offset {pre['header_offset']} (expected {ff.PREAMBLE_SIZE})")
     if pre["header_size"] < 8 or pre["header_offset"] + pre["header_size"] > pre["data_offset"]:
-        _fail(path, f"header [{pre['header_offset']}, +{pre['header_size']}) is too small or overlaps the data section at {pre['data_offset']}")
+        _fail(
+            path,
+            f"header [{pre['header_offset']}, +{pre['header_size']}) is too small or overlaps the data section at {pre['data_offset']}",
+        )
     header_end = pre["header_offset"] + pre["header_size"]
     if pre["data_offset"] != ff.align(header_end):
-        _fail(path, f"data offset {pre['data_offset']} is not the first {ff.ALIGNMENT}-byte boundary after the "
-                    f"header's end at {header_end} ({ff.align(header_end)})")
+        _fail(
+            path,
+            f"data offset {pre['data_offset']} is not the first {ff.ALIGNMENT}-byte boundary after the "
+            f"header's end at {header_end} ({ff.align(header_end)})",
+        )
     if pre["data_offset"] + pre["data_size"] != size:
-        _fail(path, f"header says the file is {pre['data_offset'] + pre['data_size']} bytes (data at {pre['data_offset']}, {pre['data_size']} bytes) but it is {size} bytes: truncated or padded")
+        _fail(
+            path,
+            f"header says the file is {pre['data_offset'] + pre['data_size']} bytes (data at {pre['data_offset']}, {pre['data_size']} bytes) but it is {size} bytes: truncated or padded",
+        )
     return pre
 
 
@@ -237,11 +320,17 @@ def check_header_checksum(path, buf, pre):
     h0, h1 = pre["header_offset"], pre["header_offset"] + pre["header_size"]
     with memoryview(buf) as view:
         crc = ff.crc32(view[h0:h1])
-        padding = bytes(view[h1:pre["data_offset"]])  # under 64 bytes (_check_preamble)
+        padding = bytes(view[h1 : pre["data_offset"]])  # under 64 bytes (_check_preamble)
     if crc != pre["header_crc"]:
-        _fail(path, f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {crc:#010x}: the file is damaged")
+        _fail(
+            path,
+            f"header checksum mismatch: stored {pre['header_crc']:#010x}, computed {crc:#010x}: the file is damaged",
+        )
     if padding.count(0) != len(padding):
-        _fail(path, f"the padding between header and data (bytes {h1}..{pre['data_offset'] - 1}) is not zero: the file is damaged")
+        _fail(
+            path,
+            f"the padding between header and data (bytes {h1}..{pre['data_offset'] - 1}) is not zero: the file is damaged",
+        )
 
 
 # --- reading the FlatBuffer under a budget ------------------------------------------------
@@ -276,23 +365,55 @@ class _Layout:
         vars(self).update((name, k) for k, name in enumerate(accessors))
 
 
-_MODEL = _Layout("Model", producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
-                 attr_sets="AttrSetsLength", inputs="InputsAsNumpy", outputs="OutputsAsNumpy", kept="KeptAsNumpy",
-                 arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source",
-                 metadata="MetadataLength")
-_TENSORS = _Layout("Tensors", names="Names", name_ends="NameEndsAsNumpy", kinds="KindsAsNumpy",
-                   dtypes="DtypesAsNumpy", ranks="RanksAsNumpy", dims="DimsAsNumpy",
-                   data_offsets="DataOffsetsAsNumpy", data_sizes="DataSizesAsNumpy",
-                   arena_offsets="ArenaOffsetsAsNumpy", alias_of="AliasOfAsNumpy",
-                   alias_offsets="AliasOffsetsAsNumpy", strided="StridedAsNumpy", strides="StridesAsNumpy",
-                   ranged="RangedAsNumpy", dim_min="DimMinAsNumpy", dim_max="DimMaxAsNumpy")
-_NODES = _Layout("Nodes", ops="OpsAsNumpy", names="Names", name_ends="NameEndsAsNumpy",
-                 input_ends="InputEndsAsNumpy", inputs="InputsAsNumpy", output_ends="OutputEndsAsNumpy",
-                 outputs="OutputsAsNumpy", attr_sets="AttrSetsAsNumpy", exprs="ExprsAsNumpy",
-                 variants="VariantsAsNumpy")
+_MODEL = _Layout(
+    "Model",
+    producer="Producer",
+    tensors="Tensors",
+    nodes="Nodes",
+    strings="StringsLength",
+    attr_sets="AttrSetsLength",
+    inputs="InputsAsNumpy",
+    outputs="OutputsAsNumpy",
+    kept="KeptAsNumpy",
+    arena_size="ArenaSize",
+    pass_stats="PassStatsLength",
+    source="Source",
+    metadata="MetadataLength",
+)
+_TENSORS = _Layout(
+    "Tensors",
+    names="Names",
+    name_ends="NameEndsAsNumpy",
+    kinds="KindsAsNumpy",
+    dtypes="DtypesAsNumpy",
+    ranks="RanksAsNumpy",
+    dims="DimsAsNumpy",
+    data_offsets="DataOffsetsAsNumpy",
+    data_sizes="DataSizesAsNumpy",
+    arena_offsets="ArenaOffsetsAsNumpy",
+    alias_of="AliasOfAsNumpy",
+    alias_offsets="AliasOffsetsAsNumpy",
+    strided="StridedAsNumpy",
+    strides="StridesAsNumpy",
+    ranged="RangedAsNumpy",
+    dim_min="DimMinAsNumpy",
+    dim_max="DimMaxAsNumpy",
+)
+_NODES = _Layout(
+    "Nodes",
+    ops="OpsAsNumpy",
+    names="Names",
+    name_ends="NameEndsAsNumpy",
+    input_ends="InputEndsAsNumpy",
+    inputs="InputsAsNumpy",
+    output_ends="OutputEndsAsNumpy",
+    outputs="OutputsAsNumpy",
+    attr_sets="AttrSetsAsNumpy",
+    exprs="ExprsAsNumpy",
+    variants="VariantsAsNumpy",
+)
 _ATTR_SET = _Layout("AttrSet", attrs="AttrsLength")
-_ATTR = _Layout("Attr", name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy",
-                strings="StringsLength")
+_ATTR = _Layout("Attr", name="Name", kind="Kind", ints="IntsAsNumpy", floats="FloatsAsNumpy", strings="StringsLength")
 _PASS_STAT = _Layout("PassStat", name="Name", nodes_before="NodesBefore", nodes_after="NodesAfter")
 _KEY_VALUE = _Layout("KeyValue", key="Key", value="Value")
 _SOFFSET, _UOFFSET, _VOFFSET = (struct.Struct(f).unpack_from for f in ("<i", "<I", "<H"))
@@ -338,8 +459,9 @@ def _read_one(raw, layout, pos, at):
     """One table's fields (then `at`), as a reader would give them, read one by one: for
     the types a header holds once (model, tensor and node columns), building a reader
     costs more (~15-35 us in a fresh process) than reading its fields."""
-    return tuple([_SCALARS[f.code if f.scalar else "I"](raw, pos + a)[0] if a else f.default
-                  for f, a in zip(layout.fields, at)]) + (at,)
+    return tuple(
+        [_SCALARS[f.code if f.scalar else "I"](raw, pos + a)[0] if a else f.default for f, a in zip(layout.fields, at)]
+    ) + (at,)
 
 
 _SCALARS = {code: struct.Struct("<" + code).unpack_from for code in "bBhHiIqQfd?"}
@@ -411,7 +533,10 @@ class _Reader:
     def charge(self, nbytes, what, count):
         self.left -= nbytes
         if self.left < 0:
-            _fail(self.path, f"{what} ({count} elements): the header's vectors and strings add up to more than {self.budget} bytes, twice its size (damaged or hostile offsets)")
+            _fail(
+                self.path,
+                f"{what} ({count} elements): the header's vectors and strings add up to more than {self.budget} bytes, twice its size (damaged or hostile offsets)",
+            )
 
     def tables(self, layout, positions, what):
         raw = self.raw
@@ -457,8 +582,9 @@ class _Reader:
         """Field k of every table as a str ("" where absent)."""
         column = t.columns[k] if column is None else column
         held, starts = self._spans(t, k, column)
-        return _scatter(_each_once(starts, lambda s: self._decode(s, self._lengths(s, 1, what), what)),
-                        held, len(column), "")
+        return _scatter(
+            _each_once(starts, lambda s: self._decode(s, self._lengths(s, 1, what), what)), held, len(column), ""
+        )
 
     def strings_at(self, positions, what):
         """The strings at `positions` (what a vector of strings points at)."""
@@ -512,10 +638,13 @@ class _Reader:
         def read(starts):
             lengths = self._lengths(starts, 4, what)
             try:
-                return [[s + 4 * j + u for j, u in enumerate((structs.get(n) or _vector_struct("I", n))(raw, s))]
-                        for s, n in zip(starts, lengths)]
+                return [
+                    [s + 4 * j + u for j, u in enumerate((structs.get(n) or _vector_struct("I", n))(raw, s))]
+                    for s, n in zip(starts, lengths)
+                ]
             except struct.error as e:
                 raise IndexError(f"{what}: {e}") from None
+
         return _scatter(_each_once(starts, read), held, len(column), ())
 
 
@@ -556,21 +685,43 @@ def _read_header(path, header, pre, size) -> Model:
     r = _Reader(path, header)
     M = _MODEL
     m = r.tables(M, [_UOFFSET(r.raw, 0)[0]], "model")
-    [stats], [strings], [attr_sets] = (r.targets(m, k, what) for k, what in (
-        (M.pass_stats, "pass_stats"), (M.strings, "model strings"), (M.attr_sets, "attribute sets")))
-    inputs, outputs, kept = (r.column(m, k, f"model {what}") for k, what in
-                             ((M.inputs, "inputs"), (M.outputs, "outputs"), (M.kept, "kept")))
+    [stats], [strings], [attr_sets] = (
+        r.targets(m, k, what)
+        for k, what in ((M.pass_stats, "pass_stats"), (M.strings, "model strings"), (M.attr_sets, "attribute sets"))
+    )
+    inputs, outputs, kept = (
+        r.column(m, k, f"model {what}") for k, what in ((M.inputs, "inputs"), (M.outputs, "outputs"), (M.kept, "kept"))
+    )
     s = r.tables(_PASS_STAT, stats, "pass_stats")
-    stats = list(zip(r.strings(s, _PASS_STAT.name, "pass names"), s.columns[_PASS_STAT.nodes_before],
-                     s.columns[_PASS_STAT.nodes_after]))
+    stats = list(
+        zip(
+            r.strings(s, _PASS_STAT.name, "pass names"),
+            s.columns[_PASS_STAT.nodes_before],
+            s.columns[_PASS_STAT.nodes_after],
+        )
+    )
     [producer], [source] = r.strings(m, M.producer, "producer"), r.strings(m, M.source, "source")
     tensors_at, nodes_at = r.subtable(m, M.tensors), r.subtable(m, M.nodes)
     if tensors_at is None or nodes_at is None:
         _fail(path, f"the header has no {'tensors' if tensors_at is None else 'nodes'} table")
     tensors = _read_tensors(r, tensors_at)
     nodes = _read_nodes(r, nodes_at, r.strings_at(strings, "model strings"), _read_attr_sets(r, attr_sets))
-    return Model(path, tensors, nodes, list(inputs), list(outputs), list(kept), m.columns[M.arena_size][0], {},
-                 stats, producer, source, size, pre, metadata=_read_metadata(r, m))
+    return Model(
+        path,
+        tensors,
+        nodes,
+        list(inputs),
+        list(outputs),
+        list(kept),
+        m.columns[M.arena_size][0],
+        {},
+        stats,
+        producer,
+        source,
+        size,
+        pre,
+        metadata=_read_metadata(r, m),
+    )
 
 
 def _read_metadata(r, m):
@@ -600,8 +751,10 @@ def _split(path, what, values, ends):
     """values[ends[i-1]:ends[i]] for each i (0 before the first): ends must rise, and the
     last must be len(values)."""
     if ends and (ends[-1] != len(values) or list(ends) != sorted(ends)):
-        _fail(path, f"{what}: ends {list(ends[:8])}{'...' if len(ends) > 8 else ''} do not rise to its "
-                    f"{len(values)} entries")
+        _fail(
+            path,
+            f"{what}: ends {list(ends[:8])}{'...' if len(ends) > 8 else ''} do not rise to its {len(values)} entries",
+        )
     if not ends and values:
         _fail(path, f"{what}: {len(values)} entries and no ends")
     return list(map(values.__getitem__, map(slice, (0,) + tuple(ends[:-1]), ends)))
@@ -633,8 +786,14 @@ def _read_columns(r, layout, pos, what, counted_by, per_row):
 
 def _read_tensors(r, pos):
     path = r.path
-    names, c, n = _read_columns(r, _TENSORS, pos, "tensor", "kinds", (
-        "name_ends", "dtypes", "ranks", "data_offsets", "data_sizes", "arena_offsets", "alias_of", "alias_offsets"))
+    names, c, n = _read_columns(
+        r,
+        _TENSORS,
+        pos,
+        "tensor",
+        "kinds",
+        ("name_ends", "dtypes", "ranks", "data_offsets", "data_sizes", "arena_offsets", "alias_of", "alias_offsets"),
+    )
     ranks = c["ranks"]
     if max(ranks, default=0) > MAX_RANK:
         i = next(i for i, k in enumerate(ranks) if k > MAX_RANK)
@@ -656,19 +815,39 @@ def _read_tensors(r, pos):
     unknown = next((i for i, d in enumerate(dtypes) if d is None), None)
     if unknown is not None:
         _fail(path, f"tensor {unknown} has dtype code {codes[unknown]}, not one of {sorted(ENUM_TO_NAME)}")
-    return list(map(TensorInfo, names, c["kinds"], dtypes, shapes, c["data_offsets"], c["data_sizes"],
-                    c["arena_offsets"], c["alias_of"], c["alias_offsets"], strides, dim_min, dim_max))
+    return list(
+        map(
+            TensorInfo,
+            names,
+            c["kinds"],
+            dtypes,
+            shapes,
+            c["data_offsets"],
+            c["data_sizes"],
+            c["arena_offsets"],
+            c["alias_of"],
+            c["alias_offsets"],
+            strides,
+            dim_min,
+            dim_max,
+        )
+    )
 
 
 def _read_nodes(r, pos, strings, attr_sets):
     path = r.path
-    names, c, _ = _read_columns(r, _NODES, pos, "node", "ops", (
-        "name_ends", "input_ends", "output_ends", "attr_sets", "exprs", "variants"))
+    names, c, _ = _read_columns(
+        r, _NODES, pos, "node", "ops", ("name_ends", "input_ends", "output_ends", "attr_sets", "exprs", "variants")
+    )
     inputs = _split(path, "node inputs", c["inputs"], c["input_ends"])
     outputs = _split(path, "node outputs", c["outputs"], c["output_ends"])
     picked = []
-    for column, table, what in ((c["ops"], strings, "model strings"), (c["exprs"], strings, "model strings"),
-                                (c["variants"], strings, "model strings"), (c["attr_sets"], attr_sets, "attribute sets")):
+    for column, table, what in (
+        (c["ops"], strings, "model strings"),
+        (c["exprs"], strings, "model strings"),
+        (c["variants"], strings, "model strings"),
+        (c["attr_sets"], attr_sets, "attribute sets"),
+    ):
         # an empty column (a model with no nodes, or none with attributes) names nothing
         if column and max(column) >= len(table):
             j = next(j for j, i in enumerate(column) if i >= len(table))
@@ -773,5 +952,8 @@ def _wrap_constants(model, buf, pre):
     """Read-only views of the mmap (np.ndarray over the buffer: one call, where
     frombuffer + reshape is two), placed where the verifier checked they fit."""
     base, constant = pre["data_offset"], schema.TensorKind.Constant
-    model.constants.update((i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
-                           for i, t in enumerate(model.tensors) if t.kind == constant)
+    model.constants.update(
+        (i, np.ndarray(t.shape, t.dtype, buffer=buf, offset=base + t.data_offset))
+        for i, t in enumerate(model.tensors)
+        if t.kind == constant
+    )

@@ -114,8 +114,9 @@ class SessionOptions:
         field = _SESSION_FIELDS.get(name)
         if field is None and name not in ("_config", "_free_dimensions"):
             raise AttributeError(f"'SessionOptions' object has no attribute {name!r}")
-        object.__setattr__(self, name, value if field is None else checked_value("SessionOptions", name, value,
-                                                                                   field[1]))
+        object.__setattr__(
+            self, name, value if field is None else checked_value("SessionOptions", name, value, field[1])
+        )
 
     def __copy__(self):
         new = SessionOptions()
@@ -152,12 +153,14 @@ class SessionOptions:
         self._free_dimensions[str(dim_denotation)] = checked_value("SessionOptions", "dim_value", dim_value, int)
 
     def add_initializer(self, name, value):
-        raise PmxInputError(f"add_initializer({name!r}): a .pmx file holds its weights; compile the model with the "
-                            f"weights you want")
+        raise PmxInputError(
+            f"add_initializer({name!r}): a .pmx file holds its weights; compile the model with the weights you want"
+        )
 
     def add_external_initializers(self, names, values):
-        raise PmxInputError("add_external_initializers: a .pmx file holds its weights; compile the model with the "
-                            "weights you want")
+        raise PmxInputError(
+            "add_external_initializers: a .pmx file holds its weights; compile the model with the weights you want"
+        )
 
     def add_provider(self, provider_name, provider_options=None):
         """Warns for any provider but the CPU one, as InferenceSession(providers=) does."""
@@ -207,8 +210,7 @@ def _usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup",
-                     root: str = "/sys/fs/cgroup") -> float | None:
+def cgroup_cpu_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
     """The CPUs this process's cgroups allow (quota / period, e.g. 1.5), or None for no limit.
 
     cgroup v2 (the "0::" line of proc_cgroup) is read from cpu.max, v1 (the line whose

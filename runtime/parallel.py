@@ -102,7 +102,7 @@ def split(parts, pool: Pool):
         error = None
         try:
             first()
-        except BaseException as e:  # noqa: BLE001 - re-raised once every part is done
+        except BaseException as e:
             error = e
         for t in tasks:
             error = t.run_here_or_wait() or error
@@ -114,7 +114,7 @@ def split(parts, pool: Pool):
         for p in parts:
             try:
                 p()
-            except BaseException as e:  # noqa: BLE001 - raised once every part is done, as above
+            except BaseException as e:
                 error = error or e
         if error is not None:
             raise error
@@ -218,7 +218,7 @@ class _Task:
         """Run the part; its error, or None."""
         try:
             self.fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
+        except BaseException as e:
             return e
         return None
 

@@ -50,7 +50,7 @@ def _place(buffers, order):
     for i in order:
         size, first, last = buffers[i]
         need = _aligned(max(size, 1))
-        live = sorted((o, e) for o, e, f, l in placed if f <= last and first <= l)
+        live = sorted((o, e) for o, e, start, end in placed if start <= last and first <= end)
         best, best_gap = None, None
         cursor = 0
         for o, e in live:
@@ -73,18 +73,18 @@ def check_plan(buffers, offsets, arena_size):
     for i in range(len(buffers)):
         size = buffers[i][0]
         if offsets[i] < 0 or offsets[i] + size > arena_size:
-            raise AssertionError(
-                f"buffer {i} [{offsets[i]}, +{size}) outside arena of {arena_size} bytes")
+            raise AssertionError(f"buffer {i} [{offsets[i]}, +{size}) outside arena of {arena_size} bytes")
     for a_pos, i in enumerate(items):
         si, fi, li = buffers[i]
-        for j in items[a_pos + 1:]:
+        for j in items[a_pos + 1 :]:
             if offsets[j] >= offsets[i] + si:
                 break
             sj, fj, lj = buffers[j]
             if si and sj and fi <= lj and fj <= li:
                 raise AssertionError(
                     f"buffers {i} [{offsets[i]}, +{si}) steps {fi}..{li} and "
-                    f"{j} [{offsets[j]}, +{sj}) steps {fj}..{lj} overlap")
+                    f"{j} [{offsets[j]}, +{sj}) steps {fj}..{lj} overlap"
+                )
 
 
 def lower_bound(buffers):

@@ -56,14 +56,17 @@ class Predictor:
     for the same settings, for engines that call a function per batch (Dask).
     """
 
-    def __init__(self, path, outputs=None, sess_options=None, columns=None, *, max_batch=None, verify=False,
-                 num_threads=None):
+    def __init__(
+        self, path, outputs=None, sess_options=None, columns=None, *, max_batch=None, verify=False, num_threads=None
+    ):
         if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
             raise PmxInputError(f"max_batch must be an integer >= 1 or None, got {max_batch!r}")
         if isinstance(path, InferenceSession):
             if sess_options is not None or verify or num_threads is not None:
-                raise PmxInputError("sess_options, verify and num_threads belong to the InferenceSession: give them to "
-                                    "InferenceSession, or give Predictor the path")
+                raise PmxInputError(
+                    "sess_options, verify and num_threads belong to the InferenceSession: give them to "
+                    "InferenceSession, or give Predictor the path"
+                )
             self.session = path
         else:
             self.session = InferenceSession(path, sess_options, verify=verify, num_threads=num_threads)
@@ -88,10 +91,17 @@ class Predictor:
         if isinstance(path, str) or hasattr(path, "__fspath__"):
             source = os.path.abspath(path)
         else:
-            source = bytes(path) if isinstance(path, (bytes, bytearray, memoryview)) else path  # an InferenceSession: itself
-        key = (cls, source,
-               None if outputs is None else tuple(outputs), _options_key(sess_options),
-               None if columns is None else tuple(sorted(columns.items())), tuple(sorted(kwargs.items())))
+            source = (
+                bytes(path) if isinstance(path, (bytes, bytearray, memoryview)) else path
+            )  # an InferenceSession: itself
+        key = (
+            cls,
+            source,
+            None if outputs is None else tuple(outputs),
+            _options_key(sess_options),
+            None if columns is None else tuple(sorted(columns.items())),
+            tuple(sorted(kwargs.items())),
+        )
         with _shared_lock:
             p = _shared.get(key)
             if p is None:
@@ -100,54 +110,70 @@ class Predictor:
 
     def __call__(self, batch):
         if not isinstance(batch, dict):
-            raise PmxInputError(f"a Predictor takes a dict of column name -> array (Ray Data: batch_format='numpy'), "
-                                f"got {type(batch).__name__}")
+            raise PmxInputError(
+                f"a Predictor takes a dict of column name -> array (Ray Data: batch_format='numpy'), "
+                f"got {type(batch).__name__}"
+            )
         feed = {name: self._column(batch, column, name) for column, name in self.columns.items()}
         scalars = [c for c, n in self.columns.items() if feed[n].ndim == 0]
         if scalars:
             raise PmxInputError(f"column(s) {scalars} hold a single value: a batch column has one row per item")
         rows = {len(a) for a in feed.values()}
         if len(rows) > 1:
-            raise PmxInputError(f"the batch's columns have different numbers of rows: "
-                                f"{ {c: len(feed[n]) for c, n in self.columns.items()} }")
+            raise PmxInputError(
+                f"the batch's columns have different numbers of rows: "
+                f"{ {c: len(feed[n]) for c, n in self.columns.items()} }"
+            )
         n = rows.pop()
         if n == 0:
             return {o: self._empty(o) for o in self.outputs}
         step = self._step or self.max_batch or n
         if self._step and n % self._step:
-            raise PmxInputError(f"the model's batch dim (dim 0) is fixed at {self._step}: a batch must hold a multiple "
-                                f"of {self._step} rows, got {n} (compile it with a dynamic batch, or pick a batch_size "
-                                f"that is a multiple of {self._step})")
+            raise PmxInputError(
+                f"the model's batch dim (dim 0) is fixed at {self._step}: a batch must hold a multiple "
+                f"of {self._step} rows, got {n} (compile it with a dynamic batch, or pick a batch_size "
+                f"that is a multiple of {self._step})"
+            )
         if step >= n:
             return dict(zip(self.outputs, self.session.run(self.outputs, feed)))
-        parts = [self.session.run(self.outputs, {k: v[i:i + step] for k, v in feed.items()}) for i in range(0, n, step)]
+        parts = [
+            self.session.run(self.outputs, {k: v[i : i + step] for k, v in feed.items()}) for i in range(0, n, step)
+        ]
         result = {}
         for j, o in enumerate(self.outputs):
             chunks = [p[j] for p in parts]
             if any(c.ndim == 0 or len(c) != min(step, n - i * step) for i, c in enumerate(chunks)):
-                raise PmxInputError(f"output {o!r} has no batch dim (its dim 0 is not the rows of the run): a batch "
-                                    f"larger than {step} rows cannot be split for it")
+                raise PmxInputError(
+                    f"output {o!r} has no batch dim (its dim 0 is not the rows of the run): a batch "
+                    f"larger than {step} rows cannot be split for it"
+                )
             result[o] = np.concatenate(chunks)
         return result
 
     def _column(self, batch, column, name):
         """The batch's column as an array of the input's dtype (see the class docstring)."""
         if column not in batch:
-            raise PmxInputError(f"the batch has no column {column!r} (for model input {name!r}); its columns are "
-                                f"{list(batch)} (map names with Predictor(..., columns={{column: input}}))")
+            raise PmxInputError(
+                f"the batch has no column {column!r} (for model input {name!r}); its columns are "
+                f"{list(batch)} (map names with Predictor(..., columns={{column: input}}))"
+            )
         value, dtype = batch[column], self._dtypes[name]
         if isinstance(value, np.ndarray) and value.dtype != object:
             if value.dtype != dtype:
-                raise PmxInputError(f"column {column!r} (model input {name!r}): expected dtype {dtype.name}, got "
-                                    f"{value.dtype.name} (convert with .astype(np.{dtype.name}))")
+                raise PmxInputError(
+                    f"column {column!r} (model input {name!r}): expected dtype {dtype.name}, got "
+                    f"{value.dtype.name} (convert with .astype(np.{dtype.name}))"
+                )
             return value
         rows = list(value) if isinstance(value, (list, tuple, np.ndarray)) else None
         if rows is None:
             raise PmxInputError(f"column {column!r}: expected an array or a list of rows, got {type(value).__name__}")
         for r in rows:
             if isinstance(r, np.ndarray) and r.dtype != dtype:
-                raise PmxInputError(f"column {column!r} (model input {name!r}): a row has dtype {r.dtype.name}, "
-                                    f"expected {dtype.name} (convert with .astype(np.{dtype.name}))")
+                raise PmxInputError(
+                    f"column {column!r} (model input {name!r}): a row has dtype {r.dtype.name}, "
+                    f"expected {dtype.name} (convert with .astype(np.{dtype.name}))"
+                )
         try:
             return np.stack([np.asarray(r, dtype=dtype) for r in rows]) if rows else np.empty((0,), dtype)
         except (ValueError, TypeError) as e:
@@ -196,8 +222,10 @@ def _batch_step(inputs, path):
     """Rows per run the model requires (its fixed dim 0), or None when dim 0 is dynamic."""
     fixed = {a.name: a.shape[0] for a in inputs if a.shape and a.shape[0] is not None}
     if any(not a.shape for a in inputs):
-        raise PmxInputError(f"{path}: input {next(a.name for a in inputs if not a.shape)!r} is a scalar: a model "
-                            f"without a batch dim (dim 0) on every input cannot take batches")
+        raise PmxInputError(
+            f"{path}: input {next(a.name for a in inputs if not a.shape)!r} is a scalar: a model "
+            f"without a batch dim (dim 0) on every input cannot take batches"
+        )
     if len(set(fixed.values())) > 1:
         raise PmxInputError(f"{path}: the inputs' fixed batch dims differ ({fixed}): cannot split a batch for them")
     return next(iter(fixed.values()), None)

@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.record import Record
+from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans
+from pmx.runtime.record import Record
 from pmx.schema.layout import TensorKind
 
 
@@ -66,7 +65,7 @@ def infer_shapes(model, input_shapes: dict) -> list:
                 shapes[out] = shape
         except PmxInputError:
             raise
-        except Exception as e:  # noqa: BLE001 - any rule failure means "this shape is not allowed"
+        except Exception as e:
             raise PmxInputError(f"node {node.name!r} ({node.op}) cannot take input shapes {in_shapes}: {e}") from None
     return shapes
 
@@ -76,8 +75,9 @@ def tensor_lifetimes(model):
     stored order (runtime/plan.py lifetimes)."""
     tensors = model.tensors
     steps = [([i if i >= 0 else None for i in node.inputs], node.outputs) for node in model.nodes]
-    return lifetimes(steps, model.inputs, list(model.outputs) + list(model.kept),
-                     lambda i: tensors[i].kind == TensorKind.Constant)
+    return lifetimes(
+        steps, model.inputs, list(model.outputs) + list(model.kept), lambda i: tensors[i].kind == TensorKind.Constant
+    )
 
 
 def root_buffers(model, shapes, root_of):
@@ -92,6 +92,7 @@ def root_buffers(model, shapes, root_of):
 
 def plan_layout(model, shapes) -> Layout:
     """Plan the arena for `shapes` (from infer_shapes), keeping shape-independent views."""
+
     def keepable(i):
         # Whole-buffer views (reshape-like, in-place) stay valid at any shape; a view of
         # part of its target (a concat slice, even the first one) does not.

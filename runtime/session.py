@@ -32,7 +32,6 @@ import time
 import weakref
 
 import numpy as np
-
 from pmx.runtime import blas, compat, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
@@ -57,7 +56,7 @@ class NodeArg(FrozenRecord):
 
     __slots__ = ("name", "shape", "type")
 
-    def __init__(self, name, shape, type):  # noqa: A002 - onnxruntime's field name
+    def __init__(self, name, shape, type):
         for f, v in (("name", name), ("shape", shape), ("type", type)):
             object.__setattr__(self, f, v)
 
@@ -71,8 +70,10 @@ def _naming_node(model, node):
     except PmxError:
         raise
     except MemoryError:
-        raise PmxResourceError(f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available") from None
-    except Exception as e:  # noqa: BLE001 - whatever the kernel raised, on a file the verifier passed
+        raise PmxResourceError(
+            f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available"
+        ) from None
+    except Exception as e:
         raise internal_error(model.path, node, "bind", e) from e
 
 
@@ -104,12 +105,16 @@ class _Binding:
                 self.views[i] = self._arena_view(t, i, layout)
         for i in run_sized:
             self.views[i] = RunSized()
-        self.operands = [([self.views[k] if k >= 0 else None for k in node.inputs],
-                          [self.views[k] for k in node.outputs]) for node in model.nodes]
+        self.operands = [
+            ([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
+            for node in model.nodes
+        ]
         scratch_size = self._scratch_size(model)
         if layout.arena_size + scratch_size > max_arena_bytes:
-            raise PmxResourceError(f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
-                                   f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)")
+            raise PmxResourceError(
+                f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
+                f"scratch exceed the limit of {max_arena_bytes} (max_arena_bytes)"
+            )
         self.scratch = _aligned_empty(scratch_size)
         self.persistent = {}  # BindContext.persistent_buffer: padded inputs shared by same-geometry nodes
         self.temporaries = []  # BindContext.temporary_array: expression temporaries shared by all nodes
@@ -149,7 +154,7 @@ class _Binding:
         else:
             start = layout.offsets[i]
         nbytes = math.prod(shape) * t.dtype.itemsize
-        return self.arena[start:start + nbytes].view(t.dtype).reshape(shape)
+        return self.arena[start : start + nbytes].view(t.dtype).reshape(shape)
 
 
 def _model_source(path_or_bytes):
@@ -159,7 +164,9 @@ def _model_source(path_or_bytes):
         return path_or_bytes
     if isinstance(path_or_bytes, str) or hasattr(path_or_bytes, "__fspath__"):
         return os.fspath(path_or_bytes)
-    raise PmxInputError(f"InferenceSession takes a path to a .pmx file or its bytes, got {type(path_or_bytes).__name__}")
+    raise PmxInputError(
+        f"InferenceSession takes a path to a .pmx file or its bytes, got {type(path_or_bytes).__name__}"
+    )
 
 
 def _ranges(t):
@@ -188,8 +195,10 @@ def _run_sized_outputs(model):
         if node.attrs.get("sized_at_run") is True:
             t = model.tensors[node.outputs[0]]
             if math.prod(t.shape) != 0 or node.outputs[0] in model.inputs:
-                raise PmxFormatError(f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
-                                     f"time but the file plans it as {list(t.shape)}")
+                raise PmxFormatError(
+                    f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
+                    f"time but the file plans it as {list(t.shape)}"
+                )
             sized.add(node.outputs[0])
     return sized
 
@@ -197,7 +206,7 @@ def _run_sized_outputs(model):
 def _aligned_empty(nbytes, align=64):
     raw = np.empty(nbytes + align, np.uint8)
     shift = (-raw.ctypes.data) % align
-    return raw[shift:shift + nbytes]
+    return raw[shift : shift + nbytes]
 
 
 class InferenceSession:
@@ -218,9 +227,19 @@ class InferenceSession:
     # layouts kept per InferenceSession (shared by threads) and bindings kept per thread
     PLAN_CACHE_SIZE = 8
 
-    def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None,
-                 *, verify=False, num_threads=None, max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
-                 plan_cache_size=PLAN_CACHE_SIZE, disabled_optimizers=None):
+    def __init__(
+        self,
+        path_or_bytes,
+        sess_options=None,
+        providers=None,
+        provider_options=None,
+        *,
+        verify=False,
+        num_threads=None,
+        max_arena_bytes=DEFAULT_MAX_ARENA_BYTES,
+        plan_cache_size=PLAN_CACHE_SIZE,
+        disabled_optimizers=None,
+    ):
         self._model = open_model(_model_source(path_or_bytes), verify_checksum=verify, max_arena_bytes=max_arena_bytes)
         compat.check_providers(providers)
         self._options = sess_options if sess_options is not None else SessionOptions()
@@ -235,8 +254,12 @@ class InferenceSession:
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
         self._max_arena_bytes = max_arena_bytes
-        self._reopen_with = {"verify": verify, "num_threads": num_threads, "max_arena_bytes": max_arena_bytes,
-                             "plan_cache_size": plan_cache_size}  # for __reduce__
+        self._reopen_with = {
+            "verify": verify,
+            "num_threads": num_threads,
+            "max_arena_bytes": max_arena_bytes,
+            "plan_cache_size": plan_cache_size,
+        }  # for __reduce__
         self._reopen_path = os.path.abspath(self._model.path)
         self._cache_size = max(1, int(plan_cache_size))
         self._compiled_key = tuple(m.tensors[i].shape for i in m.inputs)
@@ -347,7 +370,7 @@ class InferenceSession:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: cannot allocate the {layout.arena_size}-byte arena") from None
-        except Exception as e:  # noqa: BLE001 - views the verifier let through but numpy refuses
+        except Exception as e:
             raise internal_error(self._model.path, None, "bind", e) from e
         cache[key] = b
         while len(cache) > self._cache_size:
@@ -367,12 +390,18 @@ class InferenceSession:
             shapes = infer_shapes(m, dict(zip(m.inputs, key)))
         except PmxInputError as e:
             given = ", ".join(f"{m.tensors[i].name} {list(s)}" for i, s in zip(m.inputs, key))
-            allowed = ", ".join(f"{a.name} {format_ranges(self._input_ranges[i])}" for a, i in zip(self._inputs, m.inputs))
-            raise PmxInputError(f"input shapes {given} are not allowed by this model (allowed: {allowed}): {e}") from None
+            allowed = ", ".join(
+                f"{a.name} {format_ranges(self._input_ranges[i])}" for a, i in zip(self._inputs, m.inputs)
+            )
+            raise PmxInputError(
+                f"input shapes {given} are not allowed by this model (allowed: {allowed}): {e}"
+            ) from None
         layout = plan_layout(m, shapes)
         if layout.arena_size > self._max_arena_bytes:
-            raise PmxResourceError(f"input shapes {[list(k) for k in key]} need a {layout.arena_size}-byte arena, "
-                                   f"over the limit of {self._max_arena_bytes} (max_arena_bytes)")
+            raise PmxResourceError(
+                f"input shapes {[list(k) for k in key]} need a {layout.arena_size}-byte arena, "
+                f"over the limit of {self._max_arena_bytes} (max_arena_bytes)"
+            )
         with self._layouts_lock:
             self._layouts[key] = layout
             self.plans_built += 1
@@ -400,13 +429,16 @@ class InferenceSession:
                 if value.dtype != t.dtype:
                     raise PmxInputError(
                         f"input {name!r}: expected dtype {t.dtype.name}, got {value.dtype.name} "
-                        f"(convert with .astype(np.{t.dtype.name}))")
+                        f"(convert with .astype(np.{t.dtype.name}))"
+                    )
                 arr = value
             else:
                 try:
                     arr = np.asarray(value, dtype=t.dtype)
                 except (ValueError, TypeError) as e:
-                    raise PmxInputError(f"input {name!r}: cannot convert {type(value).__name__} to {t.dtype.name}: {e}") from None
+                    raise PmxInputError(
+                        f"input {name!r}: cannot convert {type(value).__name__} to {t.dtype.name}: {e}"
+                    ) from None
             ranges = self._input_ranges[self._input_index[name]]
             if not _shape_allowed(arr.shape, ranges):
                 raise PmxInputError(f"input {name!r}: expected shape {format_ranges(ranges)}, got {list(arr.shape)}")
@@ -469,8 +501,10 @@ class InferenceSession:
                 written.append(np.array(value, copy=True))
                 continue
             if dest.shape != value.shape or dest.dtype != value.dtype:
-                raise PmxInputError(f"bound output {self._model.tensors[i].name!r}: expected "
-                                    f"{value.dtype.name} {list(value.shape)}, got {dest.dtype.name} {list(dest.shape)}")
+                raise PmxInputError(
+                    f"bound output {self._model.tensors[i].name!r}: expected "
+                    f"{value.dtype.name} {list(value.shape)}, got {dest.dtype.name} {list(dest.shape)}"
+                )
             np.copyto(dest, value)
             written.append(dest)
         return written
@@ -540,7 +574,7 @@ class InferenceSession:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
-        except Exception as e:  # noqa: BLE001 - only PmxError subclasses leave run()
+        except Exception as e:
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
 
     def _profiling_watch(self, binding, profiler):
@@ -572,7 +606,8 @@ class InferenceSession:
                 if name not in self._fetchable:
                     raise PmxInputError(
                         f"unknown output {name!r}; available: {list(self._fetchable)} "
-                        f"(compile with --keep NAME to fetch an intermediate tensor)")
+                        f"(compile with --keep NAME to fetch an intermediate tensor)"
+                    )
                 wanted.append(self._fetchable[name])
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
@@ -581,8 +616,10 @@ class InferenceSession:
 
     def _outputs_of(self, binding, wanted):
         if self._run_sized:
-            return [np.array(binding.views[i].value if i in self._run_sized else binding.views[i], copy=True)
-                    for i in wanted]
+            return [
+                np.array(binding.views[i].value if i in self._run_sized else binding.views[i], copy=True)
+                for i in wanted
+            ]
         return [np.array(binding.views[i], copy=True) for i in wanted]
 
     def _run_timing_kernels(self, input_feed):
@@ -631,9 +668,19 @@ class InferenceSession:
         rows = []
         for j, node in enumerate(m.nodes):
             ms = float(np.median(times[j])) * 1e3 if times[j] else 0.0
-            in_shapes = [list(shapes[i]) for i in node.inputs if i >= 0 and m.tensors[i].kind != schema.TensorKind.Constant]
-            rows.append(dict(op=node.op, name=node.name, variant=node.variant,
-                             in_shapes=in_shapes, out_shapes=[list(shapes[i]) for i in node.outputs], ms=ms))
+            in_shapes = [
+                list(shapes[i]) for i in node.inputs if i >= 0 and m.tensors[i].kind != schema.TensorKind.Constant
+            ]
+            rows.append(
+                dict(
+                    op=node.op,
+                    name=node.name,
+                    variant=node.variant,
+                    in_shapes=in_shapes,
+                    out_shapes=[list(shapes[i]) for i in node.outputs],
+                    ms=ms,
+                )
+            )
         rows.sort(key=lambda r: -r["ms"])
         return rows
 
@@ -647,12 +694,16 @@ def _terminated(run_options):
 def _reopen_session(source, sess_options, kwargs, identity):
     """Unpickle an InferenceSession: reopen the file, check it is the one that was pickled."""
     if isinstance(source, str) and not os.path.isfile(source):
-        raise PmxInputError(f"{source}: cannot reopen the pickled session: the .pmx must exist at that path on the "
-                            f"receiving machine (copy it there, or to shared storage at the same path)")
+        raise PmxInputError(
+            f"{source}: cannot reopen the pickled session: the .pmx must exist at that path on the "
+            f"receiving machine (copy it there, or to shared storage at the same path)"
+        )
     sess = InferenceSession(source, sess_options, **kwargs)
     m = sess._model
     found = (m.file_size, m.preamble["header_crc"], m.preamble["data_crc"])
     if found != tuple(identity):
-        raise PmxInputError(f"{source}: cannot reopen the pickled session: the file at that path on this machine is "
-                            f"not the one that was pickled (size and checksums {found}, expected {tuple(identity)})")
+        raise PmxInputError(
+            f"{source}: cannot reopen the pickled session: the file at that path on this machine is "
+            f"not the one that was pickled (size and checksums {found}, expected {tuple(identity)})"
+        )
     return sess

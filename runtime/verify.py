@@ -32,8 +32,8 @@ import math
 
 from pmx.runtime import fileformat as ff
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
-from pmx.runtime.kernels.registry import REGISTRY
 from pmx.runtime.kernels.attr_specs import problem as attr_problem
+from pmx.runtime.kernels.registry import REGISTRY
 from pmx.schema import layout as schema
 
 # Nodes of the expression after desugaring, counting repeated subtrees each time: the
@@ -51,7 +51,9 @@ def verify_structure(model, pre, max_arena_bytes, parse_expression):
     gives; `pre` is its preamble, parse_expression(text, num_inputs) -> (tree, expanded
     size) the reader's."""
     if model.arena_size > max_arena_bytes:
-        raise PmxResourceError(f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)")
+        raise PmxResourceError(
+            f"{model.path}: arena of {model.arena_size} bytes exceeds the limit of {max_arena_bytes} bytes (raise it with max_arena_bytes=)"
+        )
     nbytes = _check_tensors(model, pre["data_size"], max_arena_bytes)
     model.roots = _resolve_aliases(model)
     constant = schema.TensorKind.Constant
@@ -81,7 +83,13 @@ def _check_tensors(model, data_size, max_arena_bytes):
     path, tensors, n = model.path, model.tensors, len(model.tensors)
 
     limit = min(max(max_arena_bytes, data_size), _CLAMP - 1)
-    prod, kinds, constant, align, arena_size = math.prod, frozenset(_KINDS), schema.TensorKind.Constant, ff.ALIGNMENT, model.arena_size
+    prod, kinds, constant, align, arena_size = (
+        math.prod,
+        frozenset(_KINDS),
+        schema.TensorKind.Constant,
+        ff.ALIGNMENT,
+        model.arena_size,
+    )
     nbytes = [prod(t.shape) * t.dtype.itemsize for t in tensors]
     for i, (t, size) in enumerate(zip(tensors, nbytes)):
         if t.kind not in kinds:
@@ -95,21 +103,35 @@ def _check_tensors(model, data_size, max_arena_bytes):
             # elements): the bound is on work, not only on bytes.
             bound = prod(max(d, 1) for d in shape) * t.dtype.itemsize
         if bound > limit:
-            raise PmxResourceError(f"{path}: {_tensor_label(i, t)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)")
+            raise PmxResourceError(
+                f"{path}: {_tensor_label(i, t)} of shape {shape} {t.dtype.name} exceeds the limit of {max_arena_bytes} bytes (max_arena_bytes)"
+            )
     # Python ints do not overflow: offsets and sizes are compared as read.
     for i, (t, size) in enumerate(zip(tensors, nbytes)):
         if t.kind == constant:
             if t.alias_of != -1 or t.alias_strides is not None:
-                _fail(path, f"{_tensor_label(i, t)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}")
+                _fail(
+                    path,
+                    f"{_tensor_label(i, t)} is a constant but has alias_of {t.alias_of} / alias_strides {t.alias_strides}",
+                )
             if t.data_size != size:
-                _fail(path, f"{_tensor_label(i, t)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}")
+                _fail(
+                    path,
+                    f"{_tensor_label(i, t)}: data_size {t.data_size} != shape {t.shape} x {t.dtype.itemsize} bytes = {size}",
+                )
             if t.data_offset % align or t.data_offset + size > data_size:
-                _fail(path, f"{_tensor_label(i, t)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned")
+                _fail(
+                    path,
+                    f"{_tensor_label(i, t)}: data [{t.data_offset}, +{t.data_size}) is outside the {data_size}-byte data section or not {align}-byte aligned",
+                )
         elif t.alias_of == -1:
             if t.alias_strides is not None:
                 _fail(path, f"{_tensor_label(i, t)} has alias_strides {t.alias_strides} but aliases nothing")
             if t.arena_offset % align or t.arena_offset + size > arena_size:
-                _fail(path, f"{_tensor_label(i, t)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned")
+                _fail(
+                    path,
+                    f"{_tensor_label(i, t)}: arena range [{t.arena_offset}, +{size}) is outside the {arena_size}-byte arena or not {align}-byte aligned",
+                )
         elif not 0 <= t.alias_of < n:
             _fail(path, f"{_tensor_label(i, t)}: alias_of {t.alias_of} is not a tensor index (0..{n - 1})")
     return nbytes
@@ -131,7 +153,10 @@ def _resolve_aliases(model):
             chain.append(j)
             j = tensors[j].alias_of
         if tensors[j].kind == schema.TensorKind.Constant:
-            _fail(path, f"{_tensor_label(chain[-1], tensors[chain[-1]])} aliases constant tensor {j}; views of constants are not stored")
+            _fail(
+                path,
+                f"{_tensor_label(chain[-1], tensors[chain[-1]])} aliases constant tensor {j}; views of constants are not stored",
+            )
         root, offset = roots[j]
         for k in reversed(chain):
             offset += tensors[k].alias_offset
@@ -154,11 +179,17 @@ def _check_alias_extent(model, i, t, nbytes):
     else:
         lo, hi = 0, nbytes[i]
     if offset + lo < 0 or offset + hi > root_bytes:
-        _fail(path, f"{_tensor_label(i, t)}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})")
+        _fail(
+            path,
+            f"{_tensor_label(i, t)}: view bytes [{offset + lo}, {offset + hi}) exceed its root tensor {root}'s {root_bytes} bytes (alias_of {t.alias_of}, alias_offset {t.alias_offset}, strides {t.alias_strides})",
+        )
     target = model.tensors[t.alias_of]
     if target.alias_strides is None and t.alias_offset + hi > nbytes[t.alias_of]:
         # inside the arena, but reaching past the tensor it claims to view
-        _fail(path, f"{_tensor_label(i, t)}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes")
+        _fail(
+            path,
+            f"{_tensor_label(i, t)}: view bytes [{t.alias_offset + lo}, {t.alias_offset + hi}) exceed its target tensor {t.alias_of}'s {nbytes[t.alias_of]} bytes",
+        )
 
 
 def _check_io(model):
@@ -196,8 +227,9 @@ def _check_nodes(model, parse_expression):
         if node.op not in REGISTRY:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
         outputs = set(node.outputs)
-        if not (available.issuperset(node.inputs) and writable.issuperset(outputs)
-                and len(outputs) == len(node.outputs)):
+        if not (
+            available.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)
+        ):
             _explain_node(model, j, node, available, writable)
         writable -= outputs  # each tensor is produced once
         available |= outputs
@@ -228,13 +260,18 @@ def _explain_node(model, j, node, available, writable):
         if not 0 <= idx < n:
             _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
         if idx not in available:
-            _fail(path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it")
+            _fail(
+                path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it"
+            )
     seen = set()
     for idx in node.outputs:
         if not 0 <= idx < n:
             _fail(path, f"{_label(j, node)}: output tensor index {idx} out of range (0..{n - 1})")
         if idx not in writable or idx in seen:
-            _fail(path, f"{_label(j, node)}: writes tensor {idx} ({tensors[idx].name[:40]!r}), which is a constant, an input or already produced")
+            _fail(
+                path,
+                f"{_label(j, node)}: writes tensor {idx} ({tensors[idx].name[:40]!r}), which is a constant, an input or already produced",
+            )
         seen.add(idx)
     _fail(path, f"{_label(j, node)}: inputs {node.inputs} / outputs {node.outputs} are inconsistent")
 
@@ -298,13 +335,20 @@ def check_shape_rules(model):
                 _check_attrs(path, j, node, ranks)
                 attrs_passed.add(checked)
             present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
-            got = _rule_shapes(path, j, node, list(map(shape_of.__getitem__, present)),
-                               list(map(dtype_of.__getitem__, present)))
+            got = _rule_shapes(
+                path, j, node, list(map(shape_of.__getitem__, present)), list(map(dtype_of.__getitem__, present))
+            )
             same_inputs.append([node, None, got])
         if got != want:
             if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
-                _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}")
-            _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}")
+                _fail(
+                    path,
+                    f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}",
+                )
+            _fail(
+                path,
+                f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}",
+            )
 
 
 def _check_attrs(path, j, node, ranks):
@@ -312,7 +356,7 @@ def _check_attrs(path, j, node, ranks):
     shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
     try:
         found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
-    except Exception as e:  # noqa: BLE001 - a spec tripping over a value it did not foresee
+    except Exception as e:
         found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
     if found is not None:
         name, message = found
@@ -335,9 +379,14 @@ def _rule_shapes(path, j, node, shapes, dtypes):
     except PmxError as e:
         _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
     except MemoryError:
-        raise PmxResourceError(f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory") from None
-    except Exception as e:  # noqa: BLE001 - a rule refusing hostile attributes, whatever it raises
-        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}")
+        raise PmxResourceError(
+            f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory"
+        ) from None
+    except Exception as e:
+        _fail(
+            path,
+            f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}",
+        )
 
 
 def check_data_checksum(path, buf, pre):
@@ -345,6 +394,8 @@ def check_data_checksum(path, buf, pre):
     reads every weight byte, so a plain load leaves it out."""
     d0 = pre["data_offset"]
     with memoryview(buf) as view:
-        crc = ff.crc32(view[d0:d0 + pre["data_size"]])
+        crc = ff.crc32(view[d0 : d0 + pre["data_size"]])
     if crc != pre["data_crc"]:
-        _fail(path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {crc:#010x}: the file is damaged")
+        _fail(
+            path, f"data checksum mismatch: stored {pre['data_crc']:#010x}, computed {crc:#010x}: the file is damaged"
+        )

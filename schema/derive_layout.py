@@ -58,8 +58,12 @@ def field_layout(accessor):
 
 
 def _is_field_accessor(name, member):
-    return (inspect.isfunction(member) and name != "Init" and not name.startswith("GetRootAs")
-            and list(inspect.signature(member).parameters) == ["self"])
+    return (
+        inspect.isfunction(member)
+        and name != "Init"
+        and not name.startswith("GetRootAs")
+        and list(inspect.signature(member).parameters) == ["self"]
+    )
 
 
 def derive(generated):
@@ -79,10 +83,12 @@ def _literal(layout):
 def render(generated) -> str:
     """The source of schema/layout.py."""
     derived = derive(generated)
-    lines = ['"""Field layouts and enum values of schema/pmx.fbs, for the runtime\'s reader.',
-             "",
-             "Written by tools/regen_schema.py from schema/pmx_generated.py (schema/derive_layout.py);",
-             'do not edit. A table field is (vtable slot, struct code, default, stored inline)."""']
+    lines = [
+        '"""Field layouts and enum values of schema/pmx.fbs, for the runtime\'s reader.',
+        "",
+        "Written by tools/regen_schema.py from schema/pmx_generated.py (schema/derive_layout.py);",
+        'do not edit. A table field is (vtable slot, struct code, default, stored inline)."""',
+    ]
     for enum in ENUMS:
         lines.append(f"\n\nclass {enum}:")
         lines += [f"    {k} = {v}" for k, v in derived[enum].items()]

@@ -150,11 +150,11 @@ def recompute_crcs(data: bytes) -> bytes:
 
     from pmx.runtime import fileformat as ff
 
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
     h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
-    header_crc = ff.crc32(data[h0:h0 + hs])
+    header_crc = ff.crc32(data[h0 : h0 + hs])
     data_crc = ff.crc32(data[d0:])
-    head = bytearray(data[:ff.PREAMBLE_SIZE])
+    head = bytearray(data[: ff.PREAMBLE_SIZE])
     struct.pack_into("<II", head, 48, header_crc, data_crc)
     struct.pack_into("<I", head, 56, ff.crc32(bytes(head[:56])))
-    return bytes(head) + bytes(data[ff.PREAMBLE_SIZE:])
+    return bytes(head) + bytes(data[ff.PREAMBLE_SIZE :])

@@ -6,8 +6,16 @@ import tempfile
 
 import numpy as np
 
-CODES = {"float32": "f32", "float64": "f64", "complex64": "c64", "complex128": "c128", "int64": "i64", "int32": "i32",
-         "uint8": "u8", "bool": "bool"}
+CODES = {
+    "float32": "f32",
+    "float64": "f64",
+    "complex64": "c64",
+    "complex128": "c128",
+    "int64": "i64",
+    "int32": "i32",
+    "uint8": "u8",
+    "bool": "bool",
+}
 
 
 def operand(name, array):
@@ -20,17 +28,16 @@ def run_one_op(op, params, inputs, expected, labels=None, weights=None):
     `labels` as pnnx does, e.g. $input=x0) and `weights` ({name: array}, written as @name
     and stored in the .bin); `expected` gives each output's shape and dtype as pnnx would
     record it. Returns pmx's outputs."""
-    from ziputil import write_bin
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
+    from ziputil import write_bin
 
     names = [f"x{i}" for i in range(len(inputs))]
     outs = [f"y{i}" for i in range(len(expected))]
     labels = labels or [None] * len(inputs)
     label_text = " ".join(f"${lab}={n}" for lab, n in zip(labels, names) if lab)
     weights = weights or {}
-    weight_text = " ".join(f"@{k}=" + operand(k, v)[len(k) + 2:] for k, v in weights.items())
+    weight_text = " ".join(f"@{k}=" + operand(k, v)[len(k) + 2 :] for k, v in weights.items())
     types = " ".join([operand(n, a) for n, a in zip(names, inputs)] + [operand(n, a) for n, a in zip(outs, expected)])
     lines = [f"pnnx.Input in{i} 0 1 {n} {operand(n, a)}" for i, (n, a) in enumerate(zip(names, inputs))]
     operands = f"{len(names)} {len(outs)} {' '.join(names)} {' '.join(outs)}"

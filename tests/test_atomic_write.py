@@ -9,7 +9,6 @@ import textwrap
 
 import numpy as np
 import pytest
-
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxError
 
@@ -35,8 +34,9 @@ def test_failure_mid_write_keeps_previous_file(previous, fail_after):
     from pmx.runtime import fileformat as ff
 
     pre = ff.unpack_preamble(before[:64])
-    fail_after = {"header end": 64 + pre["header_size"], "half": len(before) // 2,
-                  "last byte": len(before) - 1}.get(fail_after, fail_after)
+    fail_after = {"header end": 64 + pre["header_size"], "half": len(before) // 2, "last byte": len(before) - 1}.get(
+        fail_after, fail_after
+    )
     files_before = listing(previous.parent)
     with pytest.raises(PmxError, match="simulated failure"):
         compile_model(PARAM, BIN, str(previous), _fail_after_bytes=fail_after)
@@ -150,7 +150,6 @@ def test_sigkill_mid_write_keeps_previous_file(previous):
     import signal
     import subprocess
     import sys
-    import time
 
     before = previous.read_bytes()
     child = textwrap.dedent(f"""

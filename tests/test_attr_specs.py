@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 from attr_reads import record_reads
-
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.options import CompileOptions
@@ -74,8 +73,12 @@ CASES = [
     ("conv", _setting("groups", 0), "groups", r"is 0; expected an int >= 1"),
     ("conv", _setting("padding_mode", "mirror"), "padding_mode", r"is 'mirror'; expected one of 'zeros', 'reflect'"),
     ("conv", _setting("kernel_size", (3, 3)), "kernel_size", r"is not an attribute this op takes \(stride, pads"),
-    ("adaptive_avg_pool", _setting("output_size", (1, 1, 1, 1, 1)), "output_size",
-     r"is \(1, 1, 1, 1, 1\); expected a tuple of 1 to 4 ints each >= 0"),
+    (
+        "adaptive_avg_pool",
+        _setting("output_size", (1, 1, 1, 1, 1)),
+        "output_size",
+        r"is \(1, 1, 1, 1, 1\); expected a tuple of 1 to 4 ints each >= 0",
+    ),
     ("reshape", _setting("shape", (1, -5)), "shape", r"is \(1, -5\); expected a tuple of ints each >= -1"),
     ("linear", _setting("axis", 1), "axis", r"is not an attribute this op takes \(it takes none\)"),
 ]
@@ -95,9 +98,14 @@ def test_attributes_are_checked_before_any_shape_rule_or_kernel(graph, tmp_path,
     path, _, _ = _forged(graph, tmp_path, "softmax", _without("axis"))
     called = []
     softmax = REGISTRY["softmax"]
-    monkeypatch.setitem(REGISTRY, "softmax", softmax.replace(
-        infer=lambda *a: called.append("infer") or softmax.infer(*a),
-        make=lambda *a: called.append("make") or softmax.make(*a)))
+    monkeypatch.setitem(
+        REGISTRY,
+        "softmax",
+        softmax.replace(
+            infer=lambda *a: called.append("infer") or softmax.infer(*a),
+            make=lambda *a: called.append("make") or softmax.make(*a),
+        ),
+    )
     with pytest.raises(PmxFormatError, match="attribute 'axis' is missing"):
         InferenceSession(str(path))
     assert called == []
@@ -123,15 +131,23 @@ def test_every_op_declares_its_attributes_as_specs():
 
 
 def test_problem_reports_the_first_failing_attribute():
-    specs = attr_specs.as_specs(dict(kernel=attr_specs.ints(min_length=1, lo=1),
-                                     stride=attr_specs.ints(attr_specs.length_of("kernel"), lo=1),
-                                     ceil_mode=attr_specs.optional(attr_specs.FLAG)))
+    specs = attr_specs.as_specs(
+        dict(
+            kernel=attr_specs.ints(min_length=1, lo=1),
+            stride=attr_specs.ints(attr_specs.length_of("kernel"), lo=1),
+            ceil_mode=attr_specs.optional(attr_specs.FLAG),
+        )
+    )
     assert attr_specs.problem(specs, {"kernel": (3, 3), "stride": (1, 1)}, (4,)) is None
     assert attr_specs.problem(specs, {"kernel": (3, 3), "stride": (1, 1), "ceil_mode": 1}, (4,)) is None
     assert attr_specs.problem(specs, {"kernel": (3, 3), "stride": (1,)}, (4,)) == (
-        "stride", "is (1,); expected a tuple of 2 ints each >= 1")
+        "stride",
+        "is (1,); expected a tuple of 2 ints each >= 1",
+    )
     assert attr_specs.problem(specs, {"kernel": (3, 3), "stride": (1, 1), "ceil_mode": 2}, (4,)) == (
-        "ceil_mode", "is 2; expected a bool (or 0 or 1)")
+        "ceil_mode",
+        "is 2; expected a bool (or 0 or 1)",
+    )
     assert attr_specs.problem(specs, {"stride": (1, 1)}, (4,))[0] == "kernel"
     long_value = tuple(range(100))
     _, message = attr_specs.problem(specs, {"kernel": long_value}, (4,))
@@ -152,6 +168,7 @@ def test_axes_are_distinct_and_in_range():
 def test_the_recorder_notes_reads_of_undeclared_attributes():
     """record_reads (tests/attr_reads.py) sees reads with [], get and `in`, from the shape
     rule, the factory and the callable it returns, and only of undeclared names."""
+
     def infer(node, shapes, dtypes):
         return [(shapes[0], dtypes[0])] if node.attrs["axis"] == 0 and "keep" not in node.attrs else []
 

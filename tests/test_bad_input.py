@@ -10,9 +10,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from ziputil import Entry, build_zip
-
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime.errors import (
@@ -22,6 +19,8 @@ from pmx.runtime.errors import (
     PmxResourceError,
     PmxUnsupportedOpError,
 )
+from torch import nn
+from ziputil import Entry, build_zip
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -43,9 +42,7 @@ def good_zip(**kw):
 
 def write(tmp_path, text=None, zip_bytes=None):
     p = tmp_path / "m.pnnx.param"
-    p.write_text(param_text() if text is None else text) if not isinstance(
-        text, bytes
-    ) else p.write_bytes(text)
+    p.write_text(param_text() if text is None else text) if not isinstance(text, bytes) else p.write_bytes(text)
     (tmp_path / "m.pnnx.bin").write_bytes(good_zip().data if zip_bytes is None else zip_bytes)
     return str(p)
 
@@ -410,9 +407,7 @@ def test_ncnn_layer_in_the_middle(tmp_path):
 
 
 def test_capitalised_unknown_op_is_not_called_ncnn(tmp_path):
-    err = compile_err(
-        write(tmp_path, param_text(ops_with(1, "MyOp frob 1 1 0 1 #1=(1,4)f32"))), tmp_path=tmp_path
-    )
+    err = compile_err(write(tmp_path, param_text(ops_with(1, "MyOp frob 1 1 0 1 #1=(1,4)f32"))), tmp_path=tmp_path)
     assert isinstance(err, PmxUnsupportedOpError) and "unsupported op MyOp" in str(err)
 
 
@@ -453,9 +448,7 @@ def test_cli_subprocess(tmp_path):
     assert r.returncode == 1, r
     lines = r.stderr.strip("\n").split("\n")
     assert len(lines) == 1 and lines[0].startswith("pmx: error: "), r.stderr
-    assert (
-        "unsupported op nn.Frobnicate" in lines[0] and "line 4" in lines[0] and "frob_1" in lines[0]
-    )
+    assert "unsupported op nn.Frobnicate" in lines[0] and "line 4" in lines[0] and "frob_1" in lines[0]
     assert "Traceback" not in r.stderr + r.stdout
 
 
@@ -463,9 +456,7 @@ def test_wrongly_typed_parameter_names_the_node(tmp_path):
     """Parameters of a type pnnx never writes must not crash a canonicalization rule:
     either the rule refuses them or compile_model turns the crash into PmxCompileError."""
     for params in ("dim0=-2 dim1=(0,0)", "dim0=abc dim1=1", "dim0=inf dim1=0", "dim0=None dim1=0"):
-        text = param_text(
-            ops_with(1, f"torch.transpose tr_7 1 1 0 1 {params} $input=0 #1=(4,1)f32")
-        )
+        text = param_text(ops_with(1, f"torch.transpose tr_7 1 1 0 1 {params} $input=0 #1=(4,1)f32"))
         err = compile_err(write(tmp_path, text), tmp_path=tmp_path)
         assert isinstance(err, PmxCompileError), f"{type(err).__name__}: {err}"
         assert "'tr_7' (line 4)" in str(err), str(err)

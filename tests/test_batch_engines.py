@@ -42,7 +42,7 @@ def images(n, seed=0):
 def row_by_row(path, x):
     """The plain loop: one run per row."""
     sess = InferenceSession(path)
-    return np.concatenate([sess.run(None, {"in0": x[i:i + 1]})[0] for i in range(len(x))])
+    return np.concatenate([sess.run(None, {"in0": x[i : i + 1]})[0] for i in range(len(x))])
 
 
 # --- Predictor ------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def test_predictor_refuses_a_batch_not_a_multiple_of_the_fixed_batch(models):
     p = Predictor(models["fix2"])
     x = images(6)
     sess = InferenceSession(models["fix2"])
-    want = np.concatenate([sess.run(None, {"in0": x[i:i + 2]})[0] for i in range(0, 6, 2)])
+    want = np.concatenate([sess.run(None, {"in0": x[i : i + 2]})[0] for i in range(0, 6, 2)])
     assert np.array_equal(p({"in0": x})["out0"], want)
     with pytest.raises(PmxInputError, match="fixed at 2: a batch must hold a multiple of 2 rows, got 5"):
         p({"in0": x[:5]})
@@ -71,7 +71,7 @@ def test_predictor_dynamic_batch_whole_or_in_chunks(models):
     sess = InferenceSession(models["dyn"])
     assert sess.get_inputs()[0].shape[0] is None
     assert np.array_equal(Predictor(models["dyn"])({"in0": x})["out0"], sess.run(None, {"in0": x})[0])
-    want = np.concatenate([sess.run(None, {"in0": x[i:i + 4]})[0] for i in range(0, 10, 4)])
+    want = np.concatenate([sess.run(None, {"in0": x[i : i + 4]})[0] for i in range(0, 10, 4)])
     assert np.array_equal(Predictor(models["dyn"], max_batch=4)({"in0": x})["out0"], want)
     with pytest.raises(PmxInputError, match="max_batch"):
         Predictor(models["dyn"], max_batch=0)
@@ -192,8 +192,14 @@ def test_unpickle_in_a_fresh_process_resolves_threads_there(models, tmp_path):
     (tmp_path / "in.pkl").write_bytes(pickle.dumps((sess, predictor, x)))
     env = dict(os.environ, OMP_NUM_THREADS="3")
     a, b = tmp_path / "a.npy", tmp_path / "b.npy"
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.pkl"), str(a), str(b)], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path / "in.pkl"), str(a), str(b)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["3", "2"]
     # the same bits as an InferenceSession with the thread count it resolved there (a
@@ -206,7 +212,7 @@ def test_spawned_process_pool(models):
     sess, predictor, x = InferenceSession(models["dyn"]), Predictor(models["fix1"]), images(6)
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         by_session = pool.submit(sess.run, None, {"in0": x})
-        by_predictor = [pool.submit(predictor, {"in0": x[i:i + 3]}) for i in (0, 3)]
+        by_predictor = [pool.submit(predictor, {"in0": x[i : i + 3]}) for i in (0, 3)]
         assert np.array_equal(by_session.result(timeout=120)[0], sess.run(None, {"in0": x})[0])
         got = np.concatenate([f.result(timeout=120)["out0"] for f in by_predictor])
     assert np.array_equal(got, row_by_row(models["fix1"], x))
@@ -276,7 +282,7 @@ def test_ray_data_map_batches(models, monkeypatch):
         ray.shutdown()
     got = {k: np.concatenate([b[k] for b in batches]) for k in ("out0", "pid", "token", "threads")}
     sess = InferenceSession(models["dyn"], num_threads=1)  # as each actor's
-    want = np.concatenate([sess.run(None, {"in0": x[i:i + 100]})[0] for i in range(0, ROWS, 100)])
+    want = np.concatenate([sess.run(None, {"in0": x[i : i + 100]})[0] for i in range(0, ROWS, 100)])
     assert got["out0"].shape == (ROWS, 10) and np.array_equal(got["out0"], want)
     check_workers(got["pid"], got["token"], got["threads"], want_threads=1)
 
@@ -288,8 +294,10 @@ def test_dask_local_cluster(models):
 
     x = images(ROWS, seed=1)
     path = models["dyn"]
-    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            distributed.Client(cluster) as client:
+    with (
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        distributed.Client(cluster) as client,
+    ):
 
         def predict(block):
             p = Predictor.shared(path)  # one per worker process, made by its first block
@@ -300,12 +308,13 @@ def test_dask_local_cluster(models):
             p = Predictor.shared(path)
             return os.getpid(), getattr(p, "rows", 0), p.session.get_session_options().intra_op_num_threads
 
-        scores = da.from_array(x, chunks=(100, 3, 64, 64)).map_blocks(predict, dtype=np.float32, chunks=(100, 10),
-                                                                       drop_axis=[2, 3])
+        scores = da.from_array(x, chunks=(100, 3, 64, 64)).map_blocks(
+            predict, dtype=np.float32, chunks=(100, 10), drop_axis=[2, 3]
+        )
         y = scores.compute()
         reports = list(client.run(report).values())
     sess = InferenceSession(path, num_threads=1)  # as each worker's
-    want = np.concatenate([sess.run(None, {"in0": x[i:i + 100]})[0] for i in range(0, ROWS, 100)])
+    want = np.concatenate([sess.run(None, {"in0": x[i : i + 100]})[0] for i in range(0, ROWS, 100)])
     assert y.shape == (ROWS, 10) and np.array_equal(y, want)
     assert len({pid for pid, *_ in reports}) == 2
     assert sum(rows for _, rows, _ in reports) == ROWS, reports  # every block ran on its worker's one Predictor

@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-
 from pmx.runtime import blas
 from pmx.runtime.kernels import common
 
@@ -41,15 +40,23 @@ def test_pmx_owns_a_one_thread_openblas_beside_numpys():
         assert blas._entry_point(routine) is not None, routine
 
 
-@given(st.integers(0, 3), st.integers(1, 9), st.integers(0, 9), st.integers(1, 9), st.booleans(), st.booleans(),
-       st.sampled_from([np.float32, np.float64]), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(0, 3),
+    st.integers(1, 9),
+    st.integers(0, 9),
+    st.integers(1, 9),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([np.float32, np.float64]),
+    st.integers(0, 2**32 - 1),
+)
 def test_matmul_matches_numpy_on_batches_views_and_broadcasts(batch_dims, m, k, n, trans_a, trans_b, dtype, seed):
     """Batch dims (one side broadcast, or a 1 against n), transposed and sliced
     operands, k = 0 and float64: each gives np.matmul's result, and every call again."""
     rng = np.random.default_rng(seed)
     batch = tuple(int(d) for d in rng.integers(1, 4, batch_dims))
-    a_batch = tuple(1 if rng.random() < 0.3 else d for d in batch)[int(rng.integers(0, batch_dims + 1)):]
-    b_batch = tuple(1 if rng.random() < 0.3 else d for d in batch)[int(rng.integers(0, batch_dims + 1)):]
+    a_batch = tuple(1 if rng.random() < 0.3 else d for d in batch)[int(rng.integers(0, batch_dims + 1)) :]
+    b_batch = tuple(1 if rng.random() < 0.3 else d for d in batch)[int(rng.integers(0, batch_dims + 1)) :]
     a = np.stack([_matrix(rng, (m, k), trans_a, int(rng.integers(0, 3)), dtype) for _ in range(int(np.prod(a_batch)))])
     b = np.stack([_matrix(rng, (k, n), trans_b, int(rng.integers(0, 3)), dtype) for _ in range(int(np.prod(b_batch)))])
     a, b = a.reshape(a_batch + (m, k)), b.reshape(b_batch + (k, n))
@@ -71,7 +78,11 @@ def test_matmul_takes_vectors_strided_operands_and_overlap():
         "matrix @ vector": (a, v, np.empty(7, np.float32)),
         "vector @ matrix": (rng.standard_normal(7).astype(np.float32), a, np.empty(5, np.float32)),
         "vector @ vector": (v, v, np.empty((), np.float32)),
-        "strided both ways": (rng.standard_normal((14, 10)).astype(np.float32)[::2, ::2], a.T, np.empty((7, 7), np.float32)),
+        "strided both ways": (
+            rng.standard_normal((14, 10)).astype(np.float32)[::2, ::2],
+            a.T,
+            np.empty((7, 7), np.float32),
+        ),
         "negative strides": (a[::-1], a.T[:, ::-1], np.empty((7, 7), np.float32)),
         "out with a column stride": (a, a.T, np.empty((7, 14), np.float32)[:, ::2]),
     }
@@ -91,8 +102,16 @@ def test_matmul_of_integers_is_numpys():
     np.testing.assert_array_equal(out, a @ a.T)
 
 
-@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 40), st.booleans(), st.booleans(),
-       st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(0, 2**32 - 1),
+)
 def test_gemm_accumulate_adds_the_product(m, n, k, trans_a, trans_b, wider, wider_out, seed):
     rng = np.random.default_rng(seed)
     a = _matrix(rng, (m, k), trans_a, wider)
@@ -153,8 +172,14 @@ def _special_values(rng, shape, dtype):
     return x
 
 
-@given(st.integers(1, 40), st.integers(1, 40), st.sampled_from([np.float32, np.float64]),
-       st.integers(0, 3), st.integers(0, 3), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.sampled_from([np.float32, np.float64]),
+    st.integers(0, 3),
+    st.integers(0, 3),
+    st.integers(0, 2**32 - 1),
+)
 def test_transposed_copy_is_numpys_transpose_bit_for_bit(rows, cols, dtype, wider, wider_out, seed):
     rng = np.random.default_rng(seed)
     src = _special_values(rng, (rows, cols + wider), dtype)[:, :cols]
@@ -216,7 +241,8 @@ HIDE_THE_WHEEL = """
 def test_without_the_wheel_pmx_calls_numpys_blas_and_splits_only_when_it_has_one_thread(tmp_path):
     """The fallback: numpy's BLAS, found among the loaded libraries; its thread count
     read, never set; GEMMs split over the InferenceSession's threads only when it is 1."""
-    out = _run_python("""
+    out = _run_python(
+        """
         import numpy as np, threadpoolctl
         from pmx.runtime import blas, parallel
         lib = blas.library()
@@ -231,7 +257,9 @@ def test_without_the_wheel_pmx_calls_numpys_blas_and_splits_only_when_it_has_one
         print(blas.threads(), parallel.Pool(2).splits_gemms)
         with threadpoolctl.threadpool_limits(1):
             print(blas.threads(), parallel.Pool(2).splits_gemms)
-    """, hide_the_wheel=True)
+    """,
+        hide_the_wheel=True,
+    )
     assert out == ["2", "False", "1", "True"]
 
 

@@ -7,7 +7,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from pmx.compiler.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -83,8 +82,19 @@ def test_verify_ok(example_pmx, capsys):
 
 def test_python_dash_m_compiler_matches_pmx_compile(tmp_path, example_pmx):
     out = tmp_path / "m.pmx"
-    subprocess.run([sys.executable, "-m", "pmx.compiler", str(EXAMPLE / "cnn.pnnx.param"),
-                    str(EXAMPLE / "cnn.pnnx.bin"), "-o", str(out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pmx.compiler",
+            str(EXAMPLE / "cnn.pnnx.param"),
+            str(EXAMPLE / "cnn.pnnx.bin"),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert out.read_bytes() == example_pmx.read_bytes()
 
 

@@ -13,10 +13,9 @@ import sys
 
 import numpy as np
 import pytest
-from ziputil import build_zip
-
 from pmx.compiler import compile_model
 from pmx.runtime import InferenceSession, __version__
+from ziputil import build_zip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "tools" / "example"
@@ -67,26 +66,29 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == f"pmx {__version__}"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["compile"], "a model.pnnx.param file is required"),
-    ([], "required"),
-    (["frobnicate"], "invalid choice"),
-    (["run", "{model}", "--random", "--repeat", "-3"], "--repeat: expected an integer >= 0, got -3"),
-    (["run", "{model}", "--random", "--threads", "0"], "--threads: expected an integer >= 1"),
-    (["run", "{model}", "--input", "in0"], "expected NAME=FILE.npy"),
-    (["run", "{model}", "--random", "--expect", "out0=x.npy", "--rtol", "-1"], "--rtol: expected a number >= 0"),
-    (["run", "{model}", "--random", "--rtol", "0.1"], "--rtol/--atol apply to --expect"),
-    (["run", "{model}", "--batch-dir", "."], "--batch-dir needs --save"),
-    (["run", "{model}", "--batch-dir", ".", "--save", "o", "--random"], "cannot be combined with --random"),
-    (["compile", "{param}", "--meta", "novalue"], "expected KEY=VALUE"),
-    (["compile", "{param}", "--meta", "a=1", "--meta", "a=2"], "--meta a given twice"),
-    (["compile", "{param}", "--shape", "in0=abc"], "dim 0 'abc' is not N, A..B, A.. or ?"),
-    (["compile", "{param}", "--shape", "in0=0x3x64x64"], "dim 0 '0' is not N"),
-    (["compile", "{param}", "--shape", "in0"], "expected NAME=DIMxDIMx"),
-    (["compile", "{param}", "--dynamic", "in0:x"], "expected NAME:DIM"),
-    (["compile", "{param}", "--disable", "no_such_pass"], "--disable no_such_pass: no such pass"),
-    (["compile", "{param}", "--json"], "--json goes with --list-ops"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["compile"], "a model.pnnx.param file is required"),
+        ([], "required"),
+        (["frobnicate"], "invalid choice"),
+        (["run", "{model}", "--random", "--repeat", "-3"], "--repeat: expected an integer >= 0, got -3"),
+        (["run", "{model}", "--random", "--threads", "0"], "--threads: expected an integer >= 1"),
+        (["run", "{model}", "--input", "in0"], "expected NAME=FILE.npy"),
+        (["run", "{model}", "--random", "--expect", "out0=x.npy", "--rtol", "-1"], "--rtol: expected a number >= 0"),
+        (["run", "{model}", "--random", "--rtol", "0.1"], "--rtol/--atol apply to --expect"),
+        (["run", "{model}", "--batch-dir", "."], "--batch-dir needs --save"),
+        (["run", "{model}", "--batch-dir", ".", "--save", "o", "--random"], "cannot be combined with --random"),
+        (["compile", "{param}", "--meta", "novalue"], "expected KEY=VALUE"),
+        (["compile", "{param}", "--meta", "a=1", "--meta", "a=2"], "--meta a given twice"),
+        (["compile", "{param}", "--shape", "in0=abc"], "dim 0 'abc' is not N, A..B, A.. or ?"),
+        (["compile", "{param}", "--shape", "in0=0x3x64x64"], "dim 0 '0' is not N"),
+        (["compile", "{param}", "--shape", "in0"], "expected NAME=DIMxDIMx"),
+        (["compile", "{param}", "--dynamic", "in0:x"], "expected NAME:DIM"),
+        (["compile", "{param}", "--disable", "no_such_pass"], "--disable no_such_pass: no such pass"),
+        (["compile", "{param}", "--json"], "--json goes with --list-ops"),
+    ],
+)
 def test_usage_errors_exit_2(model, tmp_path, args, message):
     args = [str(a).format(model=model, param=EXAMPLE / "cnn.pnnx.param") for a in args]
     r = pmx(*args, cwd=tmp_path)
@@ -105,12 +107,14 @@ def test_run_names_the_inputs_it_will_not_guess(two_input_model):
 # --- a closed pipe ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [["run", "{model}", "--random", "--repeat", "1"], ["inspect", "{model}"],
-                                  ["inspect", "{model}", "--json"]])
+@pytest.mark.parametrize(
+    "args", [["run", "{model}", "--random", "--repeat", "1"], ["inspect", "{model}"], ["inspect", "{model}", "--json"]]
+)
 def test_closed_pipe_ends_quietly(model, args):
     """`pmx run m.pmx --random | head -1`, with the reader gone before pmx writes."""
-    proc = subprocess.Popen([*PMX, *[a.format(model=model) for a in args]], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*PMX, *[a.format(model=model) for a in args]], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0
@@ -203,8 +207,9 @@ def test_expect_passes_and_fails_on_a_changed_file(model, tmp_path):
 
 
 def test_save_and_quiet(model, tmp_path):
-    r = pmx("run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "0", "--save", tmp_path / "o",
-            "-q")
+    r = pmx(
+        "run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "0", "--save", tmp_path / "o", "-q"
+    )
     assert r.returncode == 0 and r.stdout == "" and r.stderr == ""
     y = np.load(tmp_path / "o" / "out0.npy")
     np.testing.assert_allclose(y, np.load(EXAMPLE / "cnn_expected.npy"), rtol=1e-4, atol=1e-6)
@@ -232,8 +237,17 @@ def test_save_where_it_cannot_write_is_one_error_line(model, tmp_path):
 def test_expect_against_zeros_reports_no_huge_relative_error(model, tmp_path):
     zeros = tmp_path / "zeros.npy"
     np.save(zeros, np.zeros((1, 10), np.float32))
-    r = pmx("run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "0", "--expect",
-            f"out0={zeros}", "--json")
+    r = pmx(
+        "run",
+        model,
+        "--input",
+        f"in0={EXAMPLE / 'cnn_input.npy'}",
+        "--repeat",
+        "0",
+        "--expect",
+        f"out0={zeros}",
+        "--json",
+    )
     assert r.returncode == 1
     [check] = json.loads(r.stdout)["expect"]
     assert check["max_rel_error"] == 0.0 and 0.05 < check["max_abs_error"] < 1  # softmax outputs against 0
@@ -285,8 +299,12 @@ def test_batch_dir_progress_on_a_terminal(model, tmp_path):
         np.save(inputs / f"{k}.npy", np.zeros((1, 3, 64, 64), np.float32))
     master, slave = pty.openpty()
     try:
-        r = subprocess.run([*PMX, "run", str(model), "--batch-dir", str(inputs), "--save", str(tmp_path / "o")],
-                           stdout=subprocess.PIPE, stderr=slave, timeout=300)
+        r = subprocess.run(
+            [*PMX, "run", str(model), "--batch-dir", str(inputs), "--save", str(tmp_path / "o")],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            timeout=300,
+        )
         os.close(slave)
         slave = None
         seen = b""
@@ -348,7 +366,7 @@ def test_internal_error_exits_3_with_a_bug_report_request(model, monkeypatch, ca
     from pmx.runtime.kernels.registry import REGISTRY
 
     node = InferenceSession(str(model)).model.nodes[-1]
-    monkeypatch.setattr(REGISTRY[node.op], "make", lambda node, ins, outs, ctx: (lambda: [][1]))
+    monkeypatch.setattr(REGISTRY[node.op], "make", lambda node, ins, outs, ctx: lambda: [][1])  # noqa: PLE0643 - a kernel bug
     assert main(["run", str(model), "--random", "--repeat", "0"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -361,8 +379,9 @@ def test_internal_error_exits_3_with_a_bug_report_request(model, monkeypatch, ca
 
 def test_meta_round_trip_through_the_cli(tmp_path):
     out = tmp_path / "m.pmx"
-    r = pmx("compile", EXAMPLE / "cnn.pnnx.param", "-o", out, "--meta", "author=Ada", "eq=a=b",
-            "--meta", "empty=")  # several pairs after one --meta, and the flag repeated
+    r = pmx(
+        "compile", EXAMPLE / "cnn.pnnx.param", "-o", out, "--meta", "author=Ada", "eq=a=b", "--meta", "empty="
+    )  # several pairs after one --meta, and the flag repeated
     assert r.returncode == 0, r.stderr
     meta = InferenceSession(str(out)).get_modelmeta().custom_metadata_map
     assert meta == {"author": "Ada", "eq": "a=b", "empty": ""}
@@ -371,8 +390,9 @@ def test_meta_round_trip_through_the_cli(tmp_path):
 
 
 def test_python_dash_m_takes_subcommands(model):
-    r = subprocess.run([sys.executable, "-m", "pmx.compiler", "verify", str(model)], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pmx.compiler", "verify", str(model)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0 and "OK" in r.stdout
     r = subprocess.run([sys.executable, "-m", "pmx.compiler", "--version"], capture_output=True, text=True, timeout=300)
     assert r.stdout.strip() == f"pmx {__version__}"

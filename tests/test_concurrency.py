@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 
@@ -62,7 +61,10 @@ def models(exporter, tmp_path_factory):
 def feeds(sess, n, seed=0):
     rng = np.random.default_rng(seed)
     arg = sess.get_inputs()[0]
-    return [{arg.name: rng.standard_normal([d if d is not None else 1 for d in arg.shape]).astype(np.float32)} for _ in range(n)]
+    return [
+        {arg.name: rng.standard_normal([d if d is not None else 1 for d in arg.shape]).astype(np.float32)}
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("name", ["cnn", "mixed"])
@@ -83,7 +85,7 @@ def test_threads_match_sequential_bit_for_bit(models, name):
                 for g, w in zip(got, want[i]):
                     if g.shape != w.shape or g.tobytes() != w.tobytes():
                         mismatches.append((k, r, i))
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]

@@ -9,7 +9,6 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxFormatError
 from pmx.runtime import fileformat as ff
@@ -35,7 +34,7 @@ def _outcome(data):
         sess.run(None, feed)
     except PmxFormatError:
         return None
-    except Exception as e:  # noqa: BLE001 - anything else is what this test looks for
+    except Exception as e:
         return f"{type(e).__name__}: {str(e)[:160]}"
     return "loaded and ran"
 
@@ -43,7 +42,7 @@ def _outcome(data):
 def test_every_bit_before_the_data_section_is_checked(example):
     """All single-bit flips of preamble, header and padding (the example's 5.9 kB: 47k
     loads, each refused by the checks that run before the header is read)."""
-    data_offset = ff.unpack_preamble(example[:ff.PREAMBLE_SIZE])["data_offset"]
+    data_offset = ff.unpack_preamble(example[: ff.PREAMBLE_SIZE])["data_offset"]
     assert data_offset < 16384, "the example's header grew: this test loads once per bit of it"
     wrong = {}
     flipped = bytearray(example)
@@ -60,12 +59,14 @@ def test_every_bit_before_the_data_section_is_checked(example):
 def test_the_damage_is_named(example):
     """A flip in the header, one in the stored header CRC and one in the padding each say
     what is damaged."""
-    pre = ff.unpack_preamble(example[:ff.PREAMBLE_SIZE])
+    pre = ff.unpack_preamble(example[: ff.PREAMBLE_SIZE])
     header_end = ff.PREAMBLE_SIZE + pre["header_size"]
-    cases = {ff.PREAMBLE_SIZE + 100: "header checksum mismatch: stored 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}: "
-                                     "the file is damaged",
-             48: "preamble checksum",
-             header_end: r"the padding between header and data \(bytes \d+\.\.\d+\) is not zero"}
+    cases = {
+        ff.PREAMBLE_SIZE + 100: "header checksum mismatch: stored 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}: "
+        "the file is damaged",
+        48: "preamble checksum",
+        header_end: r"the padding between header and data \(bytes \d+\.\.\d+\) is not zero",
+    }
     assert header_end < pre["data_offset"], "the example should have padding after its header"
     for pos, message in cases.items():
         bad = bytearray(example)

@@ -6,7 +6,6 @@ import functools
 import os
 
 import pytest
-
 from pmx.runtime import options
 
 REAL_LIMIT = options.cgroup_cpu_limit
@@ -49,18 +48,23 @@ def v2(fake, cpu_max, path="/"):
 
 
 def v1(fake, quota, period="100000", proc_path="/docker/abc", under="cpu,cpuacct/docker/abc"):
-    return fake(f"12:pids:{proc_path}\n4:cpu,cpuacct:{proc_path}\n1:name=systemd:{proc_path}\n",
-                {f"{under}/cpu.cfs_quota_us": quota, f"{under}/cpu.cfs_period_us": period})
+    return fake(
+        f"12:pids:{proc_path}\n4:cpu,cpuacct:{proc_path}\n1:name=systemd:{proc_path}\n",
+        {f"{under}/cpu.cfs_quota_us": quota, f"{under}/cpu.cfs_period_us": period},
+    )
 
 
-@pytest.mark.parametrize("version, quota, cpus, want", [
-    ("v2", "150000 100000\n", 1.5, 2),  # 1.5 CPUs at the namespace root: rounded up
-    ("v2", "100000 100000\n", 1.0, 1),
-    ("v2", "max 100000\n", None, 16),  # no limit: the 16 usable cores
-    ("v2", "50000 100000\n", 0.5, 1),
-    ("v1", "50000\n", 0.5, 1),
-    ("v1", "-1\n", None, 16),
-])
+@pytest.mark.parametrize(
+    "version, quota, cpus, want",
+    [
+        ("v2", "150000 100000\n", 1.5, 2),  # 1.5 CPUs at the namespace root: rounded up
+        ("v2", "100000 100000\n", 1.0, 1),
+        ("v2", "max 100000\n", None, 16),  # no limit: the 16 usable cores
+        ("v2", "50000 100000\n", 0.5, 1),
+        ("v1", "50000\n", 0.5, 1),
+        ("v1", "-1\n", None, 16),
+    ],
+)
 def test_quota_to_thread_count(fake, threads, version, quota, cpus, want):
     paths = (v2 if version == "v2" else v1)(fake, quota)
     assert REAL_LIMIT(**paths) == cpus
@@ -68,10 +72,15 @@ def test_quota_to_thread_count(fake, threads, version, quota, cpus, want):
 
 
 def test_v2_nested_limits_smallest_counts(fake, threads):
-    paths = fake("0::/kubepods/pod1/ctr\n", {"cpu.max": "max 100000\n",
-                                              "kubepods/cpu.max": "400000 100000\n",
-                                              "kubepods/pod1/cpu.max": "100000 100000\n",
-                                              "kubepods/pod1/ctr/cpu.max": "max 100000\n"})
+    paths = fake(
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "cpu.max": "max 100000\n",
+            "kubepods/cpu.max": "400000 100000\n",
+            "kubepods/pod1/cpu.max": "100000 100000\n",
+            "kubepods/pod1/ctr/cpu.max": "max 100000\n",
+        },
+    )
     assert REAL_LIMIT(**paths) == 1.0
     assert threads(paths, cores=16) == 1
 
@@ -85,31 +94,39 @@ def test_v1_path_missing_under_mount_uses_mount_root(fake, threads):
 
 
 def test_v1_nested_limits_smallest_counts(fake):
-    paths = fake("4:cpu,cpuacct:/a/b\n", {"cpu,cpuacct/a/cpu.cfs_quota_us": "150000",
-                                           "cpu,cpuacct/a/cpu.cfs_period_us": "100000",
-                                           "cpu,cpuacct/a/b/cpu.cfs_quota_us": "-1",
-                                           "cpu,cpuacct/a/b/cpu.cfs_period_us": "100000"})
+    paths = fake(
+        "4:cpu,cpuacct:/a/b\n",
+        {
+            "cpu,cpuacct/a/cpu.cfs_quota_us": "150000",
+            "cpu,cpuacct/a/cpu.cfs_period_us": "100000",
+            "cpu,cpuacct/a/b/cpu.cfs_quota_us": "-1",
+            "cpu,cpuacct/a/b/cpu.cfs_period_us": "100000",
+        },
+    )
     assert REAL_LIMIT(**paths) == 1.5
 
 
 def test_hybrid_smaller_of_v1_and_v2(fake):
     # systemd's hybrid layout: cpu on v1, a v2 hierarchy beside it; either may hold the limit
-    paths = fake("1:cpu:/\n0::/\n", {"cpu/cpu.cfs_quota_us": "200000",
-                                      "cpu/cpu.cfs_period_us": "100000",
-                                      "cpu.max": "100000 100000"})
+    paths = fake(
+        "1:cpu:/\n0::/\n",
+        {"cpu/cpu.cfs_quota_us": "200000", "cpu/cpu.cfs_period_us": "100000", "cpu.max": "100000 100000"},
+    )
     assert REAL_LIMIT(**paths) == 1.0
 
 
-@pytest.mark.parametrize("cpu_max", ["garbage", "", "150000 0", "0 100000", "-5 100000", "150000",
-                                     "1.5 1", "150000 100000 7", "\x00\xff"])
+@pytest.mark.parametrize(
+    "cpu_max", ["garbage", "", "150000 0", "0 100000", "-5 100000", "150000", "1.5 1", "150000 100000 7", "\x00\xff"]
+)
 def test_malformed_v2_is_no_limit(fake, threads, cpu_max):
     paths = v2(fake, cpu_max)
     assert REAL_LIMIT(**paths) is None
     assert threads(paths, cores=16) == 16
 
 
-@pytest.mark.parametrize("quota, period", [("abc", "100000"), ("", ""), ("50000", "0"),
-                                           ("50000", "-100000"), ("50000", "x")])
+@pytest.mark.parametrize(
+    "quota, period", [("abc", "100000"), ("", ""), ("50000", "0"), ("50000", "-100000"), ("50000", "x")]
+)
 def test_malformed_v1_is_no_limit(fake, threads, quota, period):
     paths = v1(fake, quota, period)
     assert REAL_LIMIT(**paths) is None
@@ -162,16 +179,16 @@ def test_an_inference_session_in_a_one_cpu_container_defaults_to_one_thread(fake
     import threading
 
     import numpy as np
-
-    from ziputil import write_bin
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
+    from ziputil import write_bin
 
     assert threads(v2(fake, "100000 100000\n"), cores=16) == 1
     param, pmx = tmp_path / "m.pnnx.param", tmp_path / "m.pmx"
-    param.write_text("7767517\n3 2\npnnx.Input in0 0 1 x #x=(4,8)f32\n"
-                     "F.relu relu 1 1 x y #x=(4,8)f32 #y=(4,8)f32\npnnx.Output out0 1 0 y\n")
+    param.write_text(
+        "7767517\n3 2\npnnx.Input in0 0 1 x #x=(4,8)f32\n"
+        "F.relu relu 1 1 x y #x=(4,8)f32 #y=(4,8)f32\npnnx.Output out0 1 0 y\n"
+    )
     write_bin(tmp_path / "m.pnnx.bin", {})
     compile_model(str(param), str(tmp_path / "m.pnnx.bin"), str(pmx))
     workers_before = sum(t.name == "pmx-worker" for t in threading.enumerate())

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import rel_error, torch_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from helpers import rel_error, torch_outputs
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxCompileError, PmxInputError
 
@@ -146,8 +145,9 @@ def test_explicit_dynamic_dim_the_model_cannot_take_fails_compile(exporter, tmp_
     m = model("flatten")
     prefix = exporter("dyn_flatten", m, (torch.rand(1, 3, 8, 8),))
     with pytest.raises(PmxCompileError) as e:
-        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"),
-                      dynamic={"in0": {2: (4, 64)}})
+        compile_model(
+            prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"), dynamic={"in0": {2: (4, 64)}}
+        )
     assert "in0" in str(e.value)
 
 
@@ -279,10 +279,15 @@ def test_suite_blocks_at_other_batch_sizes(name, compiled):
         _check(sess, m, torch.rand(*s))
 
 
-@pytest.mark.parametrize("name,spatial", [("residual", [(2, 4, 20, 24), (1, 4, 9, 31)]),
-                                          ("dense_block", [(1, 8, 14, 12), (3, 8, 6, 6)]),
-                                          ("mbconv", [(2, 8, 13, 7)]),
-                                          ("convnext", [(1, 16, 12, 7), (2, 16, 5, 5)])])
+@pytest.mark.parametrize(
+    "name,spatial",
+    [
+        ("residual", [(2, 4, 20, 24), (1, 4, 9, 31)]),
+        ("dense_block", [(1, 8, 14, 12), (3, 8, 6, 6)]),
+        ("mbconv", [(2, 8, 13, 7)]),
+        ("convnext", [(1, 16, 12, 7), (2, 16, 5, 5)]),
+    ],
+)
 def test_suite_blocks_at_other_image_sizes(name, spatial, compiled):
     factory, shape, _ = _blocks()[name]
     torch.manual_seed(0)
@@ -335,8 +340,14 @@ def question_mark_export(tmp_path_factory):
 def test_question_mark_dims_compile_with_a_planning_shape(question_mark_export, tmp_path):
     m, prefix = question_mark_export
     out = tmp_path / "q.pmx"
-    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out), verify=True,
-                  plan_shapes={"in0": (1, 3, 16, 16)}, dynamic={"in0": {2: (8, 256), 3: (8, 256)}})
+    compile_model(
+        prefix + ".pnnx.param",
+        prefix + ".pnnx.bin",
+        str(out),
+        verify=True,
+        plan_shapes={"in0": (1, 3, 16, 16)},
+        dynamic={"in0": {2: (8, 256), 3: (8, 256)}},
+    )
     sess = InferenceSession(str(out))
     assert sess.get_inputs()[0].shape == [None, 3, None, None]
     for shape in ((1, 3, 16, 16), (2, 3, 24, 20), (3, 3, 9, 33)):
@@ -352,8 +363,12 @@ def test_question_mark_dims_with_static_and_no_planning_shape_say_how(question_m
 
 
 @settings(max_examples=6, deadline=None)
-@given(name=st.sampled_from(["residual", "dense_block", "mbconv", "convnext"]),
-       batch=st.integers(1, 3), h=st.integers(6, 24), w=st.integers(6, 24))
+@given(
+    name=st.sampled_from(["residual", "dense_block", "mbconv", "convnext"]),
+    batch=st.integers(1, 3),
+    h=st.integers(6, 24),
+    w=st.integers(6, 24),
+)
 def test_random_allowed_shapes_on_suite_blocks(compiled, name, batch, h, w):
     factory, shape, _ = _blocks()[name]
     torch.manual_seed(0)
@@ -536,14 +551,17 @@ def test_a_fixed_size_on_a_question_mark_dim_fixes_it(question_mark_export, tmp_
 # --- --shape checked against the export ------------------------------------------------
 
 
-@pytest.mark.parametrize("spec,why", [
-    ("in0=1..16x3x224x224", "fixes dim 2 at 224"),
-    ("in0=1x4x32x32", "fixes dim 1 at 4"),
-    ("in0=1x3x32", "has rank 3, not 4"),
-    ("in0=1x3x32x32x1", "has rank 5, not 4"),
-    ("in0=2..16x3x32x32", "allows 2..16 in dim 0, without its exported size 1"),
-    ("in0=1x3x40..64x32", "allows 40..64 in dim 2, without its exported size 32"),
-])
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        ("in0=1..16x3x224x224", "fixes dim 2 at 224"),
+        ("in0=1x4x32x32", "fixes dim 1 at 4"),
+        ("in0=1x3x32", "has rank 3, not 4"),
+        ("in0=1x3x32x32x1", "has rank 5, not 4"),
+        ("in0=2..16x3x32x32", "allows 2..16 in dim 0, without its exported size 1"),
+        ("in0=1x3x40..64x32", "allows 40..64 in dim 2, without its exported size 32"),
+    ],
+)
 def test_a_shape_contradicting_the_export_is_refused_naming_both(exporter, tmp_path, capsys, spec, why):
     from pmx.compiler.cli import main
 
@@ -569,9 +587,11 @@ def test_a_shape_agreeing_with_the_export_is_accepted(exporter, tmp_path, capsys
 
     prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
     out = tmp_path / "m.pmx"
-    for spec, takes, shape in [("in0=1..16x3x32x32", "[1..16, 3, 32, 32]", [None, 3, 32, 32]),
-                               ("in0=1x3x32x32", None, [1, 3, 32, 32]),  # the batch too: nothing dynamic
-                               ("in0=?x3x8..32x32..", "[1.., 3, 8..32, 32..]", [None, 3, None, None])]:
+    for spec, takes, shape in [
+        ("in0=1..16x3x32x32", "[1..16, 3, 32, 32]", [None, 3, 32, 32]),
+        ("in0=1x3x32x32", None, [1, 3, 32, 32]),  # the batch too: nothing dynamic
+        ("in0=?x3x8..32x32..", "[1.., 3, 8..32, 32..]", [None, 3, None, None]),
+    ]:
         assert main(["compile", prefix + ".pnnx.param", "-o", str(out), "--shape", spec]) == 0
         text = capsys.readouterr().out
         assert (f"in0 takes {takes}" in text) if takes else ("in0 takes" not in text), text
@@ -581,8 +601,9 @@ def test_a_shape_agreeing_with_the_export_is_accepted(exporter, tmp_path, capsys
 def test_a_dynamic_range_without_the_exported_size_is_refused_from_python(exporter, tmp_path):
     prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
     with pytest.raises(PmxCompileError, match=r"in0 was exported as \[1, 3, 32, 32\].*40\.\.64 in dim 2"):
-        compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"),
-                      dynamic={"in0": {2: (40, 64)}})
+        compile_model(
+            prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"), dynamic={"in0": {2: (40, 64)}}
+        )
 
 
 class TallPool(nn.Module):

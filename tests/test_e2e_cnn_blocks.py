@@ -41,8 +41,11 @@ def pnnx_ops(prefix):
 
 
 def conv_bn(cin, cout, k=3, stride=1, groups=1, act=nn.ReLU):
-    return nn.Sequential(nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False),
-                         nn.BatchNorm2d(cout), act() if act else nn.Identity())
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+        act() if act else nn.Identity(),
+    )
 
 
 # --- the blocks ---------------------------------------------------------------------------
@@ -144,12 +147,20 @@ class DenseBlock(nn.Module):
         self.layers = nn.ModuleList()
         c = c0
         for _ in range(layers):
-            self.layers.append(nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, 2 * growth, 1, bias=False),
-                                             nn.BatchNorm2d(2 * growth), nn.ReLU(),
-                                             nn.Conv2d(2 * growth, growth, 3, padding=1, bias=False)))
+            self.layers.append(
+                nn.Sequential(
+                    nn.BatchNorm2d(c),
+                    nn.ReLU(),
+                    nn.Conv2d(c, 2 * growth, 1, bias=False),
+                    nn.BatchNorm2d(2 * growth),
+                    nn.ReLU(),
+                    nn.Conv2d(2 * growth, growth, 3, padding=1, bias=False),
+                )
+            )
             c += growth
-        self.trans = nn.Sequential(nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c // 2, 1, bias=False),
-                                   nn.AvgPool2d(2, stride=2))
+        self.trans = nn.Sequential(
+            nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c // 2, 1, bias=False), nn.AvgPool2d(2, stride=2)
+        )
 
     def forward(self, x):
         feats = [x]
@@ -203,8 +214,9 @@ class MBConv(nn.Module):
         h = c * e
         self.expand = conv_bn(c, h, 1, act=nn.SiLU)
         self.dw = conv_bn(h, h, 3, groups=h, act=nn.SiLU)
-        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(h, 2, 1), nn.SiLU(), nn.Conv2d(2, h, 1),
-                                nn.Sigmoid())
+        self.se = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Conv2d(h, 2, 1), nn.SiLU(), nn.Conv2d(2, h, 1), nn.Sigmoid()
+        )
         self.project = conv_bn(h, c, 1, act=None)
 
     def forward(self, x):
@@ -302,14 +314,41 @@ class Activations(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.mods = nn.ModuleList([nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-2.0, 1.0), nn.LeakyReLU(), nn.LeakyReLU(0.2),
-                                   nn.Sigmoid(), nn.SiLU(), nn.Hardswish(), nn.Hardsigmoid(), nn.Tanh(), nn.GELU(),
-                                   nn.GELU("tanh"), nn.ELU(), nn.ELU(0.3)])
+        self.mods = nn.ModuleList(
+            [
+                nn.ReLU(),
+                nn.ReLU6(),
+                nn.Hardtanh(-2.0, 1.0),
+                nn.LeakyReLU(),
+                nn.LeakyReLU(0.2),
+                nn.Sigmoid(),
+                nn.SiLU(),
+                nn.Hardswish(),
+                nn.Hardsigmoid(),
+                nn.Tanh(),
+                nn.GELU(),
+                nn.GELU("tanh"),
+                nn.ELU(),
+                nn.ELU(0.3),
+            ]
+        )
 
     def forward(self, x):
-        fs = (F.relu(x), F.relu6(x * 4), F.hardtanh(x, -0.5, 0.7), F.leaky_relu(x, 0.1), torch.sigmoid(x),
-              F.silu(x), F.hardswish(x * 4), F.hardsigmoid(x * 4), torch.tanh(x), F.gelu(x),
-              F.gelu(x, approximate="tanh"), F.elu(x), F.elu(x, alpha=0.5))
+        fs = (
+            F.relu(x),
+            F.relu6(x * 4),
+            F.hardtanh(x, -0.5, 0.7),
+            F.leaky_relu(x, 0.1),
+            torch.sigmoid(x),
+            F.silu(x),
+            F.hardswish(x * 4),
+            F.hardsigmoid(x * 4),
+            torch.tanh(x),
+            F.gelu(x),
+            F.gelu(x, approximate="tanh"),
+            F.elu(x),
+            F.elu(x, alpha=0.5),
+        )
         return fs + tuple(m(x * 3) for m in self.mods)
 
 
@@ -345,13 +384,15 @@ class SharedPadding(nn.Module):
 class Pools(nn.Module):
     def __init__(self):
         super().__init__()
-        self.mods = nn.ModuleList([
-            nn.MaxPool2d(3, 2, ceil_mode=True),
-            nn.MaxPool2d((2, 3), (1, 2), (1, 1), dilation=(2, 1)),
-            nn.AvgPool2d((2, 3), (1, 2), (1, 1), ceil_mode=True, divisor_override=5),
-            nn.AvgPool2d(3, ceil_mode=True, count_include_pad=False),
-            nn.AvgPool2d(2),
-        ])
+        self.mods = nn.ModuleList(
+            [
+                nn.MaxPool2d(3, 2, ceil_mode=True),
+                nn.MaxPool2d((2, 3), (1, 2), (1, 1), dilation=(2, 1)),
+                nn.AvgPool2d((2, 3), (1, 2), (1, 1), ceil_mode=True, divisor_override=5),
+                nn.AvgPool2d(3, ceil_mode=True, count_include_pad=False),
+                nn.AvgPool2d(2),
+            ]
+        )
 
     def forward(self, x):
         return (
@@ -377,9 +418,16 @@ class Pools(nn.Module):
 class AdaptivePools(nn.Module):
     def __init__(self):
         super().__init__()
-        self.mods = nn.ModuleList([nn.AdaptiveAvgPool2d((None, 2)), nn.AdaptiveMaxPool2d((4, None)),
-                                   nn.AdaptiveAvgPool2d(7), nn.AdaptiveMaxPool2d((2, 3)), nn.AdaptiveAvgPool2d((6, 4)),
-                                   nn.AdaptiveMaxPool2d(1)])
+        self.mods = nn.ModuleList(
+            [
+                nn.AdaptiveAvgPool2d((None, 2)),
+                nn.AdaptiveMaxPool2d((4, None)),
+                nn.AdaptiveAvgPool2d(7),
+                nn.AdaptiveMaxPool2d((2, 3)),
+                nn.AdaptiveAvgPool2d((6, 4)),
+                nn.AdaptiveMaxPool2d(1),
+            ]
+        )
 
     def forward(self, x):
         return (
@@ -418,14 +466,15 @@ class ShapeOps(nn.Module):
 class Expressions(nn.Module):
     def forward(self, x, y, z):  # x: (N, 4, 5, 6) any sign, y: (N, 4, 1, 6) positive, z: (6,)
         a = (x + y - z) * 2.5 / (y + 1) - (-x)
-        b = torch.pow(y, 2) + y ** 0.5 + torch.sqrt(y) + torch.rsqrt(y) + torch.exp(x * 0.1) + torch.log(y)
+        b = torch.pow(y, 2) + y**0.5 + torch.sqrt(y) + torch.rsqrt(y) + torch.exp(x * 0.1) + torch.log(y)
         c = torch.abs(x) + torch.sign(x) + torch.floor(x * 3) + torch.ceil(x * 3) + torch.round(x * 3)
         d = torch.max(x, y) + torch.min(x, z) + torch.maximum(x, y * 0.5) + torch.minimum(x, -z)
-        e = x.clamp(-0.3, 0.4) + torch.neg(x) + 1 - x * x / 3.0 + 2 ** x
+        e = x.clamp(-0.3, 0.4) + torch.neg(x) + 1 - x * x / 3.0 + 2**x
         return a, b, c, d, e
 
 
 # --- the cases: (name, module factory, input factory, pnnx ops the .param must contain) --
+
 
 def _rand(*shape, seed=0, low=-1.0, high=1.0):
     g = torch.Generator().manual_seed(seed)
@@ -434,42 +483,121 @@ def _rand(*shape, seed=0, low=-1.0, high=1.0):
 
 CASES = [
     ("tiny_cnn", TinyCNN, lambda: (_rand(1, 3, 17, 17),), {"nn.Conv2d", "nn.Linear", "F.softmax"}),
-    ("residual", Residual, lambda: (_rand(1, 4, 16, 16),),
-     {"nn.Conv2d", "F.relu", "nn.MaxPool2d", "nn.AdaptiveAvgPool2d", "torch.flatten", "nn.Linear"}),
+    (
+        "residual",
+        Residual,
+        lambda: (_rand(1, 4, 16, 16),),
+        {"nn.Conv2d", "F.relu", "nn.MaxPool2d", "nn.AdaptiveAvgPool2d", "torch.flatten", "nn.Linear"},
+    ),
     ("residual_b2", Residual, lambda: (_rand(2, 4, 13, 11, seed=3),), {"nn.Conv2d"}),
     ("depthwise_separable", DepthwiseSeparable, lambda: (_rand(1, 6, 12, 12),), {"nn.ReLU6", "F.hardtanh"}),
     ("squeeze_excite", SqueezeExcite, lambda: (_rand(2, 8, 9, 9),), {"torch.mean", "F.sigmoid", "Tensor.reshape"}),
-    ("shuffle_unit", ShuffleUnit, lambda: (_rand(1, 16, 8, 8),),
-     {"torch.chunk", "torch.cat", "nn.ChannelShuffle"}),
+    ("shuffle_unit", ShuffleUnit, lambda: (_rand(1, 16, 8, 8),), {"torch.chunk", "torch.cat", "nn.ChannelShuffle"}),
     ("dense_block", DenseBlock, lambda: (_rand(1, 8, 10, 10),), {"torch.cat", "nn.BatchNorm2d", "nn.AvgPool2d"}),
     ("inception", Inception, lambda: (_rand(1, 8, 15, 15),), {"torch.cat", "nn.MaxPool2d"}),
-    ("mobilenet_v3_block", MobileNetV3Block, lambda: (_rand(1, 8, 16, 16),),
-     {"nn.Hardswish", "F.hardsigmoid", "F.adaptive_avg_pool2d", "torch.flatten"}),
+    (
+        "mobilenet_v3_block",
+        MobileNetV3Block,
+        lambda: (_rand(1, 8, 16, 16),),
+        {"nn.Hardswish", "F.hardsigmoid", "F.adaptive_avg_pool2d", "torch.flatten"},
+    ),
     ("mbconv", MBConv, lambda: (_rand(1, 8, 10, 10),), {"nn.SiLU", "nn.Sigmoid", "nn.AdaptiveAvgPool2d"}),
     ("regnet_block", RegNetBlock, lambda: (_rand(1, 8, 14, 14),), {"nn.Conv2d"}),
     ("conv_variety", ConvVariety, lambda: (_rand(1, 4, 15, 14), _rand(1, 4, 23, seed=1)), {"nn.Conv2d", "nn.Conv1d"}),
     ("padding_modes", PaddingModes, lambda: (_rand(1, 3, 9, 10), _rand(2, 3, 11, seed=1)), {"nn.Conv2d"}),
-    ("conv1d_block", Conv1dBlock, lambda: (_rand(2, 3, 29),),
-     {"nn.Conv1d", "nn.BatchNorm1d", "nn.MaxPool1d", "nn.AvgPool1d", "nn.AdaptiveAvgPool1d"}),
-    ("activations", Activations, lambda: (_rand(1, 3, 8, 9, low=-3, high=3),),
-     {"F.relu", "F.relu6", "nn.ReLU6", "F.hardtanh", "F.leaky_relu", "nn.LeakyReLU", "F.sigmoid", "F.silu",
-      "F.hardswish", "F.hardsigmoid", "F.tanh", "F.gelu", "F.elu", "nn.ReLU", "nn.ReLU6", "nn.GELU", "nn.ELU",
-      "nn.Tanh", "nn.Sigmoid", "nn.SiLU", "nn.Hardswish", "nn.Hardsigmoid", "nn.Hardtanh"}),
+    (
+        "conv1d_block",
+        Conv1dBlock,
+        lambda: (_rand(2, 3, 29),),
+        {"nn.Conv1d", "nn.BatchNorm1d", "nn.MaxPool1d", "nn.AvgPool1d", "nn.AdaptiveAvgPool1d"},
+    ),
+    (
+        "activations",
+        Activations,
+        lambda: (_rand(1, 3, 8, 9, low=-3, high=3),),
+        {
+            "F.relu",
+            "F.relu6",
+            "nn.ReLU6",
+            "F.hardtanh",
+            "F.leaky_relu",
+            "nn.LeakyReLU",
+            "F.sigmoid",
+            "F.silu",
+            "F.hardswish",
+            "F.hardsigmoid",
+            "F.tanh",
+            "F.gelu",
+            "F.elu",
+            "nn.ReLU",
+            "nn.GELU",
+            "nn.ELU",
+            "nn.Tanh",
+            "nn.Sigmoid",
+            "nn.SiLU",
+            "nn.Hardswish",
+            "nn.Hardsigmoid",
+            "nn.Hardtanh",
+        },
+    ),
     ("shared_padding", SharedPadding, lambda: (_rand(1, 6, 12, 12, low=2.0, high=4.0),), {"nn.Conv2d", "F.max_pool2d"}),
     ("pools", Pools, lambda: (_rand(1, 3, 11, 13),), {"F.max_pool2d", "F.avg_pool2d", "nn.MaxPool2d", "nn.AvgPool2d"}),
     ("pools_b2", Pools, lambda: (_rand(2, 2, 8, 9, seed=5),), {"F.max_pool2d"}),
-    ("adaptive_pools", AdaptivePools, lambda: (_rand(1, 3, 7, 7),),
-     {"F.adaptive_avg_pool2d", "F.adaptive_max_pool2d", "nn.AdaptiveAvgPool2d", "nn.AdaptiveMaxPool2d"}),
+    (
+        "adaptive_pools",
+        AdaptivePools,
+        lambda: (_rand(1, 3, 7, 7),),
+        {"F.adaptive_avg_pool2d", "F.adaptive_max_pool2d", "nn.AdaptiveAvgPool2d", "nn.AdaptiveMaxPool2d"},
+    ),
     ("adaptive_pools_odd", AdaptivePools, lambda: (_rand(2, 2, 13, 10, seed=2),), {"F.adaptive_avg_pool2d"}),
-    ("shape_ops", ShapeOps, lambda: (_rand(1, 12, 6, 5),),
-     {"Tensor.slice", "Tensor.select", "Tensor.permute", "torch.transpose", "torch.mean", "torch.split",
-      "torch.cat", "Tensor.reshape", "torch.flatten", "F.softmax"}),
+    (
+        "shape_ops",
+        ShapeOps,
+        lambda: (_rand(1, 12, 6, 5),),
+        {
+            "Tensor.slice",
+            "Tensor.select",
+            "Tensor.permute",
+            "torch.transpose",
+            "torch.mean",
+            "torch.split",
+            "torch.cat",
+            "Tensor.reshape",
+            "torch.flatten",
+            "F.softmax",
+        },
+    ),
     ("shape_ops_b2", ShapeOps, lambda: (_rand(2, 12, 6, 5, seed=4),), {"Tensor.slice"}),
-    ("expressions", Expressions,
-     lambda: (_rand(1, 4, 5, 6, low=-2, high=2), _rand(1, 4, 1, 6, seed=1, low=0.2, high=2), _rand(6, seed=2)),
-     {"pnnx.Expression"} | {f"expr:{fn}" for fn in ("add", "sub", "mul", "div", "neg", "pow", "sqrt", "rsqrt", "exp",
-                                                     "log", "abs", "sign", "floor", "ceil", "round", "min", "max",
-                                                     "maximum", "minimum")}),
+    (
+        "expressions",
+        Expressions,
+        lambda: (_rand(1, 4, 5, 6, low=-2, high=2), _rand(1, 4, 1, 6, seed=1, low=0.2, high=2), _rand(6, seed=2)),
+        {"pnnx.Expression"}
+        | {
+            f"expr:{fn}"
+            for fn in (
+                "add",
+                "sub",
+                "mul",
+                "div",
+                "neg",
+                "pow",
+                "sqrt",
+                "rsqrt",
+                "exp",
+                "log",
+                "abs",
+                "sign",
+                "floor",
+                "ceil",
+                "round",
+                "min",
+                "max",
+                "maximum",
+                "minimum",
+            )
+        },
+    ),
 ]
 
 

@@ -78,11 +78,25 @@ def test_masked_fill_where_max_argmax(check_model):
 
 class Reductions(nn.Module):
     def forward(self, x):
-        return (x.std(1), torch.var(x, 2, unbiased=False), torch.std(x, (1, 2), keepdim=True, correction=0),
-                torch.norm(x, p=1, dim=-1), x.norm(2, 1, keepdim=True), torch.linalg.vector_norm(x, 3, dim=0),
-                torch.logsumexp(x, (1, 2)), x.logsumexp(0, keepdim=True), x.amax(1), torch.amin(x, (0, 2)),
-                x.prod(2), x.mean((0, 1), keepdim=True), torch.sum(x, -1), torch.argmin(x, 0),
-                F.log_softmax(x, 0), x.softmax(1), torch.log_softmax(x, -1))
+        return (
+            x.std(1),
+            torch.var(x, 2, unbiased=False),
+            torch.std(x, (1, 2), keepdim=True, correction=0),
+            torch.norm(x, p=1, dim=-1),
+            x.norm(2, 1, keepdim=True),
+            torch.linalg.vector_norm(x, 3, dim=0),
+            torch.logsumexp(x, (1, 2)),
+            x.logsumexp(0, keepdim=True),
+            x.amax(1),
+            torch.amin(x, (0, 2)),
+            x.prod(2),
+            x.mean((0, 1), keepdim=True),
+            torch.sum(x, -1),
+            torch.argmin(x, 0),
+            F.log_softmax(x, 0),
+            x.softmax(1),
+            torch.log_softmax(x, -1),
+        )
 
 
 def test_reductions(check_model):
@@ -97,15 +111,45 @@ class Activations(nn.Module):
         with torch.no_grad():
             self.prelu_c.weight.copy_(torch.tensor([0.1, -0.2, 0.3, 0.05]))
         self.prelu_1 = nn.PReLU()
-        self.mods = nn.ModuleList([nn.GELU(), nn.GELU("tanh"), nn.Mish(), nn.Softplus(2.0, 5.0), nn.Softsign(),
-                                   nn.SELU(), nn.CELU(0.5), nn.Hardtanh(-2.0, 2.0), nn.LogSigmoid(), nn.ELU(0.3)])
+        self.mods = nn.ModuleList(
+            [
+                nn.GELU(),
+                nn.GELU("tanh"),
+                nn.Mish(),
+                nn.Softplus(2.0, 5.0),
+                nn.Softsign(),
+                nn.SELU(),
+                nn.CELU(0.5),
+                nn.Hardtanh(-2.0, 2.0),
+                nn.LogSigmoid(),
+                nn.ELU(0.3),
+            ]
+        )
 
     def forward(self, x, lo, hi):
         outs = [m(x) for m in self.mods]
-        outs += [F.gelu(x), F.gelu(x, approximate="tanh"), F.mish(x), F.softplus(x), F.softsign(x), F.selu(x),
-                 torch.selu(x), F.celu(x), F.hardtanh(x), F.logsigmoid(x), self.prelu_c(x), self.prelu_1(x),
-                 F.prelu(x, torch.tensor([0.25])), torch.clamp(x, lo, hi), x.clamp(min=lo), torch.clip(x, max=hi),
-                 torch.clamp(x, -0.5, 0.5), x.clamp(min=0), torch.erf(x), torch.sigmoid(x)]
+        outs += [
+            F.gelu(x),
+            F.gelu(x, approximate="tanh"),
+            F.mish(x),
+            F.softplus(x),
+            F.softsign(x),
+            F.selu(x),
+            torch.selu(x),
+            F.celu(x),
+            F.hardtanh(x),
+            F.logsigmoid(x),
+            self.prelu_c(x),
+            self.prelu_1(x),
+            F.prelu(x, torch.tensor([0.25])),
+            torch.clamp(x, lo, hi),
+            x.clamp(min=lo),
+            torch.clip(x, max=hi),
+            torch.clamp(x, -0.5, 0.5),
+            x.clamp(min=0),
+            torch.erf(x),
+            torch.sigmoid(x),
+        ]
         return tuple(outs)
 
 
@@ -138,11 +182,34 @@ def test_shape_and_indexing_ops(check_model):
 class CastsAndInts(nn.Module):
     def forward(self, x, i, j):
         j1 = j.clamp(min=1)
-        return (x.long(), x.int() + 1, x.bool(), (x > 0).float() * x, (x > 0).long().sum(1), (x > 0).sum(-1),
-                i.float() * 0.5, i.to(torch.float32) + x[:, :, 0], i + j, i // 2, i / j1, i * 3, i % 3,
-                i > j, (i > 1) & (j < 3), ~(i > 1), torch.bitwise_not(i), i ^ j, torch.logical_or(i > 2, j > 2),
-                torch.zeros_like(x), torch.ones_like(x) + x, torch.full_like(x, 3.0) * x, torch.arange(4) + x,
-                torch.arange(3, dtype=torch.float32) + i, torch.maximum(i, j), torch.where(i > j, i, j))
+        return (
+            x.long(),
+            x.int() + 1,
+            x.bool(),
+            (x > 0).float() * x,
+            (x > 0).long().sum(1),
+            (x > 0).sum(-1),
+            i.float() * 0.5,
+            i.to(torch.float32) + x[:, :, 0],
+            i + j,
+            i // 2,
+            i / j1,
+            i * 3,
+            i % 3,
+            i > j,
+            (i > 1) & (j < 3),
+            ~(i > 1),
+            torch.bitwise_not(i),
+            i ^ j,
+            torch.logical_or(i > 2, j > 2),
+            torch.zeros_like(x),
+            torch.ones_like(x) + x,
+            torch.full_like(x, 3.0) * x,
+            torch.arange(4) + x,
+            torch.arange(3, dtype=torch.float32) + i,
+            torch.maximum(i, j),
+            torch.where(i > j, i, j),
+        )
 
 
 def test_casts_int64_bool_and_constants(check_model):

@@ -61,8 +61,7 @@ class ElmanRNN(nn.Module):
 
 
 def conv_block(cin, cout):
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
 
 
 class TinyUNet(nn.Module):
@@ -95,8 +94,9 @@ class YoloHead(nn.Module):
         self.lat = nn.Conv2d(16, 8, 1)
         self.pred = nn.Conv2d(16, anchors * (5 + classes), 1)
         h, w = 8, 10
-        gy, gx = torch.meshgrid(torch.arange(h, dtype=torch.float32),
-                                torch.arange(w, dtype=torch.float32), indexing="ij")
+        gy, gx = torch.meshgrid(
+            torch.arange(h, dtype=torch.float32), torch.arange(w, dtype=torch.float32), indexing="ij"
+        )
         self.register_buffer("grid", torch.stack([gx, gy], -1).view(1, 1, h, w, 2))
         anchor_wh = torch.tensor([[1.0, 1.5], [2.0, 1.0], [3.0, 2.5]])
         self.register_buffer("anchor_wh", anchor_wh.view(1, anchors, 1, 1, 2))
@@ -183,8 +183,7 @@ class ConvTransposeZoo(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1)
-        self.b = nn.ConvTranspose2d(6, 6, 3, stride=(2, 3), padding=(0, 2), groups=3,
-                                    dilation=(2, 1), bias=False)
+        self.b = nn.ConvTranspose2d(6, 6, 3, stride=(2, 3), padding=(0, 2), groups=3, dilation=(2, 1), bias=False)
         self.c = nn.ConvTranspose2d(6, 2, 1)
 
     def forward(self, x):
@@ -203,7 +202,7 @@ def test_lstm_tagger(check_model):
 def test_lstm_initial_states(check_model):
     _seed()
     inputs = (torch.randn(6, 2, 4), torch.randn(2, 2, 3), torch.randn(2, 2, 7))
-    sess, got, want = check_model("lstm_state", LSTMWithState(), inputs)
+    sess, got, _want = check_model("lstm_state", LSTMWithState(), inputs)
     assert [i.name for i in sess.get_inputs()] == ["in0", "in1", "in2"]
     assert [g.shape for g in got] == [(6, 2, 3), (2, 2, 3), (2, 2, 7)]
 
@@ -259,16 +258,20 @@ class UnbatchedConvTranspose(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.ConvTranspose1d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
-        self.b = nn.ConvTranspose2d(4, 6, 3, stride=(2, 1), padding=(1, 0), output_padding=(1, 0),
-                                    groups=2, dilation=(1, 2), bias=False)
+        self.b = nn.ConvTranspose2d(
+            4, 6, 3, stride=(2, 1), padding=(1, 0), output_padding=(1, 0), groups=2, dilation=(1, 2), bias=False
+        )
         self.c = nn.ConvTranspose3d(4, 2, 2, stride=2, padding=(1, 0, 0))
 
     def forward(self, x, y, z, w1, w2, w3):
-        return (self.a(x), self.b(y), self.c(z),
-                F.conv_transpose1d(x, w1, stride=3, padding=1, output_padding=2, groups=2,
-                                   dilation=2),
-                F.conv_transpose2d(y, w2, stride=2, output_padding=1),
-                F.conv_transpose3d(z, w3, padding=1, dilation=2, groups=4))
+        return (
+            self.a(x),
+            self.b(y),
+            self.c(z),
+            F.conv_transpose1d(x, w1, stride=3, padding=1, output_padding=2, groups=2, dilation=2),
+            F.conv_transpose2d(y, w2, stride=2, output_padding=1),
+            F.conv_transpose3d(z, w3, padding=1, dilation=2, groups=4),
+        )
 
 
 UNBATCHED_CT = [(4, 7), (4, 5, 6), (4, 3, 2, 3), (4, 3, 3), (4, 2, 2, 3), (4, 1, 2, 2, 2)]
@@ -296,10 +299,10 @@ def test_conv_transpose_functional_written_unbatched(nd):
     b = torch.randn(6, generator=gen)
     kw = dict(stride=2, padding=1, output_padding=1, groups=2, dilation=1)
     want = getattr(F, f"conv_transpose{nd}d")(x, w, b, **kw).numpy()
-    params = " ".join(f"{k}={v}" if k == "groups" else f"{k}=({','.join([str(v)] * nd)})"
-                      for k, v in kw.items())
-    (got,) = run_one_op(f"F.conv_transpose{nd}d", params, [x.numpy(), w.numpy(), b.numpy()],
-                        [want], labels=["input", "weight", "bias"])
+    params = " ".join(f"{k}={v}" if k == "groups" else f"{k}=({','.join([str(v)] * nd)})" for k, v in kw.items())
+    (got,) = run_one_op(
+        f"F.conv_transpose{nd}d", params, [x.numpy(), w.numpy(), b.numpy()], [want], labels=["input", "weight", "bias"]
+    )
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -311,8 +314,9 @@ def test_conv_transpose_input_of_another_rank_is_refused():
     x, w = np.zeros((4, 5), np.float32), np.zeros((4, 3, 2, 2), np.float32)
     expected = r"F.conv_transpose2d 'the_op'.*input of rank 4 \(or 3 unbatched\).*\(4, 5\)"
     with pytest.raises(PmxCompileError, match=expected):
-        run_one_op("F.conv_transpose2d", "stride=(1,1)", [x, w], [np.zeros((3, 6, 3), np.float32)],
-                   labels=["input", "weight"])
+        run_one_op(
+            "F.conv_transpose2d", "stride=(1,1)", [x, w], [np.zeros((3, 6, 3), np.float32)], labels=["input", "weight"]
+        )
 
 
 class SplitKernels(nn.Module):
@@ -399,17 +403,22 @@ def test_gru_unbatched(check_model):
 
 DYNAMIC = {
     # name: (module factory, example inputs, dynamic dims of in0, shapes to run)
-    "tiny_unet": (TinyUNet, [(1, 3, 16, 20)], {0: (1, -1), 2: (8, 256), 3: (8, 256)},
-                  [[(2, 3, 16, 20)], [(1, 3, 32, 24)]]),
-    "lstm_tagger": (LSTMTagger, [(3, 7, 6)], {0: (1, -1), 1: (1, 100)},
-                    [[(1, 7, 6)], [(2, 12, 6)]]),
-    "pixel_shuffle_sr": (PixelShuffleSR, [(1, 3, 6, 7)], {0: (1, -1), 2: (4, 64), 3: (4, 64)},
-                         [[(3, 3, 6, 7)], [(2, 3, 9, 5)]]),
+    "tiny_unet": (
+        TinyUNet,
+        [(1, 3, 16, 20)],
+        {0: (1, -1), 2: (8, 256), 3: (8, 256)},
+        [[(2, 3, 16, 20)], [(1, 3, 32, 24)]],
+    ),
+    "lstm_tagger": (LSTMTagger, [(3, 7, 6)], {0: (1, -1), 1: (1, 100)}, [[(1, 7, 6)], [(2, 12, 6)]]),
+    "pixel_shuffle_sr": (
+        PixelShuffleSR,
+        [(1, 3, 6, 7)],
+        {0: (1, -1), 2: (4, 64), 3: (4, 64)},
+        [[(3, 3, 6, 7)], [(2, 3, 9, 5)]],
+    ),
     "pad_modes": (PadModes, [(2, 3, 6, 7)], {0: (1, -1), 2: (4, 64), 3: (4, 64)}, [[(1, 3, 8, 9)]]),
-    "conv_transpose_zoo": (ConvTransposeZoo, [(2, 6, 5, 4)], {0: (1, -1), 2: (2, 64), 3: (2, 64)},
-                           [[(1, 6, 7, 9)]]),
-    "conv_transpose_unbatched": (UnbatchedConvTranspose, UNBATCHED_CT, {1: (1, 64)},
-                                 [[(4, 12)] + UNBATCHED_CT[1:]]),
+    "conv_transpose_zoo": (ConvTransposeZoo, [(2, 6, 5, 4)], {0: (1, -1), 2: (2, 64), 3: (2, 64)}, [[(1, 6, 7, 9)]]),
+    "conv_transpose_unbatched": (UnbatchedConvTranspose, UNBATCHED_CT, {1: (1, 64)}, [[(4, 12)] + UNBATCHED_CT[1:]]),
     "yolo_head": (YoloHead, [(2, 16, 4, 5), (2, 8, 8, 10)], None, [[(3, 16, 4, 5), (3, 8, 8, 10)]]),
 }
 

@@ -39,8 +39,11 @@ def check_typed(tmp_path_factory):
             os.chdir(d)
             with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
                 torch.jit.trace(module, tuple(inputs), check_trace=False).save(str(d / "model.pt"))
-                pnnx.convert(str(d / "model.pt"), input_shapes=[list(x.shape) for x in inputs],
-                             input_types=[_TYPES[x.dtype] for x in inputs])
+                pnnx.convert(
+                    str(d / "model.pt"),
+                    input_shapes=[list(x.shape) for x in inputs],
+                    input_types=[_TYPES[x.dtype] for x in inputs],
+                )
         finally:
             os.chdir(cwd)
         prefix = str(d / "model")
@@ -76,12 +79,30 @@ class Fn(nn.Module):
 
 def test_norms(check_model):
     torch.manual_seed(0)
-    m = _seeded(Fn(lambda s, x, y: (s.ln(x), s.ln2(x), F.layer_norm(x, (8,), eps=1e-6), s.gn(y), s.in1(y),
-                                    s.in2(y), F.group_norm(y, 2), F.normalize(x, dim=-1), F.normalize(y, p=1.0, dim=1),
-                                    s.bn(x.mean(1)), s.bn3(x.transpose(1, 2))),
-                   ln=nn.LayerNorm(8), ln2=nn.LayerNorm([5, 8], elementwise_affine=False), gn=nn.GroupNorm(2, 4),
-                   in1=nn.InstanceNorm2d(4, affine=True), in2=nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
-                   bn=nn.BatchNorm1d(8), bn3=nn.BatchNorm1d(8)))
+    m = _seeded(
+        Fn(
+            lambda s, x, y: (
+                s.ln(x),
+                s.ln2(x),
+                F.layer_norm(x, (8,), eps=1e-6),
+                s.gn(y),
+                s.in1(y),
+                s.in2(y),
+                F.group_norm(y, 2),
+                F.normalize(x, dim=-1),
+                F.normalize(y, p=1.0, dim=1),
+                s.bn(x.mean(1)),
+                s.bn3(x.transpose(1, 2)),
+            ),
+            ln=nn.LayerNorm(8),
+            ln2=nn.LayerNorm([5, 8], elementwise_affine=False),
+            gn=nn.GroupNorm(2, 4),
+            in1=nn.InstanceNorm2d(4, affine=True),
+            in2=nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+            bn=nn.BatchNorm1d(8),
+            bn3=nn.BatchNorm1d(8),
+        )
+    )
     for bn in (m.in2, m.bn, m.bn3):
         bn.running_mean.copy_(torch.randn(bn.num_features) * 0.3)
         bn.running_var.copy_(torch.rand(bn.num_features) + 0.5)
@@ -96,9 +117,17 @@ def test_instance_norm_1d(check_model):
 
 def test_functional_norms_on_computed_tensors(check_model):
     torch.manual_seed(14)
-    m = _seeded(Fn(lambda s, x, w: (F.layer_norm(x, (4,), w, w * 0.5), F.rms_norm(x, (4,), w), s.rms(x),
-                                    F.group_norm(x.unsqueeze(-1), 2, w, w)),
-                   rms=nn.RMSNorm(4, eps=1e-5)))
+    m = _seeded(
+        Fn(
+            lambda s, x, w: (
+                F.layer_norm(x, (4,), w, w * 0.5),
+                F.rms_norm(x, (4,), w),
+                s.rms(x),
+                F.group_norm(x.unsqueeze(-1), 2, w, w),
+            ),
+            rms=nn.RMSNorm(4, eps=1e-5),
+        )
+    )
     check_model("functional_norms", m, (torch.randn(3, 4), torch.randn(4)))
 
 
@@ -107,28 +136,67 @@ def test_functional_norms_on_computed_tensors(check_model):
 
 def test_matmul_family(check_model):
     torch.manual_seed(2)
-    m = Fn(lambda s, a, b, c, d, e: (
-        torch.matmul(a, b), a @ c, torch.matmul(c, b), torch.mm(a, b), torch.bmm(d, e), d @ e.transpose(1, 2) @ d,
-        torch.addmm(a @ b, a, b, beta=0.5, alpha=2.0), torch.baddbmm(d, d, e.transpose(1, 2), beta=0.3, alpha=1.5),
-        torch.addmm(a @ b, a, b), torch.matmul(d, c[:3]), torch.matmul(d.unsqueeze(0), e.unsqueeze(1).transpose(-1, -2)),
-        a.mv(c), (a @ b).addmm(a, b, beta=2.0), F.linear(a, b.transpose(0, 1)), a.matmul(b), a.unsqueeze(0).bmm(b.unsqueeze(0))))
-    check_model("matmul_family", m, (torch.randn(3, 4), torch.randn(4, 5), torch.randn(4), torch.randn(2, 3, 3),
-                                     torch.randn(2, 3, 3)))
+    m = Fn(
+        lambda s, a, b, c, d, e: (
+            torch.matmul(a, b),
+            a @ c,
+            torch.matmul(c, b),
+            torch.mm(a, b),
+            torch.bmm(d, e),
+            d @ e.transpose(1, 2) @ d,
+            torch.addmm(a @ b, a, b, beta=0.5, alpha=2.0),
+            torch.baddbmm(d, d, e.transpose(1, 2), beta=0.3, alpha=1.5),
+            torch.addmm(a @ b, a, b),
+            torch.matmul(d, c[:3]),
+            torch.matmul(d.unsqueeze(0), e.unsqueeze(1).transpose(-1, -2)),
+            a.mv(c),
+            (a @ b).addmm(a, b, beta=2.0),
+            F.linear(a, b.transpose(0, 1)),
+            a.matmul(b),
+            a.unsqueeze(0).bmm(b.unsqueeze(0)),
+        )
+    )
+    check_model(
+        "matmul_family",
+        m,
+        (torch.randn(3, 4), torch.randn(4, 5), torch.randn(4), torch.randn(2, 3, 3), torch.randn(2, 3, 3)),
+    )
 
 
 def test_einsum(check_model):
     torch.manual_seed(3)
-    m = Fn(lambda s, q, k, a, b, x, w: (torch.einsum("bhid,bhjd->bhij", q, k), torch.einsum("bhij,bhjd->bhid", q @ k.transpose(-1, -2), k),
-                                         torch.einsum("bij,bjk->bik", a, b), torch.einsum("bchw,bkc->bkhw", x, w),
-                                         torch.einsum("bij->bji", a) + 1))
-    check_model("einsum", m, (torch.randn(2, 2, 3, 4), torch.randn(2, 2, 5, 4), torch.randn(2, 3, 4), torch.randn(2, 4, 6),
-                              torch.randn(2, 3, 4, 4), torch.randn(2, 5, 3)))
+    m = Fn(
+        lambda s, q, k, a, b, x, w: (
+            torch.einsum("bhid,bhjd->bhij", q, k),
+            torch.einsum("bhij,bhjd->bhid", q @ k.transpose(-1, -2), k),
+            torch.einsum("bij,bjk->bik", a, b),
+            torch.einsum("bchw,bkc->bkhw", x, w),
+            torch.einsum("bij->bji", a) + 1,
+        )
+    )
+    check_model(
+        "einsum",
+        m,
+        (
+            torch.randn(2, 2, 3, 4),
+            torch.randn(2, 2, 5, 4),
+            torch.randn(2, 3, 4),
+            torch.randn(2, 4, 6),
+            torch.randn(2, 3, 4, 4),
+            torch.randn(2, 5, 3),
+        ),
+    )
 
 
 def test_embedding_and_linear_without_bias(check_typed):
     torch.manual_seed(4)
-    m = _seeded(Fn(lambda s, ids, x: (s.e(ids), F.embedding(ids, s.e.weight, padding_idx=0), s.l(x), F.linear(x, s.l.weight)),
-                   e=nn.Embedding(10, 4, padding_idx=1), l=nn.Linear(4, 3, bias=False)))
+    m = _seeded(
+        Fn(
+            lambda s, ids, x: (s.e(ids), F.embedding(ids, s.e.weight, padding_idx=0), s.l(x), F.linear(x, s.l.weight)),
+            e=nn.Embedding(10, 4, padding_idx=1),
+            l=nn.Linear(4, 3, bias=False),
+        )
+    )
     check_typed("embedding", m, (torch.tensor([[1, 2, 9, 0, 1], [3, 3, 4, 5, 1]]), torch.randn(2, 4)))
 
 
@@ -151,14 +219,26 @@ MHA_CASES = {
     "self_seq_first_no_weights": (dict(), lambda a, x: a(x, x, x, need_weights=False)[0], [(5, 2, 8)]),
     "cross_kv_bias_off": (dict(batch_first=True, bias=False), lambda a, x, m: a(x, m, m), [(2, 5, 8), (2, 7, 8)]),
     "qkv_distinct_kdim_vdim": (dict(kdim=6, vdim=4), lambda a, q, k, v: a(q, k, v), [(5, 2, 8), (7, 2, 6), (7, 2, 4)]),
-    "bias_kv_zero_attn": (dict(add_bias_kv=True, add_zero_attn=True, batch_first=True),
-                          lambda a, q, k, v: a(q, k, v), [(2, 5, 8), (2, 7, 8), (2, 7, 8)]),
-    "float_mask_per_head_weights": (dict(batch_first=True), lambda a, x, m: a(x, x, x, attn_mask=m, average_attn_weights=False),
-                                    [(2, 5, 8), (5, 5)]),
-    "float_3d_mask_and_kp": (dict(batch_first=True), lambda a, q, k, m, kp: a(q, k, k, attn_mask=m, key_padding_mask=kp),
-                             [(2, 5, 8), (2, 7, 8), (4, 5, 7), (2, 7)]),
-    "one_head_3d_mask": (dict(num_heads=1, batch_first=True), lambda a, q, k, v, m: a(q, k, v, attn_mask=m),
-                         [(2, 5, 8), (2, 6, 8), (2, 6, 8), (2, 5, 6)]),
+    "bias_kv_zero_attn": (
+        dict(add_bias_kv=True, add_zero_attn=True, batch_first=True),
+        lambda a, q, k, v: a(q, k, v),
+        [(2, 5, 8), (2, 7, 8), (2, 7, 8)],
+    ),
+    "float_mask_per_head_weights": (
+        dict(batch_first=True),
+        lambda a, x, m: a(x, x, x, attn_mask=m, average_attn_weights=False),
+        [(2, 5, 8), (5, 5)],
+    ),
+    "float_3d_mask_and_kp": (
+        dict(batch_first=True),
+        lambda a, q, k, m, kp: a(q, k, k, attn_mask=m, key_padding_mask=kp),
+        [(2, 5, 8), (2, 7, 8), (4, 5, 7), (2, 7)],
+    ),
+    "one_head_3d_mask": (
+        dict(num_heads=1, batch_first=True),
+        lambda a, q, k, v, m: a(q, k, v, attn_mask=m),
+        [(2, 5, 8), (2, 6, 8), (2, 6, 8), (2, 5, 6)],
+    ),
 }
 
 
@@ -183,18 +263,35 @@ def _bool_mask(shape, p, seed, keep_first=True):
 
 def test_multihead_attention_bool_masks(check_typed):
     torch.manual_seed(6)
-    m = _seeded(Fn(lambda s, q, k, v, am, kp: s.a(q, k, v, attn_mask=am, key_padding_mask=kp),
-                   a=nn.MultiheadAttention(8, 2, batch_first=True)))
-    check_typed("mha_bool_masks", m, (torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 8),
-                                      _bool_mask((5, 7), 0.3, 1), _bool_mask((2, 7), 0.3, 2)))
+    m = _seeded(
+        Fn(
+            lambda s, q, k, v, am, kp: s.a(q, k, v, attn_mask=am, key_padding_mask=kp),
+            a=nn.MultiheadAttention(8, 2, batch_first=True),
+        )
+    )
+    check_typed(
+        "mha_bool_masks",
+        m,
+        (
+            torch.randn(2, 5, 8),
+            torch.randn(2, 7, 8),
+            torch.randn(2, 7, 8),
+            _bool_mask((5, 7), 0.3, 1),
+            _bool_mask((2, 7), 0.3, 2),
+        ),
+    )
 
 
 def test_multihead_attention_constant_causal_mask(check_model):
     torch.manual_seed(7)
     # built inside forward: pnnx keeps it as a folded constant operand. (A mask tensor
     # captured from outside the module is dropped by pnnx without a trace in the .param.)
-    m = _seeded(Fn(lambda s, x: s.a(x, x, x, attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool), 1))[0],
-                   a=nn.MultiheadAttention(8, 2, batch_first=True)))
+    m = _seeded(
+        Fn(
+            lambda s, x: s.a(x, x, x, attn_mask=torch.triu(torch.ones(5, 5, dtype=torch.bool), 1))[0],
+            a=nn.MultiheadAttention(8, 2, batch_first=True),
+        )
+    )
     check_model("mha_causal_const", m, (torch.randn(3, 5, 8),))
 
 
@@ -208,10 +305,14 @@ def test_multihead_attention_ambiguous_mask_fails(check_typed):
 
 def test_sdpa(check_typed):
     torch.manual_seed(8)
-    m = Fn(lambda s, q, k, v, fm, bm: (F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                                       F.scaled_dot_product_attention(q, k, v, attn_mask=fm, scale=0.3),
-                                       F.scaled_dot_product_attention(q, k, v, attn_mask=bm),
-                                       F.scaled_dot_product_attention(q, k[:, :, :3], v[:, :, :3], is_causal=True)))
+    m = Fn(
+        lambda s, q, k, v, fm, bm: (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=fm, scale=0.3),
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bm),
+            F.scaled_dot_product_attention(q, k[:, :, :3], v[:, :, :3], is_causal=True),
+        )
+    )
     bm = _bool_mask((2, 1, 5, 5), 0.4, 4, keep_first=False)
     bm[0, 0, 1] = False  # a fully masked row: torch's SDPA gives 0 there
     q = torch.randn(2, 2, 5, 4)
@@ -220,8 +321,12 @@ def test_sdpa(check_typed):
 
 def test_sdpa_grouped_query(check_model):
     torch.manual_seed(15)
-    m = Fn(lambda s, q, k, v: (F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-                               F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)))
+    m = Fn(
+        lambda s, q, k, v: (
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True),
+        )
+    )
     check_model("sdpa_gqa", m, (torch.randn(2, 4, 5, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 3)))
 
 
@@ -373,7 +478,7 @@ class SwinBlock(nn.Module):
         self.register_buffer("mask", mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0))
 
     def forward(self, x):
-        b, h, wd, c = x.shape
+        _b, h, wd, c = x.shape
         shortcut = x
         x = torch.roll(self.norm1(x), shifts=(-self.shift, -self.shift), dims=(1, 2))
         win = window_partition(x, self.w)

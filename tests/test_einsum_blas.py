@@ -17,14 +17,22 @@ import torch
 from helpers import KernelNode, bind_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from pmx.runtime import blas
 
 ALPHABET = "abcd"
 LAYOUTS = ("contiguous", "transposed", "strided")
 DTYPES = ("float32", "float32", "float64", "int64")
-CLASSIC = ["bij,jk->bik", "ij,jk->ik", "bhid,bhjd->bhij", "i,i->", "ij,ij->i", "ijk,ikl,ilm->jm", "ii->i",
-           "bi,bi->b", "i,j->ij"]
+CLASSIC = [
+    "bij,jk->bik",
+    "ij,jk->ik",
+    "bhid,bhjd->bhij",
+    "i,i->",
+    "ij,ij->i",
+    "ijk,ikl,ilm->jm",
+    "ii->i",
+    "bi,bi->b",
+    "i,j->ij",
+]
 # every GEMM a float einsum does runs pmx's BLAS: none is left for numpy's
 NUMPY_BLAS_ENTRY_POINTS = ("dot", "tensordot", "matmul", "vdot", "inner")
 
@@ -146,18 +154,22 @@ def test_einsum_classic_forms(eq, data):
 def _refuse(name):
     def refuse(*args, **kwargs):
         raise AssertionError(f"numpy's {name} called: its BLAS")
+
     return refuse
 
 
-@pytest.mark.parametrize("eq,shapes", [
-    ("bij,jk->bik", [(2, 3, 4), (4, 5)]),
-    ("bik,bjk", [(2, 3, 4), (2, 5, 4)]),
-    ("ijk,ikl,ilm->jm", [(2, 3, 4), (2, 4, 5), (2, 5, 3)]),
-    ("ij,jk,kl,lm->im", [(6, 7), (7, 8), (8, 9), (9, 5)]),
-    ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]),
-    ("iij,jk->ik", [(3, 3, 4), (4, 2)]),
-    ("i,j->ij", [(3,), (4,)]),
-])
+@pytest.mark.parametrize(
+    "eq,shapes",
+    [
+        ("bij,jk->bik", [(2, 3, 4), (4, 5)]),
+        ("bik,bjk", [(2, 3, 4), (2, 5, 4)]),
+        ("ijk,ikl,ilm->jm", [(2, 3, 4), (2, 4, 5), (2, 5, 3)]),
+        ("ij,jk,kl,lm->im", [(6, 7), (7, 8), (8, 9), (9, 5)]),
+        ("bhid,bhjd->bhij", [(2, 2, 3, 4), (2, 2, 5, 4)]),
+        ("iij,jk->ik", [(3, 3, 4), (4, 2)]),
+        ("i,j->ij", [(3,), (4,)]),
+    ],
+)
 def test_einsum_never_calls_numpy_blas(eq, shapes):
     """Building and running the kernel works with numpy's BLAS entry points refusing to
     run: np.dot/tensordot/matmul/..., and the matmul np.einsum's optimized path has bound
@@ -173,8 +185,11 @@ def test_einsum_never_calls_numpy_blas(eq, shapes):
     einsumfunc = importlib.import_module("numpy._core.einsumfunc")
     with mock.patch.object(np, "einsum", einsum_unoptimized):
         patches = [mock.patch.object(np, name, _refuse(name)) for name in NUMPY_BLAS_ENTRY_POINTS]
-        patches += [mock.patch.object(einsumfunc, name, _refuse(name)) for name in NUMPY_BLAS_ENTRY_POINTS
-                    if hasattr(einsumfunc, name)]
+        patches += [
+            mock.patch.object(einsumfunc, name, _refuse(name))
+            for name in NUMPY_BLAS_ENTRY_POINTS
+            if hasattr(einsumfunc, name)
+        ]
         for p in patches:
             p.start()
         try:
@@ -186,14 +201,17 @@ def test_einsum_never_calls_numpy_blas(eq, shapes):
     assert_matches(out, oracle(eq, ops))
 
 
-@pytest.mark.parametrize("eq,shapes,gemms", [
-    ("bij,jk->bik", [(2, 3, 4), (4, 5)], 1),
-    ("bik,bjk", [(2, 3, 4), (2, 5, 4)], 1),
-    ("ijk,ikl,ilm->jm", [(2, 3, 4), (2, 4, 5), (2, 5, 3)], 2),
-    ("ij,jk,kl,lm->im", [(6, 7), (7, 8), (8, 9), (9, 5)], 3),
-    ("i,j->ij", [(3,), (4,)], 0),  # no index contracted: an elementwise product
-    ("ii->i", [(3, 3)], 0),
-])
+@pytest.mark.parametrize(
+    "eq,shapes,gemms",
+    [
+        ("bij,jk->bik", [(2, 3, 4), (4, 5)], 1),
+        ("bik,bjk", [(2, 3, 4), (2, 5, 4)], 1),
+        ("ijk,ikl,ilm->jm", [(2, 3, 4), (2, 4, 5), (2, 5, 3)], 2),
+        ("ij,jk,kl,lm->im", [(6, 7), (7, 8), (8, 9), (9, 5)], 3),
+        ("i,j->ij", [(3,), (4,)], 0),  # no index contracted: an elementwise product
+        ("ii->i", [(3, 3)], 0),
+    ],
+)
 def test_einsum_contractions_are_blas_matmuls(eq, shapes, gemms):
     """Each pairwise contraction of a float einsum is one blas.matmul, made in the factory."""
     rng = np.random.default_rng(1)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from pmx.runtime import InferenceSession
 from pmx.runtime import fileformat as ff
 
@@ -21,10 +20,11 @@ DATA = pathlib.Path(__file__).parent / "data"
 
 
 def node_table(path):
-    assert ff.unpack_preamble(path.read_bytes()[:ff.PREAMBLE_SIZE])["version"] == 3
+    assert ff.unpack_preamble(path.read_bytes()[: ff.PREAMBLE_SIZE])["version"] == 3
     pmx = pathlib.Path(sys.executable).with_name("pmx")
-    info = json.loads(subprocess.run([str(pmx), "inspect", str(path), "--json"], capture_output=True, text=True,
-                                     check=True).stdout)
+    info = json.loads(
+        subprocess.run([str(pmx), "inspect", str(path), "--json"], capture_output=True, text=True, check=True).stdout
+    )
     return info["node_table"]
 
 
@@ -34,8 +34,9 @@ def matches_torch(path):
     name = sess.get_inputs()[0].name
     np.testing.assert_allclose(sess.run(None, {name: expected["input"]})[0], expected["output"], rtol=1e-5, atol=1e-6)
     # another batch size: the stored plan is re-planned
-    np.testing.assert_allclose(sess.run(None, {name: expected["input"][:1]})[0], expected["output"][:1], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        sess.run(None, {name: expected["input"][:1]})[0], expected["output"][:1], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_version_3_conv_with_an_input_scale_runs():

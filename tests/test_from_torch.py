@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from pmx.compiler import check_against_torch, compile_model, from_torch
 from pmx.compiler.cli import main
 from pmx.runtime import InferenceSession, PmxCompileError, PmxFormatError
@@ -33,11 +32,14 @@ class TwoInputs(nn.Module):
         return torch.tanh(a) * b, a - b
 
 
-@pytest.mark.parametrize("module,inputs", [
-    (Block(), (torch.rand(1, 3, 12, 12),)),
-    (TwoInputs(), (torch.rand(2, 5), torch.rand(2, 5))),
-    (nn.Sequential(nn.Linear(6, 6), nn.GELU()), torch.rand(3, 6)),  # one tensor, not a tuple
-])
+@pytest.mark.parametrize(
+    "module,inputs",
+    [
+        (Block(), (torch.rand(1, 3, 12, 12),)),
+        (TwoInputs(), (torch.rand(2, 5), torch.rand(2, 5))),
+        (nn.Sequential(nn.Linear(6, 6), nn.GELU()), torch.rand(3, 6)),  # one tensor, not a tuple
+    ],
+)
 def test_from_torch_gives_a_pmx_that_matches_the_module(tmp_path, module, inputs):
     result = from_torch(module, inputs, tmp_path / "m.pmx", metadata={"from": "test"})
     assert pathlib.Path(result.output) == tmp_path / "m.pmx"
@@ -98,11 +100,14 @@ def test_compile_model_takes_path_objects(tmp_path):
     assert InferenceSession(pathlib.Path(result.output)).get_inputs()[0].name == "in0"
 
 
-@pytest.mark.parametrize("name,content,advice", [
-    ("model.onnx", b"\x08\x07\x12\x04onnx", "is an ONNX model; export it with pnnx first"),
-    ("model.pt", b"PK\x03\x04torch", "is a PyTorch model; export it with pnnx first"),
-    ("model.pnnx.param", b"7767517\n3 2\npnnx.Input in0 0 1 x\n", "not compiled yet: pmx compile"),
-])
+@pytest.mark.parametrize(
+    "name,content,advice",
+    [
+        ("model.onnx", b"\x08\x07\x12\x04onnx", "is an ONNX model; export it with pnnx first"),
+        ("model.pt", b"PK\x03\x04torch", "is a PyTorch model; export it with pnnx first"),
+        ("model.pnnx.param", b"7767517\n3 2\npnnx.Input in0 0 1 x\n", "not compiled yet: pmx compile"),
+    ],
+)
 def test_inference_session_on_another_format_says_what_to_run(tmp_path, name, content, advice):
     (tmp_path / name).write_bytes(content + bytes(64))
     with pytest.raises(PmxFormatError, match=advice):

@@ -126,8 +126,9 @@ class PReLUOperand(nn.Module):
 @pytest.mark.parametrize("shape", [(3, 4), (2, 4, 5), (2, 4, 3, 3)])
 def test_prelu_slopes_as_operand(check_model, shape):
     x = torch.randn(shape, generator=g(18))
-    check_model(f"gf_prelu_{len(shape)}", PReLUOperand(),
-                (x, torch.randn(4, generator=g(19)), torch.randn(1, generator=g(20))))
+    check_model(
+        f"gf_prelu_{len(shape)}", PReLUOperand(), (x, torch.randn(4, generator=g(19)), torch.randn(1, generator=g(20)))
+    )
 
 
 # ---- shapes pnnx writes besides the batched [N, C, ...] forms
@@ -145,8 +146,12 @@ class UnbatchedConv(nn.Module):
 
 
 def test_unbatched_conv(check_model):
-    inputs = (torch.randn(4, 10, generator=g(21)), torch.randn(4, 7, 9, generator=g(22)),
-              torch.randn(4, 3, 4, 5, generator=g(23)), torch.randn(3, 4, 2, generator=g(24)))
+    inputs = (
+        torch.randn(4, 10, generator=g(21)),
+        torch.randn(4, 7, 9, generator=g(22)),
+        torch.randn(4, 3, 4, 5, generator=g(23)),
+        torch.randn(3, 4, 2, generator=g(24)),
+    )
     check_model("gf_unbatched_conv", UnbatchedConv(), inputs)
 
 
@@ -159,14 +164,27 @@ class UnbatchedMha(nn.Module):
 
     def forward(self, x, y, pad):
         causal = torch.triu(torch.ones(x.shape[0], y.shape[0]), 1).bool() if self.mask else None
-        out = self.mha(x, y, y, key_padding_mask=pad.bool(), attn_mask=causal, need_weights=self.weights,
-                       average_attn_weights=self.average)
+        out = self.mha(
+            x,
+            y,
+            y,
+            key_padding_mask=pad.bool(),
+            attn_mask=causal,
+            need_weights=self.weights,
+            average_attn_weights=self.average,
+        )
         return out if self.weights else out[0]
 
 
-@pytest.mark.parametrize("batch_first,kdim,weights,average,mask", [
-    (False, None, False, True, False), (True, 6, True, True, True), (False, 6, True, False, False),
-    (True, None, True, False, True)])
+@pytest.mark.parametrize(
+    "batch_first,kdim,weights,average,mask",
+    [
+        (False, None, False, True, False),
+        (True, 6, True, True, True),
+        (False, 6, True, False, False),
+        (True, None, True, False, True),
+    ],
+)
 def test_unbatched_multihead_attention(tmp_path, batch_first, kdim, weights, average, mask):
     import contextlib
     import io
@@ -196,8 +214,9 @@ class ExpandLike(nn.Module):
 
 
 def test_expand_to_another_tensors_size(check_model):
-    check_model("gf_expand_like", ExpandLike(), (torch.randn(1, 3, 1, generator=g(28)),
-                                                 torch.randn(2, 3, 4, generator=g(29))))
+    check_model(
+        "gf_expand_like", ExpandLike(), (torch.randn(1, 3, 1, generator=g(28)), torch.randn(2, 3, 4, generator=g(29)))
+    )
 
 
 class BoolLists(nn.Module):
@@ -206,8 +225,9 @@ class BoolLists(nn.Module):
 
 
 def test_constant_bool_index_lists(check_model):
-    check_model("gf_bool_lists", BoolLists(), (torch.randn(3, 6, generator=g(30)),
-                                               torch.randn(2, 4, 5, generator=g(31))))
+    check_model(
+        "gf_bool_lists", BoolLists(), (torch.randn(3, 6, generator=g(30)), torch.randn(2, 4, 5, generator=g(31)))
+    )
 
 
 class BoolMask(nn.Module):
@@ -256,8 +276,14 @@ def test_expand_follows_another_tensor_in_a_dynamic_export(tmp_path):
         os.chdir(cwd)
     text = (tmp_path / "m.pnnx.param").read_text()
     assert "size(@0,0)" in text and "Tensor.expand_as" in text and "(?,3,?)" in text
-    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"),
-                  verify=True, plan_shapes={"in1": (2, 3, 4)}, dynamic={"in1": {0: (1, 16), 2: (1, 16)}})
+    compile_model(
+        str(tmp_path / "m.pnnx.param"),
+        str(tmp_path / "m.pnnx.bin"),
+        str(tmp_path / "m.pmx"),
+        verify=True,
+        plan_shapes={"in1": (2, 3, 4)},
+        dynamic={"in1": {0: (1, 16), 2: (1, 16)}},
+    )
     sess = InferenceSession(str(tmp_path / "m.pmx"))
     for shape in ((2, 3, 4), (5, 3, 7), (1, 3, 1)):
         y = torch.randn(shape, generator=g(33))
@@ -285,15 +311,16 @@ def test_expand_output_shape_from_its_sizes_when_pnnx_left_it_out(tmp_path):
     import zipfile
 
     import torch
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 
     param = tmp_path / "m.pnnx.param"
-    param.write_text("7767517\n3 2\n"
-                     "pnnx.Input in0 0 1 0 #0=(2,1,5,5)f32\n"
-                     "Tensor.expand e 1 1 0 1 sizes=(3,2,4,-1,5)\n"
-                     "pnnx.Output out0 1 0 1\n")
+    param.write_text(
+        "7767517\n3 2\n"
+        "pnnx.Input in0 0 1 0 #0=(2,1,5,5)f32\n"
+        "Tensor.expand e 1 1 0 1 sizes=(3,2,4,-1,5)\n"
+        "pnnx.Output out0 1 0 1\n"
+    )
     with zipfile.ZipFile(tmp_path / "m.pnnx.bin", "w"):
         pass
     compile_model(str(param), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), auto_batch=False)

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from pmx.compiler import cli
 from pmx.compiler import passes as P
 from pmx.compiler.driver import compile_model
@@ -56,8 +55,10 @@ def test_keep_returns_intermediates_and_runs_only_needed_nodes(prefix, net, tmp_
     m, x = net
     conv_out, relu_out = _names(prefix)
     out = str(tmp_path / "k.pmx")
-    assert cli.main(["compile", prefix + ".pnnx.param", "-o", out, "--keep", conv_out, "--keep", relu_out,
-                     "--verify"]) == 0
+    assert (
+        cli.main(["compile", prefix + ".pnnx.param", "-o", out, "--keep", conv_out, "--keep", relu_out, "--verify"])
+        == 0
+    )
     sess = InferenceSession(out)
     feed = {sess.get_inputs()[0].name: x.numpy()}
     with torch.no_grad():
@@ -92,9 +93,9 @@ def test_profile_prints_nodes_by_time(prefix, tmp_path, capsys):
     compile_model(prefix + ".pnnx.param", output=out)
     assert cli.main(["run", out, "--random", "--profile", "--repeat", "3"]) == 0
     text = capsys.readouterr().out
-    table = text[text.index("\nop ") + 1:]
+    table = text[text.index("\nop ") + 1 :]
     lines = table.splitlines()[1:]
-    rows = lines[:next(i for i, line in enumerate(lines) if line.startswith("total"))]
+    rows = lines[: next(i for i, line in enumerate(lines) if line.startswith("total"))]
     sess = InferenceSession(out)
     assert len(rows) == len(sess.model.nodes)
     overhead = next(line for line in lines if line.startswith("framework overhead"))
@@ -213,7 +214,10 @@ def test_framework_overhead_is_the_part_of_each_run_outside_the_kernels(prefix, 
     out = str(tmp_path / "o.pmx")
     compile_model(prefix + ".pnnx.param", output=out)
     sess = InferenceSession(out)
-    feed = {i.name: np.random.default_rng(0).standard_normal([d or 1 for d in i.shape]).astype(np.float32) for i in sess.get_inputs()}
+    feed = {
+        i.name: np.random.default_rng(0).standard_normal([d or 1 for d in i.shape]).astype(np.float32)
+        for i in sess.get_inputs()
+    }
     got = framework_overhead(sess, feed, repeat=5)
     assert 0 < got.kernel_ms < got.wall_ms and 0 <= got.overhead < 1
     # a model with no node: every microsecond of a run is overhead

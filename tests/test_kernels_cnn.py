@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 TOL = 1e-5
 # PMX_KERNEL_EXAMPLES=1000 for a long soak run
-FAST = settings(max_examples=int(os.environ.get("PMX_KERNEL_EXAMPLES", 30)), deadline=None)
+FAST = settings(max_examples=int(os.environ.get("PMX_KERNEL_EXAMPLES", "30")), deadline=None)
 
 
 def signed_input(shape, seed):
@@ -77,15 +77,30 @@ def conv_case(draw):
     # the dilated kernel must fit the padded input
     for i in range(nd):
         if size[i] + begins[i] + ends[i] < dilation[i] * (k[i] - 1) + 1:
-            size = size[:i] + (dilation[i] * (k[i] - 1) + 1,) + size[i + 1:]
+            size = size[:i] + (dilation[i] * (k[i] - 1) + 1,) + size[i + 1 :]
     batch = draw(st.integers(1, 4))
     bias = draw(st.booleans())
     act = draw(st.sampled_from(["", "", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]))
     # a folded squeeze-and-excitation gate: one scale per image and channel, or per channel
     scale = draw(st.sampled_from([None, None, "per image", "shared"]))
     seed = draw(st.integers(0, 2**32 - 1))
-    return dict(nd=nd, groups=groups, cin=cin, cout=cout, k=k, stride=stride, dilation=dilation, mode=mode,
-                size=size, pads=begins + ends, batch=batch, bias=bias, act=act, scale=scale, seed=seed)
+    return dict(
+        nd=nd,
+        groups=groups,
+        cin=cin,
+        cout=cout,
+        k=k,
+        stride=stride,
+        dilation=dilation,
+        mode=mode,
+        size=size,
+        pads=begins + ends,
+        batch=batch,
+        bias=bias,
+        act=act,
+        scale=scale,
+        seed=seed,
+    )
 
 
 def torch_conv(x, w, b, c):
@@ -98,8 +113,9 @@ def torch_conv(x, w, b, c):
     mode = "constant" if c["mode"] == "zeros" else TORCH_PAD_MODE[c["mode"]]
     xt = F.pad(torch.from_numpy(x), pad, mode=mode)
     conv = F.conv1d if nd == 1 else F.conv2d
-    y = conv(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), c["stride"], 0, c["dilation"],
-             c["groups"])
+    y = conv(
+        xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), c["stride"], 0, c["dilation"], c["groups"]
+    )
     return activation(y, c["act"]), y
 
 
@@ -125,8 +141,7 @@ def test_conv_matches_torch(c):
     x = signed_input((c["batch"], c["cin"]) + c["size"], rng_seed)
     w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], rng_seed + 1)
     b = signed_input((c["cout"],), rng_seed + 2) if c["bias"] else None
-    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"],
-                 padding_mode=c["mode"])
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"], padding_mode=c["mode"])
     scale = None
     if c["scale"]:
         scale = signed_input((c["batch"] if c["scale"] == "per image" else 1, c["cin"]) + (1,) * c["nd"], rng_seed + 3)
@@ -148,7 +163,6 @@ def test_conv_pointwise_and_1x1_strided():
         assert_close(got, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), stride=stride))
 
 
-
 @pytest.mark.parametrize("batch,gate_images", [(1, 1), (3, 3), (3, 1)])
 def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
     """conv's optional input_scale (inputs[3]) on every lowering: scaled (Cout, Cin)
@@ -156,8 +170,12 @@ def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
     with and without bias and activation; the input multiplied first for a 3x3, a grouped
     1x1, a depthwise conv and a 1x1 conv over a single position (the GEMV path)."""
     cases = [  # (cin, cout, size, k, groups, variant)
-        (64, 48, (28, 28), 1, 1, "gemm"), (64, 48, (28, 28), 1, 1, "gemm_1t"), (8, 6, (5, 4), 1, 1, ""),
-        (8, 6, (1, 1), 1, 1, ""), (8, 6, (5, 5), 3, 1, "gemm"), (8, 6, (5, 5), 1, 2, "gemm"),
+        (64, 48, (28, 28), 1, 1, "gemm"),
+        (64, 48, (28, 28), 1, 1, "gemm_1t"),
+        (8, 6, (5, 4), 1, 1, ""),
+        (8, 6, (1, 1), 1, 1, ""),
+        (8, 6, (5, 5), 3, 1, "gemm"),
+        (8, 6, (5, 5), 1, 2, "gemm"),
         (8, 8, (9, 9), 3, 8, "depthwise"),
     ]
     for j, (cin, cout, size, k, groups, variant) in enumerate(cases):
@@ -166,8 +184,13 @@ def test_conv_input_scale_matches_torch(batch, gate_images, two_threads):
         scale = signed_input((gate_images, cin, 1, 1), j + 2)
         attrs = dict(stride=(1, 1), pads=(k // 2,) * 4, dilation=(1, 1), groups=groups, padding_mode="zeros")
         for b, expr in ((None, ""), (signed_input((cout,), j + 3), "maximum(@0,0)")):
-            pre = F.conv2d(torch.from_numpy(x * scale), torch.from_numpy(w), None if b is None else torch.from_numpy(b),
-                           padding=k // 2, groups=groups)
+            pre = F.conv2d(
+                torch.from_numpy(x * scale),
+                torch.from_numpy(w),
+                None if b is None else torch.from_numpy(b),
+                padding=k // 2,
+                groups=groups,
+            )
             (got,) = run_kernel("conv", [x, w, b, scale], attrs, expr=expr, variant=variant, threads=two_threads)
             assert_close(got, activation(pre, expr), pre)
             assert np.array_equal(scale, signed_input(scale.shape, j + 2)), "the gate was written to"
@@ -177,7 +200,6 @@ def test_conv_input_scale_may_be_a_strided_view():
     """A gate read through a view (every other channel of a wider tensor) scales the
     weights without a copy at bind time, which would freeze its first values."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get
 
     x, w = signed_input((2, 8, 5, 5), 0), signed_input((6, 8, 1, 1), 1)
@@ -194,9 +216,13 @@ def test_conv_input_scale_may_be_a_strided_view():
 def test_conv_input_scale_of_the_wrong_shape_names_it():
     x, w = signed_input((2, 4, 3, 3), 0), signed_input((5, 4, 1, 1), 1)
     attrs = dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")
-    for bad in (signed_input((2, 5, 1, 1), 2), signed_input((2, 4, 3, 1), 2), signed_input((3, 4, 1, 1), 2),
-                signed_input((2, 4, 1, 1), 2).astype(np.float64)):
-        with pytest.raises(ValueError, match="input scale .* does not scale the channels of input"):
+    for bad in (
+        signed_input((2, 5, 1, 1), 2),
+        signed_input((2, 4, 3, 1), 2),
+        signed_input((3, 4, 1, 1), 2),
+        signed_input((2, 4, 1, 1), 2).astype(np.float64),
+    ):
+        with pytest.raises(ValueError, match=r"input scale .* does not scale the channels of input"):
             run_kernel("conv", [x, w, None, bad], attrs)
 
 
@@ -217,17 +243,27 @@ def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
     x, gate, y = Value("x", (1, 4, 3, 3)), Value("gate", (1, 5, 1, 1)), Value("y", (1, 6, 3, 3))
     w = Value("w", (6, 4, 1, 1), data=signed_input((6, 4, 1, 1), 0))
     g.inputs, g.outputs = [x, gate], [y]
-    g.add_node(Node("conv", "gated_conv", [x, w, None, gate], [y],
-                    attrs=dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros")))
+    g.add_node(
+        Node(
+            "conv",
+            "gated_conv",
+            [x, w, None, gate],
+            [y],
+            attrs=dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1, padding_mode="zeros"),
+        )
+    )
     ctx = PassContext()
     order(g, ctx)
     plan_memory(g, ctx)
     write(g, ctx.plan(g), ctx.options, str(tmp_path / "bad.pmx"))
     sess = InferenceSession(str(tmp_path / "bad.pmx"))
     feed = {"x": signed_input((1, 4, 3, 3), 1), "gate": signed_input((1, 5, 1, 1), 2)}
-    with pytest.raises(PmxInternalError, match=r"node 'gated_conv' \(conv\) failed at bind: ValueError: input scale "
-                                             r"\(1, 5, 1, 1\) float32 does not scale the channels of input "
-                                             r"\(1, 4, 3, 3\) float32: expected \(1, 4, 1, 1\)"):
+    with pytest.raises(
+        PmxInternalError,
+        match=r"node 'gated_conv' \(conv\) failed at bind: ValueError: input scale "
+        r"\(1, 5, 1, 1\) float32 does not scale the channels of input "
+        r"\(1, 4, 3, 3\) float32: expected \(1, 4, 1, 1\)",
+    ):
         sess.run(None, feed)
 
 
@@ -239,8 +275,9 @@ def two_threads():
     return kernel_pool(2)
 
 
-@pytest.mark.parametrize("kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3",
-                                  "gemm_3x3_small_map"])
+@pytest.mark.parametrize(
+    "kind", ["depthwise_s1", "depthwise_s2_dilated", "depthwise_reflect_s2", "gemm_3x3", "gemm_3x3_small_map"]
+)
 def test_conv_large_enough_to_split(kind, two_threads):
     """Shapes past parallel.SPLIT_MIN_ELEMENTS, so the channel-split depthwise parts and the
     split im2col copy run on two threads (the property test's shapes are too small). The
@@ -252,9 +289,12 @@ def test_conv_large_enough_to_split(kind, two_threads):
     c, batch = 64, 2
     size = 14 if kind == "gemm_3x3_small_map" else 48
     stride, dilation, mode, groups = {
-        "depthwise_s1": (1, 1, "zeros", c), "depthwise_s2_dilated": (2, 2, "zeros", c),
-        "depthwise_reflect_s2": (2, 1, "reflect", c), "gemm_3x3": (1, 1, "zeros", 1),
-        "gemm_3x3_small_map": (1, 1, "zeros", 1)}[kind]
+        "depthwise_s1": (1, 1, "zeros", c),
+        "depthwise_s2_dilated": (2, 2, "zeros", c),
+        "depthwise_reflect_s2": (2, 1, "reflect", c),
+        "gemm_3x3": (1, 1, "zeros", 1),
+        "gemm_3x3_small_map": (1, 1, "zeros", 1),
+    }[kind]
     if groups == 1:
         assert c * c * 9 * size * size >= conv.gemm_split_minimum(False)
         assert conv._split_by_channels(2, groups, c, size * size) == (kind == "gemm_3x3_small_map")
@@ -282,10 +322,18 @@ def flat_depthwise_case(draw):
     kh, dh = draw(st.integers(1, 5)), draw(st.integers(1, 3))
     top, bottom = draw(st.integers(0, 3)), draw(st.integers(0, 3))
     height = max(draw(st.integers(1, 10)), dh * (kh - 1) + 1 - top - bottom)
-    return dict(batch=draw(st.integers(1, 3)), c=draw(st.integers(1, 12)), size=(height, draw(st.integers(1, 10))),
-                k=(kh, kw), dilation=(dh, 1), pads=(top, left, bottom, kw - 1 - left),
-                block=draw(st.integers(1, 5)), bias=draw(st.booleans()),
-                act=draw(st.sampled_from(["", "maximum(@0,0)"])), seed=draw(st.integers(0, 2**32 - 1)))
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        c=draw(st.integers(1, 12)),
+        size=(height, draw(st.integers(1, 10))),
+        k=(kh, kw),
+        dilation=(dh, 1),
+        pads=(top, left, bottom, kw - 1 - left),
+        block=draw(st.integers(1, 5)),
+        bias=draw(st.booleans()),
+        act=draw(st.sampled_from(["", "maximum(@0,0)"])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 @FAST
@@ -296,7 +344,6 @@ def test_flat_depthwise_matches_torch(c):
     different inputs, as an InferenceSession makes: the columns are scratch, dirty from the run
     before, so the zeroing must happen on every run."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels import conv
     from pmx.runtime.kernels.registry import get
 
@@ -307,8 +354,9 @@ def test_flat_depthwise_matches_torch(c):
 
     def torch_conv(x):
         xt = F.pad(torch.from_numpy(x), (left, right, top, bottom))
-        return F.conv2d(xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), 1, 0, c["dilation"],
-                        c["c"])
+        return F.conv2d(
+            xt, torch.from_numpy(w), None if b is None else torch.from_numpy(b), 1, 0, c["dilation"], c["c"]
+        )
 
     x = signed_input((c["batch"], c["c"]) + c["size"], c["seed"])
     out = np.full(tuple(torch_conv(x).shape), np.nan, np.float32)
@@ -317,8 +365,12 @@ def test_flat_depthwise_matches_torch(c):
     before = conv.DEPTHWISE_BLOCK_BYTES
     conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
     try:
-        run = get("conv").make(KernelNode("conv", attrs, c["act"], "depthwise"),
-                               [x, w] + ([b] if b is not None else []), [out], bind_context())
+        run = get("conv").make(
+            KernelNode("conv", attrs, c["act"], "depthwise"),
+            [x, w] + ([b] if b is not None else []),
+            [out],
+            bind_context(),
+        )
     finally:
         conv.DEPTHWISE_BLOCK_BYTES = before
     for seed in (c["seed"], c["seed"] + 3):
@@ -349,11 +401,22 @@ def depthwise_block_case(draw):
     stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
     dilation = tuple(draw(st.integers(1, 3)) for _ in range(nd))
     pads = tuple(draw(st.integers(0, 2)) for _ in range(2 * nd))
-    size = tuple(max(draw(st.integers(1, 12)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i])
-                 for i in range(nd))
-    return dict(nd=nd, c=c, k=k, stride=stride, dilation=dilation, pads=pads, size=size,
-                batch=draw(st.integers(1, 3)), block=draw(st.integers(1, 4)), bias=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**32 - 1)))
+    size = tuple(
+        max(draw(st.integers(1, 12)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i]) for i in range(nd)
+    )
+    return dict(
+        nd=nd,
+        c=c,
+        k=k,
+        stride=stride,
+        dilation=dilation,
+        pads=pads,
+        size=size,
+        batch=draw(st.integers(1, 3)),
+        block=draw(st.integers(1, 4)),
+        bias=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 @FAST
@@ -366,8 +429,10 @@ def test_depthwise_channel_blocks_match_torch(c):
     w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
     b = signed_input((c["c"],), c["seed"] + 2) if c["bias"] else None
     attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
-    out_spatial = tuple(conv.conv_out_size(c["size"][i], c["k"][i], c["stride"][i], c["dilation"][i], c["pads"][i],
-                                           c["pads"][nd + i]) for i in range(nd))
+    out_spatial = tuple(
+        conv.conv_out_size(c["size"][i], c["k"][i], c["stride"][i], c["dilation"][i], c["pads"][i], c["pads"][nd + i])
+        for i in range(nd)
+    )
     g = conv._depthwise_geometry(x, w, np.empty((c["batch"], c["c"]) + out_spatial, np.float32), attrs)
     before = conv.DEPTHWISE_BLOCK_BYTES
     conv.DEPTHWISE_BLOCK_BYTES = c["block"] * len(g.taps) * g.length * x.itemsize
@@ -386,8 +451,15 @@ def test_depthwise_channel_blocks_match_torch(c):
 
 
 @FAST
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.booleans(),
-       st.sampled_from(["", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.booleans(),
+    st.sampled_from(["", "maximum(@0,0)", "mul(@0,sigmoid(@0))"]),
+    st.integers(0, 2**32 - 1),
+)
 def test_conv_1x1_on_one_position_matches_torch(nd, batch, cin, cout, bias, act, seed):
     """Squeeze-and-excitation convs (1x1 kernel, one position): the np.dot path, for one
     image and for a batch, in 1-d, 2-d and 3-d."""
@@ -419,6 +491,7 @@ def test_conv_1x1_on_one_position_into_a_concat_slice():
     assert_close(out, F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)))
     assert (concat[:, :3] == 7).all() and (concat[:, 7:] == 7).all()
 
+
 # --- strided copies ---------------------------------------------------------------------------
 
 
@@ -432,7 +505,6 @@ def test_row_and_pair_copies_equal_numpy(kind, dtype, data):
     and window views given their owner, float32/float16/float64 (no pair type: rows), and
     sources whose last pair would read past their owner (copy_strided must not)."""
     from numpy.lib.stride_tricks import as_strided
-
     from pmx.runtime.kernels.common import copy_rows, copy_strided
 
     shape = tuple(data.draw(st.integers(1, 7)) for _ in range(4))
@@ -449,8 +521,12 @@ def test_row_and_pair_copies_equal_numpy(kind, dtype, data):
         c, h, w = owner.shape[1:]
         assume(h >= k and w >= k)
         st_ = owner[0].strides
-        src = as_strided(owner[0], (c, k, k, (h - k) // s + 1, (w - k) // 2 + 1),
-                         st_[:2] + (st_[2], s * st_[1], 2 * st_[2]), writeable=False)
+        src = as_strided(
+            owner[0],
+            (c, k, k, (h - k) // s + 1, (w - k) // 2 + 1),
+            st_[:2] + (st_[2], s * st_[1], 2 * st_[2]),
+            writeable=False,
+        )
     for copy in (copy_rows, copy_strided):
         dst = np.full(src.shape, np.nan, dtype)
         copy(dst, src, owner)() if copy is copy_strided else copy(dst, src)()
@@ -469,15 +545,25 @@ def pool_case(draw, kind):
     pad = tuple(draw(st.integers(0, kk // 2)) for kk in k)
     size = tuple(draw(st.integers(1, 10)) for _ in range(nd))
     size = tuple(max(s, d * (kk - 1) + 1 - 2 * p) for s, d, kk, p in zip(size, dilation, k, pad))
-    return dict(k=k, stride=stride, dilation=dilation, pad=pad, size=size,
-                ceil_mode=draw(st.booleans()), count_include_pad=draw(st.booleans()),
-                divisor=draw(st.sampled_from([0, 0, 0, 1, 3, 7])), batch=draw(st.integers(1, 3)),
-                channels=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**32 - 1)))
+    return dict(
+        k=k,
+        stride=stride,
+        dilation=dilation,
+        pad=pad,
+        size=size,
+        ceil_mode=draw(st.booleans()),
+        count_include_pad=draw(st.booleans()),
+        divisor=draw(st.sampled_from([0, 0, 0, 1, 3, 7])),
+        batch=draw(st.integers(1, 3)),
+        channels=draw(st.integers(1, 4)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 def _pool_attrs(c, kind):
-    a = dict(kernel=c["k"], stride=c["stride"], pads=c["pad"] + c["pad"], dilation=c["dilation"],
-             ceil_mode=c["ceil_mode"])
+    a = dict(
+        kernel=c["k"], stride=c["stride"], pads=c["pad"] + c["pad"], dilation=c["dilation"], ceil_mode=c["ceil_mode"]
+    )
     if kind == "avg":
         a.update(count_include_pad=c["count_include_pad"], divisor_override=c["divisor"])
     return a
@@ -536,8 +622,10 @@ def test_width_stride_two_max_pool_matches_torch(data):
     height = max(data.draw(st.integers(1, 9)), dilation[0] * (k[0] - 1) + 1 - 2 * pad[0])
     width = max(data.draw(st.integers(1, 12)), dilation[1] * (k[1] - 1) + 1 - 2 * pad[1])
     dtype = data.draw(st.sampled_from([np.float32, np.float16]))
-    x = signed_input((data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), height, width),
-                     data.draw(st.integers(0, 2**32 - 1))).astype(dtype)
+    x = signed_input(
+        (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), height, width),
+        data.draw(st.integers(0, 2**32 - 1)),
+    ).astype(dtype)
     if data.draw(st.booleans()):
         x.flat[data.draw(st.integers(0, x.size - 1))] = np.nan
         x.flat[data.draw(st.integers(0, x.size - 1))] = -np.inf
@@ -572,17 +660,33 @@ def test_width_stride_two_avg_pool_matches_torch(data):
     height = max(data.draw(st.integers(1, 9)), k[0] - 2 * pad[0])
     width = max(data.draw(st.integers(1, 12)), k[1] - 2 * pad[1])
     dtype = data.draw(st.sampled_from([np.float32, np.float16]))
-    x = signed_input((data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), height, width),
-                     data.draw(st.integers(0, 2**32 - 1))).astype(dtype)
+    x = signed_input(
+        (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)), height, width),
+        data.draw(st.integers(0, 2**32 - 1)),
+    ).astype(dtype)
     if data.draw(st.booleans()):
         x.flat[data.draw(st.integers(0, x.size - 1))] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
     ceil_mode, include_pad = data.draw(st.booleans()), data.draw(st.booleans())
     divisor = data.draw(st.sampled_from([0, 0, 1, 3, 7]))
-    want = F.avg_pool2d(torch.from_numpy(x.astype(np.float32)), k, stride, pad, ceil_mode=ceil_mode,
-                        count_include_pad=include_pad, divisor_override=divisor or None).numpy()
+    want = F.avg_pool2d(
+        torch.from_numpy(x.astype(np.float32)),
+        k,
+        stride,
+        pad,
+        ceil_mode=ceil_mode,
+        count_include_pad=include_pad,
+        divisor_override=divisor or None,
+    ).numpy()
     assume(want.shape[-1] <= (width + 1) // 2)  # wider outputs keep the strided views
-    a = dict(kernel=k, stride=stride, pads=pad + pad, dilation=(1, 1), ceil_mode=ceil_mode,
-             count_include_pad=include_pad, divisor_override=divisor)
+    a = dict(
+        kernel=k,
+        stride=stride,
+        pads=pad + pad,
+        dilation=(1, 1),
+        ceil_mode=ceil_mode,
+        count_include_pad=include_pad,
+        divisor_override=divisor,
+    )
     assert _ColumnPairs.of(x, want.astype(dtype), a) is not None
     with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         (got,) = run_kernel("avg_pool", [x], a, threads=data.draw(st.sampled_from([1, 2])))
@@ -608,8 +712,15 @@ def test_avg_pool_matches_torch(c, threads):
     from pmx.runtime import parallel
 
     x = signed_input((c["batch"], c["channels"]) + c["size"], c["seed"])
-    want = F.avg_pool2d(torch.from_numpy(x), c["k"], c["stride"], c["pad"], ceil_mode=c["ceil_mode"],
-                        count_include_pad=c["count_include_pad"], divisor_override=c["divisor"] or None)
+    want = F.avg_pool2d(
+        torch.from_numpy(x),
+        c["k"],
+        c["stride"],
+        c["pad"],
+        ceil_mode=c["ceil_mode"],
+        count_include_pad=c["count_include_pad"],
+        divisor_override=c["divisor"] or None,
+    )
     with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
         (got,) = run_kernel("avg_pool", [x], _pool_attrs(c, "avg"), threads=threads)
     assert_close(got, want)
@@ -638,8 +749,15 @@ def test_same_size_stride_one_pools_match_torch(data):
     else:
         begins = tuple(data.draw(st.integers(0, d * (kk - 1))) for kk, d in zip(k, dil))
     ends = tuple(d * (kk - 1) - b for kk, d, b in zip(k, dil, begins))
-    x = signed_input((data.draw(st.integers(1, 3)), data.draw(st.integers(1, 6)),
-                      data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))), data.draw(st.integers(0, 2**32 - 1)))
+    x = signed_input(
+        (
+            data.draw(st.integers(1, 3)),
+            data.draw(st.integers(1, 6)),
+            data.draw(st.integers(1, 9)),
+            data.draw(st.integers(1, 9)),
+        ),
+        data.draw(st.integers(0, 2**32 - 1)),
+    )
     if kind == "max" and data.draw(st.booleans()):
         x.flat[data.draw(st.integers(0, x.size - 1))] = np.nan
         x.flat[data.draw(st.integers(0, x.size - 1))] = -np.inf
@@ -651,12 +769,20 @@ def test_same_size_stride_one_pools_match_torch(data):
         want = F.avg_pool2d(F.pad(t, padding), k, 1, 0)
     else:
         want = F.avg_pool2d(t, k, 1, begins, count_include_pad=False)
-    a = dict(kernel=k, stride=(1, 1), pads=begins + ends, dilation=dil, ceil_mode=False,
-             count_include_pad=kind == "avg", divisor_override=0)
+    a = dict(
+        kernel=k,
+        stride=(1, 1),
+        pads=begins + ends,
+        dilation=dil,
+        ceil_mode=False,
+        count_include_pad=kind == "avg",
+        divisor_override=0,
+    )
     assert _same_size_stride_one(x, want.numpy(), a)
     with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1):
-        (got,) = run_kernel("max_pool" if kind == "max" else "avg_pool", [x], a,
-                            threads=data.draw(st.sampled_from([1, 2])))
+        (got,) = run_kernel(
+            "max_pool" if kind == "max" else "avg_pool", [x], a, threads=data.draw(st.sampled_from([1, 2]))
+        )
     if kind == "max":
         np.testing.assert_array_equal(got, want.numpy())
     else:
@@ -671,17 +797,26 @@ def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride
     context, over scratch full of float32 max (whatever an earlier node left), then run
     in turn, twice."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((1, 3, 9, 9), 3)
-    a = dict(kernel=(kernel, kernel), stride=(stride, stride), pads=(1, 1, 1, 1), dilation=(1, 1), ceil_mode=False,
-             count_include_pad=True, divisor_override=0)
+    a = dict(
+        kernel=(kernel, kernel),
+        stride=(stride, stride),
+        pads=(1, 1, 1, 1),
+        dilation=(1, 1),
+        ceil_mode=False,
+        count_include_pad=True,
+        divisor_override=0,
+    )
     out_shape = F.max_pool2d(torch.from_numpy(x), kernel, stride, 1).shape
     outs = {op: np.empty(out_shape, np.float32) for op in ("max_pool", "avg_pool")}
     nodes = {op: KernelNode(op, a) for op in outs}
-    scratch = np.full(max(node_scratch_nbytes(nodes[op], [x], [outs[op]], bind_context()) for op in outs) // 4 + 16,
-                      np.finfo(np.float32).max, np.float32)
+    scratch = np.full(
+        max(node_scratch_nbytes(nodes[op], [x], [outs[op]], bind_context()) for op in outs) // 4 + 16,
+        np.finfo(np.float32).max,
+        np.float32,
+    )
     ctx = bind_context(None, scratch.view(np.uint8), {})
     runs = []
     for op in ("max_pool", "avg_pool"):
@@ -702,8 +837,15 @@ def test_unbatched_avg_pool_matches_torch(data):
     h, w = data.draw(st.integers(k, 9)), data.draw(st.integers(k, 9))
     ceil_mode, include_pad = data.draw(st.booleans()), data.draw(st.booleans())
     x = signed_input((4, h, w), data.draw(st.integers(0, 2**32 - 1)))
-    a = dict(kernel=(k, k), stride=(s, s), pads=(pad,) * 4, dilation=(1, 1), ceil_mode=ceil_mode,
-             count_include_pad=include_pad, divisor_override=0)
+    a = dict(
+        kernel=(k, k),
+        stride=(s, s),
+        pads=(pad,) * 4,
+        dilation=(1, 1),
+        ceil_mode=ceil_mode,
+        count_include_pad=include_pad,
+        divisor_override=0,
+    )
     (got,) = run_kernel("avg_pool", [x], a)
     assert_close(got, F.avg_pool2d(torch.from_numpy(x), k, s, pad, ceil_mode=ceil_mode, count_include_pad=include_pad))
 
@@ -721,8 +863,14 @@ def test_pool_1d_matches_torch(n, k, s, ceil_mode, seed):
 
 
 @FAST
-@given(st.integers(1, 12), st.integers(1, 12), st.integers(1, 14), st.integers(1, 14), st.integers(1, 3),
-       st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 12),
+    st.integers(1, 12),
+    st.integers(1, 14),
+    st.integers(1, 14),
+    st.integers(1, 3),
+    st.integers(0, 2**32 - 1),
+)
 def test_adaptive_pools_match_torch(h, w, oh, ow, batch, seed):
     x = signed_input((batch, 3, h, w), seed)
     xt = torch.from_numpy(x)
@@ -732,8 +880,9 @@ def test_adaptive_pools_match_torch(h, w, oh, ow, batch, seed):
     assert_close(got, F.adaptive_max_pool2d(xt, (oh, ow)))
 
 
-@pytest.mark.parametrize("size,out", [((7, 7), (3, 5)), ((7, 7), (1, 1)), ((8, 6), (4, 3)), ((5, 9), (5, 2)),
-                                      ((3, 4), (6, 8))])
+@pytest.mark.parametrize(
+    "size,out", [((7, 7), (3, 5)), ((7, 7), (1, 1)), ((8, 6), (4, 3)), ((5, 9), (5, 2)), ((3, 4), (6, 8))]
+)
 def test_adaptive_pool_corners(size, out):
     """Global pooling, exact divisions (the reshape path) and upsampling-like bins."""
     x = signed_input((1, 2) + size, 7)
@@ -745,8 +894,15 @@ def test_adaptive_pool_corners(size, out):
 
 
 @FAST
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.lists(st.integers(1, 60), min_size=3, max_size=3),
-       st.sampled_from([np.float32, np.float64]), st.booleans(), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.lists(st.integers(1, 60), min_size=3, max_size=3),
+    st.sampled_from([np.float32, np.float64]),
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+)
 # a mean that cancels: [-0.718, 0.505, 0.209] (a GEMV with weights 1/3 was off by 1.1e-5)
 @example(nd=1, batch=1, channels=1, sizes=[3, 1, 1], dtype=np.float32, strided=False, seed=501715)
 def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, seed):
@@ -781,9 +937,15 @@ def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, se
 
 
 @FAST
-@given(st.sampled_from(["reduce_mean", "reduce_sum", "reduce_max", "reduce_min"]), st.integers(1, 3),
-       st.integers(1, 40), st.integers(1, 40), st.sampled_from([np.float32, np.float64, np.int32]), st.booleans(),
-       st.integers(0, 2**32 - 1))
+@given(
+    st.sampled_from(["reduce_mean", "reduce_sum", "reduce_max", "reduce_min"]),
+    st.integers(1, 3),
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.sampled_from([np.float32, np.float64, np.int32]),
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+)
 def test_trailing_reductions_match_torch(op, batch, channels, side, dtype, keep, seed):
     """x.mean([2, 3]) and friends (ShuffleNet's head): reductions over the trailing axes
     of a contiguous tensor run as one GEMV / ufunc.reduce over its (rows, positions) view."""
@@ -830,8 +992,14 @@ def test_long_row_means_and_sums_match_torch(size):
 
 
 @FAST
-@given(st.lists(st.integers(1, 4), min_size=0, max_size=2), st.integers(1, 33), st.integers(1, 17), st.booleans(),
-       st.sampled_from(["", "maximum(@0,0)"]), st.integers(0, 2**32 - 1))
+@given(
+    st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    st.integers(1, 33),
+    st.integers(1, 17),
+    st.booleans(),
+    st.sampled_from(["", "maximum(@0,0)"]),
+    st.integers(0, 2**32 - 1),
+)
 def test_linear_matches_torch(lead, fin, fout, bias, act, seed):
     x = signed_input(tuple(lead) + (fin,), seed)
     w = signed_input((fout, fin), seed + 1)
@@ -842,8 +1010,13 @@ def test_linear_matches_torch(lead, fin, fout, bias, act, seed):
 
 
 @FAST
-@given(st.integers(1, 3), st.integers(1, 8), st.lists(st.integers(1, 6), min_size=0, max_size=2),
-       st.floats(1e-5, 1e-2), st.integers(0, 2**32 - 1))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.lists(st.integers(1, 6), min_size=0, max_size=2),
+    st.floats(1e-5, 1e-2),
+    st.integers(0, 2**32 - 1),
+)
 def test_batch_norm_matches_torch(n, c, spatial, eps, seed):
     rng = np.random.default_rng(seed)
     x = signed_input((n, c) + tuple(spatial), seed)
@@ -927,7 +1100,7 @@ def test_stale_border_families_cover_exactly_the_marked_positions(mask, slots, s
     covered = np.zeros(mask.size, int)
     for start, period, count, length in families:
         for k in range(count):
-            covered[start + k * period:start + k * period + length] += 1
+            covered[start + k * period : start + k * period + length] += 1
     np.testing.assert_array_equal(covered, mask.astype(int))
     assert all(length > 0 and count > 0 for _, _, count, length in families)
 
@@ -1000,10 +1173,17 @@ def row_stride_one_case(draw):
     stride = tuple(draw(st.integers(1, 3)) for _ in range(nd - 1)) + (1,)
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(nd))
     pads = tuple(draw(st.integers(0, 4)) for _ in range(2 * nd))
-    size = tuple(max(draw(st.integers(1, 9)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i])
-                 for i in range(nd))
-    return dict(nd=nd, c=draw(st.integers(1, 4)), k=k, stride=stride, dilation=dilation, pads=pads, size=size,
-                seed=draw(st.integers(0, 2**32 - 1)))
+    size = tuple(max(draw(st.integers(1, 9)), dilation[i] * (k[i] - 1) + 1 - pads[i] - pads[nd + i]) for i in range(nd))
+    return dict(
+        nd=nd,
+        c=draw(st.integers(1, 4)),
+        k=k,
+        stride=stride,
+        dilation=dilation,
+        pads=pads,
+        size=size,
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 @FAST
@@ -1023,28 +1203,34 @@ def test_row_stride_one_depthwise_and_max_pool_match_torch(c):
     pool = dict(kernel=c["k"], stride=c["stride"], pads=c["pads"], dilation=c["dilation"], ceil_mode=False)
     (got,) = run_kernel("max_pool", [x], pool)
     max_pool = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[nd - 1]
-    np.testing.assert_array_equal(got, _np(max_pool(F.pad(xt, pad, value=-np.inf), c["k"], c["stride"], 0,
-                                                    c["dilation"])))
+    np.testing.assert_array_equal(
+        got, _np(max_pool(F.pad(xt, pad, value=-np.inf), c["k"], c["stride"], 0, c["dilation"]))
+    )
 
 
 HARDSWISH = "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"
 
 
-@pytest.mark.parametrize("kind", ["pointwise", "gemm_3x3_small_map", "gemm_3x3_bands", "depthwise", "winograd",
-                                  "linear"])
+@pytest.mark.parametrize(
+    "kind", ["pointwise", "gemm_3x3_small_map", "gemm_3x3_bands", "depthwise", "winograd", "linear"]
+)
 def test_cheap_activation_runs_after_split_parts(kind, two_threads):
     """Kernels split over two threads whose output is below the elementwise split size run
     a cheap activation once on the whole output after their parts
     (common.epilogue_after_parts): every lowering that splits, against torch. Hardswish
     shows an activation applied twice or not at all."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels import common
     from pmx.runtime.kernels.winograd import transform_weights
 
     cin, cout, size, k, groups = {
-        "pointwise": (96, 576, 7, 1, 1), "gemm_3x3_small_map": (64, 64, 14, 3, 1), "gemm_3x3_bands": (64, 8, 48, 3, 1),
-        "depthwise": (576, 576, 7, 5, 576), "winograd": (128, 64, 28, 3, 1), "linear": (512, 1000, 49, 0, 1)}[kind]
+        "pointwise": (96, 576, 7, 1, 1),
+        "gemm_3x3_small_map": (64, 64, 14, 3, 1),
+        "gemm_3x3_bands": (64, 8, 48, 3, 1),
+        "depthwise": (576, 576, 7, 5, 576),
+        "winograd": (128, 64, 28, 3, 1),
+        "linear": (512, 1000, 49, 0, 1),
+    }[kind]
     x = signed_input((49, cin) if kind == "linear" else (1, cin, size, size), 0)
     w = signed_input((cout, cin) if kind == "linear" else (cout, cin // groups, k, k), 1)
     b = signed_input((cout,), 2)
@@ -1054,8 +1240,14 @@ def test_cheap_activation_runs_after_split_parts(kind, two_threads):
         (got,) = run_kernel("linear", [x, w, b], {}, expr=HARDSWISH, threads=two_threads)
         want = F.linear(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b))
     elif kind == "winograd":
-        (got,) = run_kernel("conv_winograd", [x, transform_weights(w), b], {"pads": attrs["pads"]}, expr=HARDSWISH,
-                            variant="winograd", threads=two_threads)
+        (got,) = run_kernel(
+            "conv_winograd",
+            [x, transform_weights(w), b],
+            {"pads": attrs["pads"]},
+            expr=HARDSWISH,
+            variant="winograd",
+            threads=two_threads,
+        )
         want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), padding=pad)
     else:
         variant = "depthwise" if kind == "depthwise" else "gemm"
@@ -1069,16 +1261,21 @@ def test_which_activations_run_after_split_parts():
     """Cheap arithmetic on a tensor an elementwise node would not split runs after the
     parts; SiLU (exp) and big tensors stay in them."""
     from helpers import KernelNode
-
     from pmx.runtime import parallel
     from pmx.runtime.kernels import common
 
     small = np.empty(parallel.SPLIT_MIN_ELEMENTS - 1, np.float32)
     big = np.empty(parallel.SPLIT_MIN_ELEMENTS, np.float32)
     ctx = bind_context(kernel_pool(2, splits_gemms=None))
-    for expr, want in [(HARDSWISH, True), ("maximum(@0,0)", True), ("minimum(maximum(@0,0),6)", True),
-                       ("mul(@0,sigmoid(@0))", False), ("div(@0,sub(-1,exp(@0)))", False), ("tanh(@0)", False),
-                       ("", False)]:
+    for expr, want in [
+        (HARDSWISH, True),
+        ("maximum(@0,0)", True),
+        ("minimum(maximum(@0,0),6)", True),
+        ("mul(@0,sigmoid(@0))", False),
+        ("div(@0,sub(-1,exp(@0)))", False),
+        ("tanh(@0)", False),
+        ("", False),
+    ]:
         node = KernelNode("conv", {}, expr, "")
         assert common.epilogue_after_parts(ctx, node, small) == want, expr
         assert not common.epilogue_after_parts(ctx, node, big), expr

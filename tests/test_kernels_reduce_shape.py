@@ -2,6 +2,8 @@
 reductions over random dims with and without keepdim (values and int64 index outputs),
 softmax on any dim, roll/flip/expand/tile/take/gather/cast/slice/transpose/concat/split."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -193,7 +195,7 @@ def test_tile_and_repeat(x, data):
     reps = tuple(data.draw(st.lists(st.integers(1, 3), min_size=x.ndim, max_size=x.ndim + 2)))
     (got,) = run_kernel("tile", [x], dict(reps=reps))
     close(got, torch.from_numpy(x).repeat(*reps))
-    short = reps[len(reps) - 1:]  # torch.tile pads the repeats with leading 1s
+    short = reps[len(reps) - 1 :]  # torch.tile pads the repeats with leading 1s
     (got,) = run_kernel("tile", [x], dict(reps=short))
     close(got, torch.tile(torch.from_numpy(x), short))
 
@@ -216,8 +218,9 @@ def test_take_index_select_and_embedding(x, data):
 @given(x=floats(), data=st.data())
 def test_gather(x, data):
     axis = data.draw(st.integers(0, x.ndim - 1))
-    shape = tuple(data.draw(st.integers(1, d)) if i != axis else data.draw(st.integers(1, 6))
-                  for i, d in enumerate(x.shape))
+    shape = tuple(
+        data.draw(st.integers(1, d)) if i != axis else data.draw(st.integers(1, 6)) for i, d in enumerate(x.shape)
+    )
     idx = np.random.default_rng(data.draw(st.integers(0, 999))).integers(0, x.shape[axis], shape).astype(np.int64)
     (got,) = run_kernel("gather", [x, idx], dict(axis=axis))
     close(got, torch.gather(torch.from_numpy(x), axis, torch.from_numpy(idx)))
@@ -244,12 +247,16 @@ def test_slice_and_select(x, data):
         s, e, p = data.draw(st.integers(-n - 1, n)), data.draw(st.integers(-n - 1, n + 2)), data.draw(st.integers(1, 3))
         starts.append(s), ends.append(e), steps.append(p)
         index[a] = slice(s, e, p)
-    (got,) = run_kernel("slice", [x], dict(axes=axes, starts=tuple(starts), ends=tuple(ends), steps=tuple(steps), squeeze=()))
+    (got,) = run_kernel(
+        "slice", [x], dict(axes=axes, starts=tuple(starts), ends=tuple(ends), steps=tuple(steps), squeeze=())
+    )
     want = x[tuple(index)]  # python slicing clips like torch's
     close(got, want)
     a = axes[0]
     i = data.draw(st.integers(-x.shape[a], x.shape[a] - 1))
-    (got,) = run_kernel("slice", [x], dict(axes=(a,), starts=(i % x.shape[a],), ends=(i % x.shape[a] + 1,), steps=(1,), squeeze=(a,)))
+    (got,) = run_kernel(
+        "slice", [x], dict(axes=(a,), starts=(i % x.shape[a],), ends=(i % x.shape[a] + 1,), steps=(1,), squeeze=(a,))
+    )
     close(got, torch.from_numpy(x).select(a, i))
 
 
@@ -273,8 +280,10 @@ def test_transposes_trading_two_runs_of_axes_go_through_blas(shape, dtype, data)
     x.flat[rng.integers(0, x.size, x.size // 2)] = rng.choice(specials, x.size // 2)
     made = []
     real = blas.transposed_copy
-    with mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1), \
-            mock.patch.object(blas, "transposed_copy", lambda s, d: made.append(real(s, d)) or made[-1]):
+    with (
+        mock.patch.object(parallel, "SPLIT_MIN_ELEMENTS", 1),
+        mock.patch.object(blas, "transposed_copy", lambda s, d: made.append(real(s, d)) or made[-1]),
+    ):
         (got,) = run_kernel("transpose", [x], dict(perm=perm), threads=data.draw(st.sampled_from([1, 2, 3])))
     assert made and all(c is not None for c in made), perm
     want = x.transpose(perm)
@@ -303,7 +312,7 @@ def test_only_batches_of_matrix_transposes_go_through_blas():
     np.testing.assert_array_equal(got, x.transpose(0, 2, 3, 1))
     for perm in [(0, 1, 2, 3), (1, 0, 2, 3), (0, 2, 1, 3), (3, 2, 1, 0), (0, 3, 2, 1), (2, 0, 3, 1)]:
         assert _matrix_swap(shape, perm) is None, perm
-        with mock.patch.object(blas, "transposed_copy", lambda s, d: pytest.fail(f"BLAS for {perm}")):
+        with mock.patch.object(blas, "transposed_copy", lambda s, d, perm=perm: pytest.fail(f"BLAS for {perm}")):
             (got,) = run_kernel("transpose", [x], dict(perm=perm))
         np.testing.assert_array_equal(got, x.transpose(perm))
 
@@ -321,7 +330,7 @@ def test_transpose_concat_split(x, data):
         (got,) = run_kernel("transpose", [x], dict(perm=perm), threads=data.draw(st.sampled_from([1, 2, 3])))
     np.testing.assert_array_equal(got, torch.from_numpy(x).permute(perm).numpy())
     axis = data.draw(st.integers(0, x.ndim - 1))
-    y = data.draw(floats(x.shape[:axis] + (data.draw(st.integers(1, 3)),) + x.shape[axis + 1:]))
+    y = data.draw(floats(x.shape[:axis] + (data.draw(st.integers(1, 3)),) + x.shape[axis + 1 :]))
     (got,) = run_kernel("concat", [x, y], dict(axis=axis))
     close(got, torch.cat([torch.from_numpy(x), torch.from_numpy(y)], axis))
     sizes = (x.shape[axis], y.shape[axis])
@@ -330,31 +339,40 @@ def test_transpose_concat_split(x, data):
     close(parts[1], y)
 
 
-@given(rank=st.integers(1, 4), n=st.integers(1, 12), data=st.data(),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]))
+@given(
+    rank=st.integers(1, 4),
+    n=st.integers(1, 12),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.int64]),
+)
 def test_concat_shape_rule_matches_torch_cat(rank, n, data, dtype):
     """The concat shape rule (which the loader runs on every concat of a file) against
     torch.cat on empty tensors: output shape and dtype, and refusing what torch refuses
     (a differing dim, a differing rank). With broadcast=True, size-1 dims stretch: the
     oracle is torch.cat of the inputs expanded to the other inputs' size."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import output_shapes
 
     axis = data.draw(st.integers(-rank, rank - 1))
     base = [data.draw(st.integers(1, 4)) for _ in range(rank)]
-    shapes = [tuple(data.draw(st.integers(0, 3)) if d == axis % rank else base[d] for d in range(rank))
-              for _ in range(n)]
+    shapes = [
+        tuple(data.draw(st.integers(0, 3)) if d == axis % rank else base[d] for d in range(rank)) for _ in range(n)
+    ]
     fault = data.draw(st.sampled_from(["none", "dim", "rank", "ones"]))
     if fault == "dim" and rank > 1:
-        i, d = data.draw(st.integers(0, n - 1)), data.draw(st.sampled_from([d for d in range(rank) if d != axis % rank]))
-        shapes[i] = shapes[i][:d] + (shapes[i][d] + 1,) + shapes[i][d + 1:]
+        i, d = (
+            data.draw(st.integers(0, n - 1)),
+            data.draw(st.sampled_from([d for d in range(rank) if d != axis % rank])),
+        )
+        shapes[i] = shapes[i][:d] + (shapes[i][d] + 1,) + shapes[i][d + 1 :]
     elif fault == "rank":
         i = data.draw(st.integers(0, n - 1))
         shapes[i] = shapes[i] + (1,)
     elif fault == "ones":  # some non-axis dims of some inputs become 1
         for i in data.draw(st.sets(st.integers(0, n - 1))):
-            shapes[i] = tuple(1 if d != axis % rank and data.draw(st.booleans()) else s for d, s in enumerate(shapes[i]))
+            shapes[i] = tuple(
+                1 if d != axis % rank and data.draw(st.booleans()) else s for d, s in enumerate(shapes[i])
+            )
     broadcast = data.draw(st.booleans())
     tensors = [torch.empty(s, dtype=dtype) for s in shapes]
     if broadcast and len({len(s) for s in shapes}) == 1:
@@ -376,13 +394,17 @@ def test_concat_shape_rule_matches_torch_cat(rank, n, data, dtype):
         assert output_shapes(node, shapes, [np_dtype] * n) == [(tuple(want.shape), np_dtype)]
 
 
-@given(batch=st.integers(1, 3), groups=st.integers(1, 4), per_group=st.integers(1, 4),
-       spatial=st.lists(st.integers(1, 5), min_size=0, max_size=3), seed=st.integers(0, 2**32 - 1))
+@given(
+    batch=st.integers(1, 3),
+    groups=st.integers(1, 4),
+    per_group=st.integers(1, 4),
+    spatial=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     """channel_shuffle on contiguous operands, and into a channel slice of a wider buffer
     (a concat slice: strided across images, the fallback copy)."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get
 
     shape = (batch, groups * per_group) + tuple(spatial)
@@ -398,23 +420,28 @@ def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     assert np.isnan(wide[:, [0, -1]]).all(), "wrote outside its slice"
 
 
-@given(batch=st.integers(1, 3), groups=st.integers(1, 4), per_group=st.integers(1, 5),
-       spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2), cuts=st.lists(st.integers(0, 20), max_size=3),
-       strided=st.booleans(), seed=st.integers(0, 2**32 - 1))
+@given(
+    batch=st.integers(1, 3),
+    groups=st.integers(1, 4),
+    per_group=st.integers(1, 5),
+    spatial=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    cuts=st.lists(st.integers(0, 20), max_size=3),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group, spatial, cuts, strided, seed):
     """channel_shuffle with attrs sizes (a shuffle fused with the split after it): each
     part equals torch's shuffle then split, for any cut points (parts that are not whole
     groups, empty parts), each part written into a channel slice of a wider buffer when
     `strided` (a concat slice) and nothing outside it."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get, output_shapes
 
     c = groups * per_group
     shape = (batch, c) + tuple(spatial)
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     bounds = sorted({0, c} | {k % (c + 1) for k in cuts})
-    sizes = tuple(b - a for a, b in zip(bounds, bounds[1:])) or (c,)
+    sizes = tuple(b - a for a, b in itertools.pairwise(bounds)) or (c,)
     want = torch.nn.functional.channel_shuffle(torch.from_numpy(x.reshape(shape + (1,) * (3 - len(shape)))), groups)
     want = torch.split(want.reshape(shape), list(sizes), dim=1)
     node = KernelNode("channel_shuffle", dict(groups=groups, sizes=sizes))
@@ -430,7 +457,6 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
 
 def test_channel_shuffle_sizes_must_split_the_channels():
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import output_shapes
 
     for sizes in ((3, 4), (), (8, -1, 1), (4.0, 4)):
@@ -440,7 +466,6 @@ def test_channel_shuffle_sizes_must_split_the_channels():
 
 def test_channel_shuffle_refuses_groups_that_do_not_divide():
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import output_shapes
 
     with pytest.raises(ValueError, match="must divide the channels"):

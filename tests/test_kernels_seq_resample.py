@@ -42,8 +42,7 @@ def run_split(data, op, inputs, attrs, expr=""):
 
 # --- resize --------------------------------------------------------------------------
 
-TORCH_MODE = {("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear",
-              ("cubic", 2): "bicubic"}
+TORCH_MODE = {("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear", ("cubic", 2): "bicubic"}
 SCALES = [0.5, 0.7, 1.0, 1.25, 1.5, 1.7, 2.0, 2.5, 3.0, 1 / 3]
 
 
@@ -63,15 +62,15 @@ def test_resize(data):
         if any(int(n * s) < 1 for n, s in zip(spatial, scales)):
             scales = [max(s, 1.0) for s in scales]
         recompute = data.draw(st.booleans())
-        y = F.interpolate(x, scale_factor=scales, mode=torch_mode, align_corners=align,
-                          recompute_scale_factor=recompute)
+        y = F.interpolate(
+            x, scale_factor=scales, mode=torch_mode, align_corners=align, recompute_scale_factor=recompute
+        )
         coord_scales = (0.0,) * nd if recompute else tuple(float(s) for s in scales)
     else:
         size = int_list(data, 1, 2 * small, nd)
         y = F.interpolate(x, size=size, mode=torch_mode, align_corners=align)
         coord_scales = (0.0,) * nd
-    attrs = dict(mode=mode, align_corners=bool(align), sizes=tuple(y.shape[2:]),
-                 scales=coord_scales)
+    attrs = dict(mode=mode, align_corners=bool(align), sizes=tuple(y.shape[2:]), scales=coord_scales)
     with _product_max_input(data):
         check(run_split(data, "resize", [x.numpy()], attrs), y)
 
@@ -98,8 +97,9 @@ def test_resize_non_finite_inputs_stay_local(data):
     align = data.draw(st.booleans())
     x = torch.randn(1, 2, *spatial, generator=generator(data)).numpy()
     x.flat[data.draw(st.integers(0, x.size - 1))] = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]))
-    y = F.interpolate(torch.from_numpy(x), size=size, mode="bilinear" if mode == "linear" else "bicubic",
-                      align_corners=align).numpy()
+    y = F.interpolate(
+        torch.from_numpy(x), size=size, mode="bilinear" if mode == "linear" else "bicubic", align_corners=align
+    ).numpy()
     attrs = dict(mode=mode, align_corners=align, sizes=tuple(size), scales=(0.0, 0.0))
     with _product_max_input(data):
         got = run_split(data, "resize", [x], attrs)
@@ -112,8 +112,7 @@ def test_resize_nearest_integer_factors_exact():
     x = torch.randn(2, 3, 4, 5)
     for s in (2, 3):
         y = F.interpolate(x, scale_factor=s, mode="nearest")
-        attrs = dict(mode="nearest", align_corners=False, sizes=tuple(y.shape[2:]),
-                     scales=(float(s),) * 2)
+        attrs = dict(mode="nearest", align_corners=False, sizes=tuple(y.shape[2:]), scales=(float(s),) * 2)
         np.testing.assert_array_equal(run_kernel("resize", [x.numpy()], attrs)[0], y.numpy())
 
 
@@ -121,8 +120,9 @@ def test_resize_shape_rule_follows_scale_factor():
     from helpers import KernelNode
     from pmx.runtime.kernels.registry import get
 
-    node = KernelNode("resize", dict(mode="linear", align_corners=False, sizes=(10, 7),
-                                     scales=(2.0, 0.0), scale_factor=(2.0, 0.0)))
+    node = KernelNode(
+        "resize", dict(mode="linear", align_corners=False, sizes=(10, 7), scales=(2.0, 0.0), scale_factor=(2.0, 0.0))
+    )
     [(shape, _)] = get("resize").infer(node, [(3, 4, 9, 30)], [np.dtype("float32")])
     assert shape == (3, 4, 18, 7)
 
@@ -180,12 +180,16 @@ def test_conv_transpose(data):
     b = torch.randn(cout_g * groups, generator=g) if data.draw(st.booleans()) else None
     fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[nd]
     try:
-        y = fn(x, w, b, stride=stride, padding=padding, output_padding=output_padding,
-               groups=groups, dilation=dilation)
+        y = fn(x, w, b, stride=stride, padding=padding, output_padding=output_padding, groups=groups, dilation=dilation)
     except RuntimeError:
         return  # output would be empty
-    attrs = dict(stride=tuple(stride), pads=tuple(padding) * 2,
-                 output_padding=tuple(output_padding), dilation=tuple(dilation), groups=groups)
+    attrs = dict(
+        stride=tuple(stride),
+        pads=tuple(padding) * 2,
+        output_padding=tuple(output_padding),
+        dilation=tuple(dilation),
+        groups=groups,
+    )
     inputs = [x.numpy(), w.numpy()] + ([b.numpy()] if b is not None else [])
     relu = data.draw(st.booleans(), label="relu")
     got = run_split(data, "conv_transpose", inputs, attrs, expr="maximum(@0,0)" if relu else "")
@@ -257,8 +261,16 @@ def _recurrent_case(data, dtype):
             names += ["weight_hr"] if proj else []
             inputs += [getattr(m, n + sfx).detach() for n in names]
     inputs = [t.numpy().astype(dtype) for t in inputs]
-    attrs = dict(hidden_size=hidden, num_layers=layers, bidirectional=bi, batch_first=batch_first,
-                 has_bias=bias, has_state=bool(states), proj_size=proj, nonlinearity=nonlinearity)
+    attrs = dict(
+        hidden_size=hidden,
+        num_layers=layers,
+        bidirectional=bi,
+        batch_first=batch_first,
+        has_bias=bias,
+        has_state=bool(states),
+        proj_size=proj,
+        nonlinearity=nonlinearity,
+    )
     return cell, inputs, attrs, want
 
 
@@ -303,8 +315,9 @@ def test_conv_padding_modes(data):
         y = conv(xp, w, b, stride=stride, dilation=dilation, groups=groups)
     except RuntimeError:
         return  # kernel larger than the padded input
-    attrs = dict(stride=tuple(stride), pads=tuple(padding) * 2, dilation=tuple(dilation),
-                 groups=groups, padding_mode=mode)
+    attrs = dict(
+        stride=tuple(stride), pads=tuple(padding) * 2, dilation=tuple(dilation), groups=groups, padding_mode=mode
+    )
     check(run_kernel("conv", [x.numpy(), w.numpy(), b.numpy()], attrs)[0], y)
 
 
@@ -341,16 +354,15 @@ def test_pool1d(data):
 # --- compile-time refusals ----------------------------------------------------------------
 
 REFUSED = [
-    ("F.upsample up 1 1 0 1 mode=bilinear antialias=True align_corners=False "
-     "scale_factor=(2.0,2.0) #0=(1,2,3,4)f32 #1=(1,2,6,8)f32", "antialias"),
-    ("F.upsample up 1 1 0 1 mode=bicubic align_corners=False size=(6) "
-     "#0=(1,2,3)f32 #1=(1,2,6)f32", "bicubic"),
-    ("F.pad p 1 1 0 1 mode=reflect pad=(3,3) value=None #0=(1,2,3)f32 #1=(1,2,9)f32",
-     "reflect padding"),
-    ("F.pad p 1 1 0 1 mode=symmetric pad=(1,1) value=None #0=(1,2,3)f32 #1=(1,2,5)f32",
-     "symmetric"),
-    ("F.pad p 1 1 0 1 mode=circular pad=(1,-1) value=None #0=(1,2,1)f32 #1=(1,2,1)f32",
-     "crops"),
+    (
+        "F.upsample up 1 1 0 1 mode=bilinear antialias=True align_corners=False "
+        "scale_factor=(2.0,2.0) #0=(1,2,3,4)f32 #1=(1,2,6,8)f32",
+        "antialias",
+    ),
+    ("F.upsample up 1 1 0 1 mode=bicubic align_corners=False size=(6) #0=(1,2,3)f32 #1=(1,2,6)f32", "bicubic"),
+    ("F.pad p 1 1 0 1 mode=reflect pad=(3,3) value=None #0=(1,2,3)f32 #1=(1,2,9)f32", "reflect padding"),
+    ("F.pad p 1 1 0 1 mode=symmetric pad=(1,1) value=None #0=(1,2,3)f32 #1=(1,2,5)f32", "symmetric"),
+    ("F.pad p 1 1 0 1 mode=circular pad=(1,-1) value=None #0=(1,2,1)f32 #1=(1,2,1)f32", "crops"),
     ("F.pixel_shuffle s 1 1 0 1 upscale_factor=2 #0=(1,6,3,3)f32 #1=(1,1,6,6)f32", "divisible"),
 ]
 
@@ -361,8 +373,7 @@ def test_compile_refuses(tmp_path, line, message):
     from pmx.runtime.errors import PmxCompileError
 
     input_spec = line.split("#0=")[1].split()[0]
-    lines = ["7767517", "3 2", f"pnnx.Input in 0 1 0 #0={input_spec}", line,
-             "pnnx.Output out 1 0 1"]
+    lines = ["7767517", "3 2", f"pnnx.Input in 0 1 0 #0={input_spec}", line, "pnnx.Output out 1 0 1"]
     param = tmp_path / "m.pnnx.param"
     param.write_text("\n".join(lines) + "\n")
     (tmp_path / "m.pnnx.bin").write_bytes(b"")

@@ -69,6 +69,7 @@ T = torch.from_numpy
 def D(a):
     return torch.from_numpy(a).double()
 
+
 seeds = st.integers(0, 2**31 - 1)
 dims = st.integers(1, 6)
 
@@ -91,37 +92,54 @@ def every_split():
 
 
 @FAST
-@given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), data=st.data(),
-       affine=st.sampled_from(["none", "weight", "both"]), eps=st.sampled_from([1e-5, 1e-6, 0.1]),
-       n_threads=st.sampled_from([1, 2, 3]))
+@given(
+    seed=seeds,
+    shape=st.lists(dims, min_size=1, max_size=4),
+    data=st.data(),
+    affine=st.sampled_from(["none", "weight", "both"]),
+    eps=st.sampled_from([1e-5, 1e-6, 0.1]),
+    n_threads=st.sampled_from([1, 2, 3]),
+)
 def test_layer_norm(seed, shape, data, affine, eps, n_threads):
     k = data.draw(st.integers(1, len(shape)))
     x = arr(seed, shape, scale=3.0) + 1.5
-    norm_shape = tuple(shape[len(shape) - k:])
+    norm_shape = tuple(shape[len(shape) - k :])
     w = arr(seed + 1, norm_shape) if affine != "none" else None
     b = arr(seed + 2, norm_shape) if affine == "both" else None
     ins = [x] + [a for a in (w, b) if a is not None]
     with every_split():
         got = run_kernel("layer_norm", ins, dict(axes=k, eps=eps), threads=n_threads)[0]
     want = F.layer_norm(D(x), norm_shape, D(w) if w is not None else None, D(b) if b is not None else None, eps)
-    close(got, want, normalization_tol(x, math.prod(shape[:len(shape) - k]), eps))
+    close(got, want, normalization_tol(x, math.prod(shape[: len(shape) - k]), eps))
 
 
 @FAST
-@given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), weighted=st.booleans(),
-       n_threads=st.sampled_from([1, 2, 3]))
+@given(
+    seed=seeds,
+    shape=st.lists(dims, min_size=1, max_size=4),
+    weighted=st.booleans(),
+    n_threads=st.sampled_from([1, 2, 3]),
+)
 def test_rms_norm(seed, shape, weighted, n_threads):
     x = arr(seed, shape)
     w = arr(seed + 1, shape[-1:]) if weighted else None
     with every_split():
-        got = run_kernel("layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1),
-                         threads=n_threads)[0]
+        got = run_kernel(
+            "layer_norm", [x] + ([w] if weighted else []), dict(axes=1, eps=1e-6, rms=1), threads=n_threads
+        )[0]
     close(got, F.rms_norm(D(x), (shape[-1],), D(w) if weighted else None, 1e-6))
 
 
 @FAST
-@given(seed=seeds, n=st.integers(1, 4), groups=st.integers(1, 4), per_group=st.integers(1, 3),
-       spatial=st.lists(dims, min_size=0, max_size=3), affine=st.booleans(), n_threads=st.sampled_from([1, 2, 3]))
+@given(
+    seed=seeds,
+    n=st.integers(1, 4),
+    groups=st.integers(1, 4),
+    per_group=st.integers(1, 3),
+    spatial=st.lists(dims, min_size=0, max_size=3),
+    affine=st.booleans(),
+    n_threads=st.sampled_from([1, 2, 3]),
+)
 @example(seed=0, n=1, groups=4, per_group=2, spatial=[3], affine=True, n_threads=3)  # one image, split by groups
 @example(seed=8241013, n=1, groups=1, per_group=2, spatial=[], affine=False, n_threads=1)  # [-2.011, -2.029]: cancels
 def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
@@ -130,14 +148,20 @@ def test_group_norm(seed, n, groups, per_group, spatial, affine, n_threads):
     w, b = arr(seed + 1, (c,)), arr(seed + 2, (c,))
     assume(per_group * math.prod(spatial) > 1)  # torch refuses groups of a single value
     with every_split():  # one image: split by groups; more: by images
-        got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5),
-                         threads=n_threads)[0]
-    close(got, F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5),
-          normalization_tol(x, n * groups, 1e-5))
+        got = run_kernel("group_norm", [x, w, b] if affine else [x], dict(groups=groups, eps=1e-5), threads=n_threads)[
+            0
+        ]
+    close(
+        got,
+        F.group_norm(D(x), groups, D(w) if affine else None, D(b) if affine else None, 1e-5),
+        normalization_tol(x, n * groups, 1e-5),
+    )
 
 
 @FAST
-@given(seed=seeds, n=st.integers(1, 4), c=st.integers(1, 5), spatial=st.lists(st.integers(2, 6), min_size=1, max_size=3))
+@given(
+    seed=seeds, n=st.integers(1, 4), c=st.integers(1, 5), spatial=st.lists(st.integers(2, 6), min_size=1, max_size=3)
+)
 def test_instance_norm_as_group_norm(seed, n, c, spatial):
     x = arr(seed, [n, c] + spatial)
     w, b = arr(seed + 1, (c,)), arr(seed + 2, (c,))
@@ -146,8 +170,12 @@ def test_instance_norm_as_group_norm(seed, n, c, spatial):
 
 
 @FAST
-@given(seed=seeds, shape=st.lists(dims, min_size=1, max_size=4), data=st.data(),
-       p=st.sampled_from([1.0, 2.0, 3.0, math.inf]))
+@given(
+    seed=seeds,
+    shape=st.lists(dims, min_size=1, max_size=4),
+    data=st.data(),
+    p=st.sampled_from([1.0, 2.0, 3.0, math.inf]),
+)
 def test_lp_normalize(seed, shape, data, p):
     axis = data.draw(st.integers(0, len(shape) - 1))
     x = arr(seed, shape, zeros=0.3)
@@ -186,9 +214,18 @@ def _torch_masks(masks, modes):
 
 
 @FAST
-@given(seed=seeds, batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), lq=dims, s=dims,
-       e=st.integers(1, 8), ev=st.integers(1, 8), mask=st.sampled_from(["none", "keep", "add", "causal"]),
-       scale=st.sampled_from([None, 0.3]), broadcast_mask=st.booleans(), sliced=st.booleans())
+@given(
+    seed=seeds,
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    lq=dims,
+    s=dims,
+    e=st.integers(1, 8),
+    ev=st.integers(1, 8),
+    mask=st.sampled_from(["none", "keep", "add", "causal"]),
+    scale=st.sampled_from([None, 0.3]),
+    broadcast_mask=st.booleans(),
+    sliced=st.booleans(),
+)
 def test_sdpa(seed, batch, lq, s, e, ev, mask, scale, broadcast_mask, sliced):
     batch = tuple(batch)
     q, k, v = arr(seed, batch + (lq, e)), arr(seed + 1, batch + (s, e)), arr(seed + 2, batch + (s, ev))
@@ -214,9 +251,17 @@ def test_sdpa(seed, batch, lq, s, e, ev, mask, scale, broadcast_mask, sliced):
 
 
 @FAST
-@given(seed=seeds, b=st.integers(1, 3), hkv=st.integers(1, 3), group=st.integers(1, 3), lq=dims, s=dims,
-       e=st.integers(1, 6), mask=st.sampled_from(["none", "keep_heads", "add", "add_heads", "causal"]),
-       sliced=st.booleans())
+@given(
+    seed=seeds,
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    lq=dims,
+    s=dims,
+    e=st.integers(1, 6),
+    mask=st.sampled_from(["none", "keep_heads", "add", "add_heads", "causal"]),
+    sliced=st.booleans(),
+)
 def test_sdpa_grouped_query(seed, b, hkv, group, lq, s, e, mask, sliced):
     hq = hkv * group
     q, k, v = arr(seed, (b, hq, lq, e)), arr(seed + 1, (b, hkv, s, e)), arr(seed + 2, (b, hkv, s, e))
@@ -229,7 +274,9 @@ def test_sdpa_grouped_query(seed, b, hkv, group, lq, s, e, mask, sliced):
         masks, modes, kwargs = [m], ("add",), dict(attn_mask=T(m))
     elif mask == "causal":
         kwargs = dict(is_causal=True)
-    attrs = dict(heads=0, scale=1.0 / math.sqrt(e), causal=int(mask == "causal"), masks=modes, masked_rows="zero", gqa=1)
+    attrs = dict(
+        heads=0, scale=1.0 / math.sqrt(e), causal=int(mask == "causal"), masks=modes, masked_rows="zero", gqa=1
+    )
     with scratch_limit(sliced):
         got = run_kernel("attention", [q, k, v] + masks, attrs)[0]
     want = F.scaled_dot_product_attention(T(q), T(k), T(v), enable_gqa=True, **kwargs)
@@ -237,11 +284,20 @@ def test_sdpa_grouped_query(seed, b, hkv, group, lq, s, e, mask, sliced):
 
 
 @FAST
-@given(seed=seeds, n=st.integers(1, 4), lq=dims, s=dims, heads=st.integers(1, 3), d=st.integers(1, 4),
-       seq_first=st.booleans(), packed=st.sampled_from(["", "kv", "qkv"]),
-       weights=st.sampled_from(["none", "mean", "heads"]),
-       masks=st.sampled_from([(), ("drop",), ("add",), ("drop", "drop"), ("add", "drop")]), attn3d=st.booleans(),
-       sliced=st.booleans())
+@given(
+    seed=seeds,
+    n=st.integers(1, 4),
+    lq=dims,
+    s=dims,
+    heads=st.integers(1, 3),
+    d=st.integers(1, 4),
+    seq_first=st.booleans(),
+    packed=st.sampled_from(["", "kv", "qkv"]),
+    weights=st.sampled_from(["none", "mean", "heads"]),
+    masks=st.sampled_from([(), ("drop",), ("add",), ("drop", "drop"), ("add", "drop")]),
+    attn3d=st.booleans(),
+    sliced=st.booleans(),
+)
 def test_multihead_attention_core(seed, n, lq, s, heads, d, seq_first, packed, weights, masks, attn3d, sliced):
     e = heads * d
     if packed == "qkv":
@@ -269,9 +325,16 @@ def test_multihead_attention_core(seed, n, lq, s, heads, d, seq_first, packed, w
         else:
             m = arr(seed + 10 + i, shape)
         mask_arrays.append(m)
-    roles = ("attn", "key_padding")[:len(masks)]
-    attrs = dict(heads=heads, seq_axis=sa, scale=1.0 / math.sqrt(d), masks=masks, mask_roles=roles, weights=weights,
-                 masked_rows="nan")
+    roles = ("attn", "key_padding")[: len(masks)]
+    attrs = dict(
+        heads=heads,
+        seq_axis=sa,
+        scale=1.0 / math.sqrt(d),
+        masks=masks,
+        mask_roles=roles,
+        weights=weights,
+        masked_rows="nan",
+    )
     if packed:
         attrs["packed"] = packed
     with scratch_limit(sliced):
@@ -302,8 +365,16 @@ def test_multihead_attention_core(seed, n, lq, s, heads, d, seq_first, packed, w
 
 
 @FAST
-@given(seed=seeds, a_batch=st.lists(st.integers(1, 3), max_size=2), b_batch=st.lists(st.integers(1, 3), max_size=2),
-       m=dims, k=dims, n=dims, a_vec=st.booleans(), b_vec=st.booleans())
+@given(
+    seed=seeds,
+    a_batch=st.lists(st.integers(1, 3), max_size=2),
+    b_batch=st.lists(st.integers(1, 3), max_size=2),
+    m=dims,
+    k=dims,
+    n=dims,
+    a_vec=st.booleans(),
+    b_vec=st.booleans(),
+)
 def test_matmul_broadcasting(seed, a_batch, b_batch, m, k, n, a_vec, b_vec):
     a_shape = (k,) if a_vec else tuple(a_batch) + (m, k)
     b_shape = (k,) if b_vec else tuple(b_batch) + (k, n)
@@ -315,17 +386,43 @@ def test_matmul_broadcasting(seed, a_batch, b_batch, m, k, n, a_vec, b_vec):
     close(run_kernel("matmul", [a, b])[0], torch.matmul(T(a), T(b)))
 
 
-EINSUMS = ["bhid,bhjd->bhij", "bhij,bhjd->bhid", "bij,bjk->bik", "bchw,bkc->bkhw", "ij->ji", "ii->i",
-           "bij->b", "i,j->ij", "...ij,...jk->...ik", "bik,bjk", "ijk,jl,lk->i", "bhcid,bhcjd->bhcij",
-           "bhjd,bhid->bhij", "bhid,bhdj->bhji", "bhid,bhjd->hbij"]
+EINSUMS = [
+    "bhid,bhjd->bhij",
+    "bhij,bhjd->bhid",
+    "bij,bjk->bik",
+    "bchw,bkc->bkhw",
+    "ij->ji",
+    "ii->i",
+    "bij->b",
+    "i,j->ij",
+    "...ij,...jk->...ik",
+    "bik,bjk",
+    "ijk,jl,lk->i",
+    "bhcid,bhcjd->bhcij",
+    "bhjd,bhid->bhij",
+    "bhid,bhdj->bhji",
+    "bhid,bhjd->hbij",
+]
 # the batched matmuls among them (linalg._batched_matmul_axes), which run through gemm
-BATCHED_MATMULS = {"bhid,bhjd->bhij", "bhij,bhjd->bhid", "bij,bjk->bik", "...ij,...jk->...ik",
-                   "bhcid,bhcjd->bhcij", "bhjd,bhid->bhij", "bhid,bhdj->bhji", "bhid,bhjd->hbij"}
+BATCHED_MATMULS = {
+    "bhid,bhjd->bhij",
+    "bhij,bhjd->bhid",
+    "bij,bjk->bik",
+    "...ij,...jk->...ik",
+    "bhcid,bhcjd->bhcij",
+    "bhjd,bhid->bhij",
+    "bhid,bhdj->bhji",
+    "bhid,bhjd->hbij",
+}
 
 
 @FAST
-@given(seed=seeds, eq=st.sampled_from(EINSUMS), sizes=st.lists(st.integers(1, 4), min_size=12, max_size=12),
-       ellipsis=st.lists(st.integers(1, 3), max_size=2))
+@given(
+    seed=seeds,
+    eq=st.sampled_from(EINSUMS),
+    sizes=st.lists(st.integers(1, 4), min_size=12, max_size=12),
+    ellipsis=st.lists(st.integers(1, 3), max_size=2),
+)
 def test_einsum(seed, eq, sizes, ellipsis):
     lhs = eq.split("->")[0].split(",")
     size = {c: sizes[i] for i, c in enumerate("bhijdkcwl")}
@@ -344,17 +441,25 @@ def test_einsum(seed, eq, sizes, ellipsis):
     from pmx.runtime.kernels import common
 
     # every product split over two threads, along a batch axis or out's rows or columns
-    with mock.patch.object(common, "gemm_split_minimum", lambda v: 0), \
-            mock.patch.object(common, "GEMM_SPLIT_MIN_ROWS", 1), mock.patch.object(common, "GEMM_SPLIT_MIN_COLUMNS", 1), \
-            mock.patch.object(linalg, "gemm", lambda *a, **k: products.append(a) or real_gemm(*a, threads=2)):
+    with (
+        mock.patch.object(common, "gemm_split_minimum", lambda v: 0),
+        mock.patch.object(common, "GEMM_SPLIT_MIN_ROWS", 1),
+        mock.patch.object(common, "GEMM_SPLIT_MIN_COLUMNS", 1),
+        mock.patch.object(linalg, "gemm", lambda *a, **k: products.append(a) or real_gemm(*a, threads=2)),
+    ):
         got = run_kernel("einsum", ops, dict(equation=eq), threads=2)[0]
     close(got, torch.einsum(eq, *[T(o) for o in ops]))
     assert bool(products) == (eq in BATCHED_MATMULS), eq
 
 
 @FAST
-@given(seed=seeds, vocab=st.integers(1, 20), dim=st.integers(1, 8), ids_shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
-       dtype=st.sampled_from([np.int64, np.int32]))
+@given(
+    seed=seeds,
+    vocab=st.integers(1, 20),
+    dim=st.integers(1, 8),
+    ids_shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    dtype=st.sampled_from([np.int64, np.int32]),
+)
 def test_embedding(seed, vocab, dim, ids_shape, dtype):
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, ids_shape).astype(dtype)
@@ -371,11 +476,14 @@ def test_embedding_out_of_range_raises(bad):
         run_kernel("embedding", [np.array([[0, bad]]), arr(0, (7, 3))])
 
 
-@pytest.mark.parametrize("q_batch,k_batch,v_batch,lq,s", [
-    ((1,), (1,), (3,), 5, 4),              # v alone carries the batch
-    ((2, 1), (1, 1), (2, 3), 4, 6),        # batch dims broadcast from different operands
-    ((1, 12), (1, 12), (2, 12), 197, 197),  # big enough for the per-head thread split
-])
+@pytest.mark.parametrize(
+    "q_batch,k_batch,v_batch,lq,s",
+    [
+        ((1,), (1,), (3,), 5, 4),  # v alone carries the batch
+        ((2, 1), (1, 1), (2, 3), 4, 6),  # batch dims broadcast from different operands
+        ((1, 12), (1, 12), (2, 12), 197, 197),  # big enough for the per-head thread split
+    ],
+)
 def test_sdpa_v_batch_dims_broadcast_by_q_and_k(q_batch, k_batch, v_batch, lq, s):
     """Every batch of the output is written when v has batch dims q and k broadcast over
     (only the first was, before the fix)."""

@@ -25,8 +25,13 @@ def test_one_type_per_line_sorted(capsys):
     # every canonicalization rule, plus what the frontend consumes itself
     assert set(RULES) <= set(lines)
     assert {"nn.Conv2d", "F.relu", "pnnx.Expression", "pnnx.Input", "pnnx.Output", "pnnx.Attribute"} <= set(lines)
-    assert set(lines) - set(RULES) <= {"pnnx.Input", "pnnx.Output", "pnnx.Attribute", "prim::TupleConstruct",
-                                       "prim::ListConstruct"}
+    assert set(lines) - set(RULES) <= {
+        "pnnx.Input",
+        "pnnx.Output",
+        "pnnx.Attribute",
+        "prim::TupleConstruct",
+        "prim::ListConstruct",
+    }
 
 
 def test_json_is_the_same_list(capsys):
@@ -42,14 +47,22 @@ def test_the_docs_give_the_listed_count(capsys):
 
     count = len(listed(capsys).splitlines())
     root = pathlib.Path(__file__).resolve().parents[1]
-    stated = [int(n) for doc in ("README.md", "docs/design.md")
-              for n in re.findall(r"(\d+) (?:supported )?PNNX op types", (root / doc).read_text())]
+    stated = [
+        int(n)
+        for doc in ("README.md", "docs/design.md")
+        for n in re.findall(r"(\d+) (?:supported )?PNNX op types", (root / doc).read_text())
+    ]
     assert stated and set(stated) == {count}, (stated, count)
 
 
 def test_console_script_exits_0():
-    p = subprocess.run([sys.executable, "-m", "pmx.compiler", "compile", "--list-ops", "--json"],
-                       capture_output=True, text=True, timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "pmx.compiler", "compile", "--list-ops", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert "nn.Linear" in json.loads(p.stdout)
 

@@ -20,15 +20,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions
 from pmx.compiler.write import write
-from pmx.runtime import InferenceSession, PmxError, PmxFormatError
+from pmx.runtime import InferenceSession, PmxError, PmxFormatError, load, verify
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
-from pmx.runtime import load, verify
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
 from test_pmx_fuzz import Views
@@ -62,15 +60,19 @@ def files(exporter, tmp_path_factory):
     compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "views.pmx"))
     out["views"] = (d / "views.pmx").read_bytes()
     prefix = exporter("load_equiv_dynamic", Dynamic(), (torch.rand(2, 3, 16, 16),))
-    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / "dynamic.pmx"),
-                  dynamic={"in0": {0: (1, -1), 2: (8, 64), 3: (8, 64)}})
+    compile_model(
+        prefix + ".pnnx.param",
+        prefix + ".pnnx.bin",
+        str(d / "dynamic.pmx"),
+        dynamic={"in0": {0: (1, -1), 2: (8, 64), 3: (8, 64)}},
+    )
     out["dynamic"] = (d / "dynamic.pmx").read_bytes()
     return out
 
 
 def header_of(data):
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
-    return pre, data[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]]
+    pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
+    return pre, data[ff.PREAMBLE_SIZE : ff.PREAMBLE_SIZE + pre["header_size"]]
 
 
 # --- the reference reading: the generated accessors -------------------------------------
@@ -88,17 +90,23 @@ def _attr_value(a):
     k = a.Kind()
     ints, floats = _vector(a, "Ints"), _vector(a, "Floats")
     strings = tuple(_text(a.Strings(j)) for j in range(a.StringsLength()))
-    return {fb.AttrKind.None_: lambda: None, fb.AttrKind.Bool: lambda: bool(ints[0]),
-            fb.AttrKind.Int: lambda: ints[0], fb.AttrKind.Float: lambda: floats[0],
-            fb.AttrKind.String: lambda: strings[0], fb.AttrKind.Ints: lambda: ints,
-            fb.AttrKind.Floats: lambda: floats, fb.AttrKind.Strings: lambda: strings}[k]()
+    return {
+        fb.AttrKind.None_: lambda: None,
+        fb.AttrKind.Bool: lambda: bool(ints[0]),
+        fb.AttrKind.Int: lambda: ints[0],
+        fb.AttrKind.Float: lambda: floats[0],
+        fb.AttrKind.String: lambda: strings[0],
+        fb.AttrKind.Ints: lambda: ints,
+        fb.AttrKind.Floats: lambda: floats,
+        fb.AttrKind.Strings: lambda: strings,
+    }[k]()
 
 
 def _take(values, counts):
     """values cut into consecutive pieces of the given lengths."""
     out, at = [], 0
     for n in counts:
-        out.append(tuple(values[at:at + n]))
+        out.append(tuple(values[at : at + n]))
         at += n
     return out
 
@@ -116,12 +124,29 @@ def reference(header):
     for i, v in zip(_vector(T, "Strided"), _take(_vector(T, "Strides"), [ranks[i] for i in _vector(T, "Strided")])):
         strides[i] = v
     ranged = _vector(T, "Ranged")
-    for i, lo, hi in zip(ranged, _take(_vector(T, "DimMin"), [ranks[i] for i in ranged]),
-                         _take(_vector(T, "DimMax"), [ranks[i] for i in ranged])):
+    for i, lo, hi in zip(
+        ranged,
+        _take(_vector(T, "DimMin"), [ranks[i] for i in ranged]),
+        _take(_vector(T, "DimMax"), [ranks[i] for i in ranged]),
+    ):
         dim_min[i], dim_max[i] = lo, hi
-    tensors = [load.TensorInfo(text[(ends[i - 1] if i else 0):ends[i]], T.Kinds(i), ENUM_TO_NUMPY[T.Dtypes(i)],
-                               shapes[i], T.DataOffsets(i), T.DataSizes(i), T.ArenaOffsets(i), T.AliasOf(i),
-                               T.AliasOffsets(i), strides[i], dim_min[i], dim_max[i]) for i in range(n)]
+    tensors = [
+        load.TensorInfo(
+            text[(ends[i - 1] if i else 0) : ends[i]],
+            T.Kinds(i),
+            ENUM_TO_NUMPY[T.Dtypes(i)],
+            shapes[i],
+            T.DataOffsets(i),
+            T.DataSizes(i),
+            T.ArenaOffsets(i),
+            T.AliasOf(i),
+            T.AliasOffsets(i),
+            strides[i],
+            dim_min[i],
+            dim_max[i],
+        )
+        for i in range(n)
+    ]
     strings = [_text(m.Strings(k)) for k in range(m.StringsLength())]
     attr_sets = []
     for k in range(m.AttrSetsLength()):
@@ -132,15 +157,32 @@ def reference(header):
     input_ends, output_ends = _vector(N, "InputEnds"), _vector(N, "OutputEnds")
     inputs = _take(_vector(N, "Inputs"), [e - (input_ends[j - 1] if j else 0) for j, e in enumerate(input_ends)])
     outputs = _take(_vector(N, "Outputs"), [e - (output_ends[j - 1] if j else 0) for j, e in enumerate(output_ends)])
-    nodes = [load.NodeInfo(strings[N.Ops(j)], text[(ends[j - 1] if j else 0):ends[j]], inputs[j], outputs[j],
-                           attr_sets[N.AttrSets(j)], strings[N.Exprs(j)], strings[N.Variants(j)])
-             for j in range(N.OpsLength())]
-    stats = [(_text(s.Name()), s.NodesBefore(), s.NodesAfter())
-             for s in (m.PassStats(k) for k in range(m.PassStatsLength()))]
-    return dict(tensors=tensors, nodes=nodes, inputs=list(_vector(m, "Inputs")),
-                outputs=list(_vector(m, "Outputs")), kept=list(_vector(m, "Kept")),
-                arena_size=m.ArenaSize(), pass_stats=stats, producer=_text(m.Producer()),
-                source=_text(m.Source()))
+    nodes = [
+        load.NodeInfo(
+            strings[N.Ops(j)],
+            text[(ends[j - 1] if j else 0) : ends[j]],
+            inputs[j],
+            outputs[j],
+            attr_sets[N.AttrSets(j)],
+            strings[N.Exprs(j)],
+            strings[N.Variants(j)],
+        )
+        for j in range(N.OpsLength())
+    ]
+    stats = [
+        (_text(s.Name()), s.NodesBefore(), s.NodesAfter()) for s in (m.PassStats(k) for k in range(m.PassStatsLength()))
+    ]
+    return dict(
+        tensors=tensors,
+        nodes=nodes,
+        inputs=list(_vector(m, "Inputs")),
+        outputs=list(_vector(m, "Outputs")),
+        kept=list(_vector(m, "Kept")),
+        arena_size=m.ArenaSize(),
+        pass_stats=stats,
+        producer=_text(m.Producer()),
+        source=_text(m.Source()),
+    )
 
 
 def verified(ref):
@@ -170,8 +212,9 @@ def assert_same(model, ref):
 def test_reader_matches_generated_accessors(files, name):
     data = files[name]
     pre, header = header_of(data)
-    model = load._read_header("x.pmx", memoryview(data)[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]],
-                              pre, len(data))
+    model = load._read_header(
+        "x.pmx", memoryview(data)[ff.PREAMBLE_SIZE : ff.PREAMBLE_SIZE + pre["header_size"]], pre, len(data)
+    )
     ref = reference(header)
     assert_same(model, ref)
     covered = {type(v) for n in model.nodes for v in n.attrs.values()}
@@ -183,8 +226,7 @@ def test_reader_matches_generated_accessors(files, name):
 
 # attribute values that compare equal in Python but are stored apart (kind, sign of
 # zero), and repeats that the writer stores once
-SHARED_ATTR_VALUES = [1, 1.0, True, 0.0, -0.0, (1, 2), (1.0, 2.0), (1.0, -0.0), "s", ("s",), None,
-                      1, -0.0, (1, 2), "s"]
+SHARED_ATTR_VALUES = [1, 1.0, True, 0.0, -0.0, (1, 2), (1.0, 2.0), (1.0, -0.0), "s", ("s",), None, 1, -0.0, (1, 2), "s"]
 
 
 def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
@@ -215,14 +257,17 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
         a = got[f"n{i}"]["a"]
         assert a == v and type(a) is type(v), (i, a, v)
         flat, want = (a, v) if isinstance(v, tuple) else ((a,), (v,))
-        assert [math.copysign(1, f) for f in flat if isinstance(f, float)] == \
-            [math.copysign(1, f) for f in want if isinstance(f, float)], (i, a, v)
+        assert [math.copysign(1, f) for f in flat if isinstance(f, float)] == [
+            math.copysign(1, f) for f in want if isinstance(f, float)
+        ], (i, a, v)
     # nodes n0..n10 hold distinct values, n11..n14 repeat n0, n4, n5, n8's
     assert len({id(got[f"n{i}"]) for i in range(11)}) == 11
     for i, j in ((11, 0), (12, 4), (13, 5), (14, 8)):
         assert got[f"n{i}"] is got[f"n{j}"]
     assert len({id(n.op) for n in model.nodes}) == 1 and len({id(n.expr) for n in model.nodes}) == 1
-    with pytest.raises(PmxFormatError, match=r"node 0 \(elementwise 'n0'\): attribute 'a' is not an attribute this op takes"):
+    with pytest.raises(
+        PmxFormatError, match=r"node 0 \(elementwise 'n0'\): attribute 'a' is not an attribute this op takes"
+    ):
         load.open_model(str(path))
 
 
@@ -253,8 +298,9 @@ def test_overlapping_fields_read_like_the_generated_code(files):
     m = fb.Model.GetRootAs(header, 0)
     assert m.PassStatsLength() > 1
     vt = ff.PREAMBLE_SIZE + _table_vtable(header, m.PassStats(0)._tab.Pos)
-    slot_of = {name: load._PASS_STAT.fields[getattr(load._PASS_STAT, name)].slot
-               for name in ("nodes_before", "nodes_after")}
+    slot_of = {
+        name: load._PASS_STAT.fields[getattr(load._PASS_STAT, name)].slot for name in ("nodes_before", "nodes_after")
+    }
     entry = struct.unpack_from("<H", data, vt + slot_of["nodes_before"])[0]
     struct.pack_into("<H", data, vt + slot_of["nodes_after"], entry)
     data = bytes(data)
@@ -270,18 +316,18 @@ def test_overlapping_fields_read_like_the_generated_code(files):
 
 def _write(tmp_path, data):
     p = tmp_path / "bad.pmx"
-    p.write_bytes(ff.pack_preamble(*_preamble_fields(data)) + data[ff.PREAMBLE_SIZE:])
+    p.write_bytes(ff.pack_preamble(*_preamble_fields(data)) + data[ff.PREAMBLE_SIZE :])
     return p
 
 
 def _preamble_fields(data):
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
     h0, hs, d0 = pre["header_offset"], pre["header_size"], pre["data_offset"]
-    return hs, d0, pre["data_size"], ff.crc32(data[h0:h0 + hs]), ff.crc32(data[d0:])
+    return hs, d0, pre["data_size"], ff.crc32(data[h0 : h0 + hs]), ff.crc32(data[d0:])
 
 
 def _tensors_table(data):
-    pre, header = header_of(data)
+    _pre, header = header_of(data)
     return header, fb.Model.GetRootAs(header, 0).Tensors()._tab.Pos
 
 
@@ -325,8 +371,10 @@ def test_damaged_headers_name_what_is_wrong(files, tmp_path):
         # a table past the end
         (_patch(data, 0, "<I", size + 8), r"IndexError: model tables: "),
         # columns that disagree: one entry short, ends that fall, an index past its table
-        (_patch(data, ends_at, "<I", n_tensors - 1), f"tensors column name_ends has {n_tensors - 1} entries, "
-                                                     f"expected {n_tensors}"),
+        (
+            _patch(data, ends_at, "<I", n_tensors - 1),
+            f"tensors column name_ends has {n_tensors - 1} entries, expected {n_tensors}",
+        ),
         (_patch(data, ends_at + 8, "<I", 2**31), r"tensor names: ends \[\d+, 2147483648"),
         (_patch(data, input_ends_at + 8, "<I", 10**6), r"node inputs: ends \[\d+, 1000000"),
         (_patch(data, ops_at + 4, "<I", n_strings), f"node 0 names entry {n_strings} of the {n_strings} model strings"),
@@ -337,12 +385,20 @@ def test_damaged_headers_name_what_is_wrong(files, tmp_path):
     strided = _strided_view_file(tmp_path)
     s_header, s_pos = _tensors_table(strided)
     s_count = struct.unpack_from("<I", s_header, _field_target(s_header, s_pos, T, "name_ends"))[0]
-    cases.append((_patch(strided, _field_target(s_header, s_pos, T, "strided") + 4, "<I", s_count),
-                  "tensor alias strides: tensor indices"))
+    cases.append(
+        (
+            _patch(strided, _field_target(s_header, s_pos, T, "strided") + 4, "<I", s_count),
+            "tensor alias strides: tensor indices",
+        )
+    )
     # a least size above the planned one, the greatest unbounded (a dynamic batch)
     d_header, d_pos = _tensors_table(files["dynamic"])
-    cases.append((_patch(files["dynamic"], _field_target(d_header, d_pos, T, "dim_min") + 4, "<q", 10**6),
-                  r"tensor \d+ dim range 1000000..-1 does not contain its planned size 2"))
+    cases.append(
+        (
+            _patch(files["dynamic"], _field_target(d_header, d_pos, T, "dim_min") + 4, "<q", 10**6),
+            r"tensor \d+ dim range 1000000..-1 does not contain its planned size 2",
+        )
+    )
     for bad, message in cases:
         with pytest.raises(PmxFormatError) as e:
             InferenceSession(str(_write(tmp_path, bad)))
@@ -370,7 +426,7 @@ def _strided_view_file(tmp_path):
 
 def test_strided_views_read_like_the_generated_code(tmp_path):
     data = _strided_view_file(tmp_path)
-    pre, header = header_of(data)
+    _pre, header = header_of(data)
     p = tmp_path / "strided_ok.pmx"
     p.write_bytes(data)
     model = load.open_model(str(p))
@@ -389,18 +445,31 @@ def test_ranks_above_max_rank_are_refused(files, tmp_path):
         InferenceSession(str(_write(tmp_path, bad)))
 
 
-@pytest.mark.parametrize("code,dtype", [("f64", np.float64), ("f32", np.float32), ("f16", np.float16),
-                                        ("i64", np.int64), ("i32", np.int32), ("i16", np.int16),
-                                        ("i8", np.int8), ("u8", np.uint8), ("bool", np.bool_)])
+@pytest.mark.parametrize(
+    "code,dtype",
+    [
+        ("f64", np.float64),
+        ("f32", np.float32),
+        ("f16", np.float16),
+        ("i64", np.int64),
+        ("i32", np.int32),
+        ("i16", np.int16),
+        ("i8", np.int8),
+        ("u8", np.uint8),
+        ("bool", np.bool_),
+    ],
+)
 def test_tensors_of_every_dtype_load_and_run(tmp_path, code, dtype):
     """The dtype check names only unknown codes. It had refused every float64 tensor:
     np.dtype("float64") == None is True, so `None in dtypes` matched it."""
     from ziputil import build_zip
 
     param = tmp_path / "m.pnnx.param"
-    ops = [f"pnnx.Input in 0 1 0 #0=(2,3){code}",
-           f"torch.flatten flat 1 1 0 1 end_dim=-1 start_dim=0 $input=0 #0=(2,3){code} #1=(6){code}",
-           "pnnx.Output out 1 0 1"]
+    ops = [
+        f"pnnx.Input in 0 1 0 #0=(2,3){code}",
+        f"torch.flatten flat 1 1 0 1 end_dim=-1 start_dim=0 $input=0 #0=(2,3){code} #1=(6){code}",
+        "pnnx.Output out 1 0 1",
+    ]
     param.write_text("\n".join(["7767517", f"{len(ops)} {len(ops) - 1}", *ops]) + "\n")
     (tmp_path / "m.pnnx.bin").write_bytes(build_zip([]).data)
     out = str(tmp_path / "m.pmx")
@@ -418,19 +487,22 @@ def test_older_format_versions_are_refused_with_a_way_out(files, tmp_path):
     struct.pack_into("<I", data, 56, ff.crc32(bytes(data[:56])))
     p = tmp_path / "v1.pmx"
     p.write_bytes(bytes(data))
-    with pytest.raises(PmxFormatError, match="format version 1 was written by an older pmx.*compile the model again"):
+    with pytest.raises(PmxFormatError, match=r"format version 1 was written by an older pmx.*compile the model again"):
         load.open_model(str(p))
 
 
 def test_newer_format_versions_are_refused_asking_to_upgrade(files, tmp_path):
     data = bytearray(files["cnn"])
-    assert ff.unpack_preamble(bytes(data[:ff.PREAMBLE_SIZE]))["version"] == ff.OLDEST_READABLE_VERSION
+    assert ff.unpack_preamble(bytes(data[: ff.PREAMBLE_SIZE]))["version"] == ff.OLDEST_READABLE_VERSION
     struct.pack_into("<I", data, 8, ff.FORMAT_VERSION + 1)
     struct.pack_into("<I", data, 56, ff.crc32(bytes(data[:56])))
     p = tmp_path / "v_next.pmx"
     p.write_bytes(bytes(data))
-    with pytest.raises(PmxFormatError, match=f"format version {ff.FORMAT_VERSION + 1} is newer than this runtime "
-                                             f"reads \\({ff.FORMAT_VERSION}\\); upgrade pnnx-pmx"):
+    with pytest.raises(
+        PmxFormatError,
+        match=f"format version {ff.FORMAT_VERSION + 1} is newer than this runtime "
+        f"reads \\({ff.FORMAT_VERSION}\\); upgrade pnnx-pmx",
+    ):
         load.open_model(str(p))
 
 
@@ -457,7 +529,7 @@ def test_check_nodes_names_each_fault(cnn_model):
     n = len(m.tensors)
 
     def replaced(j, **kw):
-        return nodes[:j] + [nodes[j].replace(**kw)] + nodes[j + 1:]
+        return nodes[:j] + [nodes[j].replace(**kw)] + nodes[j + 1 :]
 
     cases = [
         (replaced(0, inputs=(n,) + nodes[0].inputs[1:]), f"input tensor index {n} out of range"),
@@ -488,10 +560,10 @@ def test_shape_rule_cache_checks_nodes_that_differ_only_in_attributes(cnn_model)
     load.check_shape_rules(_with_nodes(m, m.nodes + [conv]))  # the same node twice: fine
     stride = tuple(s + 1 for s in conv.attrs["stride"])
     other = conv.replace(attrs={**conv.attrs, "stride": stride}, name="other")
-    with pytest.raises(PmxFormatError, match="'other'.*give output shapes"):
+    with pytest.raises(PmxFormatError, match=r"'other'.*give output shapes"):
         load.check_shape_rules(_with_nodes(m, m.nodes + [other]))
     # and the other order: the damaged node first, the good one reusing nothing of it
-    with pytest.raises(PmxFormatError, match="'other'.*give output shapes"):
+    with pytest.raises(PmxFormatError, match=r"'other'.*give output shapes"):
         load.check_shape_rules(_with_nodes(m, m.nodes[:j] + [other] + m.nodes[j:]))
 
 
@@ -503,7 +575,7 @@ def test_loaded_constants_are_read_only_views_of_the_map(cnn_model):
         t = m.tensors[i]
         assert arr.shape == t.shape and arr.dtype == t.dtype and not arr.flags.writeable
         assert arr.flags.c_contiguous and np.shares_memory(arr, whole)
-        assert arr.tobytes() == bytes(m._map[d0 + t.data_offset:d0 + t.data_offset + t.data_size])
+        assert arr.tobytes() == bytes(m._map[d0 + t.data_offset : d0 + t.data_offset + t.data_size])
 
 
 # --- the garbage collector is left as found ---------------------------------------------
@@ -535,7 +607,7 @@ def _with_conv_stride(data, stride):
     """`data` with the first element of the first conv's stride attribute replaced (the
     attribute is shared by every node with the same attributes: the first conv fails
     first)."""
-    pre, header = header_of(data)
+    _pre, header = header_of(data)
     m = fb.Model.GetRootAs(header, 0)
     strings = [m.Strings(k) for k in range(m.StringsLength())]
     nodes = m.Nodes()
@@ -551,7 +623,7 @@ def _with_conv_stride(data, stride):
                 slot = load._ATTR.fields[load._ATTR.ints].slot
                 at = pos + struct.unpack_from("<H", header, _table_vtable(header, pos) + slot)[0]
                 first = at + struct.unpack_from("<I", header, at)[0] + 4
-                return _patch(data, first, "<q", stride), names[(ends[j - 1] if j else 0):ends[j]]
+                return _patch(data, first, "<q", stride), names[(ends[j - 1] if j else 0) : ends[j]]
     raise AssertionError("no conv with a stride")
 
 

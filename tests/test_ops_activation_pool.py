@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from helpers import run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
-
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.compiler.canon.math_ops import pnnx_expression_tree
 from pmx.compiler.ir import Node, Value
@@ -105,8 +104,12 @@ def test_hardshrink_softshrink(variant, x, lambd):
     """Zeros' signs are compared for hardshrink only: torch's softshrink writes +0 in its
     vectorized loop and x * 0 (-0 for negative x) in the scalar tail."""
     t = torch.from_numpy(x)
-    for op, fn in (("F.hardshrink", F.hardshrink), ("nn.Hardshrink", F.hardshrink),
-                   ("F.softshrink", F.softshrink), ("nn.Softshrink", F.softshrink)):
+    for op, fn in (
+        ("F.hardshrink", F.hardshrink),
+        ("nn.Hardshrink", F.hardshrink),
+        ("F.softshrink", F.softshrink),
+        ("nn.Softshrink", F.softshrink),
+    ):
         assert_same(run1(op, {"lambd": lambd}, x, variant), fn(t, lambd), signed_zeros="hard" in op)
 
 
@@ -187,8 +190,13 @@ def test_softmin(variant, case):
         assert_same(run1(op, {"dim": dim}, x, variant), want, tol=1e-5)
 
 
-@given(x=st.builds(lambda s, seed: np.asarray(np.random.default_rng(seed).standard_normal(s) * 4, np.float32),
-                   shapes(min_rank=3, max_rank=4), st.integers(0, 2**32 - 1)))
+@given(
+    x=st.builds(
+        lambda s, seed: np.asarray(np.random.default_rng(seed).standard_normal(s) * 4, np.float32),
+        shapes(min_rank=3, max_rank=4),
+        st.integers(0, 2**32 - 1),
+    )
+)
 def test_softmax2d(x):
     assert_same(run1("nn.Softmax2d", {}, x), nn.Softmax2d()(torch.from_numpy(x)), tol=1e-5)
 
@@ -216,8 +224,29 @@ def lgamma_inputs(draw):
     n = draw(st.integers(1, 300))
     x = rng.standard_normal(n) * scale
     near_poles = -rng.integers(0, 40, n) + rng.choice([0.0, 1e-3, -1e-3, 0.5, 1e-6], n)
-    fixed = [0.0, -0.0, -1.0, -2.0, 1.0, 2.0, 1 + 1e-6, 2 - 1e-6, np.inf, -np.inf, np.nan, 1e-30, -1e-30,
-             3e38, -3e38, 0.5, -0.5, -2.4570825, 1e-45, 171.5, 35.0]
+    fixed = [
+        0.0,
+        -0.0,
+        -1.0,
+        -2.0,
+        1.0,
+        2.0,
+        1 + 1e-6,
+        2 - 1e-6,
+        np.inf,
+        -np.inf,
+        np.nan,
+        1e-30,
+        -1e-30,
+        3e38,
+        -3e38,
+        0.5,
+        -0.5,
+        -2.4570825,
+        1e-45,
+        171.5,
+        35.0,
+    ]
     return np.concatenate([x, near_poles, fixed]).astype(np.float32)
 
 
@@ -245,7 +274,7 @@ def test_lgamma_of_integers_is_float32():
 @st.composite
 def broadcast_floats(draw):
     shape = draw(shapes(max_rank=3))
-    other = tuple(d if draw(st.booleans()) else 1 for d in shape)[draw(st.integers(0, len(shape))):]
+    other = tuple(d if draw(st.booleans()) else 1 for d in shape)[draw(st.integers(0, len(shape))) :]
     a = draw(special_floats(shape=shape, scale=30.0))
     b = draw(special_floats(shape=other, scale=30.0))
     return a, b
@@ -256,8 +285,9 @@ def broadcast_floats(draw):
 def test_logaddexp(variant, pair):
     a, b = pair
     want = torch.logaddexp(torch.from_numpy(a), torch.from_numpy(b))
-    got = run_rule("torch.logaddexp", {}, [a, b], [tuple(want.shape)], input_names=["input", "other"],
-                   variant=variant)[0]
+    got = run_rule("torch.logaddexp", {}, [a, b], [tuple(want.shape)], input_names=["input", "other"], variant=variant)[
+        0
+    ]
     assert_same(got, want, tol=1e-6)
     (got,) = run_kernel("elementwise", [a, b], expr="logaddexp(@0,@1)", variant=variant)
     assert_same(got, want, tol=1e-6)
@@ -295,8 +325,10 @@ def shift_case(draw):
 def test_bitwise_shifts(variant, case):
     a, b, k = case
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-    for op, fn, sym in (("torch.bitwise_left_shift", torch.bitwise_left_shift, "lshift"),
-                        ("torch.bitwise_right_shift", torch.bitwise_right_shift, "rshift")):
+    for op, fn, sym in (
+        ("torch.bitwise_left_shift", torch.bitwise_left_shift, "lshift"),
+        ("torch.bitwise_right_shift", torch.bitwise_right_shift, "rshift"),
+    ):
         want = fn(ta, tb)
         got = run_rule(op, {}, [a, b], [tuple(want.shape)], input_names=["input", "other"], variant=variant)[0]
         assert_same(got, want)
@@ -310,20 +342,36 @@ def test_bitwise_shifts(variant, case):
 # --- pnnx's expression spelling ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text,canonical", [
-    ("expm1,sub(@0,0.5)", "expm1(sub(@0,0.5))"),
-    ("log1p,@0", "log1p(@0)"),
-    ("add(neg,@0,exp,@1)", "add(neg(@0),exp(@1))"),
-    ("logaddexp(@0,@1)", "logaddexp(@0,@1)"),
-    ("sub(add(mul(@0,10),1.0),1.2)", "sub(add(mul(@0,10),1.0),1.2)"),
-    ("lshift(@0,3)", "lshift(@0,3)"),
-])
+@pytest.mark.parametrize(
+    "text,canonical",
+    [
+        ("expm1,sub(@0,0.5)", "expm1(sub(@0,0.5))"),
+        ("log1p,@0", "log1p(@0)"),
+        ("add(neg,@0,exp,@1)", "add(neg(@0),exp(@1))"),
+        ("logaddexp(@0,@1)", "logaddexp(@0,@1)"),
+        ("sub(add(mul(@0,10),1.0),1.2)", "sub(add(mul(@0,10),1.0),1.2)"),
+        ("lshift(@0,3)", "lshift(@0,3)"),
+    ],
+)
 def test_pnnx_prefix_spelling(text, canonical):
     assert pnnx_expression_tree(text, 2) == E.parse(canonical, 2)
 
 
-@pytest.mark.parametrize("text", ["expm1,", "add(@0)", "@0,@1", "bogus,@0", "add(@0,@3)", "", "exp(@0x)",
-                                  "neg," * 5000 + "@0", "neg(" * 5000 + "@0" + ")" * 5000, "@0" * 40000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "expm1,",
+        "add(@0)",
+        "@0,@1",
+        "bogus,@0",
+        "add(@0,@3)",
+        "",
+        "exp(@0x)",
+        "neg," * 5000 + "@0",
+        "neg(" * 5000 + "@0" + ")" * 5000,
+        "@0" * 40000,
+    ],
+)
 def test_pnnx_prefix_spelling_refuses_malformed_text(text):
     with pytest.raises(PmxError):
         pnnx_expression_tree(text, 2)
@@ -401,8 +449,11 @@ def pool_data(draw, nd, batched=True, max_side=9):
     lead = (draw(st.integers(1, 2)), draw(st.integers(1, 3))) if batched else (draw(st.integers(1, 3)),)
     shape = lead + tuple(draw(st.integers(1, max_side)) for _ in range(nd))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    x = rng.integers(-3, 4, shape).astype(np.float32) if draw(st.booleans()) else \
-        rng.standard_normal(shape).astype(np.float32)
+    x = (
+        rng.integers(-3, 4, shape).astype(np.float32)
+        if draw(st.booleans())
+        else rng.standard_normal(shape).astype(np.float32)
+    )
     if draw(st.booleans()):
         flat = x.reshape(-1)
         flat[rng.random(flat.size) < 0.1] = -np.inf
@@ -434,8 +485,14 @@ def test_max_pool_with_indices(nd, data):
     # a window wholly in the padding (dilation can step over the one element it reaches):
     # torch gives -inf and the index of a position past the input, which names no element
     empty = (POOL_F[nd](torch.ones_like(t), k, stride, pad, dil, ceil_mode=ceil) == -math.inf).numpy()
-    attrs = {"kernel_size": k, "stride": stride, "padding": pad, "dilation": dil, "ceil_mode": ceil,
-             "return_indices": True}
+    attrs = {
+        "kernel_size": k,
+        "stride": stride,
+        "padding": pad,
+        "dilation": dil,
+        "ceil_mode": ceil,
+        "return_indices": True,
+    }
     for op in (f"F.max_pool{nd}d", f"nn.MaxPool{nd}d"):
         got_v, got_i = run_rule(op, attrs, [x], [tuple(values.shape)] * 2, ["float32", "int64"])
         assert_same(got_v, values)
@@ -454,8 +511,9 @@ def test_adaptive_max_pool_with_indices(nd, data):
     torch_size = tuple(s or None for s in size)  # pnnx writes None (keep the size) as 0
     values, indices = ADAPTIVE_F[nd](t, torch_size if nd > 1 else torch_size[0], return_indices=True)
     for op in (f"F.adaptive_max_pool{nd}d", f"nn.AdaptiveMaxPool{nd}d"):
-        got_v, got_i = run_rule(op, {"output_size": size, "return_indices": True}, [x], [tuple(values.shape)] * 2,
-                                ["float32", "int64"])
+        got_v, got_i = run_rule(
+            op, {"output_size": size, "return_indices": True}, [x], [tuple(values.shape)] * 2, ["float32", "int64"]
+        )
         assert_same(got_v, values)
         assert_same(got_i, indices)
 
@@ -464,7 +522,8 @@ def test_adaptive_max_pool_with_indices(nd, data):
 @given(data=st.data(), p=st.sampled_from([1, 2, 3, 0.5, 1.2, 4.0, math.inf, -math.inf]))
 def test_lp_pool(nd, data, p):
     shape = (data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))) + tuple(
-        data.draw(st.integers(1, 9)) for _ in range(nd))
+        data.draw(st.integers(1, 9)) for _ in range(nd)
+    )
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     x = (rng.standard_normal(shape) * 2).astype(np.float32)
     if data.draw(st.booleans()):
@@ -473,8 +532,11 @@ def test_lp_pool(nd, data, p):
     stride = data.draw(st.none() | st.tuples(*[st.integers(1, 3)] * nd))
     ceil = data.draw(st.booleans())
     fn = F.lp_pool1d if nd == 1 else F.lp_pool2d
-    want = _torch_or_reject(lambda: fn(torch.from_numpy(x), p, k if nd > 1 else k[0],
-                                       stride if nd > 1 or stride is None else stride[0], ceil))
+    want = _torch_or_reject(
+        lambda: fn(
+            torch.from_numpy(x), p, k if nd > 1 else k[0], stride if nd > 1 or stride is None else stride[0], ceil
+        )
+    )
     if want is None:
         return
     attrs = {"norm_type": p, "kernel_size": k, "stride": stride, "ceil_mode": ceil}
@@ -482,8 +544,13 @@ def test_lp_pool(nd, data, p):
         assert_same(run1(op, attrs, x, shape=tuple(want.shape)), want, tol=2e-5)
 
 
-@given(data=st.data(), size=st.integers(1, 7), alpha=st.sampled_from([1e-4, 1e-2, 0.5]),
-       beta=st.sampled_from([0.75, 0.2, 1.0, 2.0]), k=st.sampled_from([1.0, 0.2, 2.0]))
+@given(
+    data=st.data(),
+    size=st.integers(1, 7),
+    alpha=st.sampled_from([1e-4, 1e-2, 0.5]),
+    beta=st.sampled_from([0.75, 0.2, 1.0, 2.0]),
+    k=st.sampled_from([1.0, 0.2, 2.0]),
+)
 def test_local_response_norm(data, size, alpha, beta, k):
     rank = data.draw(st.integers(3, 5))
     shape = tuple(data.draw(st.integers(1, 6)) for _ in range(rank))
@@ -498,15 +565,21 @@ def test_local_response_norm(data, size, alpha, beta, k):
 @st.composite
 def window_geometry(draw):
     k = (draw(st.integers(1, 4)), draw(st.integers(1, 4)))
-    return dict(kernel_size=k, stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
-                padding=(draw(st.integers(0, 3)), draw(st.integers(0, 3))),
-                dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))))
+    return dict(
+        kernel_size=k,
+        stride=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+        padding=(draw(st.integers(0, 3)), draw(st.integers(0, 3))),
+        dilation=(draw(st.integers(1, 3)), draw(st.integers(1, 3))),
+    )
 
 
 @given(data=st.data(), geometry=window_geometry(), batched=st.booleans())
 def test_unfold(data, geometry, batched):
-    shape = ((data.draw(st.integers(1, 2)),) if batched else ()) + (data.draw(st.integers(1, 3)),) + (
-        data.draw(st.integers(1, 10)), data.draw(st.integers(1, 10)))
+    shape = (
+        ((data.draw(st.integers(1, 2)),) if batched else ())
+        + (data.draw(st.integers(1, 3)),)
+        + (data.draw(st.integers(1, 10)), data.draw(st.integers(1, 10)))
+    )
     x = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal(shape).astype(np.float32)
     want = _torch_or_reject(lambda: F.unfold(torch.from_numpy(x), **geometry))
     if want is None:
@@ -532,8 +605,12 @@ def test_fold(data, geometry, batched):
 
 def test_fold_refuses_a_block_count_that_does_not_fit():
     with pytest.raises(ValueError, match="blocks"):  # the shape rule (infer_shapes names the node)
-        run1("F.fold", dict(kernel_size=(2, 2), stride=(1, 1), padding=(0, 0), dilation=(1, 1), output_size=(4, 4)),
-             np.zeros((1, 4, 8), np.float32), shape=(1, 1, 4, 4))
+        run1(
+            "F.fold",
+            dict(kernel_size=(2, 2), stride=(1, 1), padding=(0, 0), dilation=(1, 1), output_size=(4, 4)),
+            np.zeros((1, 4, 8), np.float32),
+            shape=(1, 1, 4, 4),
+        )
 
 
 class Pools(nn.Module):
@@ -553,7 +630,20 @@ class Pools(nn.Module):
         c, _ = self.unused(x)
         d, di = F.max_pool1d(x.flatten(2), 4, return_indices=True)
         cols = self.unfold(x)
-        return a, ai, b, bi, c, d, di, F.lp_pool1d(x.flatten(2).abs(), 3, 4), self.lp(x), self.lrn(x), cols, self.fold(cols)
+        return (
+            a,
+            ai,
+            b,
+            bi,
+            c,
+            d,
+            di,
+            F.lp_pool1d(x.flatten(2).abs(), 3, 4),
+            self.lp(x),
+            self.lrn(x),
+            cols,
+            self.fold(cols),
+        )
 
 
 def test_end_to_end_pools_and_windows(check_model):

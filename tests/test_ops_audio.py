@@ -36,9 +36,18 @@ def ref_spectrogram(x, pad, window, n_fft, hop, win, power, normalized, center, 
         x = F.pad(x, (pad, pad), "constant")
     frame_norm, window_norm = _norms(normalized)
     lead = x.shape[:-1]
-    spec = torch.stft(x.reshape(-1, x.shape[-1]), n_fft, hop_length=hop, win_length=win, window=window,
-                      center=center, pad_mode=pad_mode, normalized=frame_norm, onesided=onesided,
-                      return_complex=True)
+    spec = torch.stft(
+        x.reshape(-1, x.shape[-1]),
+        n_fft,
+        hop_length=hop,
+        win_length=win,
+        window=window,
+        center=center,
+        pad_mode=pad_mode,
+        normalized=frame_norm,
+        onesided=onesided,
+        return_complex=True,
+    )
     spec = spec.reshape(lead + spec.shape[-2:])
     if window_norm:
         spec = spec / window.pow(2.0).sum().sqrt()
@@ -52,9 +61,18 @@ def ref_inverse(spec, length, pad, window, n_fft, hop, win, normalized, center, 
     if window_norm:
         spec = spec * window.pow(2.0).sum().sqrt()
     lead = spec.shape[:-2]
-    y = torch.istft(spec.reshape(-1, *spec.shape[-2:]), n_fft, hop_length=hop, win_length=win, window=window,
-                    center=center, normalized=frame_norm, onesided=onesided,
-                    length=None if length is None else length + 2 * pad, return_complex=False)
+    y = torch.istft(
+        spec.reshape(-1, *spec.shape[-2:]),
+        n_fft,
+        hop_length=hop,
+        win_length=win,
+        window=window,
+        center=center,
+        normalized=frame_norm,
+        onesided=onesided,
+        length=None if length is None else length + 2 * pad,
+        return_complex=False,
+    )
     if length is not None and pad > 0:
         y = y[:, pad:-pad]
     return y.reshape(lead + y.shape[-1:])
@@ -85,8 +103,10 @@ def run_audio_op(op, params, x, label, window, want, window_as_input=False):
         lines.append(f"pnnx.Input pnnx_input_1 0 1 1 {_operand('1', window)}")
     else:
         lines.append(f"pnnx.Attribute s0 0 1 1 @data=({window.shape[0]})f32 {_operand('1', window)}")
-    lines.append(f"{op} {op}_7 2 1 0 1 2 {text} ${label}=0 $window=1 "
-                 f"{_operand('0', x)} {_operand('1', window)} {_operand('2', want)}")
+    lines.append(
+        f"{op} {op}_7 2 1 0 1 2 {text} ${label}=0 $window=1 "
+        f"{_operand('0', x)} {_operand('1', window)} {_operand('2', want)}"
+    )
     lines.append("pnnx.Output pnnx_output_0 1 0 2")
     feeds = [x.numpy()] + ([window.numpy()] if window_as_input else [])
     with tempfile.TemporaryDirectory() as d:
@@ -107,8 +127,11 @@ def check(got, want, tol=1e-4):
 
 
 def _window(kind, n):
-    return {"hann": torch.hann_window, "hamming": torch.hamming_window,
-            "blackman": lambda m: torch.blackman_window(m) + 0.05}[kind](n)
+    return {
+        "hann": torch.hann_window,
+        "hamming": torch.hamming_window,
+        "blackman": lambda m: torch.blackman_window(m) + 0.05,
+    }[kind](n)
 
 
 def _spec_params(n_fft, hop, win, pad, **rest):
@@ -135,8 +158,9 @@ def test_spectrogram_matches_torchaudio_definition(data):
     x = torch.randn(*lead, data.draw(st.integers(n_fft, 4 * n_fft), label="T"), generator=g)
     window = _window(data.draw(st.sampled_from(["hann", "hamming", "blackman"]), label="window"), win)
     want = ref_spectrogram(x, pad, window, n_fft, hop, win, power, normalized, center, pad_mode, onesided)
-    params = _spec_params(n_fft, hop, win, pad, power=power, normalized=normalized, center=center,
-                          pad_mode=pad_mode, onesided=onesided)
+    params = _spec_params(
+        n_fft, hop, win, pad, power=power, normalized=normalized, center=center, pad_mode=pad_mode, onesided=onesided
+    )
     got = run_audio_op("torchaudio.functional.spectrogram", params, x, "waveform", window, want, window_as_input)
     check(got, want)
 
@@ -148,18 +172,47 @@ def test_spectrogram_as_pnnx_exports_the_upstream_cases():
     cases = [
         (64, 16, 44, 0, "hann", dict(center=True, normalized="window", power=1, onesided=True, pad_mode="reflect")),
         (128, 3, 128, 0, "hann", dict(center=False, normalized=False, power=None, onesided=True, pad_mode="reflect")),
-        (512, 128, 256, 0, "hamming", dict(center=True, normalized="frame_length", power=2, onesided=True,
-                                           pad_mode="constant")),
-        (512, 128, 512, 32, "hamming", dict(center=True, normalized=False, power=2, onesided=False,
-                                            pad_mode="reflect")),
+        (
+            512,
+            128,
+            256,
+            0,
+            "hamming",
+            dict(center=True, normalized="frame_length", power=2, onesided=True, pad_mode="constant"),
+        ),
+        (
+            512,
+            128,
+            512,
+            32,
+            "hamming",
+            dict(center=True, normalized=False, power=2, onesided=False, pad_mode="reflect"),
+        ),
     ]
     for x in (torch.rand(3, 2560), torch.rand(1000)):
         for n_fft, hop, win, pad, kind, rest in cases:
             window = _window(kind, win)
-            want = ref_spectrogram(x, pad, window, n_fft, hop, win, rest["power"], rest["normalized"],
-                                   rest["center"], rest["pad_mode"], rest["onesided"])
-            got = run_audio_op("torchaudio.functional.spectrogram", _spec_params(n_fft, hop, win, pad, **rest),
-                               x, "waveform", window, want)
+            want = ref_spectrogram(
+                x,
+                pad,
+                window,
+                n_fft,
+                hop,
+                win,
+                rest["power"],
+                rest["normalized"],
+                rest["center"],
+                rest["pad_mode"],
+                rest["onesided"],
+            )
+            got = run_audio_op(
+                "torchaudio.functional.spectrogram",
+                _spec_params(n_fft, hop, win, pad, **rest),
+                x,
+                "waveform",
+                window,
+                want,
+            )
             check(got, want)
 
 
@@ -190,10 +243,10 @@ def test_inverse_spectrogram_matches_torchaudio_definition(data):
     spec = torch.randn(*lead, bins, frames, dtype=torch.complex64, generator=g)
     window = _window(kind, win)
     want = ref_inverse(spec, length, pad, window, n_fft, hop, win, normalized, center, onesided)
-    params = _spec_params(n_fft, hop, win, pad, length=length, normalized=normalized, center=center,
-                          onesided=onesided)
-    got = run_audio_op("torchaudio.functional.inverse_spectrogram", params, spec, "spectrogram", window, want,
-                       window_as_input)
+    params = _spec_params(n_fft, hop, win, pad, length=length, normalized=normalized, center=center, onesided=onesided)
+    got = run_audio_op(
+        "torchaudio.functional.inverse_spectrogram", params, spec, "spectrogram", window, want, window_as_input
+    )
     check(got, want)
 
 
@@ -227,12 +280,15 @@ def test_spectrogram_then_inverse_recovers_the_waveform():
 # --- refusals -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(normalized="energy"), r"normalized='energy'"),
-    (dict(power=0), r"power=0"),
-    (dict(pad=-1), r"pad=-1"),
-    (dict(win_length=16), r"window of shape \(32,\): expected \(16,\)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(normalized="energy"), r"normalized='energy'"),
+        (dict(power=0), r"power=0"),
+        (dict(pad=-1), r"pad=-1"),
+        (dict(win_length=16), r"window of shape \(32,\): expected \(16,\)"),
+    ],
+)
 def test_spectrogram_refuses_bad_parameters_naming_the_node(change, message):
     x, window = torch.randn(100), torch.hann_window(32)
     want = ref_spectrogram(x, 0, window, 32, 8, 32, 2, False, True, "reflect", True)
@@ -246,8 +302,20 @@ def test_inverse_spectrogram_refuses_a_real_input_and_wrong_bins():
     window = torch.hann_window(16)
     params = _spec_params(16, 4, 16, 0, length=None, normalized=False, center=True, onesided=True)
     with pytest.raises(PmxCompileError, match=r"inverse_spectrogram.*expected a complex"):
-        run_audio_op("torchaudio.functional.inverse_spectrogram", params, torch.randn(9, 5), "spectrogram", window,
-                     torch.zeros(16))
+        run_audio_op(
+            "torchaudio.functional.inverse_spectrogram",
+            params,
+            torch.randn(9, 5),
+            "spectrogram",
+            window,
+            torch.zeros(16),
+        )
     with pytest.raises(PmxCompileError, match=r"inverse_spectrogram.*10 frequency bins: expected 9"):
-        run_audio_op("torchaudio.functional.inverse_spectrogram", params, torch.randn(10, 5, dtype=torch.complex64),
-                     "spectrogram", window, torch.zeros(16))
+        run_audio_op(
+            "torchaudio.functional.inverse_spectrogram",
+            params,
+            torch.randn(10, 5, dtype=torch.complex64),
+            "spectrogram",
+            window,
+            torch.zeros(16),
+        )

@@ -3,15 +3,16 @@ cross, cumsum, cumprod, topk, masked_select, scatter_add, slice_scatter,
 repeat_interleave, as_strided, arange, addcmul. Kernels against torch (hypothesis where
 the op has parameters), then end-to-end through pnnx."""
 
+import pathlib
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from helpers import compare_with_torch, export_pnnx, run_kernel, torch_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-
-from helpers import compare_with_torch, export_pnnx, run_kernel, torch_outputs
 from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)
@@ -85,7 +86,7 @@ def test_diag_matches_torch(n, m, k, vector, seed):
 @given(shape=hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=4), data=st.data(), seed=st.integers(0, 99))
 def test_cross_matches_torch_with_broadcast(shape, data, seed):
     axis = data.draw(st.integers(0, len(shape) - 1))
-    shape = shape[:axis] + (3,) + shape[axis + 1:]
+    shape = shape[:axis] + (3,) + shape[axis + 1 :]
     b_shape = tuple(1 if data.draw(st.booleans()) and i != axis else d for i, d in enumerate(shape))
     a, b = _floats(shape, seed), _floats(b_shape, seed + 1)
     (got,) = run_kernel("cross", [a, b], dict(axis=axis))
@@ -249,14 +250,26 @@ def test_e2e_index_put_with_mask_none_entries_and_index_then_slice_copy(tmp_path
 
 class ShapeMath(nn.Module):
     def forward(self, x, y, a, b):
-        out = [x.reshape_as(y), torch.t(x), torch.diag(x, 1), torch.diag(x[0], -2),
-               torch.cumsum(x, 1), torch.cumprod(y, dim=0), torch.cumsum(x.long(), 0),
-               torch.cross(a, b, dim=1), torch.linalg.cross(a, b),
-               torch.repeat_interleave(x, 2), torch.repeat_interleave(x, 3, dim=1),
-               torch.repeat_interleave(y, torch.tensor([1, 0, 3]), dim=0),
-               torch.as_strided(x.reshape(-1) + 1, (3, 2), (2, 3)),
-               torch.arange(5), torch.arange(2, 9), torch.arange(1, 2, 0.25),
-               torch.arange(3, dtype=torch.float32), torch.arange(x.size(1)) * 2]
+        out = [
+            x.reshape_as(y),
+            torch.t(x),
+            torch.diag(x, 1),
+            torch.diag(x[0], -2),
+            torch.cumsum(x, 1),
+            torch.cumprod(y, dim=0),
+            torch.cumsum(x.long(), 0),
+            torch.cross(a, b, dim=1),
+            torch.linalg.cross(a, b),
+            torch.repeat_interleave(x, 2),
+            torch.repeat_interleave(x, 3, dim=1),
+            torch.repeat_interleave(y, torch.tensor([1, 0, 3]), dim=0),
+            torch.as_strided(x.reshape(-1) + 1, (3, 2), (2, 3)),
+            torch.arange(5),
+            torch.arange(2, 9),
+            torch.arange(1, 2, 0.25),
+            torch.arange(3, dtype=torch.float32),
+            torch.arange(x.size(1)) * 2,
+        ]
         return tuple(out)
 
 
@@ -283,7 +296,7 @@ class TopK(nn.Module):
 def test_e2e_topk_values_and_indices(tmp_path):
     x = torch.randperm(60).reshape(3, 4, 5).float()
     y = torch.randperm(60).reshape(3, 4, 5).float()
-    sess, got, want = _check(tmp_path, TopK(), (x, y))
+    _sess, got, _want = _check(tmp_path, TopK(), (x, y))
     assert got[1].dtype == np.int64
 
 
@@ -355,18 +368,19 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
 def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tmp_path):
     """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
     masked_select, written here) must leave the run-sized op to run time."""
-    from ziputil import write_bin
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
+    from ziputil import write_bin
 
     w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
-    ops = ["pnnx.Input in 0 1 x #x=(2)f32",
-           "pnnx.Attribute w 0 1 a @data=(3,4)f32 #a=(3,4)f32",
-           "torch.gt gt 1 1 a m other=0.2 $input=a #a=(3,4)f32 #m=(3,4)bool",
-           "torch.masked_select sel 2 1 a m s $input=a $mask=m #s=(12)f32",
-           "pnnx.Expression add 1 1 x y expr=add(@0,1) #y=(2)f32",
-           "pnnx.Output out 2 0 s y"]
+    ops = [
+        "pnnx.Input in 0 1 x #x=(2)f32",
+        "pnnx.Attribute w 0 1 a @data=(3,4)f32 #a=(3,4)f32",
+        "torch.gt gt 1 1 a m other=0.2 $input=a #a=(3,4)f32 #m=(3,4)bool",
+        "torch.masked_select sel 2 1 a m s $input=a $mask=m #s=(12)f32",
+        "pnnx.Expression add 1 1 x y expr=add(@0,1) #y=(2)f32",
+        "pnnx.Output out 2 0 s y",
+    ]
     (tmp_path / "m.pnnx.param").write_text("\n".join(["7767517", f"{len(ops)} 5", *ops]) + "\n")
     write_bin(tmp_path / "m.pnnx.bin", {"w.data": w})
     compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
@@ -390,8 +404,11 @@ class ArangeFromValues(nn.Module):
     """pnnx's upstream test_torch_arange: every bound read from tensor values."""
 
     def forward(self, x):
-        return (torch.arange(x[0]), torch.arange(x[1], 33, dtype=None),
-                torch.arange(x[3], x[4], x[6] * 0.1, dtype=torch.float))
+        return (
+            torch.arange(x[0]),
+            torch.arange(x[1], 33, dtype=None),
+            torch.arange(x[3], x[4], x[6] * 0.1, dtype=torch.float),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -470,9 +487,11 @@ def test_arange_spellings_fold_to_torch_values(tmp_path, params, end_expr, want)
     ins = "1 1 b" if end_expr else "0 1"
     if end_expr:
         ops.append(f"pnnx.Expression e 0 1 b {end_expr}")
-    ops += [f"torch.arange a {ins} r {params} #r=({len(want)}){dt}",
-            "pnnx.Expression add 1 1 x y expr=add(@0,0) #y=(2)f32",
-            "pnnx.Output out 2 0 y r"]
+    ops += [
+        f"torch.arange a {ins} r {params} #r=({len(want)}){dt}",
+        "pnnx.Expression add 1 1 x y expr=add(@0,0) #y=(2)f32",
+        "pnnx.Output out 2 0 y r",
+    ]
     operands = 4 if end_expr else 3  # x, r, y (and b)
     text = "\n".join(["7767517", f"{len(ops)} {operands}", *ops]) + "\n"
     (tmp_path / "m.pnnx.param").write_text(text)
@@ -514,7 +533,7 @@ def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
 
     module = ArangeOfSize().eval()
     param, bin_ = _export_dynamic(tmp_path, module, (torch.rand(4, 5),), (torch.rand(6, 7),))
-    assert "size(@0,1)" in open(param).read()
+    assert "size(@0,1)" in pathlib.Path(param).read_text()
     compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (4, 5)}, verify=True)
     sess = InferenceSession(str(tmp_path / "m.pmx"))
     for shape in [(4, 5), (7, 3), (2, 9), (4, 5)]:

@@ -11,7 +11,6 @@ from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
 from paramgraph import generator, run_one_op, sizes
-
 from pmx.runtime.errors import PmxCompileError
 
 TOL = 1e-5
@@ -53,8 +52,9 @@ def test_grid_sample_grid_points_on_pixel_centres():
             for align in (False, True):
                 want = F.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=align)
                 params = f"align_corners={align} mode={mode} padding_mode={padding}"
-                (got,) = run_one_op("F.grid_sample", params, [x.numpy(), grid.numpy()], [want.numpy()],
-                                    ["input", "grid"])
+                (got,) = run_one_op(
+                    "F.grid_sample", params, [x.numpy(), grid.numpy()], [want.numpy()], ["input", "grid"]
+                )
                 check(got, want)
 
 
@@ -93,8 +93,13 @@ def test_grid_sample_refuses_bicubic_5d():
     x = np.zeros((1, 1, 2, 2, 2), np.float32)
     grid = np.zeros((1, 2, 2, 2, 3), np.float32)
     with pytest.raises(PmxCompileError, match="bicubic"):
-        run_one_op("F.grid_sample", "align_corners=False mode=bicubic padding_mode=zeros", [x, grid],
-                   [np.zeros((1, 1, 2, 2, 2), np.float32)], ["input", "grid"])
+        run_one_op(
+            "F.grid_sample",
+            "align_corners=False mode=bicubic padding_mode=zeros",
+            [x, grid],
+            [np.zeros((1, 1, 2, 2, 2), np.float32)],
+            ["input", "grid"],
+        )
 
 
 class SpatialTransformer(nn.Module):
@@ -149,8 +154,9 @@ def bilinear_at(plane, y, x, padding_mode):
     gx = x.reshape(1, 1, -1) * 2 / (w - 1) - 1
     gy = y.reshape(1, 1, -1) * 2 / (h - 1) - 1
     grid = torch.stack([gx, gy], -1).to(torch.float64)
-    out = F.grid_sample(plane[None].to(torch.float64), grid, mode="bilinear", padding_mode=padding_mode,
-                        align_corners=True)
+    out = F.grid_sample(
+        plane[None].to(torch.float64), grid, mode="bilinear", padding_mode=padding_mode, align_corners=True
+    )
     return out.reshape(c, *shape)
 
 
@@ -197,8 +203,10 @@ def test_roi_align(data):
     ratio = data.draw(st.sampled_from([-1, 0, 1, 2, 3]))
     aligned = data.draw(st.booleans())
     want = roi_align_reference(x, rois, output_size, scale, ratio, aligned)
-    params = (f"aligned={aligned} output_size=({output_size[0]},{output_size[1]}) sampling_ratio={ratio} "
-              f"spatial_scale={scale:e}")
+    params = (
+        f"aligned={aligned} output_size=({output_size[0]},{output_size[1]}) sampling_ratio={ratio} "
+        f"spatial_scale={scale:e}"
+    )
     (got,) = run_one_op("torchvision.ops.RoIAlign", params, [x.numpy(), rois.numpy()], [want.numpy()])
     check(got, want)
 
@@ -207,7 +215,7 @@ def deform_conv_reference(x, offset, weight, bias, stride, padding, dilation, gr
     """torchvision.ops.deform_conv2d's definition: tap (i, j) of output pixel (oy, ox) samples
     input channel group g at (oy * s - p + i * d + dy, ox * s - p + j * d + dx), bilinear with
     zeros outside, times the mask; then a grouped convolution of those samples."""
-    n, c, h, w = x.shape
+    n, c, _h, _w = x.shape
     o, cg, kh, kw = weight.shape
     ho, wo = offset.shape[2:]
     k = kh * kw
@@ -223,10 +231,10 @@ def deform_conv_reference(x, offset, weight, bias, stride, padding, dilation, gr
                 i, j = divmod(t, kw)
                 yy = oy + i * dilation[0] + off[b, gi, t, 0]
                 xx = ox + j * dilation[1] + off[b, gi, t, 1]
-                v = bilinear_at(x[b, gi * cpg:(gi + 1) * cpg], yy, xx, "zeros")
+                v = bilinear_at(x[b, gi * cpg : (gi + 1) * cpg], yy, xx, "zeros")
                 if mask is not None:
                     v = v * mask.reshape(n, og, k, ho, wo)[b, gi, t].to(torch.float64)
-                cols[b, gi * cpg:(gi + 1) * cpg, t] = v
+                cols[b, gi * cpg : (gi + 1) * cpg, t] = v
     cols = cols.reshape(n, groups, cg * k, ho * wo)
     wm = weight.reshape(groups, o // groups, cg * k).to(torch.float64)
     out = torch.einsum("gok,ngkp->ngop", wm, cols).reshape(n, o, ho, wo)
@@ -254,9 +262,11 @@ def test_deform_conv2d(data):
     bias = torch.randn(o, generator=g) if data.draw(st.booleans()) else None
     mask = torch.rand(n, og * kh * kw, ho, wo, generator=g) if data.draw(st.booleans()) else None
     want = deform_conv_reference(x, offset, weight, bias, stride, padding, dilation, groups, mask)
-    params = (f"bias={bias is not None} dilation=({dilation[0]},{dilation[1]}) groups={groups} in_channels={c} "
-              f"kernel_size=({kh},{kw}) out_channels={o} padding=({padding[0]},{padding[1]}) "
-              f"stride=({stride[0]},{stride[1]})")
+    params = (
+        f"bias={bias is not None} dilation=({dilation[0]},{dilation[1]}) groups={groups} in_channels={c} "
+        f"kernel_size=({kh},{kw}) out_channels={o} padding=({padding[0]},{padding[1]}) "
+        f"stride=({stride[0]},{stride[1]})"
+    )
     weights = {"weight": weight.numpy()}
     if bias is not None:
         weights["bias"] = bias.numpy()
@@ -266,12 +276,11 @@ def test_deform_conv2d(data):
 
 
 def compile_and_run(tmp_path, lines, weights, feeds):
-    from ziputil import write_bin
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
+    from ziputil import write_bin
 
-    operands = {t for line in lines for t in line.split()[4:4 + int(line.split()[2]) + int(line.split()[3])]}
+    operands = {t for line in lines for t in line.split()[4 : 4 + int(line.split()[2]) + int(line.split()[3])]}
     param = tmp_path / "m.pnnx.param"
     param.write_text("\n".join(["7767517", f"{len(lines)} {len(operands)}", *lines]) + "\n")
     write_bin(tmp_path / "m.pnnx.bin", weights)
@@ -295,10 +304,14 @@ def test_e2e_deform_conv_block(tmp_path):
         mask = torch.sigmoid(convs["conv_2"](x))
     want1 = deform_conv_reference(x, offset, *deform["conv_1"], (1, 1), (0, 0), (1, 1), 1, None)
     want2 = deform_conv_reference(x, offset, *deform["conv_3"], (1, 1), (0, 0), (1, 1), 1, mask)
-    conv_params = "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) padding=(0,0) " \
-                  "padding_mode=zeros stride=(1,1)"
-    deform_params = "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) out_channels=6 " \
-                    "padding=(0,0) stride=(1,1) @weight=(6,4,3,3)f32 @bias=(6)f32"
+    conv_params = (
+        "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) padding=(0,0) "
+        "padding_mode=zeros stride=(1,1)"
+    )
+    deform_params = (
+        "bias=True dilation=(1,1) groups=1 in_channels=4 kernel_size=(3,3) out_channels=6 "
+        "padding=(0,0) stride=(1,1) @weight=(6,4,3,3)f32 @bias=(6)f32"
+    )
     lines = [
         f"pnnx.Input in0 0 1 x #x={shape_text(x)}",
         f"nn.Conv2d conv_0 1 1 x off0 {conv_params} out_channels=18 @weight=(18,4,3,3)f32 @bias=(18)f32 "
@@ -348,5 +361,9 @@ def test_roi_align_refuses_a_batch_index_beyond_the_input():
     x = np.zeros((1, 1, 4, 4), np.float32)
     rois = np.array([[3, 0, 0, 2, 2]], np.float32)
     with pytest.raises(PmxInputError, match="batch 3"):
-        run_one_op("torchvision.ops.RoIAlign", "aligned=False output_size=(2,2) sampling_ratio=2 spatial_scale=1.0",
-                   [x, rois], [np.zeros((1, 1, 2, 2), np.float32)])
+        run_one_op(
+            "torchvision.ops.RoIAlign",
+            "aligned=False output_size=(2,2) sampling_ratio=2 spatial_scale=1.0",
+            [x, rois],
+            [np.zeros((1, 1, 2, 2), np.float32)],
+        )

@@ -10,7 +10,6 @@ from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
 from paramgraph import generator, run_one_op, sizes
-
 from pmx.runtime.errors import PmxCompileError
 
 TOL = 1e-5
@@ -61,8 +60,9 @@ def test_fft(data):
             dim = None  # all dims, or the last len(s)
         if dim is None and data.draw(st.booleans()):
             k = rank
-        s = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([-1, 1, 2, 3, 5]), min_size=k,
-                                                    max_size=k).map(tuple)))
+        s = data.draw(
+            st.one_of(st.none(), st.lists(st.sampled_from([-1, 1, 2, 3, 5]), min_size=k, max_size=k).map(tuple))
+        )
         params = dict(dim=dim, s=s, norm=norm)
         want = getattr(torch.fft, kind + form)(x, s=s, dim=dim, norm=norm)
     param_text = " ".join(f"{k}={text(v)}" for k, v in params.items())
@@ -105,10 +105,22 @@ def test_stft(data):
     x = torch.randn(*lead, data.draw(st.integers(n_fft + 1, 3 * n_fft)), generator=g)
     window_kind = data.draw(st.sampled_from(list(WINDOWS)))
     window = WINDOWS[window_kind](win if win is not None else n_fft) if window_kind != "none" else None
-    want = torch.stft(x, n_fft, hop_length=hop, win_length=win, window=window, center=center, pad_mode=pad_mode,
-                      normalized=normalized, onesided=onesided, return_complex=True)
-    params = (f"center={center} hop_length={hop} n_fft={n_fft} normalized={normalized} onesided={onesided} "
-              f"pad_mode={pad_mode} return_complex=True win_length={win}")
+    want = torch.stft(
+        x,
+        n_fft,
+        hop_length=hop,
+        win_length=win,
+        window=window,
+        center=center,
+        pad_mode=pad_mode,
+        normalized=normalized,
+        onesided=onesided,
+        return_complex=True,
+    )
+    params = (
+        f"center={center} hop_length={hop} n_fft={n_fft} normalized={normalized} onesided={onesided} "
+        f"pad_mode={pad_mode} return_complex=True win_length={win}"
+    )
     inputs, labels = [x.numpy()], ["input"]
     if window is None:
         params += " window=None"
@@ -133,15 +145,36 @@ def test_istft(data):
     lead = data.draw(st.sampled_from([(), (2,)]))
     signal = torch.randn(*lead, data.draw(st.integers(2 * n_fft, 4 * n_fft)), generator=g)
     window = torch.hann_window(win if win is not None else n_fft, periodic=True) + 0.1
-    spec = torch.stft(signal, n_fft, hop_length=hop, win_length=win, window=window, center=center,
-                      normalized=normalized, onesided=onesided, return_complex=True)
+    spec = torch.stft(
+        signal,
+        n_fft,
+        hop_length=hop,
+        win_length=win,
+        window=window,
+        center=center,
+        normalized=normalized,
+        onesided=onesided,
+        return_complex=True,
+    )
     length = data.draw(st.one_of(st.none(), st.integers(n_fft, signal.shape[-1])))
     if not center and length is not None:
         length = None  # torch reads beyond the last frame's envelope otherwise (NOLA fails)
-    want = torch.istft(spec, n_fft, hop_length=hop, win_length=win, window=window, center=center,
-                       normalized=normalized, onesided=onesided, length=length, return_complex=False)
-    params = (f"center={center} hop_length={hop} length={length} n_fft={n_fft} normalized={normalized} "
-              f"onesided={onesided} return_complex=False win_length={win}")
+    want = torch.istft(
+        spec,
+        n_fft,
+        hop_length=hop,
+        win_length=win,
+        window=window,
+        center=center,
+        normalized=normalized,
+        onesided=onesided,
+        length=length,
+        return_complex=False,
+    )
+    params = (
+        f"center={center} hop_length={hop} length={length} n_fft={n_fft} normalized={normalized} "
+        f"onesided={onesided} return_complex=False win_length={win}"
+    )
     (got,) = run_one_op("torch.istft", params, [spec.numpy(), window.numpy()], [want.numpy()], ["input", "window"])
     check(got, want, tol=1e-4)
 
@@ -154,8 +187,10 @@ def test_istft_of_a_two_sided_spectrum_whose_bins_do_not_mirror(return_complex):
     spec = torch.randn(2, 16, 9, dtype=torch.complex64, generator=g)
     window = torch.hamming_window(16)
     want = torch.istft(spec, 16, hop_length=4, window=window, onesided=False, return_complex=return_complex)
-    params = (f"center=True hop_length=4 length=None n_fft=16 normalized=False onesided=False "
-              f"return_complex={return_complex} win_length=16")
+    params = (
+        f"center=True hop_length=4 length=None n_fft=16 normalized=False onesided=False "
+        f"return_complex={return_complex} win_length=16"
+    )
     (got,) = run_one_op("torch.istft", params, [spec.numpy(), window.numpy()], [want.numpy()], ["input", "window"])
     check(got, want, tol=1e-4)
 
@@ -198,12 +233,10 @@ def test_e2e_spectral_filter(check_model):
 
 class Vocoder(nn.Module):
     def forward(self, x):
-        spec = torch.stft(x, n_fft=32, hop_length=8, window=torch.hann_window(32), center=True,
-                          return_complex=True)
+        spec = torch.stft(x, n_fft=32, hop_length=8, window=torch.hann_window(32), center=True, return_complex=True)
         mag = spec.abs()
         spec = spec * torch.sigmoid(mag)
-        return mag, torch.istft(spec, n_fft=32, hop_length=8, window=torch.hann_window(32), center=True,
-                                length=250)
+        return mag, torch.istft(spec, n_fft=32, hop_length=8, window=torch.hann_window(32), center=True, length=250)
 
 
 def test_e2e_stft_istft(check_model):
@@ -223,12 +256,14 @@ class ComplexArithmetic(nn.Module):
 
 def test_e2e_complex_arithmetic(check_model):
     torch.manual_seed(2)
-    check_model("spectral_complex_arith", ComplexArithmetic(),
-                (torch.randn(3, 5), torch.randn(3, 5, dtype=torch.complex64)))
+    check_model(
+        "spectral_complex_arith", ComplexArithmetic(), (torch.randn(3, 5), torch.randn(3, 5, dtype=torch.complex64))
+    )
 
 
-@pytest.mark.parametrize("text", ["mul(@0,1.200000e+00-9.000000e-01j)", "sub(@0,0.000000e+00+4.000000e+00j)",
-                                  "add(@0,1.0e+00+-2.0e+00j)"])
+@pytest.mark.parametrize(
+    "text", ["mul(@0,1.200000e+00-9.000000e-01j)", "sub(@0,0.000000e+00+4.000000e+00j)", "add(@0,1.0e+00+-2.0e+00j)"]
+)
 def test_complex_literal_parses_and_round_trips(text):
     from pmx.runtime import expr as E
 
@@ -245,12 +280,19 @@ def test_istft_refuses_a_window_whose_overlap_add_vanishes():
     with a zero envelope."""
     from pmx.runtime.errors import PmxInputError
 
-    spec = torch.stft(torch.randn(16), 8, hop_length=1, win_length=5, window=torch.ones(5), center=False,
-                      return_complex=True)
+    spec = torch.stft(
+        torch.randn(16), 8, hop_length=1, win_length=5, window=torch.ones(5), center=False, return_complex=True
+    )
     with pytest.raises(RuntimeError):
         torch.istft(spec, 8, hop_length=1, win_length=5, window=torch.ones(5), center=False)
-    params = ("center=False hop_length=1 length=None n_fft=8 normalized=False onesided=True return_complex=False "
-              "win_length=5")
+    params = (
+        "center=False hop_length=1 length=None n_fft=8 normalized=False onesided=True return_complex=False win_length=5"
+    )
     with pytest.raises(PmxInputError, match="overlap-add"):
-        run_one_op("torch.istft", params, [spec.numpy(), np.ones(5, np.float32)], [np.zeros(16, np.float32)],
-                   ["input", "window"])
+        run_one_op(
+            "torch.istft",
+            params,
+            [spec.numpy(), np.ones(5, np.float32)],
+            [np.zeros(16, np.float32)],
+            ["input", "window"],
+        )

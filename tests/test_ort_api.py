@@ -9,9 +9,8 @@ import pickle
 import threading
 
 import numpy as np
-import pytest
-
 import pmx.runtime as rt
+import pytest
 from pmx.compiler.driver import compile_model
 
 EXAMPLE = "tools/example/cnn"
@@ -31,22 +30,37 @@ def model(tmp_path_factory):
 
 def test_session_options_have_onnxruntimes_attributes_and_refuse_others():
     so = rt.SessionOptions()
-    for name, value in [("graph_optimization_level", rt.GraphOptimizationLevel.ORT_DISABLE_ALL),
-                        ("execution_mode", rt.ExecutionMode.ORT_PARALLEL), ("enable_cpu_mem_arena", False),
-                        ("enable_mem_pattern", False), ("log_verbosity_level", 1), ("logid", "x"),
-                        ("use_deterministic_compute", True), ("optimized_model_filepath", "/tmp/o.onnx"),
-                        ("execution_order", rt.ExecutionOrder.PRIORITY_BASED), ("intra_op_num_threads", 3)]:
+    for name, value in [
+        ("graph_optimization_level", rt.GraphOptimizationLevel.ORT_DISABLE_ALL),
+        ("execution_mode", rt.ExecutionMode.ORT_PARALLEL),
+        ("enable_cpu_mem_arena", False),
+        ("enable_mem_pattern", False),
+        ("log_verbosity_level", 1),
+        ("logid", "x"),
+        ("use_deterministic_compute", True),
+        ("optimized_model_filepath", "/tmp/o.onnx"),
+        ("execution_order", rt.ExecutionOrder.PRIORITY_BASED),
+        ("intra_op_num_threads", 3),
+    ]:
         setattr(so, name, value)
         assert getattr(so, name) == value
     with pytest.raises(AttributeError, match="intra_op_num_thread"):
         so.intra_op_num_thread = 1  # the typo onnxruntime refuses too
-    for name, bad in [("intra_op_num_threads", "2"), ("intra_op_num_threads", True), ("enable_profiling", 1),
-                      ("graph_optimization_level", 7)]:
+    for name, bad in [
+        ("intra_op_num_threads", "2"),
+        ("intra_op_num_threads", True),
+        ("enable_profiling", 1),
+        ("graph_optimization_level", 7),
+    ]:
         with pytest.raises(TypeError):
             setattr(so, name, bad)
     so.add_free_dimension_override_by_name("batch", 4)
     back = pickle.loads(pickle.dumps(so))
-    assert (back.intra_op_num_threads, back.execution_order, copy.copy(so).logid) == (3, rt.ExecutionOrder.PRIORITY_BASED, "x")
+    assert (back.intra_op_num_threads, back.execution_order, copy.copy(so).logid) == (
+        3,
+        rt.ExecutionOrder.PRIORITY_BASED,
+        "x",
+    )
     with pytest.raises(rt.PmxInputError, match="weights"):
         so.add_initializer("w", None)
 
@@ -109,8 +123,12 @@ def test_iobinding_with_caller_buffers_writes_into_them(model):
 def test_run_async_callback_future_and_asyncio(model):
     sess, x, want = model
     done, got = threading.Event(), {}
-    sess.run_async(None, {"in0": x}, lambda outs, data, err: (got.update(outs=outs, data=data, err=err), done.set()),
-                   {"request": 1})
+    sess.run_async(
+        None,
+        {"in0": x},
+        lambda outs, data, err: (got.update(outs=outs, data=data, err=err), done.set()),
+        {"request": 1},
+    )
     assert done.wait(60)
     assert got["err"] == "" and got["data"] == {"request": 1}
     np.testing.assert_array_equal(got["outs"][0], want)

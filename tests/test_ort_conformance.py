@@ -8,7 +8,6 @@ import threading
 
 import numpy as np
 import pytest
-
 from pmx.compiler.driver import compile_model
 
 ort = pytest.importorskip("onnxruntime")
@@ -68,8 +67,9 @@ def models(exporter, tmp_path_factory):
         x = torch.rand(*shape, generator=torch.Generator().manual_seed(0))
         prefix = exporter(f"ort_conformance_{name}", module, (x,))
         compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(d / f"{name}.pmx"), auto_batch=False)
-        torch.onnx.export(module, (x,), str(d / f"{name}.onnx"), dynamo=False, input_names=["input"],
-                          output_names=["output"])
+        torch.onnx.export(
+            module, (x,), str(d / f"{name}.onnx"), dynamo=False, input_names=["input"], output_names=["output"]
+        )
         built[name] = (str(d / f"{name}.onnx"), str(d / f"{name}.pmx"), x.numpy())
     return built
 
@@ -79,7 +79,7 @@ def error_of(fn):
     classes: ValueError, TypeError, AttributeError), or None."""
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - the class is what is compared
+    except Exception as e:
         builtin = next((c for c in type(e).__mro__ if c.__module__ == "builtins"), Exception)
         return builtin.__name__
     return None
@@ -111,9 +111,10 @@ def user_script(rt, path, x):
     record["profiling start type"] = type(sess.get_profiling_start_time_ns()).__name__
     record["end profiling"] = sess.end_profiling()
     meta = sess.get_modelmeta()
-    record["meta fields"] = [type(getattr(meta, f)).__name__ for f in ("producer_name", "graph_name", "domain",
-                                                                       "description", "version",
-                                                                       "custom_metadata_map")]
+    record["meta fields"] = [
+        type(getattr(meta, f)).__name__
+        for f in ("producer_name", "graph_name", "domain", "description", "version", "custom_metadata_map")
+    ]
     inp, out = sess.get_inputs()[0], sess.get_outputs()[0]
     record["input"] = (inp.shape, inp.type)
     record["output type"] = out.type
@@ -153,7 +154,7 @@ def user_script(rt, path, x):
 def _raised(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001 - returned for comparison
+    except Exception as e:
         return e
     return None
 
@@ -161,8 +162,13 @@ def _raised(fn):
 def same(a, b):
     """Equal, or arrays (also inside lists and tuples) within 1e-4 of the same dtype."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype
-                and a.shape == b.shape and np.allclose(a, b, rtol=1e-4, atol=1e-5))
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.allclose(a, b, rtol=1e-4, atol=1e-5)
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b

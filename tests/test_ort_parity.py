@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import pytest
-
 from helpers import recompute_crcs
 from pmx.compiler import compile_model
 from pmx.runtime import (
@@ -44,7 +43,7 @@ def models(tmp_path_factory):
 
 def _header(data):
     pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
-    return pre, data[pre["header_offset"]:pre["header_offset"] + pre["header_size"]]
+    return pre, data[pre["header_offset"] : pre["header_offset"] + pre["header_size"]]
 
 
 # --- bytes ---------------------------------------------------------------------------
@@ -65,7 +64,7 @@ def test_bytes_are_verified_like_a_file(models):
     data[10] ^= 0xFF  # inside the preamble: its checksum no longer matches
     with pytest.raises(PmxFormatError, match="preamble checksum"):
         InferenceSession(bytes(data))
-    with pytest.raises(PmxFormatError, match="shorter than the 64-byte preamble.*content"):
+    with pytest.raises(PmxFormatError, match=r"shorter than the 64-byte preamble.*content"):
         InferenceSession(b"model.pmx")  # bytes are content, never a path
     with pytest.raises(PmxFormatError, match="truncated or padded"):
         InferenceSession(plain.read_bytes()[:-64])
@@ -80,13 +79,13 @@ def test_weights_from_a_bytearray_do_not_follow_later_changes(models):
     data = bytearray(plain.read_bytes())
     sess = InferenceSession(data)
     pre, _ = _header(bytes(data))
-    data[pre["data_offset"]:] = bytes(len(data) - pre["data_offset"])  # zero every weight
+    data[pre["data_offset"] :] = bytes(len(data) - pre["data_offset"])  # zero every weight
     [y] = sess.run(None, {"in0": X})
     assert _close_to_torch(y)
 
 
 def test_session_refuses_other_types():
-    with pytest.raises(PmxInputError, match="path to a .pmx file or its bytes"):
+    with pytest.raises(PmxInputError, match=r"path to a .pmx file or its bytes"):
         InferenceSession(42)
 
 
@@ -132,10 +131,20 @@ def test_a_runtime_that_predates_metadata_reads_a_file_with_it(models, monkeypat
     assert _close_to_torch(y)
 
 
-_MODEL_ACCESSORS = dict(producer="Producer", tensors="Tensors", nodes="Nodes", strings="StringsLength",
-                        attr_sets="AttrSetsLength", inputs="InputsAsNumpy", outputs="OutputsAsNumpy",
-                        kept="KeptAsNumpy", arena_size="ArenaSize", pass_stats="PassStatsLength", source="Source",
-                        metadata="MetadataLength")
+_MODEL_ACCESSORS = dict(
+    producer="Producer",
+    tensors="Tensors",
+    nodes="Nodes",
+    strings="StringsLength",
+    attr_sets="AttrSetsLength",
+    inputs="InputsAsNumpy",
+    outputs="OutputsAsNumpy",
+    kept="KeptAsNumpy",
+    arena_size="ArenaSize",
+    pass_stats="PassStatsLength",
+    source="Source",
+    metadata="MetadataLength",
+)
 
 
 def test_damaged_metadata_is_a_format_error(models):
@@ -152,7 +161,7 @@ def test_damaged_metadata_is_a_format_error(models):
         InferenceSession(recompute_crcs(data))
     data = bytearray(meta.read_bytes())
     at = pre["header_offset"] + header.index(b"license")
-    data[at:at + 7] = b"author\0"
+    data[at : at + 7] = b"author\0"
     struct.pack_into("<I", data, at - 4, 6)  # the key "license" now reads "author"
     with pytest.raises(PmxFormatError, match="metadata key 'author' appears more than once"):
         InferenceSession(recompute_crcs(data))
@@ -248,8 +257,11 @@ def test_kernel_failure_at_run_is_an_internal_error(models, monkeypatch):
 
     monkeypatch.setattr(REGISTRY[node.op], "make", make)
     sess = InferenceSession(str(plain))
-    with pytest.raises(PmxInternalError, match=rf"node '{node.name}' \({node.op}\) failed at run: ZeroDivisionError.*"
-                                               r"bug in pmx.*report it with the model file"):
+    with pytest.raises(
+        PmxInternalError,
+        match=rf"node '{node.name}' \({node.op}\) failed at run: ZeroDivisionError.*"
+        r"bug in pmx.*report it with the model file",
+    ):
         sess.run(None, {"in0": X})
     so = SessionOptions()
     so.enable_profiling = True
@@ -276,7 +288,7 @@ def test_verifier_failures_stay_format_errors(models):
     plain, _ = models
     data = bytearray(plain.read_bytes())
     pre, _ = _header(bytes(data))
-    data[pre["header_offset"] + 4:pre["header_offset"] + 8] = b"XXXX"  # the file identifier
+    data[pre["header_offset"] + 4 : pre["header_offset"] + 8] = b"XXXX"  # the file identifier
     with pytest.raises(PmxFormatError) as e:
         InferenceSession(bytes(data))
     assert not isinstance(e.value, PmxInternalError)

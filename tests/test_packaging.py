@@ -28,8 +28,12 @@ def _new_top_level_modules():
 def test_runtime_does_not_import_torch_or_compiler():
     new = _new_top_level_modules()
     assert "torch" not in new
-    out = subprocess.run([sys.executable, "-c", "import sys, pmx.runtime; print('pmx.compiler' in sys.modules)"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, pmx.runtime; print('pmx.compiler' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -40,8 +44,12 @@ def test_runtime_third_party_imports_are_numpy_numexpr():
 
 
 def test_runtime_does_not_import_the_generated_schema_code():
-    out = subprocess.run([sys.executable, "-c", "import sys, pmx.runtime; print('pmx.schema.pmx_generated' in sys.modules)"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, pmx.runtime; print('pmx.schema.pmx_generated' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -95,15 +103,24 @@ def test_wheel_installs_alone_and_runs_the_example(tmp_path):
     import scipy_openblas32
 
     wheels = tmp_path / "wheels"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(wheels)],
-                           capture_output=True, text=True, timeout=600)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(wheels)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert built.returncode == 0, built.stderr[-2000:]
     [wheel] = wheels.glob("pnnx_pmx-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    for name in ("pmx/runtime/py.typed", "pmx/compiler/py.typed", "pmx/schema/py.typed", "pmx/schema/pmx.fbs",
-                 "pmx/runtime/version.py"):
+    for name in (
+        "pmx/runtime/py.typed",
+        "pmx/compiler/py.typed",
+        "pmx/schema/py.typed",
+        "pmx/schema/pmx.fbs",
+        "pmx/runtime/version.py",
+    ):
         assert name in names, name
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
     assert "License-Expression: BSD-3-Clause" in metadata
@@ -113,22 +130,50 @@ def test_wheel_installs_alone_and_runs_the_example(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    dirs = sorted({str(pathlib.Path(m.__file__).resolve().parent.parent)
-                   for m in (numpy, numexpr, flatbuffers, scipy_openblas32)})
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    dirs = sorted(
+        {str(pathlib.Path(m.__file__).resolve().parent.parent) for m in (numpy, numexpr, flatbuffers, scipy_openblas32)}
+    )
     pathlib.Path(purelib, "dependencies.pth").write_text("\n".join(dirs) + "\n")
-    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
-                                "-q", str(wheel)], capture_output=True, text=True, timeout=600)
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert installed.returncode == 0, installed.stderr[-2000:]
 
     env = {"PATH": f"{venv / 'bin'}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}
     model = tmp_path / "cnn.pmx"
-    compiled = subprocess.run([str(venv / "bin" / "pmx"), "compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(model)],
-                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    compiled = subprocess.run(
+        [str(venv / "bin" / "pmx"), "compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(model)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert compiled.returncode == 0, compiled.stderr
-    checked = subprocess.run([str(py), "-c", WHEEL_CHECK, str(venv), str(model), str(EXAMPLE / "cnn_input.npy"),
-                              str(EXAMPLE / "cnn_expected.npy")], capture_output=True, text=True, cwd=tmp_path,
-                             env=env, timeout=300)
+    checked = subprocess.run(
+        [
+            str(py),
+            "-c",
+            WHEEL_CHECK,
+            str(venv),
+            str(model),
+            str(EXAMPLE / "cnn_input.npy"),
+            str(EXAMPLE / "cnn_expected.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert checked.returncode == 0, checked.stderr
     assert checked.stdout.startswith("ok 0."), checked.stdout

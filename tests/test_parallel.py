@@ -2,11 +2,11 @@
 build on it (kernels/common.gemm). What a host process sees of pmx's threads is
 tested through the public API in test_threads_host.py."""
 
+import itertools
 import threading
 
 import numpy as np
 import pytest
-
 from pmx.runtime import parallel
 
 
@@ -16,7 +16,7 @@ def test_ranges_cover_without_gaps_or_empties():
             got = parallel.ranges(n, parts)
             assert got[0][0] == 0 and got[-1][1] == n
             assert all(lo < hi for lo, hi in got)
-            assert all(a[1] == b[0] for a, b in zip(got, got[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
             assert len(got) == min(parts, n)
 
 
@@ -48,16 +48,17 @@ def test_gemm_split_matches_numpy(monkeypatch):
     each part with its share of the bias, and the activation seeing each part (the
     epilogue is replaced by one that records the parts it is given)."""
     from helpers import KernelNode, bind_context
-
     from pmx.runtime.kernels import common
 
     ctx = bind_context(2)
     rng = np.random.default_rng(0)
     # (a, b, part shape with columns first, part shape with rows first)
-    cases = [((6, 200, 64), (6, 64, 200), (3, 200, 200), (3, 200, 200)),
-             ((300, 256), (256, 1024), (300, 512), (150, 1024)),
-             ((1024, 512), (512, 64), (512, 64), (512, 64)),
-             ((32, 512), (512, 4096), (32, 2048), (32, 2048))]
+    cases = [
+        ((6, 200, 64), (6, 64, 200), (3, 200, 200), (3, 200, 200)),
+        ((300, 256), (256, 1024), (300, 512), (150, 1024)),
+        ((1024, 512), (512, 64), (512, 64), (512, 64)),
+        ((32, 512), (512, 4096), (32, 2048), (32, 2048)),
+    ]
     for a_shape, b_shape, *parts in cases:
         a = rng.standard_normal(a_shape).astype(np.float32)
         b = rng.standard_normal(b_shape).astype(np.float32)
@@ -67,10 +68,18 @@ def test_gemm_split_matches_numpy(monkeypatch):
             # a conv's bias runs along the rows, a linear layer's along the columns
             bias = rng.standard_normal((a_shape[-2], 1) if rows_first else b_shape[-1:]).astype(np.float32)
             seen = []
-            monkeypatch.setattr(common, "epilogue",
-                                lambda ctx, node, part, threads=None: lambda: seen.append(part.shape))
-            common.gemm(ctx, a, b, out, activation=KernelNode("linear", {}, "maximum(@0,0)", ""), rows_first=rows_first,
-                        bias=bias)()
+            monkeypatch.setattr(
+                common, "epilogue", lambda ctx, node, part, threads=None, seen=seen: lambda: seen.append(part.shape)
+            )
+            common.gemm(
+                ctx,
+                a,
+                b,
+                out,
+                activation=KernelNode("linear", {}, "maximum(@0,0)", ""),
+                rows_first=rows_first,
+                bias=bias,
+            )()
             np.testing.assert_allclose(out, np.matmul(a, b) + bias, rtol=1e-5, atol=1e-4)
             assert seen == [part, part], f"rows_first={rows_first}: parts {seen} of {out.shape}, expected two {part}"
 
@@ -99,7 +108,6 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
     """GEMMs split over pmx's threads would multiply with BLAS's own threads: a pool
     splits them only when BLAS is single-threaded (or told to, as tests do)."""
     from helpers import bind_context
-
     from pmx.runtime.kernels import common
 
     a, b = np.ones((256, 512), np.float32), np.ones((512, 1024), np.float32)
@@ -160,8 +168,8 @@ def test_runs_use_split_kernels_only_while_whole_runs_are_faster_with_them(split
         seen.append((timed, gate.concurrent))
         if timed:
             gate.after_run(1.0 if gate.concurrent == split_faster else 2.0)
-    assert seen[:gate.WARM] == [(False, True)] * gate.WARM
-    assert [c for t, c in seen[gate.WARM:] if t] == [True, False] * gate.TRIALS
+    assert seen[: gate.WARM] == [(False, True)] * gate.WARM
+    assert [c for t, c in seen[gate.WARM :] if t] == [True, False] * gate.TRIALS
     for wait in gate.RECHECK + gate.RECHECK[-1:]:
         settled = []
         for _ in range(wait):

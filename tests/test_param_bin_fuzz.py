@@ -26,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
-from ziputil import build_zip
-
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 from pmx.runtime.errors import PmxError, PmxInternalError
+from torch import nn
+from ziputil import build_zip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -100,9 +99,7 @@ class Zoo(nn.Module):
 def zoo(exporter):
     torch.manual_seed(0)
     prefix = exporter("fuzz_zoo", Zoo(), (torch.randn(2, 4, 8, 8),))
-    return pathlib.Path(prefix + ".pnnx.param").read_text(), pathlib.Path(
-        prefix + ".pnnx.bin"
-    ).read_bytes()
+    return pathlib.Path(prefix + ".pnnx.param").read_text(), pathlib.Path(prefix + ".pnnx.bin").read_bytes()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -194,9 +191,7 @@ def test_seeds_compile(workdir, zoo):
     before = STATS["kinds"]["(compiled)"]
     run_case(workdir, "seed", SMALL_PARAM.encode(), SMALL_BIN)
     run_case(workdir, "seed", SMALL_PARAM.encode(), SMALL_BIN_PLAIN)
-    run_case(
-        workdir, "seed", example_param().encode(), (EXAMPLE.parent / "cnn.pnnx.bin").read_bytes()
-    )
+    run_case(workdir, "seed", example_param().encode(), (EXAMPLE.parent / "cnn.pnnx.bin").read_bytes())
     run_case(workdir, "seed", zoo[0].encode(), zoo[1])
     assert STATS["kinds"]["(compiled)"] - before == 4, STATS["kinds"]
 
@@ -243,9 +238,7 @@ def mutated_param(draw, text):
         i = (
             draw(st.integers(0, len(lines) - 1))
             if kind == "count"
-            else draw(
-                st.integers(min(2, len(lines) - 1), len(lines) - 1) | st.integers(0, len(lines) - 1)
-            )
+            else draw(st.integers(min(2, len(lines) - 1), len(lines) - 1) | st.integers(0, len(lines) - 1))
         )
         tokens = lines[i].split(" ")
         tokens = [t for t in tokens if t] or [""]
@@ -264,9 +257,7 @@ def mutated_param(draw, text):
             if i == 1 and len(tokens) >= 2:
                 tokens[j % 2] = str(draw(st.sampled_from(HUGE + [0, 1, 2, 3, 5, 7, 8])))
             elif len(tokens) >= 4:
-                tokens[draw(st.sampled_from([2, 3]))] = str(
-                    draw(st.sampled_from([0, 1, 2, 3, 4] + HUGE))
-                )
+                tokens[draw(st.sampled_from([2, 3]))] = str(draw(st.sampled_from([0, 1, 2, 3, 4] + HUGE)))
         elif kind in ("huge", "number"):
             # a number inside a token: a dim, a kernel size, a stride, a dim index, a count
             numbers = [(k, m) for k, tok in enumerate(tokens) for m in re.finditer(r"-?\d+", tok)]
@@ -284,11 +275,7 @@ def mutated_param(draw, text):
                 tokens[k] = re.sub(r"\)\w+$", ")" + code, tokens[k])
         elif kind == "value":
             kv = [k for k, tok in enumerate(tokens) if "=" in tok and tok[0] not in "@$#"]
-            kv = (
-                kv
-                if kv and draw(st.integers(0, 3))
-                else [k for k, tok in enumerate(tokens) if "=" in tok]
-            )
+            kv = kv if kv and draw(st.integers(0, 3)) else [k for k, tok in enumerate(tokens) if "=" in tok]
             if kv:
                 k = draw(st.sampled_from(kv))
                 key = tokens[k].split("=", 1)[0]
@@ -373,9 +360,7 @@ def mutated_bin(draw, data: bytes):
     b = bytearray(data)
     offsets = structure_offsets(data) or [0]
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(
-            st.sampled_from(["truncate", "field", "method", "flip_header", "flip_any", "append"])
-        )
+        kind = draw(st.sampled_from(["truncate", "field", "method", "flip_header", "flip_any", "append"]))
         if kind == "truncate":
             del b[draw(st.integers(0, max(0, len(b) - 1))) :]
         elif kind == "append":
@@ -386,9 +371,7 @@ def mutated_bin(draw, data: bytes):
             base = draw(st.sampled_from(offsets))
             at = min(len(b) - 1, base + draw(st.integers(0, 56)))
             width = draw(st.sampled_from([2, 4, 8]))
-            value = draw(
-                st.sampled_from([0, 1, 0xFFFF, 0xFFFFFFFF, 2**40, 2**63, 2**64 - 1, 46, 10**6])
-            )
+            value = draw(st.sampled_from([0, 1, 0xFFFF, 0xFFFFFFFF, 2**40, 2**63, 2**64 - 1, 46, 10**6]))
             raw = (value % (1 << (8 * width))).to_bytes(width, "little")
             b[at : at + width] = raw[: len(b) - at]
         elif kind == "method":

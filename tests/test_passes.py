@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
@@ -73,8 +72,10 @@ def check_with_and_without(check_model, exporter, name, module, inputs, pass_nam
     also = list(also_disabled)
     check_model(name, module, inputs, disabled=also)
     check_model(name, module, inputs, disabled=[pass_name] + also)
-    return (compiled(exporter, name, module, inputs, disabled=also),
-            compiled(exporter, name, module, inputs, disabled=[pass_name] + also))
+    return (
+        compiled(exporter, name, module, inputs, disabled=also),
+        compiled(exporter, name, module, inputs, disabled=[pass_name] + also),
+    )
 
 
 def make(cls):
@@ -132,8 +133,15 @@ def test_fuse_conv_batchnorm_fires(check_model, exporter):
     m = randomize_bn(make(ConvDropBN))
     x = _rand(2, 4, 6, 6)
     # batch_norm_as_elementwise off: the batch_norm nodes fuse_conv_batchnorm leaves stay countable
-    with_, without = check_with_and_without(check_model, exporter, "passes_conv_drop_bn", m, x, "fuse_conv_batchnorm",
-                                            also_disabled=["batch_norm_as_elementwise"])
+    with_, without = check_with_and_without(
+        check_model,
+        exporter,
+        "passes_conv_drop_bn",
+        m,
+        x,
+        "fuse_conv_batchnorm",
+        also_disabled=["batch_norm_as_elementwise"],
+    )
     assert ops(without).count("batch_norm") == 4
     assert "batch_norm" not in ops(with_)
 
@@ -146,8 +154,15 @@ def test_fuse_conv_batchnorm_folds_in_float64():
     x = Value("x", (1, 3, 2, 2))
     y, z = Value("y", (1, 4, 2, 2)), Value("z", (1, 4, 2, 2))
     g.inputs = [x]
-    g.add_node(Node("conv", "c", [x, Value("w", w.shape, data=w)], [y],
-                    dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1)))
+    g.add_node(
+        Node(
+            "conv",
+            "c",
+            [x, Value("w", w.shape, data=w)],
+            [y],
+            dict(stride=(1, 1), pads=(0, 0, 0, 0), dilation=(1, 1), groups=1),
+        )
+    )
     g.add_node(Node("batch_norm", "bn", [y, Value("s", (4,), data=scale), Value("t", (4,), data=shift)], [z]))
     g.outputs = [z]
     compile_here(g)
@@ -161,8 +176,15 @@ def test_fuse_conv_batchnorm_folds_in_float64():
 def test_fuse_conv_batchnorm_not_with_second_reader(check_model, exporter):
     m = randomize_bn(make(ConvBNSecondReader))
     inputs = (_rand(1, 3, 7, 7)[0], _rand(2, 3, 4, seed=1)[0])
-    g, _ = check_with_and_without(check_model, exporter, "passes_conv_bn_second_reader", m, inputs, "fuse_conv_batchnorm",
-                                  also_disabled=["batch_norm_as_elementwise"])
+    g, _ = check_with_and_without(
+        check_model,
+        exporter,
+        "passes_conv_bn_second_reader",
+        m,
+        inputs,
+        "fuse_conv_batchnorm",
+        also_disabled=["batch_norm_as_elementwise"],
+    )
     assert ops(g).count("batch_norm") == 2
 
 
@@ -190,8 +212,15 @@ def test_batch_norm_as_elementwise_fuses_with_relu(check_model, exporter):
     m = randomize_bn(make(PreActBN))
     inputs = (_rand(2, 3, 6, 6)[0], _rand(2, 3, 4, seed=1)[0])
     # fold_affine_relu (tested below) would turn the fused BN -> ReLU into max(x, t)
-    with_, without = check_with_and_without(check_model, exporter, "passes_preact_bn", m, inputs,
-                                            "batch_norm_as_elementwise", also_disabled=("fold_affine_relu",))
+    with_, without = check_with_and_without(
+        check_model,
+        exporter,
+        "passes_preact_bn",
+        m,
+        inputs,
+        "batch_norm_as_elementwise",
+        also_disabled=("fold_affine_relu",),
+    )
     assert ops(without).count("batch_norm") == 3
     assert "batch_norm" not in ops(with_)
     exprs = [text(n) for n in with_.nodes if n.op == "elementwise"]
@@ -234,9 +263,16 @@ def test_negate_silu_weights_is_bit_identical(check_model, exporter, tmp_path):
     assert len(negated) == 5, [(n.op, text(n)) for n in with_.nodes]
     assert not any(text(n) == "div(@0,sub(-1,exp(@0)))" for n in without.nodes)
     assert sorted(n.op + ":" + n.variant.split("_")[0] for n in negated) == [
-        "conv:depthwise", "conv:gemm", "conv_winograd:winograd", "linear:", "linear:"]
+        "conv:depthwise",
+        "conv:gemm",
+        "conv_winograd:winograd",
+        "linear:",
+        "linear:",
+    ]
     assert {text(n) for n in with_.nodes if n.op.startswith("conv") and n not in negated} == {
-        "sigmoid(@0)", "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))"}
+        "sigmoid(@0)",
+        "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))",
+    }
     originals = {n.name: n for n in without.nodes}
     for n in negated:
         for mine, theirs in zip(n.inputs[1:3], originals[n.name].inputs[1:3]):
@@ -281,7 +317,11 @@ class PreActReaders(nn.Module):
     def __init__(self):
         super().__init__()
         self.c0 = nn.Conv2d(3, 5, 3, padding=1)
-        self.bn_pos, self.pos_1x1, self.pos_strided = nn.BatchNorm2d(8), nn.Conv2d(8, 6, 1), nn.Conv2d(8, 4, 1, 2, bias=False)
+        self.bn_pos, self.pos_1x1, self.pos_strided = (
+            nn.BatchNorm2d(8),
+            nn.Conv2d(8, 6, 1),
+            nn.Conv2d(8, 4, 1, 2, bias=False),
+        )
         self.bn_mixed, self.mixed_3x3 = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3)
         self.bn_1d, self.fc = nn.BatchNorm1d(8), nn.Linear(8, 3)
         self.bn_padded, self.padded = nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3, padding=1)
@@ -296,12 +336,19 @@ class PreActReaders(nn.Module):
         pos = F.relu(self.bn_pos(z))
         shown = F.relu(self.bn_out(z))
         pooled = F.relu(self.bn_pooled(z))
-        return (self.pos_1x1(pos), self.pos_strided(pos), self.mixed_3x3(F.relu(self.bn_mixed(z))),
-                self.fc(F.relu(self.bn_1d(z.mean((2, 3))))), self.padded(F.relu(self.bn_padded(z))),
-                shown, self.out_1x1(shown), self.zero_1x1(F.relu(self.bn_zero(z))),
-                self.pooled_1x1(pooled) + F.adaptive_avg_pool2d(pooled, 1)[:, :4],
-                torch.matmul(F.relu(self.bn_matmul(z.amax((2, 3)))), self.matmul_weight),
-                self.gn(F.relu(self.bn_gn(z))))
+        return (
+            self.pos_1x1(pos),
+            self.pos_strided(pos),
+            self.mixed_3x3(F.relu(self.bn_mixed(z))),
+            self.fc(F.relu(self.bn_1d(z.mean((2, 3))))),
+            self.padded(F.relu(self.bn_padded(z))),
+            shown,
+            self.out_1x1(shown),
+            self.zero_1x1(F.relu(self.bn_zero(z))),
+            self.pooled_1x1(pooled) + F.adaptive_avg_pool2d(pooled, 1)[:, :4],
+            torch.matmul(F.relu(self.bn_matmul(z.amax((2, 3)))), self.matmul_weight),
+            self.gn(F.relu(self.bn_gn(z))),
+        )
 
 
 def _preact_readers():
@@ -331,9 +378,8 @@ def test_fold_affine_relu_moves_scale_and_shift_into_the_readers(check_model, ex
 
     m = _preact_readers()
     inputs = (_rand(2, 3, 9, 9)[0] * 3,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_affine_relu", m, inputs,
-                                            "fold_affine_relu")
-    exprs = lambda g: sorted(text(n) for n in g.nodes if n.op == "elementwise" and "maximum" in text(n))  # noqa: E731
+    with_, without = check_with_and_without(check_model, exporter, "passes_affine_relu", m, inputs, "fold_affine_relu")
+    exprs = lambda g: sorted(text(n) for n in g.nodes if n.op == "elementwise" and "maximum" in text(n))
     affine_relu = E.to_text(E.call("maximum", EXPR, 0))
     folded, signed = E.to_text(FOLDED), E.to_text(FOLDED_SIGNED)
     assert exprs(without) == [affine_relu] * 9, exprs(without)
@@ -348,11 +394,13 @@ def test_fold_affine_relu_moves_scale_and_shift_into_the_readers(check_model, ex
         s, shift = _bn_scale_shift(readers[name])
         w = np.asarray(before[n.name].inputs[1].data, np.float64)
         along = (1, -1) + (1,) * (w.ndim - 2)
-        np.testing.assert_allclose(np.asarray(n.inputs[1].data, np.float64), w * np.abs(s).reshape(along),
-                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(
+            np.asarray(n.inputs[1].data, np.float64), w * np.abs(s).reshape(along), rtol=1e-6, atol=1e-7
+        )
         old_bias = before[n.name].inputs[2] if len(before[n.name].inputs) > 2 else None
-        bias = (0.0 if old_bias is None else np.asarray(old_bias.data, np.float64)) + (
-            w * shift.reshape(along)).sum(axis=tuple(range(1, w.ndim)))
+        bias = (0.0 if old_bias is None else np.asarray(old_bias.data, np.float64)) + (w * shift.reshape(along)).sum(
+            axis=tuple(range(1, w.ndim))
+        )
         np.testing.assert_allclose(np.asarray(n.inputs[2].data, np.float64), bias, rtol=1e-5, atol=1e-6)
         checked += 1
     assert checked == 4
@@ -423,11 +471,19 @@ class PooledPointwise(nn.Module):
     def forward(self, x):
         y = F.relu(self.bn(x))
         shown = self.shown(x)
-        return (F.avg_pool2d(self.transition(y), 2), F.avg_pool2d(self.grouped(x), 3, 2, ceil_mode=True),
-                F.avg_pool1d(self.line(x.mean(2)), 2),
-                F.avg_pool2d(self.padded(x), 3, 2, padding=1), F.avg_pool2d(self.divided(x), 2, divisor_override=3),
-                F.avg_pool2d(F.relu(self.activated(x)), 2), F.avg_pool2d(self.wide(x), 2),
-                F.avg_pool2d(self.strided(x), 2), F.avg_pool2d(self.padded_conv(x), 2), shown, F.avg_pool2d(shown, 2))
+        return (
+            F.avg_pool2d(self.transition(y), 2),
+            F.avg_pool2d(self.grouped(x), 3, 2, ceil_mode=True),
+            F.avg_pool1d(self.line(x.mean(2)), 2),
+            F.avg_pool2d(self.padded(x), 3, 2, padding=1),
+            F.avg_pool2d(self.divided(x), 2, divisor_override=3),
+            F.avg_pool2d(F.relu(self.activated(x)), 2),
+            F.avg_pool2d(self.wide(x), 2),
+            F.avg_pool2d(self.strided(x), 2),
+            F.avg_pool2d(self.padded_conv(x), 2),
+            shown,
+            F.avg_pool2d(shown, 2),
+        )
 
 
 def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
@@ -436,8 +492,9 @@ def test_pool_before_pointwise_pools_the_conv_input(check_model, exporter):
     compiles match torch."""
     m = randomize_bn(make(PooledPointwise))
     inputs = (_rand(2, 8, 11, 9)[0] * 2,)
-    with_, without = check_with_and_without(check_model, exporter, "passes_pool_pointwise", m, inputs,
-                                            "pool_before_pointwise")
+    with_, without = check_with_and_without(
+        check_model, exporter, "passes_pool_pointwise", m, inputs, "pool_before_pointwise"
+    )
 
     def moved(graph):
         return [n for n in graph.nodes if n.op == "avg_pool" and any(c.op == "conv" for c in n.outputs[0].consumers)]
@@ -464,8 +521,7 @@ class GemmActs(nn.Module):
         self.fc3 = nn.Linear(16, 8)
 
     def forward(self, x, m):
-        acts = [F.relu, F.relu6, lambda t: F.leaky_relu(t, 0.1), torch.sigmoid, F.silu, F.hardswish,
-                F.hardsigmoid]
+        acts = [F.relu, F.relu6, lambda t: F.leaky_relu(t, 0.1), torch.sigmoid, F.silu, F.hardswish, F.hardsigmoid]
         for conv, act in zip(self.convs, acts):
             x = act(conv(x))
         x = torch.clamp(x, -0.5, 0.5)  # stays separate: the conv already took hardsigmoid, clamp chains on
@@ -518,7 +574,9 @@ class EwChains(nn.Module):
 
 def test_fuse_elementwise_fires(check_model, exporter):
     inputs = (_rand(1, 4, 5, 6)[0], _rand(1, 4, 5, 6, seed=1)[0], _rand(1, 4, 1, 1, seed=2)[0])
-    g, without = check_with_and_without(check_model, exporter, "passes_ew_chains", make(EwChains), inputs, "fuse_elementwise")
+    g, without = check_with_and_without(
+        check_model, exporter, "passes_ew_chains", make(EwChains), inputs, "fuse_elementwise"
+    )
     ew = [n for n in g.nodes if n.op == "elementwise"]
     assert len(without.nodes) - len(g.nodes) >= 5
     # the gate region (small) and the d region (two readers) stay separate
@@ -528,8 +586,11 @@ def test_fuse_elementwise_fires(check_model, exporter):
 
 
 def test_fused_expression_stays_float32(check_model, exporter):
-    _, got, _ = check_model("passes_ew_chains", make(EwChains), (_rand(1, 4, 5, 6)[0], _rand(1, 4, 5, 6, seed=1)[0],
-                                                      _rand(1, 4, 1, 1, seed=2)[0]))
+    _, got, _ = check_model(
+        "passes_ew_chains",
+        make(EwChains),
+        (_rand(1, 4, 5, 6)[0], _rand(1, 4, 5, 6, seed=1)[0], _rand(1, 4, 1, 1, seed=2)[0]),
+    )
     assert all(a.dtype == np.float32 for a in got)
 
 
@@ -564,7 +625,9 @@ def aliases_by_op(graph):
 
 
 def test_alias_concat_fires(check_model, exporter):
-    g, without = check_with_and_without(check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_concat")
+    g, without = check_with_and_without(
+        check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_concat"
+    )
     concat_inputs = [v for n in g.nodes if n.op == "concat" for v in n.inputs]
     assert len(concat_inputs) == 4 and all(v.uid in plan_of(g).aliases for v in concat_inputs)
     assert plan_of(g).arena_size < plan_of(without).arena_size
@@ -589,8 +652,9 @@ class DenseBlock(nn.Module):
 
 
 def test_alias_concat_dense_block_copies_nothing(check_model, exporter):
-    g, without = check_with_and_without(check_model, exporter, "passes_dense_block", make(DenseBlock), _rand(1, 4, 6, 6),
-                                        "alias_concat")
+    g, without = check_with_and_without(
+        check_model, exporter, "passes_dense_block", make(DenseBlock), _rand(1, 4, 6, 6), "alias_concat"
+    )
     concats = [n for n in g.nodes if n.op == "concat"]
     assert len(concats) == 4  # pnnx drops the cat of one tensor
     assert all(n.outputs[0].uid in plan_of(g).aliases for n in concats[:-1])  # each a prefix of the next
@@ -602,7 +666,9 @@ def test_alias_concat_dense_block_copies_nothing(check_model, exporter):
 
 def test_alias_concat_not_for_strided_slices(check_model, exporter):
     # batch 2: each input's slice of the cat output has gaps -> copied
-    g, _ = check_with_and_without(check_model, exporter, "passes_fire_b2", make(Fire), _rand(2, 8, 5, 5), "alias_concat")
+    g, _ = check_with_and_without(
+        check_model, exporter, "passes_fire_b2", make(Fire), _rand(2, 8, 5, 5), "alias_concat"
+    )
     assert all(v.uid not in plan_of(g).aliases for n in g.nodes if n.op == "concat" for v in n.inputs)
 
 
@@ -618,8 +684,9 @@ class CatOfOutput(nn.Module):
 
 
 def test_alias_concat_not_for_outputs_inputs_or_repeats(check_model, exporter):
-    g, _ = check_with_and_without(check_model, exporter, "passes_cat_of_output", make(CatOfOutput), _rand(1, 3, 4, 4),
-                                  "alias_concat")
+    g, _ = check_with_and_without(
+        check_model, exporter, "passes_cat_of_output", make(CatOfOutput), _rand(1, 3, 4, 4), "alias_concat"
+    )
     a = g.outputs[1]
     x = g.inputs[0]
     aliases = plan_of(g).aliases
@@ -631,7 +698,9 @@ def test_alias_concat_not_for_outputs_inputs_or_repeats(check_model, exporter):
 
 
 def test_alias_views_fires_and_not_for_kept(check_model, exporter):
-    g, without = check_with_and_without(check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_views")
+    g, without = check_with_and_without(
+        check_model, exporter, "passes_fire_b1", make(Fire), _rand(1, 8, 5, 5), "alias_views"
+    )
     assert aliases_by_op(g).get("reshape", 0) >= 1
     assert aliases_by_op(without).get("reshape", 0) == 0
     # keep the tensor a reshape reads: that reshape copies, and the kept tensor is exact
@@ -663,8 +732,9 @@ class InplaceChain(nn.Module):
 
 
 def test_write_inplace_fires(check_model, exporter):
-    g, without = check_with_and_without(check_model, exporter, "passes_inplace_chain", make(InplaceChain), _rand(1, 3, 8, 8),
-                                        "write_inplace")
+    g, without = check_with_and_without(
+        check_model, exporter, "passes_inplace_chain", make(InplaceChain), _rand(1, 3, 8, 8), "write_inplace"
+    )
     aliases, without_aliases = plan_of(g).aliases, plan_of(without).aliases
     inplace = [n for n in g.nodes if n.outputs[0].uid in aliases and n.op in ("elementwise", "softmax")]
     assert inplace and not any(n.outputs[0].uid in without_aliases for n in without.nodes if n.op == "elementwise")
@@ -700,7 +770,9 @@ def _const_graph():
     return g
 
 
-@pytest.mark.parametrize("disabled", [[], ["fold_constants"], ["eliminate_dead_code"], ["fold_constants", "eliminate_dead_code"]])
+@pytest.mark.parametrize(
+    "disabled", [[], ["fold_constants"], ["eliminate_dead_code"], ["fold_constants", "eliminate_dead_code"]]
+)
 def test_fold_constants_and_dce(tmp_path, disabled):
     x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
     (got,), g = _run_graph(_const_graph(), tmp_path, {"x": x}, disabled=disabled + ["fuse_elementwise"])
@@ -727,8 +799,9 @@ def test_order_is_deterministic(exporter):
     assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
     pa, pb = plan_of(a), plan_of(b)
     assert pa.arena_size == pb.arena_size
-    assert [pa.offsets[v.uid] for v in a.values() if v.uid in pa.offsets] == \
-        [pb.offsets[v.uid] for v in b.values() if v.uid in pb.offsets]
+    assert [pa.offsets[v.uid] for v in a.values() if v.uid in pa.offsets] == [
+        pb.offsets[v.uid] for v in b.values() if v.uid in pb.offsets
+    ]
 
 
 # models tools/bench_memory.py adds to its table: (name, factory, inputs)
@@ -749,15 +822,18 @@ def _ew_node(expr, shape, n_inputs=1):
     return Node("elementwise", "e", ins, [Value("o", shape)], expr=tree(expr))
 
 
-@pytest.mark.parametrize("expr,shape,want", [
-    ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 64, 64), "numexpr"),  # where, cheap, large
-    ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 16, 16), "numpy"),  # where, mid-size
-    ("tanh(@0)", (1, 16, 64, 64), "numpy"),
-    ("where(gt(@0,0),@0,expm1(@0))", (1, 16, 64, 64), "numpy"),  # transcendental
-    ("mul(@0,div(minimum(maximum(add(@0,3),0),6),6))", (1, 8, 4, 4), "numexpr"),  # tiny, many ops
-    ("maximum(add(@0,@1),0)", (1, 64, 56, 56), "numpy"),
-    ("sign(@0)", (1, 8, 4, 4), "numpy"),  # numexpr lacks it
-])
+@pytest.mark.parametrize(
+    "expr,shape,want",
+    [
+        ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 64, 64), "numexpr"),  # where, cheap, large
+        ("where(gt(@0,0),@0,mul(@0,0.1))", (1, 16, 16, 16), "numpy"),  # where, mid-size
+        ("tanh(@0)", (1, 16, 64, 64), "numpy"),
+        ("where(gt(@0,0),@0,expm1(@0))", (1, 16, 64, 64), "numpy"),  # transcendental
+        ("mul(@0,div(minimum(maximum(add(@0,3),0),6),6))", (1, 8, 4, 4), "numexpr"),  # tiny, many ops
+        ("maximum(add(@0,@1),0)", (1, 64, 56, 56), "numpy"),
+        ("sign(@0)", (1, 8, 4, 4), "numpy"),  # numexpr lacks it
+    ],
+)
 def test_choose_kernels_rule(expr, shape, want):
     from pmx.compiler.passes.choose_kernels import elementwise_variant
 

@@ -8,7 +8,6 @@ import pathlib
 
 import numpy as np
 import pytest
-
 from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions
@@ -28,8 +27,10 @@ def chain():
     """x -> exp -> reshape -> (tanh, neg) -> concat: a view, a concat and an in-place
     candidate, so every placement pass has something to place."""
     g = Graph("chain")
-    x, a, b, c, d, y = (Value(n, s) for n, s in (("x", (2, 6)), ("a", (2, 6)), ("b", (4, 3)), ("c", (4, 3)),
-                                                  ("d", (4, 3)), ("y", (8, 3))))
+    x, a, b, c, d, y = (
+        Value(n, s)
+        for n, s in (("x", (2, 6)), ("a", (2, 6)), ("b", (4, 3)), ("c", (4, 3)), ("d", (4, 3)), ("y", (8, 3)))
+    )
     g.inputs = [x]
     g.add_node(Node("elementwise", "exp", [x], [a], expr=E.call("exp", E.at(0))))
     g.add_node(Node("reshape", "view", [a], [b], attrs={"shape": (4, 3)}))

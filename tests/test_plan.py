@@ -3,11 +3,12 @@ no two tensors alive at the same step share a byte, plans are deterministic, the
 is never below the live-bytes lower bound, and random graphs with views, concats and
 in-place writes compute what a plain numpy evaluation computes."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions
@@ -41,10 +42,10 @@ def test_plan_never_overlaps_and_respects_lower_bound(buffers):
     assert all(o % ALIGN == 0 for o in offsets)
     assert arena >= lower_bound(buffers)
     # brute force: every step, the live buffers' byte ranges are pairwise disjoint
-    steps = {s for _, f, l in buffers for s in (f, l)}
+    steps = {s for _, first, last in buffers for s in (first, last)}
     for s in steps:
         live = sorted((offsets[i], offsets[i] + b[0]) for i, b in enumerate(buffers) if b[1] <= s <= b[2] and b[0])
-        for (a0, a1), (b0, b1) in zip(live, live[1:]):
+        for (_a0, a1), (b0, _b1) in itertools.pairwise(live):
             assert a1 <= b0
 
 
@@ -82,9 +83,15 @@ BINARY = ["add(@0,@1)", "mul(@0,@1)", "sub(@0,@1)"]
 
 def _eval(expr, args):
     a = args
-    table = {"maximum(@0,0)": lambda: np.maximum(a[0], 0), "tanh(@0)": lambda: np.tanh(a[0]),
-             "mul(@0,1.5)": lambda: a[0] * np.float32(1.5), "add(@0,-0.25)": lambda: a[0] + np.float32(-0.25),
-             "add(@0,@1)": lambda: a[0] + a[1], "mul(@0,@1)": lambda: a[0] * a[1], "sub(@0,@1)": lambda: a[0] - a[1]}
+    table = {
+        "maximum(@0,0)": lambda: np.maximum(a[0], 0),
+        "tanh(@0)": lambda: np.tanh(a[0]),
+        "mul(@0,1.5)": lambda: a[0] * np.float32(1.5),
+        "add(@0,-0.25)": lambda: a[0] + np.float32(-0.25),
+        "add(@0,@1)": lambda: a[0] + a[1],
+        "mul(@0,@1)": lambda: a[0] * a[1],
+        "sub(@0,@1)": lambda: a[0] - a[1],
+    }
     return table[expr]().astype(np.float32)
 
 

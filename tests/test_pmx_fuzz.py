@@ -39,10 +39,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import recompute_crcs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from helpers import recompute_crcs
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime import fileformat as ff
@@ -101,7 +100,6 @@ class Files(dict):
 
     def __repr__(self):
         return f"Files({ {k: len(v) for k, v in self.items()} })"
-
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +170,7 @@ def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
         if not isinstance(e, (PmxFormatError, PmxResourceError)) and not KNOWN_GAP.search(str(e)):
             pytest.fail(f"a damaged file gave {type(e).__name__}, not PmxFormatError or PmxResourceError: {e}")
         msg = str(e)
-        return msg[len(str(path)) + 2:] if msg.startswith(str(path)) else msg
+        return msg[len(str(path)) + 2 :] if msg.startswith(str(path)) else msg
     except _Timeout:
         pytest.fail(f"load+run took longer than {TIME_LIMIT_S} s")
     finally:
@@ -194,8 +192,19 @@ def _normalize(msg):
 
 # --- walking the FlatBuffer -------------------------------------------------------------
 
-_SCALARS = {"bool": 1, "byte": 1, "ubyte": 1, "short": 2, "ushort": 2, "int": 4, "uint": 4,
-            "float": 4, "long": 8, "ulong": 8, "double": 8}
+_SCALARS = {
+    "bool": 1,
+    "byte": 1,
+    "ubyte": 1,
+    "short": 2,
+    "ushort": 2,
+    "int": 4,
+    "uint": 4,
+    "float": 4,
+    "long": 8,
+    "ulong": 8,
+    "double": 8,
+}
 
 
 def _schema():
@@ -212,8 +221,8 @@ def flatbuffer_sites(data: bytes):
     """Every integer field of the header: (absolute file offset, width, label)."""
     tables, enums = _schema()
     h0 = ff.PREAMBLE_SIZE
-    buf = data[h0:h0 + ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])["header_size"]]
-    u32 = lambda p: struct.unpack_from("<I", buf, p)[0]  # noqa: E731
+    buf = data[h0 : h0 + ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])["header_size"]]
+    u32 = lambda p: struct.unpack_from("<I", buf, p)[0]
     sites = []
     seen = set()
 
@@ -269,18 +278,18 @@ def flatbuffer_sites(data: bytes):
 
 def write_int(data: bytes, pos: int, width: int, value: int) -> bytes:
     raw = (value % (1 << (8 * width))).to_bytes(width, "little")
-    return data[:pos] + raw + data[pos + width:]
+    return data[:pos] + raw + data[pos + width :]
 
 
 def region_boundaries(data: bytes):
     """Offsets where one region of the file ends and the next begins."""
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
+    pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
     d0 = pre["data_offset"]
     points = {0, 8, ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"], d0, len(data)}
     path = "/dev/null"
     from pmx.runtime.load import _read_header
 
-    header = memoryview(data)[ff.PREAMBLE_SIZE:ff.PREAMBLE_SIZE + pre["header_size"]]
+    header = memoryview(data)[ff.PREAMBLE_SIZE : ff.PREAMBLE_SIZE + pre["header_size"]]
     model = _read_header(path, header, pre, len(data))
     for t in model.tensors:
         if t.kind == 1:  # constant
@@ -316,17 +325,24 @@ def test_truncate_at_random_points(valid_files, tmp_path_factory, name, frac):
 
 
 @fuzz(250)
-@given(name=st.sampled_from(NAMES), region=st.sampled_from(["preamble", "header", "data"]),
-       where=st.floats(0, 1, exclude_max=True), mask=st.integers(1, 255), fix_crc=st.booleans(),
-       verify=st.booleans())
+@given(
+    name=st.sampled_from(NAMES),
+    region=st.sampled_from(["preamble", "header", "data"]),
+    where=st.floats(0, 1, exclude_max=True),
+    mask=st.integers(1, 255),
+    fix_crc=st.booleans(),
+    verify=st.booleans(),
+)
 def test_flip_bytes(valid_files, tmp_path_factory, name, region, where, mask, fix_crc, verify):
     data = valid_files[name]
-    pre = ff.unpack_preamble(data[:ff.PREAMBLE_SIZE])
-    lo, hi = {"preamble": (0, ff.PREAMBLE_SIZE),
-              "header": (ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"]),
-              "data": (pre["data_offset"], len(data))}[region]
+    pre = ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])
+    lo, hi = {
+        "preamble": (0, ff.PREAMBLE_SIZE),
+        "header": (ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"]),
+        "data": (pre["data_offset"], len(data)),
+    }[region]
     pos = lo + int(where * (hi - lo))
-    bad = data[:pos] + bytes([data[pos] ^ mask]) + data[pos + 1:]
+    bad = data[:pos] + bytes([data[pos] ^ mask]) + data[pos + 1 :]
     if fix_crc:
         bad = recompute_crcs(bad)
     msg = _attempt(bad, tmp_path_factory.getbasetemp() / "flip.pmx", verify=verify)
@@ -347,28 +363,44 @@ def sites(valid_files):
         if name == "empty":
             continue
         labels = {label for _, _, label in s}
-        for want in ("Tensors.dims[]", "Tensors.data_offsets[]", "Nodes.inputs[]", "Model.arena_size",
-                     "Tensors.alias_of[]", "Attr.ints[]", "Tensors.name_ends vector length", "Tensors soffset",
-                     "Nodes.input_ends[]", "Nodes.attr_sets[]", "Tensors.ranks[]"):
+        for want in (
+            "Tensors.dims[]",
+            "Tensors.data_offsets[]",
+            "Nodes.inputs[]",
+            "Model.arena_size",
+            "Tensors.alias_of[]",
+            "Attr.ints[]",
+            "Tensors.name_ends vector length",
+            "Tensors soffset",
+            "Nodes.input_ends[]",
+            "Nodes.attr_sets[]",
+            "Tensors.ranks[]",
+        ):
             assert want in labels, f"{name}: walker found no {want}"
     return out
 
 
 @fuzz(400)
-@given(name=st.sampled_from(NAMES), pick=st.floats(0, 1, exclude_max=True),
-       value=st.one_of(st.sampled_from(EXTREMES), st.integers(-(2**63), 2**64 - 1), st.integers(-300, 300)),
-       verify=st.booleans())
+@given(
+    name=st.sampled_from(NAMES),
+    pick=st.floats(0, 1, exclude_max=True),
+    value=st.one_of(st.sampled_from(EXTREMES), st.integers(-(2**63), 2**64 - 1), st.integers(-300, 300)),
+    verify=st.booleans(),
+)
 def test_overwrite_fields_with_extreme_values(valid_files, sites, tmp_path_factory, name, pick, value, verify):
     data = valid_files[name]
-    pos, width, label = sites[name][int(pick * len(sites[name]))]
+    pos, width, _label = sites[name][int(pick * len(sites[name]))]
     bad = recompute_crcs(write_int(data, pos, width, value))
     msg = _attempt(bad, tmp_path_factory.getbasetemp() / "field.pmx", verify=verify)
     _record("field-overwrite", msg)
 
 
 @fuzz(80)
-@given(name=st.sampled_from(NAMES), picks=st.lists(st.floats(0, 1, exclude_max=True), min_size=2, max_size=6),
-       value=st.sampled_from(EXTREMES))
+@given(
+    name=st.sampled_from(NAMES),
+    picks=st.lists(st.floats(0, 1, exclude_max=True), min_size=2, max_size=6),
+    value=st.sampled_from(EXTREMES),
+)
 def test_overwrite_several_fields(valid_files, sites, tmp_path_factory, name, picks, value):
     data = valid_files[name]
     for pick in picks:
@@ -383,12 +415,14 @@ def test_hostile_structures(valid_files, tmp_path):
     data = valid_files["views"]
     model = open_model_bytes(data, tmp_path)
     by_label = collections.defaultdict(list)
-    for pos, width, label in flatbuffer_sites(data):
+    for pos, _width, label in flatbuffer_sites(data):
         by_label[label].append(pos)
     first_alias = next(i for i, t in enumerate(model.tensors) if t.alias_of >= 0)
-    cases = [("alias self-loop", _alias_loop(data, model, by_label, loop_len=1)),
-             ("alias two-cycle", _alias_loop(data, model, by_label, loop_len=2)),
-             ("alias offset past its root", write_int(data, by_label["Tensors.alias_offsets[]"][first_alias], 8, 2**40))]
+    cases = [
+        ("alias self-loop", _alias_loop(data, model, by_label, loop_len=1)),
+        ("alias two-cycle", _alias_loop(data, model, by_label, loop_len=2)),
+        ("alias offset past its root", write_int(data, by_label["Tensors.alias_offsets[]"][first_alias], 8, 2**40)),
+    ]
     # every attribute-set pointer aimed at the last set: read once, shared by all nodes
     tv = by_label["Model.attr_sets[] uoffset"]
     bad = data
@@ -408,11 +442,16 @@ def test_hostile_structures(valid_files, tmp_path):
     string_at = [p + struct.unpack_from("<I", data, p)[0] for p in by_label["Model.strings[] uoffset"]]
     for pos in string_at:
         n = struct.unpack_from("<I", data, pos)[0]
-        if data[pos + 4:pos + 4 + n].decode() not in exprs:
+        if data[pos + 4 : pos + 4 + n].decode() not in exprs:
             continue
-        for text in (b"@" + b"9" * (n - 1), b"_" * n, b"(" * n, (b"__import__('os')" * n)[:n],
-                     (b"neg(" * n)[: n - 1] + b")"):
-            cases.append(("expression " + text[:20].decode(), data[:pos + 4] + text + data[pos + 4 + n:]))
+        for text in (
+            b"@" + b"9" * (n - 1),
+            b"_" * n,
+            b"(" * n,
+            (b"__import__('os')" * n)[:n],
+            (b"neg(" * n)[: n - 1] + b")",
+        ):
+            cases.append(("expression " + text[:20].decode(), data[: pos + 4] + text + data[pos + 4 + n :]))
     for what, bad in filter(None, cases):
         for verify in (False, True):
             msg = _attempt(recompute_crcs(bad), tmp_path / "h.pmx", verify=verify)
@@ -461,7 +500,9 @@ def test_expression_blowup_is_refused(valid_files, tmp_path):
 
 # --- worst cases under RLIMIT_AS ------------------------------------------------------------
 
-_SIZE_LIKE = re.compile(r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|dims\[\]|ranks\[\]|_ends\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|attr_sets\[\]|ops\[\]|exprs\[\]|variants\[\]|strided|ranged|kind|dtype)")
+_SIZE_LIKE = re.compile(
+    r"(length|soffset|uoffset|data_offset|data_size|arena_offset|arena_size|alias_|dims\[\]|ranks\[\]|_ends\[\]|inputs\[\]|outputs\[\]|Attr.ints\[\]|attr_sets\[\]|ops\[\]|exprs\[\]|variants\[\]|strided|ranged|kind|dtype)"
+)
 
 _CHILD = textwrap.dedent("""
     import resource, signal, sys, os, collections, re
@@ -527,8 +568,9 @@ def test_worst_cases_under_rlimit_as(valid_files, sites, tmp_path):
                 n += 1
     script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S, gap=KNOWN_GAP.pattern)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
+    )
     CASES["rlimit-subprocess"] += n
     print(f"\n[pmx fuzz] RLIMIT_AS subprocess: {proc.stdout.strip()[:2000]}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -573,7 +615,6 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     import time
 
     import flatbuffers
-
     from pmx.runtime import load
     from pmx.schema import pmx_generated as fb
 
@@ -614,7 +655,6 @@ def test_overlapping_strings_cannot_amplify_reads(tmp_path):
     import time
 
     import flatbuffers
-
     from pmx.schema import pmx_generated as fb
 
     b = flatbuffers.Builder(1 << 20)

@@ -8,11 +8,10 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from ziputil import build_zip, write_bin
-
 from pmx.compiler import pnnx
 from pmx.runtime.errors import PmxFormatError
+from torch import nn
+from ziputil import build_zip, write_bin
 
 HEADER = "7767517"
 
@@ -267,9 +266,7 @@ def test_bf16_widens_bit_exactly(tmp_path):
 def test_c32_widens_to_complex64(tmp_path):
     halves = np.array([1.0, -2.0, 0.5, 3.0], np.float16)
     node = one_op(tmp_path, "@w=(2)c32", weights={"the.op.w": halves})
-    np.testing.assert_array_equal(
-        node.named_input("@w").data, np.array([1 - 2j, 0.5 + 3j], np.complex64)
-    )
+    np.testing.assert_array_equal(node.named_input("@w").data, np.array([1 - 2j, 0.5 + 3j], np.complex64))
 
 
 def test_scalar_and_empty_weights(tmp_path):
@@ -312,9 +309,7 @@ def test_own_writer_is_read_by_python_zipfile(tmp_path):
 
 def test_zip_comment_and_empty_zip(tmp_path):
     path = tmp_path / "z.bin"
-    path.write_bytes(
-        build_zip([("a.w", b"\0" * 8)], comment=b"PK\x05\x06 fake end record in comment").data
-    )
+    path.write_bytes(build_zip([("a.w", b"\0" * 8)], comment=b"PK\x05\x06 fake end record in comment").data)
     with pnnx.StoreZip(str(path)) as z:
         assert list(z.entries) == ["a.w"]
     path.write_bytes(build_zip([]).data)  # pnnx writes this for a weightless model
@@ -384,8 +379,7 @@ def test_real_export_round_trip(exporter):
     lines = pathlib.Path(prefix + ".pnnx.param").read_text().split("\n")[2:]
     kinds = [ln.split()[0] for ln in lines if ln.strip()]
     assert len(g.nodes) == sum(
-        k not in ("pnnx.Input", "pnnx.Output", "pnnx.Attribute", "prim::TupleConstruct")
-        for k in kinds
+        k not in ("pnnx.Input", "pnnx.Output", "pnnx.Attribute", "prim::TupleConstruct") for k in kinds
     )
     for node in g.nodes:
         for v in node.inputs + node.outputs:

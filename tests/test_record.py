@@ -3,9 +3,8 @@
 import inspect
 import sys
 
-import pytest
-
 import pmx.runtime
+import pytest
 from pmx.runtime.record import FrozenRecord, Record
 from pmx.runtime.session import NodeArg
 
@@ -42,6 +41,11 @@ def test_node_arg_is_read_only_and_hashable_like_onnxruntimes():
 def test_runtime_defines_no_dataclasses():
     """Each @dataclass costs ~0.7 ms of `import pmx.runtime` (it executes generated code)."""
     assert pmx.runtime
-    found = [f"{name}.{cls.__name__}" for name, mod in list(sys.modules.items()) if name.startswith("pmx.runtime")
-             for cls in vars(mod).values() if inspect.isclass(cls) and "__dataclass_fields__" in vars(cls)]
+    found = [
+        f"{name}.{cls.__name__}"
+        for name, mod in list(sys.modules.items())
+        if name.startswith("pmx.runtime")
+        for cls in vars(mod).values()
+        if inspect.isclass(cls) and "__dataclass_fields__" in vars(cls)
+    ]
     assert not found, found

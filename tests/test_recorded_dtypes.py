@@ -8,15 +8,21 @@ import re
 import numpy as np
 import pytest
 import torch
-from torch import nn
-
 from helpers import rel_error, torch_outputs
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 from pmx.runtime.errors import PmxCompileError, PmxError, PmxFormatError, PmxInternalError
+from torch import nn
 
-NUMPY_NAMES = {"f32": "float32", "f16": "float16", "i64": "int64", "i32": "int32", "u8": "uint8",
-               "bool": "bool", "c64": "complex64"}
+NUMPY_NAMES = {
+    "f32": "float32",
+    "f16": "float16",
+    "i64": "int64",
+    "i32": "int32",
+    "u8": "uint8",
+    "bool": "bool",
+    "c64": "complex64",
+}
 
 
 class Mixed(nn.Module):
@@ -58,14 +64,14 @@ def intermediates(text):
         if len(tokens) < 4 or tokens[0] in ("pnnx.Input", "pnnx.Output", "prim::TupleConstruct"):
             continue
         n_in, n_out = int(tokens[2]), int(tokens[3])
-        for operand in tokens[4 + n_in: 4 + n_in + n_out]:
+        for operand in tokens[4 + n_in : 4 + n_in + n_out]:
             code = re.search(rf"(?:^|\s)#{re.escape(operand)}=\([^)]*\)(\w+)", line).group(1)
             found[operand] = (tokens[1], lineno, code)
     readers = {}
     for line in text.split("\n"):
         tokens = line.split()
         if len(tokens) >= 4 and tokens[2].isdigit():
-            for operand in tokens[4: 4 + int(tokens[2])]:
+            for operand in tokens[4 : 4 + int(tokens[2])]:
                 readers.setdefault(operand, set()).add(tokens[0])
     return {k: v for k, v in found.items() if readers.get(k, set()) - {"prim::TupleConstruct", "pnnx.Output"}}
 
@@ -117,7 +123,7 @@ def test_an_integer_intermediate_recorded_as_another_kind_is_refused_naming_it(e
     _, text, binary = export
     ints = {k: v for k, v in intermediates(text).items() if v[2] == "i64"}
     assert ints
-    for operand, (node, line, _) in ints.items():
+    for operand, (_node, _line, _) in ints.items():
         with pytest.raises(PmxCompileError) as e:
             compile_text(tmp_path, recorded_as(text, operand, code), binary)
         msg = str(e.value)
@@ -131,7 +137,7 @@ def test_an_operand_without_a_recorded_dtype_takes_the_ops(export, tmp_path, spe
     bound, a select of an int32 tensor: tests/test_ops_indexing_shape.py); the frontend
     assumes float32 there, and the op's dtype replaces it."""
     module, text, binary = export
-    for operand, (_, _, recorded) in intermediates(text).items():
+    for operand, (_, _, _recorded) in intermediates(text).items():
         if spelling == "none":
             edited = re.sub(rf" #{re.escape(operand)}=\([^)]*\)\w+", "", text)
         else:
@@ -142,7 +148,7 @@ def test_an_operand_without_a_recorded_dtype_takes_the_ops(export, tmp_path, spe
 @pytest.mark.parametrize("code", ["u8", "c64", "i64", "bool", "f32", "f16", "i32"])
 def test_any_recorded_dtype_fails_the_compile_naming_the_node_or_matches_torch(export, tmp_path, code):
     module, text, binary = export
-    for operand, (node, line, recorded) in intermediates(text).items():
+    for operand, (_node, _line, recorded) in intermediates(text).items():
         if recorded == code:
             continue
         try:
@@ -155,15 +161,18 @@ def test_any_recorded_dtype_fails_the_compile_naming_the_node_or_matches_torch(e
         matches_torch(path, module)
 
 
-@pytest.mark.parametrize("shape,error,expected", [
-    ("(2,8,1)", PmxCompileError, "would have shape (2, 8) but pnnx recorded (2, 8, 1)"),
-    ("(16)", PmxCompileError, "would have shape (2, 8) but pnnx recorded (16,)"),
-    ("()", PmxCompileError, "would have shape (2, 8) but pnnx recorded ()"),
-    ("(2,-8)", PmxFormatError, "dimension -8 in '(2,-8)f32' is negative"),
-])
+@pytest.mark.parametrize(
+    "shape,error,expected",
+    [
+        ("(2,8,1)", PmxCompileError, "would have shape (2, 8) but pnnx recorded (2, 8, 1)"),
+        ("(16)", PmxCompileError, "would have shape (2, 8) but pnnx recorded (16,)"),
+        ("()", PmxCompileError, "would have shape (2, 8) but pnnx recorded ()"),
+        ("(2,-8)", PmxFormatError, "dimension -8 in '(2,-8)f32' is negative"),
+    ],
+)
 def test_a_recorded_shape_of_another_rank_or_a_negative_dim_is_refused(export, tmp_path, shape, error, expected):
     _, text, binary = export
-    operand, (node, line, _) = next((k, v) for k, v in intermediates(text).items() if v[0] == "fc")
+    operand, (_node, line, _) = next((k, v) for k, v in intermediates(text).items() if v[0] == "fc")
     edited = re.sub(rf"#{operand}=\([^)]*\)", f"#{operand}={shape}", text)
     with pytest.raises(error) as e:
         compile_text(tmp_path, edited, binary)
@@ -178,15 +187,26 @@ def test_linear_conv_and_softmax_refuse_an_integer_input_at_compile_time(tmp_pat
 
     x = np.ones((1, 4), np.int64)
     with pytest.raises(PmxCompileError, match=r"linear 'the_op' \(line 4\).*int64: linear takes floating-point"):
-        run_one_op("nn.Linear", "bias=False in_features=4 out_features=3", [x], [np.zeros((1, 3), np.float32)],
-                   labels=["input"], weights={"weight": np.ones((3, 4), np.float32)})
+        run_one_op(
+            "nn.Linear",
+            "bias=False in_features=4 out_features=3",
+            [x],
+            [np.zeros((1, 3), np.float32)],
+            labels=["input"],
+            weights={"weight": np.ones((3, 4), np.float32)},
+        )
     with pytest.raises(PmxCompileError, match=r"int64: softmax takes floating-point"):
         run_one_op("F.softmax", "dim=-1", [x], [np.zeros((1, 4), np.float32)], labels=["input"])
     with pytest.raises(PmxCompileError, match=r"int32: conv takes floating-point"):
-        run_one_op("nn.Conv2d", "bias=False dilation=(1,1) groups=1 in_channels=2 kernel_size=(1,1) out_channels=2 "
-                   "padding=(0,0) padding_mode=zeros stride=(1,1)", [np.ones((1, 2, 3, 3), np.int32)],
-                   [np.zeros((1, 2, 3, 3), np.float32)], labels=["input"],
-                   weights={"weight": np.ones((2, 2, 1, 1), np.float32)})
+        run_one_op(
+            "nn.Conv2d",
+            "bias=False dilation=(1,1) groups=1 in_channels=2 kernel_size=(1,1) out_channels=2 "
+            "padding=(0,0) padding_mode=zeros stride=(1,1)",
+            [np.ones((1, 2, 3, 3), np.int32)],
+            [np.zeros((1, 2, 3, 3), np.float32)],
+            labels=["input"],
+            weights={"weight": np.ones((2, 2, 1, 1), np.float32)},
+        )
 
 
 def test_a_where_with_an_integer_condition_is_refused(tmp_path):
@@ -194,5 +214,9 @@ def test_a_where_with_an_integer_condition_is_refused(tmp_path):
 
     cond = np.ones((3,), np.int32)
     with pytest.raises(PmxError, match=r"condition is of dtype int32, not bool"):
-        run_one_op("pnnx.Expression", "expr=where(@0,@1,@2)", [cond, np.ones(3, np.float32), np.ones(3, np.float32)],
-                   [np.zeros((3,), np.float32)])
+        run_one_op(
+            "pnnx.Expression",
+            "expr=where(@0,@1,@2)",
+            [cond, np.ones(3, np.float32), np.ones(3, np.float32)],
+            [np.zeros((3,), np.float32)],
+        )

@@ -5,7 +5,6 @@ output or is kept, and it fires with commutative operands either way round."""
 
 import numpy as np
 import pytest
-
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.passes.batch_norm_as_elementwise import EXPR, batch_norm_as_elementwise
 from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu
@@ -71,7 +70,8 @@ def test_literals_match_by_type_and_value(literal, matches):
     g, node = _one_node(E.call("mul", X0, literal), n_inputs=1)
     assert (match(g, N("elementwise", expr=E.call("mul", X0, 2)), node) is not None) == matches
     assert (match(g, N("elementwise", expr=E.call("mul", X0, Lit(2, 2.0))), node) is not None) == (
-        matches or (type(literal) is float and literal == 2.0))
+        matches or (type(literal) is float and literal == 2.0)
+    )
 
 
 def test_repeated_captures_must_agree():
@@ -108,8 +108,14 @@ def _chain(length):
     return build([x], nodes, [vs[-1]])
 
 
-@rule(N("elementwise", V(of=N("elementwise", name="p", expr=E.call("neg", X0)), sole=True), name="n",
-        expr=E.call("neg", X0)))
+@rule(
+    N(
+        "elementwise",
+        V(of=N("elementwise", name="p", expr=E.call("neg", X0)), sole=True),
+        name="n",
+        expr=E.call("neg", X0),
+    )
+)
 def cancel_double_negation(graph, m):
     """neg(neg(x)) -> exp(log(x)), one pair at a time."""
     graph.remove_node(m.p)
@@ -185,7 +191,11 @@ def silu(kind="f", constant=True, order=0):
     w = weight("w", (4, 3), dt, constant)
     sig = E.call("sigmoid", X0)
     expr = E.call("mul", X0, sig) if order == 0 else E.call("mul", sig, X0)
-    return build([x, w], [Node("linear", "l", [x, w, const("b", (4,), dt)], [y], expr=expr)], [y]), None, negate_silu_weights
+    return (
+        build([x, w], [Node("linear", "l", [x, w, const("b", (4,), dt)], [y], expr=expr)], [y]),
+        None,
+        negate_silu_weights,
+    )
 
 
 AFFINE_RELUS = [
@@ -226,12 +236,22 @@ def batch_norm(kind="f", constant=True, order=0):
     dt = "float32" if kind == "f" else "int32"
     x, y = Value("x", (1, 4, 3, 3), dt), Value("y", (1, 4, 3, 3), dt)
     s = weight("s", (4,), dt, constant)
-    return build([x, s], [Node("batch_norm", "bn", [x, s, const("t", (4,), dt)], [y])], [y]), None, batch_norm_as_elementwise
+    return (
+        build([x, s], [Node("batch_norm", "bn", [x, s, const("t", (4,), dt)], [y])], [y]),
+        None,
+        batch_norm_as_elementwise,
+    )
 
 
-RULES = {"fuse_conv_batchnorm": conv_bn, "fuse_activation": gemm_act, "negate_silu_weights": silu,
-         "fold_affine_relu": affine_relu, "pool_before_pointwise": pool_conv,
-         "fuse_elementwise": elementwise_pair, "batch_norm_as_elementwise": batch_norm}
+RULES = {
+    "fuse_conv_batchnorm": conv_bn,
+    "fuse_activation": gemm_act,
+    "negate_silu_weights": silu,
+    "fold_affine_relu": affine_relu,
+    "pool_before_pointwise": pool_conv,
+    "fuse_elementwise": elementwise_pair,
+    "batch_norm_as_elementwise": batch_norm,
+}
 ORDERS = {"negate_silu_weights": 2, "fold_affine_relu": 3, "fuse_elementwise": 2}
 # rules without a weight guard: kept for every weight; without a kind guard (no other dtype built)
 NO_CONST_GUARD = {"fuse_activation", "pool_before_pointwise", "fuse_elementwise"}
@@ -251,10 +271,13 @@ def test_rule_fires(name):
 
 # rules whose match folds no intermediate tensor away (no reader, output or kept guard)
 FOLDS_NOTHING = {"negate_silu_weights", "batch_norm_as_elementwise"}
-GUARDS = [(name, variant) for name in sorted(RULES)
-          for variant in ("second_reader", "output", "kept", "not_constant", "wrong_kind")
-          if not (variant == "not_constant" and name in NO_CONST_GUARD)
-          and not (variant in ("second_reader", "output", "kept") and name in FOLDS_NOTHING)]
+GUARDS = [
+    (name, variant)
+    for name in sorted(RULES)
+    for variant in ("second_reader", "output", "kept", "not_constant", "wrong_kind")
+    if not (variant == "not_constant" and name in NO_CONST_GUARD)
+    and not (variant in ("second_reader", "output", "kept") and name in FOLDS_NOTHING)
+]
 
 
 def test_every_rule_but_the_listed_folds_a_tensor():
@@ -285,10 +308,12 @@ RESULTS = {
     "fuse_activation": lambda g: g.nodes[0].expr == E.call("maximum", X0, 0),
     "batch_norm_as_elementwise": lambda g: g.nodes[0].op == "elementwise" and g.nodes[0].expr == EXPR,
     "negate_silu_weights": lambda g: g.nodes[0].expr == NEGATED_SILU and (g.nodes[0].inputs[1].data < 0).all(),
-    "pool_before_pointwise": lambda g: [n.op for n in g.nodes] == ["avg_pool", "conv"]
-    and g.nodes[0].outputs[0].shape == (1, 3, 2, 2),
-    "fuse_elementwise": lambda g: [n.name for n in g.nodes] == ["c"]
-    and g.nodes[0].expr == E.call("sub", E.call("exp", X0), X1),
+    "pool_before_pointwise": lambda g: (
+        [n.op for n in g.nodes] == ["avg_pool", "conv"] and g.nodes[0].outputs[0].shape == (1, 3, 2, 2)
+    ),
+    "fuse_elementwise": lambda g: (
+        [n.name for n in g.nodes] == ["c"] and g.nodes[0].expr == E.call("sub", E.call("exp", X0), X1)
+    ),
 }
 
 

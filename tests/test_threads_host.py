@@ -14,9 +14,8 @@ import time
 import numpy as np
 import pytest
 import threadpoolctl
-
 from pmx.compiler.driver import compile_model
-from pmx.runtime import InferenceSession, parallel, PmxInputError, SessionOptions
+from pmx.runtime import InferenceSession, PmxInputError, SessionOptions, parallel
 from pmx.runtime.options import cgroup_cpu_limit
 
 WORKER_NAME = "pmx-worker"
@@ -72,8 +71,9 @@ THREAD_VARIABLES = ("OMP_", "OPENBLAS_", "MKL_", "NUMEXPR_")  # Ray's init sets 
 
 def run_python(code, env=None):
     environ = {k: v for k, v in os.environ.items() if not k.startswith(THREAD_VARIABLES)} | (env or {})
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=environ, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -165,7 +165,7 @@ def test_two_sessions_with_their_own_thread_counts_run_concurrently_bit_identica
     def worker(sess):
         try:
             got[id(sess)] = [sess.run(None, f)[0] for f in feeds for _ in range(2)][::2]
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in (one, two)]
@@ -227,8 +227,10 @@ def test_omp_num_threads_sets_the_default(model_path):
 
 def test_thread_count_precedence_and_validation(model_path):
     assert InferenceSession(model_path, sess_options=options(3)).get_session_options().intra_op_num_threads == 3
-    assert InferenceSession(model_path, sess_options=options(3), num_threads=1).get_session_options() \
-        .intra_op_num_threads == 1
+    assert (
+        InferenceSession(model_path, sess_options=options(3), num_threads=1).get_session_options().intra_op_num_threads
+        == 1
+    )
     for bad in (0, -2, "two"):
         with pytest.raises(PmxInputError, match="thread count"):
             InferenceSession(model_path, num_threads=bad)
@@ -298,7 +300,9 @@ def test_outputs_agree_with_and_without_pmxs_own_blas(model_path, tmp_path):
                     raise ModuleNotFoundError(name)
         sys.meta_path.insert(0, HideWheel())
     """
-    assert run_python(textwrap.dedent(hide) + textwrap.dedent(code.format(path=model_path, save=str(shared)))).split() == ["False"]
+    assert run_python(
+        textwrap.dedent(hide) + textwrap.dedent(code.format(path=model_path, save=str(shared)))
+    ).split() == ["False"]
     np.testing.assert_allclose(np.load(own), np.load(shared), rtol=1e-4, atol=1e-5)
 
 

@@ -3,12 +3,11 @@ file as the node's variant, and the tuned model still matches torch."""
 
 import torch
 from helpers import compare_with_torch
-from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
-
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import TUNE_MARGIN, _choose, candidates
 from pmx.runtime import InferenceSession
 from pmx.runtime.kernels.common import SINGLE_THREAD
+from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
 
 
 class TunedBlocks(torch.nn.Module):
@@ -32,7 +31,6 @@ def test_tune_stores_the_fastest_candidate(exporter, tmp_path):
     out = tmp_path / "tuned.pmx"
     compare_with_torch(prefix, module, inputs, out, tune=True)  # asserts pmx == torch
 
-
     r = compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "again.pmx"), tune=True)
     tuned = {node.name: (chosen, times) for node, _, chosen, times, _ in r.tuned}
     ops = {node.op for node, *_ in r.tuned}
@@ -44,8 +42,11 @@ def test_tune_stores_the_fastest_candidate(exporter, tmp_path):
         best = min(times, key=times.get)
         # the rule's choice stays unless the fastest beats it by the margin overall and
         # in every round (test_choose_* below)
-        wins = all(b * (1 + TUNE_MARGIN) < t for b, t in
-                   [(times[best], times.get(rule))] + list(zip(rounds[best], rounds.get(rule, []))) if t is not None)
+        wins = all(
+            b * (1 + TUNE_MARGIN) < t
+            for b, t in [(times[best], times.get(rule))] + list(zip(rounds[best], rounds.get(rule, [])))
+            if t is not None
+        )
         expected = best if rule not in times or wins else rule
         assert chosen == expected, f"{node.name}: chose {chosen}, times {times}, rounds {rounds}"
     stored = {n.name: n.variant for n in InferenceSession(str(tmp_path / "again.pmx")).model.nodes}

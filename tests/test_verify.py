@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxFormatError
@@ -27,7 +26,7 @@ def good(tmp_path_factory):
 def flipped(good, tmp_path, where):
     """A copy of `good` with one bit flipped in the header or in the middle of the data."""
     data = bytearray(good.read_bytes())
-    pre = ff.unpack_preamble(bytes(data[:ff.PREAMBLE_SIZE]))
+    pre = ff.unpack_preamble(bytes(data[: ff.PREAMBLE_SIZE]))
     if where == "data":
         pos = pre["data_offset"] + pre["data_size"] // 2
     else:  # a byte of the producer string: the header stays structurally valid
@@ -58,7 +57,11 @@ def test_verify_console_script(good, tmp_path):
     """The installed `pmx` command: exit status and one line on stderr."""
     bad = flipped(good, tmp_path, "data")
     script = pathlib.Path(sys.executable).with_name("pmx")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from pmx.compiler.cli import main; sys.exit(main())"]
+    cmd = (
+        [str(script)]
+        if script.exists()
+        else [sys.executable, "-c", "import sys; from pmx.compiler.cli import main; sys.exit(main())"]
+    )
     ok = subprocess.run(cmd + ["verify", str(good)], capture_output=True, text=True)
     assert ok.returncode == 0 and "OK" in ok.stdout
     res = subprocess.run(cmd + ["verify", str(bad)], capture_output=True, text=True)
@@ -68,7 +71,7 @@ def test_verify_console_script(good, tmp_path):
 
 def test_session_verify_catches_flip(good, tmp_path):
     bad = flipped(good, tmp_path, "data")
-    with pytest.raises(PmxFormatError, match="data checksum mismatch: stored 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}"):
+    with pytest.raises(PmxFormatError, match=r"data checksum mismatch: stored 0x[0-9a-f]{8}, computed 0x[0-9a-f]{8}"):
         InferenceSession(str(bad), verify=True)
 
 

@@ -10,14 +10,13 @@ import torch.nn.functional as F
 from helpers import bind_context, compare_with_torch, kernel_pool, rel_error, run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
-from test_e2e_cnn_blocks import _rand
-from test_kernels_cnn import FAST, assert_close, signed_input
-
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import candidates
 from pmx.runtime import InferenceSession
 from pmx.runtime.kernels import winograd
 from pmx.runtime.kernels.winograd import transform_weights
+from test_e2e_cnn_blocks import _rand
+from test_kernels_cnn import FAST, assert_close, signed_input
 
 ACTIVATIONS = {"": lambda y: y, "maximum(@0,0)": F.relu, "mul(@0,sigmoid(@0))": F.silu}
 
@@ -42,8 +41,9 @@ def split_everything():
 
 def torch_reference(x, w, b, pads, act):
     pt, pl, pb, pr = pads
-    y = F.conv2d(F.pad(torch.from_numpy(x), (pl, pr, pt, pb)), torch.from_numpy(w),
-                 None if b is None else torch.from_numpy(b))
+    y = F.conv2d(
+        F.pad(torch.from_numpy(x), (pl, pr, pt, pb)), torch.from_numpy(w), None if b is None else torch.from_numpy(b)
+    )
     return ACTIVATIONS[act](y), y
 
 
@@ -59,9 +59,17 @@ def winograd_case(draw):
     # odd and even output sizes (a last tile half outside the output), down to one output
     h = draw(st.integers(max(1, 3 - pads[0] - pads[2]), 11))
     w = draw(st.integers(max(1, 3 - pads[1] - pads[3]), 11))
-    return dict(batch=draw(st.integers(1, 3)), cin=draw(st.integers(1, 9)), cout=draw(st.integers(1, 9)),
-                size=(h, w), pads=pads, bias=draw(st.booleans()), act=draw(st.sampled_from(sorted(ACTIVATIONS))),
-                variant=draw(st.sampled_from(["winograd", "winograd_1t"])), seed=draw(st.integers(0, 2**32 - 1)))
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        cin=draw(st.integers(1, 9)),
+        cout=draw(st.integers(1, 9)),
+        size=(h, w),
+        pads=pads,
+        bias=draw(st.booleans()),
+        act=draw(st.sampled_from(sorted(ACTIVATIONS))),
+        variant=draw(st.sampled_from(["winograd", "winograd_1t"])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
 
 
 def _case_arrays(c):
@@ -93,7 +101,7 @@ def test_winograd_split_over_threads_matches_torch(c):
 
 def test_winograd_big_enough_to_split_by_itself(two_threads):
     x, w, b = signed_input((2, 64, 22, 22), 0), signed_input((64, 64, 3, 3), 1), signed_input((64,), 2)
-    assert 16 * 64 * 64 * 2 * 12 * 12 >= winograd.SPLIT_MIN_MACS  # 11x11 tiles -> 12x12 planes
+    assert winograd.SPLIT_MIN_MACS <= 16 * 64 * 64 * 2 * 12 * 12  # 11x11 tiles -> 12x12 planes
     want, pre = torch_reference(x, w, b, (1, 1, 1, 1), "maximum(@0,0)")
     got = run_winograd(x, w, b, (1, 1, 1, 1), "maximum(@0,0)", "winograd", threads=two_threads)
     assert_close(got, want, pre)
@@ -115,7 +123,6 @@ def test_winograd_runs_twice_with_new_inputs():
     """The padded phases persist between runs: their borders must stay zero while the
     interior is overwritten."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get
 
     x = signed_input((1, 4, 6, 5), 0)
@@ -139,13 +146,16 @@ def test_transform_weights_is_g_g_gt_in_float64():
             np.testing.assert_allclose(u[:, :, k, c], g @ w[k, c] @ g.T, rtol=1e-14)
 
 
-@pytest.mark.parametrize("shapes, message", [
-    ([(1, 4, 6, 6), (4, 4, 2, 5)], "do not fit"),
-    ([(1, 4, 6, 6), (3, 3, 2, 4)], "do not fit"),
-    ([(4, 6, 6), (4, 4, 2, 4)], "do not fit"),
-    ([(1, 4, 6, 6), (4, 4, 2, 4), (3,)], "bias"),
-    ([(1, 4, 1, 6), (4, 4, 2, 4)], "smaller than the 3x3 kernel"),
-])
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        ([(1, 4, 6, 6), (4, 4, 2, 5)], "do not fit"),
+        ([(1, 4, 6, 6), (3, 3, 2, 4)], "do not fit"),
+        ([(4, 6, 6), (4, 4, 2, 4)], "do not fit"),
+        ([(1, 4, 6, 6), (4, 4, 2, 4), (3,)], "bias"),
+        ([(1, 4, 1, 6), (4, 4, 2, 4)], "smaller than the 3x3 kernel"),
+    ],
+)
 def test_shape_rule_names_what_does_not_fit(shapes, message):
     from helpers import KernelNode
 
@@ -202,8 +212,7 @@ def test_rule_picks_winograd_and_prepack_stores_transformed_weights(exporter, tm
     (got3,) = sess.run(None, {"in0": batch[0].numpy()})
     assert rel_error(got3, want) <= 1e-4
     # without prepack_weights the same convs run as im2col GEMMs, with the same result
-    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "g.pmx"),
-                  disabled={"prepack_weights"})
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "g.pmx"), disabled={"prepack_weights"})
     assert not any(op == "conv_winograd" for _, op, _ in _ops(tmp_path / "g.pmx"))
     (plain,) = InferenceSession(str(tmp_path / "g.pmx")).run(None, {"in0": inputs[0].numpy()})
     assert rel_error(got[0], plain) <= 1e-5
@@ -214,8 +223,9 @@ def test_winograd_follows_dynamic_image_sizes(exporter, tmp_path):
     images (tile counts change, down to a single output)."""
     module = ResidualPair().eval()
     prefix = exporter("winograd_pair", module, (_rand(1, 64, 16, 16),))
-    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "d.pmx"),
-                  dynamic={"in0": {2: (1, -1), 3: (1, -1)}})
+    compile_model(
+        prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "d.pmx"), dynamic={"in0": {2: (1, -1), 3: (1, -1)}}
+    )
     assert sum(op == "conv_winograd" for _, op, _ in _ops(tmp_path / "d.pmx")) == 2
     sess = InferenceSession(str(tmp_path / "d.pmx"))
     for seed, shape in enumerate([(2, 64, 9, 13), (1, 64, 1, 1), (1, 64, 40, 33)]):
@@ -260,7 +270,6 @@ def test_winograd_never_computes_on_stale_scratch():
     too), so whatever the shared scratch held before cannot overflow or turn into NaN:
     scratch full of float32 max raises nothing with floating-point errors as errors."""
     from helpers import KernelNode
-
     from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((2, 5, 7, 6), 0)
@@ -268,8 +277,9 @@ def test_winograd_never_computes_on_stale_scratch():
     node = KernelNode("conv_winograd", {"pads": (1, 1, 1, 1)}, "", "winograd_1t")
     u = transform_weights(w)
     out = np.empty((2, 3, 7, 6), np.float32)
-    stale = np.full(node_scratch_nbytes(node, [x, u, b], [out], bind_context()) // 4, np.finfo(np.float32).max,
-                    np.float32)
+    stale = np.full(
+        node_scratch_nbytes(node, [x, u, b], [out], bind_context()) // 4, np.finfo(np.float32).max, np.float32
+    )
     run = get("conv_winograd").make(node, [x, u, b], [out], bind_context(None, stale.view(np.uint8)))
     with np.errstate(all="raise"):
         run()

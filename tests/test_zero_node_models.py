@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
@@ -58,8 +57,15 @@ class SameTwice(nn.Module):
         return x, nn.functional.dropout(x, 0.3, training=False)
 
 
-MODELS = {"identity": Identity, "dropout": Dropout, "clone": Clone, "constant": ConstantOutput,
-          "zeros_like": ZerosLike, "new_ones": NewOnes, "same_twice": SameTwice}
+MODELS = {
+    "identity": Identity,
+    "dropout": Dropout,
+    "clone": Clone,
+    "constant": ConstantOutput,
+    "zeros_like": ZerosLike,
+    "new_ones": NewOnes,
+    "same_twice": SameTwice,
+}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

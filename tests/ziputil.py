@@ -121,15 +121,11 @@ def build_zip(
     n = len(entries) if count is None else count
     if zip64:
         lay.eocd64_offset = len(out)
-        out += struct.pack(
-            "<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, size_cd, lay.cd_offset
-        )
+        out += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, size_cd, lay.cd_offset)
         lay.locator_offset = len(out)
         out += struct.pack("<4sIQI", b"PK\x06\x07", 0, lay.eocd64_offset, 1)
         lay.eocd_offset = len(out)
-        out += struct.pack(
-            "<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, len(comment)
-        )
+        out += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, len(comment))
     else:
         lay.eocd_offset = len(out)
         out += struct.pack(

@@ -41,8 +41,16 @@ import numpy as np
 
 CONTENDERS = ("pmx", "pmx-baseline", "onnxruntime", "ncnn", "torch")
 # pmx-baseline: pmx imported from --baseline DIR (another checkout), on the same .pmx files
-TORCHVISION_CNNS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
-                    "efficientnet_b0", "densenet121", "googlenet")
+TORCHVISION_CNNS = (
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "shufflenet_v2_x1_0",
+    "squeezenet1_1",
+    "efficientnet_b0",
+    "densenet121",
+    "googlenet",
+)
 TRANSFORMERS = ("vit_b_16", "swin_t")
 
 
@@ -60,7 +68,7 @@ def worker(contender, model_dir, runs, threads):
         sess = InferenceSession(str(d / "model.pmx"), num_threads=threads)
         t2 = time.perf_counter()
         name = sess.get_inputs()[0].name
-        run = lambda: sess.run(None, {name: x})[0]  # noqa: E731
+        run = lambda: sess.run(None, {name: x})[0]
     elif contender == "onnxruntime":
         import onnxruntime as ort
 
@@ -71,7 +79,7 @@ def worker(contender, model_dir, runs, threads):
         sess = ort.InferenceSession(str(d / "model.onnx"), opts, providers=["CPUExecutionProvider"])
         t2 = time.perf_counter()
         name = sess.get_inputs()[0].name
-        run = lambda: sess.run(None, {name: x})[0]  # noqa: E731
+        run = lambda: sess.run(None, {name: x})[0]
     elif contender == "ncnn":
         import ncnn
 
@@ -119,8 +127,14 @@ def worker(contender, model_dir, runs, threads):
         from pmx.runtime.overhead import framework_overhead
 
         overhead = 100 * framework_overhead(sess, {name: x}, repeat=max(5, runs // 2)).overhead
-    return dict(import_ms=(t1 - t0) * 1e3, load_ms=(t2 - t1) * 1e3, first_result_ms=(t3 - t0) * 1e3,
-                steady_ms=float(np.median(times)) * 1e3, peak_rss_mb=peak_rss_mb(), overhead_pct=overhead)
+    return dict(
+        import_ms=(t1 - t0) * 1e3,
+        load_ms=(t2 - t1) * 1e3,
+        first_result_ms=(t3 - t0) * 1e3,
+        steady_ms=float(np.median(times)) * 1e3,
+        peak_rss_mb=peak_rss_mb(),
+        overhead_pct=overhead,
+    )
 
 
 def peak_rss_mb():
@@ -167,16 +181,20 @@ def batch_worker(contender, model_dir, batches, runs, threads):
 
 
 def batch_table(results):
-    lines = ["| model | batch | pmx first run ms | pmx steady ms | pmx img/s | ort first run ms | ort steady ms | ort img/s | pmx/ort img/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | batch | pmx first run ms | pmx steady ms | pmx img/s | ort first run ms | ort steady ms | ort img/s | pmx/ort img/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for model, per in results.items():
         p, o = per.get("pmx", {}), per.get("onnxruntime", {})
         for b in sorted({int(k) for k in p} | {int(k) for k in o}):
             pr, orr = p.get(b) or p.get(str(b)) or {}, o.get(b) or o.get(str(b)) or {}
             ratio = pr.get("images_per_s", 0) / orr["images_per_s"] if orr.get("images_per_s") else None
-            lines.append(f"| {model} | {b} | {fmt(pr.get('first_ms'))} | {fmt(pr.get('steady_ms'))} | "
-                         f"{fmt(pr.get('images_per_s'))} | {fmt(orr.get('first_ms'))} | {fmt(orr.get('steady_ms'))} | "
-                         f"{fmt(orr.get('images_per_s'))} | {fmt(ratio, 2)} |")
+            lines.append(
+                f"| {model} | {b} | {fmt(pr.get('first_ms'))} | {fmt(pr.get('steady_ms'))} | "
+                f"{fmt(pr.get('images_per_s'))} | {fmt(orr.get('first_ms'))} | {fmt(orr.get('steady_ms'))} | "
+                f"{fmt(orr.get('images_per_s'))} | {fmt(ratio, 2)} |"
+            )
     return "\n".join(lines)
 
 
@@ -192,8 +210,15 @@ def builtin_models():
             super().__init__()
             self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
             self.blocks = nn.ModuleList(
-                nn.Sequential(nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-                              nn.Conv2d(32, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32)) for _ in range(3))
+                nn.Sequential(
+                    nn.Conv2d(32, 32, 3, 1, 1, bias=False),
+                    nn.BatchNorm2d(32),
+                    nn.ReLU(),
+                    nn.Conv2d(32, 32, 3, 1, 1, bias=False),
+                    nn.BatchNorm2d(32),
+                )
+                for _ in range(3)
+            )
             self.fc = nn.Linear(32, 10)
 
         def forward(self, x):
@@ -208,9 +233,16 @@ def builtin_models():
             layers = [nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6()]
             c = 16
             for out, s in ((24, 2), (24, 1), (32, 2), (32, 1)):
-                layers += [nn.Conv2d(c, c * 4, 1), nn.BatchNorm2d(c * 4), nn.ReLU6(),
-                           nn.Conv2d(c * 4, c * 4, 3, s, 1, groups=c * 4), nn.BatchNorm2d(c * 4), nn.ReLU6(),
-                           nn.Conv2d(c * 4, out, 1), nn.BatchNorm2d(out)]
+                layers += [
+                    nn.Conv2d(c, c * 4, 1),
+                    nn.BatchNorm2d(c * 4),
+                    nn.ReLU6(),
+                    nn.Conv2d(c * 4, c * 4, 3, s, 1, groups=c * 4),
+                    nn.BatchNorm2d(c * 4),
+                    nn.ReLU6(),
+                    nn.Conv2d(c * 4, out, 1),
+                    nn.BatchNorm2d(out),
+                ]
                 c = out
             self.features = nn.Sequential(*layers)
             self.fc = nn.Linear(c, 10)
@@ -229,8 +261,14 @@ def builtin_models():
             return self.fc(y[:, -1])
 
     def block(cin, cout):
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU(),
-                             nn.Conv2d(cout, cout, 3, 1, 1), nn.BatchNorm2d(cout), nn.ReLU())
+        return nn.Sequential(
+            nn.Conv2d(cin, cout, 3, 1, 1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+        )
 
     class UNetSmall(nn.Module):
         def __init__(self):
@@ -271,9 +309,19 @@ def builtin_models():
 
         def __init__(self):
             super().__init__()
-            self.layers = nn.ModuleList(nn.ModuleDict(dict(
-                n1=nn.LayerNorm(256), qkv=nn.Linear(256, 768), proj=nn.Linear(256, 256),
-                n2=nn.LayerNorm(256), fc1=nn.Linear(256, 1024), fc2=nn.Linear(1024, 256))) for _ in range(2))
+            self.layers = nn.ModuleList(
+                nn.ModuleDict(
+                    dict(
+                        n1=nn.LayerNorm(256),
+                        qkv=nn.Linear(256, 768),
+                        proj=nn.Linear(256, 256),
+                        n2=nn.LayerNorm(256),
+                        fc1=nn.Linear(256, 1024),
+                        fc2=nn.Linear(1024, 256),
+                    )
+                )
+                for _ in range(2)
+            )
 
         def forward(self, x):
             b, t, e = x.shape
@@ -286,9 +334,14 @@ def builtin_models():
 
     import torch
 
-    return {"mini_resnet": (MiniResNet, (1, 3, 112, 112)), "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112)),
-            "lstm2": (LSTM2, (1, 32, 64)), "unet_small": (UNetSmall, (1, 3, 128, 128)),
-            "yolo_head": (YoloHead, (1, 3, 256, 256)), "transformer2": (Transformer2, (1, 32, 256))}
+    return {
+        "mini_resnet": (MiniResNet, (1, 3, 112, 112)),
+        "mini_mobilenet": (MiniMobileNet, (1, 3, 112, 112)),
+        "lstm2": (LSTM2, (1, 32, 64)),
+        "unet_small": (UNetSmall, (1, 3, 128, 128)),
+        "yolo_head": (YoloHead, (1, 3, 256, 256)),
+        "transformer2": (Transformer2, (1, 32, 256)),
+    }
 
 
 # small models where per-node work is small and framework overhead shows (--small)
@@ -375,12 +428,26 @@ def prepare(name, cache, tune=False):
             os.chdir(cwd)
     if _has("onnx"):  # onnxruntime's files; the test venv (--builtin) has no onnx
         if not (d / "model.onnx").exists():
-            torch.onnx.export(model, (x,), str(d / "model.onnx"), dynamo=False, opset_version=17,
-                              input_names=["input"], output_names=["output"])
+            torch.onnx.export(
+                model,
+                (x,),
+                str(d / "model.onnx"),
+                dynamo=False,
+                opset_version=17,
+                input_names=["input"],
+                output_names=["output"],
+            )
         if not (d / "model_dynamic.onnx").exists():
-            torch.onnx.export(model, (x,), str(d / "model_dynamic.onnx"), dynamo=False, opset_version=17,
-                              input_names=["input"], output_names=["output"],
-                              dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}})
+            torch.onnx.export(
+                model,
+                (x,),
+                str(d / "model_dynamic.onnx"),
+                dynamo=False,
+                opset_version=17,
+                input_names=["input"],
+                output_names=["output"],
+                dynamic_axes={"input": {0: "batch"}, "output": {0: "batch"}},
+            )
     with torch.no_grad():
         ref = model(x)
     np.save(d / "input.npy", x.numpy())
@@ -392,8 +459,15 @@ def prepare(name, cache, tune=False):
 def compile_pmx(d, tune):
     """`pmx compile` in a fresh process, as a user runs it: --tune must not time kernels
     beside this process's torch, whose idle OpenMP threads spin after every torch call."""
-    cmd = [sys.executable, "-m", "pmx.compiler", str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"),
-           "-o", str(d / "model.pmx")] + (["--tune"] if tune else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "pmx.compiler",
+        str(d / "model.pnnx.param"),
+        str(d / "model.pnnx.bin"),
+        "-o",
+        str(d / "model.pmx"),
+    ] + (["--tune"] if tune else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(2), timeout=3600)
     if p.returncode != 0:
@@ -407,8 +481,13 @@ PMX_BLAS_THREADS = None  # --pmx-blas-threads: BLAS's threads in pmx's processes
 
 
 def worker_env(threads, contender=None):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads),
-               MKL_NUM_THREADS=str(threads), NUMEXPR_MAX_THREADS=str(max(threads, 1)))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        OPENBLAS_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        NUMEXPR_MAX_THREADS=str(max(threads, 1)),
+    )
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     if contender in ("pmx", "pmx-baseline") and PMX_BLAS_THREADS is not None:
         env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(PMX_BLAS_THREADS)
@@ -419,16 +498,27 @@ def worker_env(threads, contender=None):
 
 def warm_bytecode(contender, threads):
     """One import in a throwaway process so the measured workers find .pyc files."""
-    mod = {"pmx": "pmx.runtime", "pmx-baseline": "pmx.runtime", "onnxruntime": "onnxruntime", "ncnn": "ncnn",
-           "torch": "torch"}[contender]
-    subprocess.run([sys.executable, "-c", f"import {mod}"], env=worker_env(threads, contender), capture_output=True,
-                   timeout=600)
+    mod = {
+        "pmx": "pmx.runtime",
+        "pmx-baseline": "pmx.runtime",
+        "onnxruntime": "onnxruntime",
+        "ncnn": "ncnn",
+        "torch": "torch",
+    }[contender]
+    subprocess.run(
+        [sys.executable, "-c", f"import {mod}"], env=worker_env(threads, contender), capture_output=True, timeout=600
+    )
 
 
 def run_contender(contender, d, runs, threads):
     env = worker_env(threads, contender)
-    p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs),
-                        "--threads", str(threads)], capture_output=True, text=True, env=env, timeout=1800)
+    p = subprocess.run(
+        [sys.executable, __file__, "--worker", contender, str(d), "--runs", str(runs), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if p.returncode != 0:
         return dict(error=(p.stderr.strip().splitlines() or ["failed"])[-1][:120])
     result = json.loads(p.stdout.strip().splitlines()[-1])
@@ -471,9 +561,25 @@ def median_of_rounds(samples):
 
 def run_batches(contender, d, batches, runs, threads):
     env = worker_env(threads)
-    p = subprocess.run([sys.executable, __file__, "--worker", contender, str(d), "--batches", batches,
-                        "--runs", str(runs), "--threads", str(threads)], capture_output=True, text=True, env=env,
-                       timeout=3600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            contender,
+            str(d),
+            "--batches",
+            batches,
+            "--runs",
+            str(runs),
+            "--threads",
+            str(threads),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+    )
     if p.returncode != 0:
         return {}
     return {int(k): v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()}
@@ -533,8 +639,11 @@ def cpu_description():
 
 
 def versions():
-    out = {"python": platform.python_version(), "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-           "cpu": cpu_description()}
+    out = {
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "cpu": cpu_description(),
+    }
     for mod in ("numpy", "numexpr", "torch", "onnxruntime", "ncnn"):
         try:
             out[mod] = __import__(mod).__version__
@@ -548,9 +657,11 @@ def fmt(v, digits=1):
 
 
 def table(results):
-    lines = ["| model | runtime | import ms | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | "
-             "x ort (first) | peak RSS MB | rel err | framework overhead % |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | runtime | import ms | load ms | first result ms | steady ms | x ort (steady) | x ort (load) | "
+        "x ort (first) | peak RSS MB | rel err | framework overhead % |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for model, per in results.items():
         ort = per.get("onnxruntime", {})
         for c in CONTENDERS:
@@ -564,9 +675,11 @@ def table(results):
             rl = r["load_ms"] / ort["load_ms"] if ort.get("load_ms") else None
             rf = r["first_result_ms"] / ort["first_result_ms"] if ort.get("first_result_ms") else None
             err = f"{r['rel_err']:.1e}" if r.get("rel_err") is not None else "-"
-            lines.append(f"| {model} | {c} | {fmt(r.get('import_ms'))} | {fmt(r.get('load_ms'))} | {fmt(r.get('first_result_ms'))} | "
-                         f"{fmt(r.get('steady_ms'), 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
-                         f"{fmt(r.get('peak_rss_mb'), 0)} | {err} | {fmt(r.get('overhead_pct'))} |")
+            lines.append(
+                f"| {model} | {c} | {fmt(r.get('import_ms'))} | {fmt(r.get('load_ms'))} | {fmt(r.get('first_result_ms'))} | "
+                f"{fmt(r.get('steady_ms'), 2)} | {fmt(rs, 2)} | {fmt(rl, 3)} | {fmt(rf, 2)} | "
+                f"{fmt(r.get('peak_rss_mb'), 0)} | {err} | {fmt(r.get('overhead_pct'))} |"
+            )
     return "\n".join(lines)
 
 
@@ -583,12 +696,21 @@ def main():
     p.add_argument("--cache", default="/tmp/pmx_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--batches", default=None, help="e.g. 1,8,32: throughput at these batch sizes (pmx vs onnxruntime)")
-    p.add_argument("--pmx-blas-threads", type=int, default=None, metavar="N",
-                   help="BLAS's thread count in pmx's processes (default: --threads, as for the others; "
-                        "1 is what the README recommends: pmx then splits GEMMs itself)")
-    p.add_argument("--baseline", default=None, metavar="DIR",
-                   help="also run contender pmx-baseline: pmx imported from DIR (a folder holding another "
-                        "checkout's pmx package), on the same .pmx files, alternating with pmx")
+    p.add_argument(
+        "--pmx-blas-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="BLAS's thread count in pmx's processes (default: --threads, as for the others; "
+        "1 is what the README recommends: pmx then splits GEMMs itself)",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="DIR",
+        help="also run contender pmx-baseline: pmx imported from DIR (a folder holding another "
+        "checkout's pmx package), on the same .pmx files, alternating with pmx",
+    )
     p.add_argument("--tune", action="store_true", help="compile the .pmx files with pmx compile --tune")
     args = p.parse_args()
     if args.worker and args.batches:
@@ -616,25 +738,32 @@ def main():
         probes[name] = host_probe()
         try:
             d, info = prepare(name, args.cache, tune=args.tune)
-        except Exception as e:  # noqa: BLE001 - report and go on with the next model
+        except Exception as e:
             results[name] = {"pmx": {"error": f"prepare: {type(e).__name__}: {str(e)[:100]}"}}
             continue
         meta[name] = info
         if args.batches:
-            results[name] = {c: run_batches(c, d, args.batches, args.runs, args.threads)
-                             for c in contenders if c in ("pmx", "onnxruntime")}
+            results[name] = {
+                c: run_batches(c, d, args.batches, args.runs, args.threads)
+                for c in contenders
+                if c in ("pmx", "onnxruntime")
+            }
         else:
             results[name] = run_rounds(contenders, d, args.runs, args.threads, args.rounds)
         print(f"{name}: done", file=sys.stderr)
     blas = "" if args.pmx_blas_threads is None else f" · pmx with BLAS on {args.pmx_blas_threads} thread(s)"
-    print(f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
-          + blas
-          + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender") + "\n")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} · {' · '.join(f'{k} {v}' for k, v in versions().items())} · {args.threads} threads"
+        + blas
+        + ("" if args.batches else f" · medians of {args.rounds} fresh processes per contender")
+        + "\n"
+    )
     print(batch_table(results) if args.batches else table(results))
     print("\nhost probe before each model (host_probe, ms): " + ", ".join(f"{k} {v:.1f}" for k, v in probes.items()))
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes,
-                                                           results=results), indent=1))
+        pathlib.Path(args.json).write_text(
+            json.dumps(dict(versions=versions(), compile=meta, host_probe_ms=probes, results=results), indent=1)
+        )
 
 
 if __name__ == "__main__":

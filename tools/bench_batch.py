@@ -86,7 +86,7 @@ def worker(path, x, batch, ready, go, measure, results):
     go.wait()
     t0 = time.perf_counter()
     for i in range(0, len(x), batch):
-        p({"in0": x[i:i + batch]})
+        p({"in0": x[i : i + batch]})
     results.put(time.perf_counter() - t0)
     measure.wait()  # every worker still alive, so pages they all map count as shared
     results.put(memory())
@@ -120,7 +120,7 @@ def run_loop(path, x, batch, threads=None):
     p({"in0": x[:batch]})
     t0 = time.perf_counter()
     for i in range(0, len(x), batch):
-        p({"in0": x[i:i + batch]})
+        p({"in0": x[i : i + batch]})
     return len(x) / (time.perf_counter() - t0), p.session.get_session_options().intra_op_num_threads
 
 
@@ -134,9 +134,11 @@ def main(argv=None):
     x = np.random.default_rng(0).random((args.rows, 3, args.size, args.size), dtype=np.float32)
     with tempfile.TemporaryDirectory() as d:
         path, weights_mb = build_model(d, args.size)
-        print(f"model: {weights_mb:.1f} MB of weights, .pmx {os.path.getsize(path) / 1e6:.1f} MB; {args.rows} rows of "
-              f"3x{args.size}x{args.size}, batches of {args.batch}; {os.cpu_count()} cores, "
-              f"load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"model: {weights_mb:.1f} MB of weights, .pmx {os.path.getsize(path) / 1e6:.1f} MB; {args.rows} rows of "
+            f"3x{args.size}x{args.size}, batches of {args.batch}; {os.cpu_count()} cores, "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         rows = {}
         mem = {}
         for _ in range(args.repeat):

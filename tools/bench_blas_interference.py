@@ -59,12 +59,20 @@ print(json.dumps(dict(plain_ms=median(plain), after_matmul_ms=median(after))))
 
 def measure(path, setup, runs, size):
     extra_env = SETUPS[setup]
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT",
-                                                              "OPENBLAS_NUM_THREADS")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS")
+    }
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # or each process recompiles the sources
     env.update(extra_env)
-    done = subprocess.run([sys.executable, "-c", _IMPORTS + _WORKER, str(path), str(runs), str(size)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS + _WORKER, str(path), str(runs), str(size)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{path} ({setup}): {done.stderr.strip()[-500:]}")
     return json.loads(done.stdout)
@@ -73,8 +81,11 @@ def measure(path, setup, runs, size):
 def example_model(directory):
     root = pathlib.Path(__file__).resolve().parent / "example"
     out = pathlib.Path(directory) / "cnn.pmx"
-    subprocess.run([sys.executable, "-m", "pmx.compiler.cli", "compile", str(root / "cnn.pnnx.param"), "-o", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pmx.compiler.cli", "compile", str(root / "cnn.pnnx.param"), "-o", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -94,15 +105,18 @@ def main():
             for _ in range(args.rounds):
                 for setup in SETUPS:
                     rounds[setup].append(measure(path, setup, args.runs, args.matmul))
-            results[str(path)] = {setup: {key: statistics.median(r[key] for r in got) for key in got[0]}
-                                  for setup, got in rounds.items()}
+            results[str(path)] = {
+                setup: {key: statistics.median(r[key] for r in got) for key in got[0]} for setup, got in rounds.items()
+            }
     print(f"| model | setup | back to back ms | right after a {args.matmul}x{args.matmul} matmul ms | ratio |")
     print("|---|---|---:|---:|---:|")
     for path, by_setup in results.items():
         for setup, r in by_setup.items():
             name = pathlib.Path(path).parent.name if pathlib.Path(path).name == "model.pmx" else pathlib.Path(path).stem
-            print(f"| {name} | {setup} | {r['plain_ms']:.2f} | "
-                  f"{r['after_matmul_ms']:.2f} | {r['after_matmul_ms'] / r['plain_ms']:.2f} |")
+            print(
+                f"| {name} | {setup} | {r['plain_ms']:.2f} | "
+                f"{r['after_matmul_ms']:.2f} | {r['after_matmul_ms'] / r['plain_ms']:.2f} |"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench  # noqa: E402 - the model set, exports and the CPU description
+import bench
 
 CONTENDERS = ("pmx", "pmx-blas1", "pmx-baseline", "onnxruntime")
 THREAD_VARIABLES = ("OMP_", "OPENBLAS_", "MKL_", "NUMEXPR_", "GOTO_", "VECLIB_")
@@ -78,9 +78,13 @@ def environment(contender, baseline):
 
 
 def measure(contender, model_dir, args):
-    done = subprocess.run([sys.executable, "-c", _WORKER, contender, str(model_dir), str(args.warm), str(args.runs),
-                           str(args.budget)], env=environment(contender, args.baseline), capture_output=True,
-                          text=True, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, "-c", _WORKER, contender, str(model_dir), str(args.warm), str(args.runs), str(args.budget)],
+        env=environment(contender, args.baseline),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0:
         return dict(error=(done.stderr.strip().splitlines() or ["failed"])[-1][:120])
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -104,8 +108,9 @@ def summary(samples):
     good = [s for s in samples if "ms" in s]
     if not good:
         return dict(error=samples[0].get("error", "failed"))
-    return dict(ms=statistics.median(s["ms"] for s in good), runs=min(s["runs"] for s in good),
-                all_ms=[s["ms"] for s in good])
+    return dict(
+        ms=statistics.median(s["ms"] for s in good), runs=min(s["runs"] for s in good), all_ms=[s["ms"] for s in good]
+    )
 
 
 def fmt(cell, want_runs):
@@ -124,8 +129,9 @@ def table(results, states, contenders, want_runs):
             cells = [by_state[n][c] for n in states]
             row = [model, c] + [fmt(x, want_runs) for x in cells]
             idle = cells[0].get("ms")
-            row += [f"{by_state[n][c]['ms'] / idle:.2f}" if idle and "ms" in by_state[n][c] else "-"
-                    for n in states if n]
+            row += [
+                f"{by_state[n][c]['ms'] / idle:.2f}" if idle and "ms" in by_state[n][c] else "-" for n in states if n
+            ]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -142,7 +148,8 @@ def slowdown_table(results, states, contenders):
             for c in mine:
                 try:
                     ratio = (by_state[n][c]["ms"] / by_state[0][c]["ms"]) / (
-                        by_state[n]["onnxruntime"]["ms"] / by_state[0]["onnxruntime"]["ms"])
+                        by_state[n]["onnxruntime"]["ms"] / by_state[0]["onnxruntime"]["ms"]
+                    )
                     row.append(f"{ratio:.2f}")
                 except (KeyError, ZeroDivisionError):
                     row.append("-")
@@ -180,9 +187,11 @@ def main():
                     proc.kill()
                     proc.wait()
         print(f"{name}: done", file=sys.stderr)
-    print(f"\n{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · no thread variables "
-          f"set (pmx-blas1: OPENBLAS_NUM_THREADS=1) · onnxruntime 2 intra-op threads · median of {args.runs} runs "
-          f"after {args.warm} warm-ups, median of {args.rounds} fresh processes\n")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · no thread variables "
+        f"set (pmx-blas1: OPENBLAS_NUM_THREADS=1) · onnxruntime 2 intra-op threads · median of {args.runs} runs "
+        f"after {args.warm} warm-ups, median of {args.rounds} fresh processes\n"
+    )
     print(table(results, states, contenders, args.runs))
     print("\npmx's busy/idle ÷ onnxruntime's busy/idle (at most 1.5 is the target)\n")
     print(slowdown_table(results, states, contenders))

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench  # noqa: E402 - the model set and exports
+import bench
 
 _WORKER = """
 import json, sys, threading, time
@@ -64,8 +64,15 @@ def runs_per_second(contender, model_dir, k, mode, seconds, margin):
     env = {key: v for key, v in os.environ.items() if not key.startswith(THREAD_VARIABLES)}
     start_at = time.time() + margin
     processes, callers = (k, 1) if mode == "processes" else (1, k)
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, contender, str(model_dir), str(callers), str(start_at),
-                               str(seconds)], env=env, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, contender, str(model_dir), str(callers), str(start_at), str(seconds)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
     total = 0
     for p in procs:
         out, _ = p.communicate(timeout=600)
@@ -93,14 +100,18 @@ def main():
             for contender in ("pmx", "onnxruntime"):
                 cells = []
                 for k in ks:
-                    got = [runs_per_second(contender, model_dir, k, mode, args.seconds, args.margin)
-                           for _ in range(args.rounds)]
+                    got = [
+                        runs_per_second(contender, model_dir, k, mode, args.seconds, args.margin)
+                        for _ in range(args.rounds)
+                    ]
                     got = [g for g in got if g is not None]
                     cells.append(f"{statistics.median(got):,.0f}" if got else "error")
                 lines.append("| " + " | ".join([name, contender, mode] + cells) + " |")
         print(f"{name}: done", file=sys.stderr)
-    print(f"\n{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · 1 intra-op thread "
-          f"per InferenceSession · {args.seconds:g} s per measurement, median of {args.rounds}\n")
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · 1 intra-op thread "
+        f"per InferenceSession · {args.seconds:g} s per measurement, median of {args.rounds}\n"
+    )
     print("\n".join(lines))
 
 

@@ -13,7 +13,6 @@ import sys
 import time
 
 import numpy as np
-
 from pmx.runtime import expr as E
 
 EXPRESSIONS = {
@@ -83,7 +82,9 @@ def main(argv=None):
     print(f"{'expression':<16} {'ops':>3} {'numel':>9} {'numpy us':>10} {'numexpr us':>11} {'np/ne':>6}")
     for r in measure(sizes, args.only):
         ratio = r["numpy_us"] / r["numexpr_us"]
-        print(f"{r['name']:<16} {r['ops']:>3} {r['numel']:>9} {r['numpy_us']:>10.1f} {r['numexpr_us']:>11.1f} {ratio:>6.2f}")
+        print(
+            f"{r['name']:<16} {r['ops']:>3} {r['numel']:>9} {r['numpy_us']:>10.1f} {r['numexpr_us']:>11.1f} {ratio:>6.2f}"
+        )
         sys.stdout.flush()
     return 0
 

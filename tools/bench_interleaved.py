@@ -27,8 +27,8 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench  # noqa: E402 - the model set and the CPU description
-from bench_busy_host import environment  # noqa: E402
+import bench
+from bench_busy_host import environment
 
 _WORKER = """
 import json, sys, time
@@ -65,16 +65,33 @@ def compile_files(model_dir, args):
     for _ in range(args.compiles):
         for c, out in (("pmx", "model.pmx"), ("pmx-baseline", "model.baseline.pmx")):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "pmx.compiler", str(d / "model.pnnx.param"), str(d / "model.pnnx.bin"),
-                            "-o", str(d / out)], env=environment(c, args.baseline), check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pmx.compiler",
+                    str(d / "model.pnnx.param"),
+                    str(d / "model.pnnx.bin"),
+                    "-o",
+                    str(d / out),
+                ],
+                env=environment(c, args.baseline),
+                check=True,
+                capture_output=True,
+            )
             seconds[c].append(time.perf_counter() - t0)
     return {c: statistics.median(t) for c, t in seconds.items()}
 
 
 def start(contender, model_dir, args):
     path = model_file(contender, model_dir, args)
-    p = subprocess.Popen([sys.executable, "-c", _WORKER, str(path), str(args.warm)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, env=environment(contender, args.baseline))
+    p = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, str(path), str(args.warm)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=environment(contender, args.baseline),
+    )
     if p.stdout.readline().strip() != "ready":
         raise RuntimeError(f"{contender} worker failed on {model_dir}")
     return p
@@ -85,7 +102,7 @@ def interleave(contenders, model_dir, args):
     times = {c: [] for c in contenders}
     try:
         for k in range(args.bursts):
-            order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
+            order = contenders[k % len(contenders) :] + contenders[: k % len(contenders)]
             for c in order:
                 time.sleep(args.pause)
                 workers[c].stdin.write(f"{args.burst}\n")
@@ -108,17 +125,27 @@ def main():
     p.add_argument("--bursts", type=int, default=24)
     p.add_argument("--pause", type=float, default=0.3, help="seconds before each burst")
     p.add_argument("--cache", default="/tmp/pmx_bench")
-    p.add_argument("--own-files", action="store_true",
-                   help="each checkout compiles its own files (model.pmx, model.baseline.pmx) first, and compile "
-                        "times are reported too")
+    p.add_argument(
+        "--own-files",
+        action="store_true",
+        help="each checkout compiles its own files (model.pmx, model.baseline.pmx) first, and compile "
+        "times are reported too",
+    )
     p.add_argument("--compiles", type=int, default=3, help="with --own-files: compiles per checkout and model")
     a = p.parse_args()
     names = a.models.split(",") if a.models else list(bench.TORCHVISION_CNNS) + list(bench.SMALL_MODELS)
     contenders = a.contenders.split(",")
-    print(f"{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · idle · median of "
-          f"{a.burst * a.bursts} runs per contender in bursts of {a.burst}, contenders interleaved\n")
-    print("| model | " + " | ".join(f"{c} ms" for c in contenders) + " | "
-          + " | ".join(f"{c} / {contenders[0]}" for c in contenders[1:]) + " |")
+    print(
+        f"{time.strftime('%Y-%m-%d')} · {bench.cpu_description()} · {os.cpu_count()} CPUs · idle · median of "
+        f"{a.burst * a.bursts} runs per contender in bursts of {a.burst}, contenders interleaved\n"
+    )
+    print(
+        "| model | "
+        + " | ".join(f"{c} ms" for c in contenders)
+        + " | "
+        + " | ".join(f"{c} / {contenders[0]}" for c in contenders[1:])
+        + " |"
+    )
     print("|---|" + "---:|" * (2 * len(contenders) - 1))
     ratios, compile_s = {}, {}
     for name in names:
@@ -126,8 +153,14 @@ def main():
             compile_s[name] = compile_files(pathlib.Path(a.cache) / name, a)
         ms = interleave(contenders, pathlib.Path(a.cache) / name, a)
         ratios[name] = [ms[c] / ms[contenders[0]] for c in contenders[1:]]
-        print(f"| {name} | " + " | ".join(f"{ms[c]:.2f}" for c in contenders) + " | "
-              + " | ".join(f"{r:.3f}" for r in ratios[name]) + " |", flush=True)
+        print(
+            f"| {name} | "
+            + " | ".join(f"{ms[c]:.2f}" for c in contenders)
+            + " | "
+            + " | ".join(f"{r:.3f}" for r in ratios[name])
+            + " |",
+            flush=True,
+        )
     for label, group in (("CNNs", bench.TORCHVISION_CNNS), ("small models", bench.SMALL_MODELS)):
         rows = [ratios[n] for n in names if n in group]
         if rows:

@@ -40,7 +40,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from pmx.compiler.canon.activation import gelu_expr
 from pmx.runtime.kernels.bind import BindContext
 from pmx.runtime.kernels.registry import get
@@ -106,8 +105,17 @@ def vit_mha(label, n, length, embed, heads):
     d = embed // heads
     qkv = rand(n, length, 3 * embed)
     qkv[..., :embed] /= math.sqrt(d)
-    attrs = dict(heads=heads, seq_axis=1, scale=1.0, causal=0, masks=(), mask_roles=(),
-                 weights="none", masked_rows="nan", packed="qkv")
+    attrs = dict(
+        heads=heads,
+        seq_axis=1,
+        scale=1.0,
+        causal=0,
+        masks=(),
+        mask_roles=(),
+        weights="none",
+        masked_rows="nan",
+        packed="qkv",
+    )
     gemms = attention_gemms(n * heads, length, d)
     return Case("attention", label, Node("attention", attrs), [qkv], gemms)
 
@@ -128,8 +136,7 @@ def attention_gemms(batch, length, d):
 def conv(label, cin, size, cout, k, stride=1, pad=None):
     pad = k // 2 if pad is None else pad
     out = (size + 2 * pad - k) // stride + 1
-    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=1,
-                 padding_mode="zeros")
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=1, padding_mode="zeros")
     inputs = [rand(1, cin, size, size), weight(cout, cin, k, k), weight(cout)]
     gemms = [((cout, cin * k * k), (cin * k * k, out * out))]
     return Case("conv", label, Node("conv", attrs, variant="gemm"), inputs, gemms)
@@ -153,8 +160,7 @@ def depthwise(label, c, size, k, stride=1):
     (over slightly wider rows: see runtime/kernels/conv.py)."""
     pad = k // 2
     out = (size + 2 * pad - k) // stride + 1
-    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=c,
-                 padding_mode="zeros")
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=c, padding_mode="zeros")
     inputs = [rand(1, c, size, size), weight(c, 1, k, k), weight(c)]
     gemms = [((c, 1, k * k), (c, k * k, out * out))]
     return Case("depthwise", label, Node("conv", attrs, variant="depthwise"), inputs, gemms)
@@ -273,41 +279,42 @@ def machine_load():
 
 def header(args, ctx):
     threads = os.environ.get("OPENBLAS_NUM_THREADS") or f"default ({os.cpu_count()} cores)"
-    return (f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, "
-            f"BLAS threads: {threads}, {machine_load()}\n"
-            f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
-            f"after warm-ups, each sample the mean of back-to-back calls lasting "
-            f"~{args.sample_ms:g} ms; pmx as in an InferenceSession's run() (pmx splits over "
-            f"{ctx.threads} threads), numpy with BLAS's own threads; float32; GFLOP/s "
-            f"count 2*M*N*K per GEMM on both sides\n")
+    return (
+        f"numpy {np.__version__}, {platform.machine()} {os.cpu_count()} cores, "
+        f"BLAS threads: {threads}, {machine_load()}\n"
+        f"{args.stat} of {args.runs} samples per side and row, in {ROUNDS} alternating rounds "
+        f"after warm-ups, each sample the mean of back-to-back calls lasting "
+        f"~{args.sample_ms:g} ms; pmx as in an InferenceSession's run() (pmx splits over "
+        f"{ctx.threads} threads), numpy with BLAS's own threads; float32; GFLOP/s "
+        f"count 2*M*N*K per GEMM on both sides\n"
+    )
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=99, help="samples per side and row")
     p.add_argument("--sample-ms", type=float, default=1.0, help="length of one sample")
-    p.add_argument("--stat", choices=("median", "min"), default="median",
-                   help="statistic over the samples")
-    p.add_argument("--only", default="",
-                   help="comma-separated groups: linear,matmul,attention,conv,depthwise")
+    p.add_argument("--stat", choices=("median", "min"), default="median", help="statistic over the samples")
+    p.add_argument("--only", default="", help="comma-separated groups: linear,matmul,attention,conv,depthwise")
     args = p.parse_args()
     groups = set(filter(None, args.only.split(",")))
     ctx = BindContext()
     print(header(args, ctx))
-    print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy "
-          "| pmx/numpy throughput % |")
+    print("| op | shape | pmx ms | numpy GEMM ms | GFLOP/s pmx | GFLOP/s numpy | pmx/numpy throughput % |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for case in cases():
         if groups and case.group not in groups:
             continue
         with np.errstate(all="ignore"):
-            pmx_s, ref_s = measure(bind(case, ctx), reference(case), args.runs, args.sample_ms / 1e3,
-                                   getattr(np, args.stat))
+            pmx_s, ref_s = measure(
+                bind(case, ctx), reference(case), args.runs, args.sample_ms / 1e3, getattr(np, args.stat)
+            )
         gflop = flops(case) / 1e9
-        print(f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} "
-              f"| {gflop / pmx_s:.1f} | {gflop / ref_s:.1f} | {100 * ref_s / pmx_s:.0f} |",
-              flush=True)
+        print(
+            f"| {case.group} | {case.label} | {pmx_s * 1e3:.3f} | {ref_s * 1e3:.3f} "
+            f"| {gflop / pmx_s:.1f} | {gflop / ref_s:.1f} | {100 * ref_s / pmx_s:.0f} |",
+            flush=True,
+        )
     print(f"\nafter: {machine_load()}")
 
 

@@ -23,8 +23,17 @@ import subprocess
 import sys
 import time
 
-MODELS = ("resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x1_0", "squeezenet1_1",
-          "efficientnet_b0", "densenet121", "googlenet", "vit_b_16")
+MODELS = (
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "shufflenet_v2_x1_0",
+    "squeezenet1_1",
+    "efficientnet_b0",
+    "densenet121",
+    "googlenet",
+    "vit_b_16",
+)
 
 # Timed in a child process: the first construction after `import pmx.runtime`.
 _FRESH = """
@@ -53,8 +62,13 @@ def fresh_process(path, runs, num_threads=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     times = []
     for _ in range(runs):
-        out = subprocess.run([sys.executable, "-c", _FRESH, path, str(num_threads or "-")], env=env,
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", _FRESH, path, str(num_threads or "-")],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         times.append(float(out.split()[-1]))
     return statistics.median(times)
 

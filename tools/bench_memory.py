@@ -17,6 +17,7 @@ naive sum on every CNN.
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import io
 import os
@@ -26,8 +27,15 @@ import sys
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TV_MODELS = ["resnet18", "mobilenet_v2", "densenet121", "googlenet", "squeezenet1_1",
-             "shufflenet_v2_x1_0", "efficientnet_b0"]
+TV_MODELS = [
+    "resnet18",
+    "mobilenet_v2",
+    "densenet121",
+    "googlenet",
+    "squeezenet1_1",
+    "shufflenet_v2_x1_0",
+    "efficientnet_b0",
+]
 SUITE_DIR = pathlib.Path("/tmp/pmx_bench_exports")
 
 
@@ -98,14 +106,27 @@ def compile_stats(prefix, no_opt=False):
     for v in graph.values():
         if v.uid in plan.aliases and v.producer is not None:
             target = plan.aliases[v.uid][0]
-            kind = ("view" if v.producer.op == "reshape" else "concat" if target.producer is not None
-                    and target.producer.op == "concat" else "inplace")
+            kind = (
+                "view"
+                if v.producer.op == "reshape"
+                else "concat"
+                if target.producer is not None and target.producer.op == "concat"
+                else "inplace"
+            )
             kinds[kind] = kinds.get(kind, 0) + 1
     # "CNN" for the half-the-naive-sum target: one output, at least two convolutions
     # (the op-coverage blocks return many tensors that all live to the end)
     cnn = len(graph.outputs) == 1 and sum(n.op == "conv" for n in graph.nodes) >= 2
-    return dict(ops_in=ops_in, nodes=len(graph.nodes), arena=plan.arena_size, lb=plan.lower_bound,
-                naive=plan.naive_bytes, kinds=kinds, cnn=cnn, graph=graph)
+    return dict(
+        ops_in=ops_in,
+        nodes=len(graph.nodes),
+        arena=plan.arena_size,
+        lb=plan.lower_bound,
+        naive=plan.naive_bytes,
+        kinds=kinds,
+        cnn=cnn,
+        graph=graph,
+    )
 
 
 def check_outputs(prefix, module, inputs, out_path):
@@ -116,16 +137,26 @@ def check_outputs(prefix, module, inputs, out_path):
         with contextlib.redirect_stdout(io.StringIO()):
             compare_with_torch(prefix, module, inputs, out_path)
         return "ok"
-    except Exception as e:  # noqa: BLE001 - reported in the table
+    except Exception as e:
         return f"FAIL {type(e).__name__}: {str(e)[:60]}"
 
 
 def row(name, prefix, cnn=None, check=None):
     opt = compile_stats(prefix)
     base = compile_stats(prefix, no_opt=True)
-    r = dict(model=name, ops_in=opt["ops_in"], nodes_noopt=base["nodes"], nodes=opt["nodes"],
-             arena=opt["arena"], lb=opt["lb"], naive=opt["naive"], naive_noopt=base["naive"],
-             arena_noopt=base["arena"], cnn=opt["cnn"] if cnn is None else cnn, kinds=opt["kinds"])
+    r = dict(
+        model=name,
+        ops_in=opt["ops_in"],
+        nodes_noopt=base["nodes"],
+        nodes=opt["nodes"],
+        arena=opt["arena"],
+        lb=opt["lb"],
+        naive=opt["naive"],
+        naive_noopt=base["naive"],
+        arena_noopt=base["arena"],
+        cnn=opt["cnn"] if cnn is None else cnn,
+        kinds=opt["kinds"],
+    )
     r["over_lb"] = opt["arena"] / max(opt["lb"], 1) - 1
     r["vs_naive"] = opt["arena"] / max(opt["naive"], 1)
     r["vs_naive_noopt"] = opt["arena"] / max(base["naive"], 1)
@@ -135,21 +166,27 @@ def row(name, prefix, cnn=None, check=None):
 
 def print_table(rows):
     mb = 1e6
-    print("| model | CNN | pnnx ops | nodes --no-opt | nodes | aliases view/concat/inplace | arena MB "
-          "| lower bound MB | arena/LB-1 | naive MB | arena/naive | arena --no-opt MB | naive --no-opt MB | check |")
+    print(
+        "| model | CNN | pnnx ops | nodes --no-opt | nodes | aliases view/concat/inplace | arena MB "
+        "| lower bound MB | arena/LB-1 | naive MB | arena/naive | arena --no-opt MB | naive --no-opt MB | check |"
+    )
     print("|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         k = r["kinds"]
         kinds = f"{k.get('view', 0)}/{k.get('concat', 0)}/{k.get('inplace', 0)}"
-        print(f"| {r['model']} | {'y' if r['cnn'] else ''} | {r['ops_in']} | {r['nodes_noopt']} | {r['nodes']} "
-              f"| {kinds} | {r['arena'] / mb:.3f} | {r['lb'] / mb:.3f} | {100 * r['over_lb']:.1f}% "
-              f"| {r['naive'] / mb:.3f} | {r['vs_naive']:.2f} | {r['arena_noopt'] / mb:.3f} "
-              f"| {r['naive_noopt'] / mb:.3f} | {r['check']} |")
+        print(
+            f"| {r['model']} | {'y' if r['cnn'] else ''} | {r['ops_in']} | {r['nodes_noopt']} | {r['nodes']} "
+            f"| {kinds} | {r['arena'] / mb:.3f} | {r['lb'] / mb:.3f} | {100 * r['over_lb']:.1f}% "
+            f"| {r['naive'] / mb:.3f} | {r['vs_naive']:.2f} | {r['arena_noopt'] / mb:.3f} "
+            f"| {r['naive_noopt'] / mb:.3f} | {r['check']} |"
+        )
         sys.stdout.flush()
     worst = max((r["over_lb"] for r in rows), default=0)
     cnn_worst = max((r["vs_naive"] for r in rows if r["cnn"]), default=0)
-    print(f"\nworst arena over lower bound: {100 * worst:.1f}% (target <= 5%); "
-          f"worst CNN arena/naive: {cnn_worst:.2f} (target <= 0.5)")
+    print(
+        f"\nworst arena over lower bound: {100 * worst:.1f}% (target <= 5%); "
+        f"worst CNN arena/naive: {cnn_worst:.2f} (target <= 0.5)"
+    )
 
 
 def main(argv=None):
@@ -170,20 +207,21 @@ def main(argv=None):
         for name, module, inputs in suite:
             try:
                 prefix = export_suite(name, module, inputs)
-                check = (lambda: check_outputs(prefix, module, inputs, str(SUITE_DIR / name / "m.pmx"))) if args.check else None
+                path = str(SUITE_DIR / name / "m.pmx")
+                check = functools.partial(check_outputs, prefix, module, inputs, path) if args.check else None
                 rows.append(row(name, prefix, check=check))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"{name}: skipped ({type(e).__name__}: {str(e)[:100]})", file=sys.stderr)
     if args.tv or args.models:
         tv = _load(ROOT / "tools" / "check_torchvision.py", "pmx_check_torchvision")
         import torch
 
-        for name in (args.models.split(",") if args.models else TV_MODELS):
+        for name in args.models.split(",") if args.models else TV_MODELS:
             model = tv.traceable(name, tv.build(name))
             x = torch.rand(1, 3, 224, 224, generator=torch.Generator().manual_seed(2)) * 2 - 1
             with quiet():
                 prefix = tv.export(name, model, x)
-            check = (lambda: check_outputs(prefix, model, (x,), prefix + ".bench.pmx")) if args.check else None
+            check = functools.partial(check_outputs, prefix, model, (x,), prefix + ".bench.pmx") if args.check else None
             rows.append(row(name, prefix, cnn=True, check=check))
     print_table(rows)
     return 0

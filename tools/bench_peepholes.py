@@ -81,8 +81,12 @@ def compile_variants(d):
 
 
 def run_worker(path, runs, threads):
-    p = subprocess.run([sys.executable, __file__, "--worker", str(path), "--runs", str(runs), "--threads", str(threads)],
-                       capture_output=True, text=True, timeout=1800)
+    p = subprocess.run(
+        [sys.executable, __file__, "--worker", str(path), "--runs", str(runs), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"{path}: {p.stderr.strip()[-300:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])["ms"]
@@ -105,12 +109,15 @@ def measure(d, variants, runs, rounds, threads, in_process):
         for n in names[k:] + names[:k]:
             samples[n].append(run_worker(variants[n], runs, threads))
     expected = np.load(d / "expected.npy")
-    return {n: dict(ms=float(np.median(s)), samples=s, rel_err=rel_err(variants[n], expected))
-            for n, s in samples.items()}
+    return {
+        n: dict(ms=float(np.median(s)), samples=s, rel_err=rel_err(variants[n], expected)) for n, s in samples.items()
+    }
 
 
 def cpu_name():
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if pathlib.Path("/proc/cpuinfo").exists() else ():
+    for line in (
+        pathlib.Path("/proc/cpuinfo").read_text().splitlines() if pathlib.Path("/proc/cpuinfo").exists() else ()
+    ):
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
@@ -125,8 +132,11 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the session's default)")
     p.add_argument("--json", default=None)
-    p.add_argument("--interleaved", action="store_true",
-                   help="per round, one process running the variants' runs in turn (else a process per variant)")
+    p.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="per round, one process running the variants' runs in turn (else a process per variant)",
+    )
     a = p.parse_args()
     if a.worker:
         return worker(a.worker, a.runs, a.threads)
@@ -146,8 +156,11 @@ def main():
         on = res["all"]
         for name in list(variants)[1:]:
             off = res[name]
-            print(f"| {d.name} | {name} | {on['ms']:.2f} | {off['ms']:.2f} | {off['ms'] / on['ms']:.3f} "
-                  f"| {on['rel_err']:.1e} / {off['rel_err']:.1e} |", flush=True)
+            print(
+                f"| {d.name} | {name} | {on['ms']:.2f} | {off['ms']:.2f} | {off['ms'] / on['ms']:.3f} "
+                f"| {on['rel_err']:.1e} / {off['rel_err']:.1e} |",
+                flush=True,
+            )
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(results, indent=1))
 

@@ -23,8 +23,19 @@ import traceback
 
 import numpy as np
 
-CNN = ["resnet18", "mobilenet_v2", "mobilenet_v3_small", "mobilenet_v3_large", "shufflenet_v2_x1_0",
-       "squeezenet1_1", "densenet121", "googlenet", "efficientnet_b0", "regnet_x_400mf", "regnet_y_400mf"]
+CNN = [
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "mobilenet_v3_large",
+    "shufflenet_v2_x1_0",
+    "squeezenet1_1",
+    "densenet121",
+    "googlenet",
+    "efficientnet_b0",
+    "regnet_x_400mf",
+    "regnet_y_400mf",
+]
 # Need attention, layer norm, roll and resampling besides the CNN ops.
 OTHER = ["vit_b_16", "swin_t", "convnext_tiny", "lraspp_mobilenet_v3_large"]
 TOL = 1e-4
@@ -138,7 +149,6 @@ def timed(fn, seconds=0.6, least=5, most=60):
 
 def check(name, batch=1):
     import torch
-
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 
@@ -179,10 +189,14 @@ def check(name, batch=1):
 
 
 def table(rows):
-    lines = ["| model | pnnx ops -> pmx nodes | compile s | status | rel err | pmx ms | torch ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | pnnx ops -> pmx nodes | compile s | status | rel err | pmx ms | torch ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['ops']} | {r['compile']} | {r['status']} | {r['err']} | {r['pmx_ms']} | {r['torch_ms']} |")
+        lines.append(
+            f"| {r['model']} | {r['ops']} | {r['compile']} | {r['status']} | {r['err']} | {r['pmx_ms']} | {r['torch_ms']} |"
+        )
     return "\n".join(lines)
 
 
@@ -199,7 +213,9 @@ def main(argv=None):
         rows.append(row)
     print(table(rows))
     # timings are only comparable on an idle machine; say how busy this one was
-    print(f"\n(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; times are medians of 5-60 runs after warm-up, eager torch)")
+    print(
+        f"\n(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; times are medians of 5-60 runs after warm-up, eager torch)"
+    )
     cnn_failed = [r["model"] for r in rows if r["model"] in CNN and r["status"] != "ok"]
     return 1 if cnn_failed else 0
 

@@ -27,10 +27,21 @@ class ExampleCNN(nn.Module):
     def __init__(self, classes=10):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
-        self.res = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-                                 nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16))
-        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16, bias=False), nn.BatchNorm2d(16),
-                                nn.ReLU6(), nn.Conv2d(16, 32, 1, bias=False), nn.BatchNorm2d(32), nn.Hardswish())
+        self.res = nn.Sequential(
+            nn.Conv2d(16, 16, 3, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+        )
+        self.dw = nn.Sequential(
+            nn.Conv2d(16, 16, 3, stride=2, padding=1, groups=16, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU6(),
+            nn.Conv2d(16, 32, 1, bias=False),
+            nn.BatchNorm2d(32),
+            nn.Hardswish(),
+        )
         self.se1 = nn.Conv2d(32, 8, 1)
         self.se2 = nn.Conv2d(8, 32, 1)
         self.fc = nn.Linear(32, classes)

@@ -88,8 +88,12 @@ def smaps_rollup(pid):
 
 
 def measure(path, procs, mode):
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, path, mode], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True) for _ in range(procs)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, path, mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(procs)
+    ]
     try:
         for w in workers:
             if w.stdout.readline().strip() != "ready":
@@ -111,22 +115,36 @@ def main():
         path, weight_bytes = build_model(d, args.mb)
         print(f"model: {path}, {os.path.getsize(path) / mib:.1f} MiB file, {weight_bytes / mib:.1f} MiB of weights\n")
         rows = []
-        for label, n, mode in [("imports only (baseline)", 1, "baseline"),
-                               ("1 process, mmap", 1, "mmap"),
-                               (f"{args.procs} processes, mmap", args.procs, "mmap"),
-                               (f"{args.procs} processes, private copy", args.procs, "private")]:
+        for label, n, mode in [
+            ("imports only (baseline)", 1, "baseline"),
+            ("1 process, mmap", 1, "mmap"),
+            (f"{args.procs} processes, mmap", args.procs, "mmap"),
+            (f"{args.procs} processes, private copy", args.procs, "private"),
+        ]:
             stats = measure(path, n, mode)
-            rows.append((label, n, sum(s["Rss"] for s in stats) / n, sum(s["Pss"] for s in stats),
-                         sum(s.get("Shared_Clean", 0) for s in stats) / n, sum(s["Rss"] for s in stats)))
+            rows.append(
+                (
+                    label,
+                    n,
+                    sum(s["Rss"] for s in stats) / n,
+                    sum(s["Pss"] for s in stats),
+                    sum(s.get("Shared_Clean", 0) for s in stats) / n,
+                    sum(s["Rss"] for s in stats),
+                )
+            )
         print(f"{'':<30} {'RSS/proc':>10} {'PSS/proc':>10} {'shared/proc':>12} {'sum RSS':>10} {'sum PSS':>10}")
         for label, n, rss, pss, shared, total_rss in rows:
-            print(f"{label:<30} {rss / mib:>8.1f}Mi {pss / n / mib:>8.1f}Mi {shared / mib:>10.1f}Mi "
-                  f"{total_rss / mib:>8.1f}Mi {pss / mib:>8.1f}Mi")
+            print(
+                f"{label:<30} {rss / mib:>8.1f}Mi {pss / n / mib:>8.1f}Mi {shared / mib:>10.1f}Mi "
+                f"{total_rss / mib:>8.1f}Mi {pss / mib:>8.1f}Mi"
+            )
         one, many = rows[1][3], rows[2][3]
         base = rows[0][3]
-        print(f"\nsum PSS: 1 process {one / mib:.1f} MiB, {args.procs} processes {many / mib:.1f} MiB "
-              f"({many / one:.2f}x; {(many - args.procs * base) / mib:.1f} MiB above {args.procs} bare interpreters, "
-              f"weights {weight_bytes / mib:.1f} MiB)")
+        print(
+            f"\nsum PSS: 1 process {one / mib:.1f} MiB, {args.procs} processes {many / mib:.1f} MiB "
+            f"({many / one:.2f}x; {(many - args.procs * base) / mib:.1f} MiB above {args.procs} bare interpreters, "
+            f"weights {weight_bytes / mib:.1f} MiB)"
+        )
         print(f"private copies instead: {rows[3][3] / mib:.1f} MiB for {args.procs} processes")
 
 

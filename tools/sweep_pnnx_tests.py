@@ -48,8 +48,16 @@ SHAPE_ONLY = ("test_Tensor_new_empty", "test_torch_empty", "test_torch_empty_lik
 # CPU order is the selection algorithm's): compared after sorting both along that axis, so
 # the same values and the same index set pass
 ORDER_FREE = {"test_torch_topk": (2, 3)}
-STATUS_ORDER = ("ok", "mismatch", "compile-error", "load/run error", "pnnx failed", "needs torchvision",
-                "skipped", "timeout")
+STATUS_ORDER = (
+    "ok",
+    "mismatch",
+    "compile-error",
+    "load/run error",
+    "pnnx failed",
+    "needs torchvision",
+    "skipped",
+    "timeout",
+)
 
 
 def family(test_name):
@@ -88,7 +96,7 @@ class _Recorder:
         self.pnnx_exe = pnnx_exe
         self.timeout = timeout
         self.traces = []  # (inputs, torch outputs) per torch.jit.trace call
-        self.cases = []   # dicts: pt, inputs, outputs, pnnx rc/log
+        self.cases = []  # dicts: pt, inputs, outputs, pnnx rc/log
 
     def trace(self, original):
         import torch
@@ -101,7 +109,7 @@ class _Recorder:
                     # run before tracing: tracing runs forward too, which may update state
                     out = func(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
                 outputs = [t.detach().clone() for t in _flatten(out, [])]
-            except Exception as e:  # noqa: BLE001 - recorded, the trace itself will decide
+            except Exception as e:
                 outputs = e
             mod = original(func, example_inputs, *args, **kwargs)
             self.traces.append(([t.detach().clone() for t in _flatten(inputs, [])], outputs))
@@ -116,8 +124,9 @@ class _Recorder:
         args = words[1:]
         pt = args[0] if args else ""
         try:
-            p = subprocess.run([self.pnnx_exe] + args, capture_output=True, text=True, timeout=self.timeout,
-                               check=False)
+            p = subprocess.run(
+                [self.pnnx_exe] + args, capture_output=True, text=True, timeout=self.timeout, check=False
+            )
             rc, log = p.returncode, (p.stdout + p.stderr)[-2000:]
         except subprocess.TimeoutExpired:
             rc, log = -9, "pnnx timed out"
@@ -128,8 +137,9 @@ class _Recorder:
     def fake_module(self, name):
         """The test's `import test_X_pnnx`: returns torch's outputs of the matching case."""
         pt = name[: -len("_pnnx")] + ".pt"
-        case = next((c for c in reversed(self.cases) if os.path.basename(c["pt"]) == pt),
-                    self.cases[-1] if self.cases else None)
+        case = next(
+            (c for c in reversed(self.cases) if os.path.basename(c["pt"]) == pt), self.cases[-1] if self.cases else None
+        )
         mod = types.ModuleType(name)
 
         def test_inference(*args, **kwargs):
@@ -173,7 +183,7 @@ def _compare(got, want, shapes_only=False, order_free=()):
             if g.dtype != w.dtype:
                 return f"output {i}: dtype {g.dtype} != torch {w.dtype}"
             continue
-        if w.dtype.kind in "biu" or w.dtype.kind != g.dtype.kind and w.dtype.kind == "b":
+        if w.dtype.kind in "biu" or (w.dtype.kind != g.dtype.kind and w.dtype.kind == "b"):
             if not np.array_equal(g, w):
                 return f"output {i}: {int((g != w).sum())} of {w.size} elements differ (exact dtype {w.dtype})"
             continue
@@ -188,8 +198,9 @@ def _compare(got, want, shapes_only=False, order_free=()):
         ok = ~nan_b
         if not ok.any():
             continue
-        if not np.array_equal(np.isinf(a[ok]), np.isinf(b[ok])) or not np.array_equal(a[ok][np.isinf(b[ok])],
-                                                                                        b[ok][np.isinf(b[ok])]):
+        if not np.array_equal(np.isinf(a[ok]), np.isinf(b[ok])) or not np.array_equal(
+            a[ok][np.isinf(b[ok])], b[ok][np.isinf(b[ok])]
+        ):
             return f"output {i}: inf positions differ"
         fin = ok & np.isfinite(b)
         if not fin.any():
@@ -218,24 +229,27 @@ def _run_case(case, workdir):
     want = [t.numpy() for t in case["outputs"]]
     try:
         graph = load_pnnx(param, binf)
-        plan = {v.name: tuple(x.shape) for v, x in zip(graph.inputs, inputs)
-                if v.shape is None or None in tuple(v.shape)}
+        plan = {
+            v.name: tuple(x.shape) for v, x in zip(graph.inputs, inputs) if v.shape is None or None in tuple(v.shape)
+        }
         compile_model(param, binf, os.path.join(workdir, stem + ".pmx"), verify=True, plan_shapes=plan or None)
     except PmxError as e:
         return dict(result, status="compile-error", detail=f"{type(e).__name__}: {one_line(e)}")
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return dict(result, status="compile-error", detail=f"crash {type(e).__name__}: {one_line(e)}")
     try:
         sess = InferenceSession(os.path.join(workdir, stem + ".pmx"), verify=True)
         names = [a.name for a in sess.get_inputs()]
         if len(names) != len(inputs):
-            return dict(result, status="load/run error",
-                        detail=f"model has {len(names)} inputs, the test traced {len(inputs)}")
+            return dict(
+                result, status="load/run error", detail=f"model has {len(names)} inputs, the test traced {len(inputs)}"
+            )
         got = sess.run(None, dict(zip(names, inputs)))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return dict(result, status="load/run error", detail=f"{type(e).__name__}: {one_line(e)}")
-    problem = _compare(got, want, shapes_only=case.get("test") in SHAPE_ONLY,
-                       order_free=ORDER_FREE.get(case.get("test"), ()))
+    problem = _compare(
+        got, want, shapes_only=case.get("test") in SHAPE_ONLY, order_free=ORDER_FREE.get(case.get("test"), ())
+    )
     if problem:
         return dict(result, status="mismatch", detail=problem)
     return dict(result, status="ok", detail="")
@@ -276,18 +290,21 @@ def _run_in(workdir, test_path, pnnx_exe, timeout):
         if "torchvision" in str(e) or "torchvision" in traceback.format_exc():
             return [dict(base, status="needs torchvision", detail=one_line(e))]
         failure = e
-    except BaseException as e:  # noqa: BLE001 - the test's own failure (in torch) is a finding
+    except BaseException as e:
         failure = e
     if not recorder.cases:
-        why = f"test failed before any export: {type(failure).__name__}: {one_line(failure)}" if failure else \
-            "the test exported nothing on this torch version"
+        why = (
+            f"test failed before any export: {type(failure).__name__}: {one_line(failure)}"
+            if failure
+            else "the test exported nothing on this torch version"
+        )
         return [dict(base, status="skipped", detail=why)]
     results = []
     for i, case in enumerate(recorder.cases):
         case["test"] = name
         try:
             r = _run_case(case, workdir)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             r = dict(pt=case["pt"], status="load/run error", detail=f"sweep: {type(e).__name__}: {one_line(e)}")
         results.append(dict(base, case=i, **r))
     return results
@@ -313,12 +330,18 @@ def _launch(test_path, args):
         return [dict(test=name, family=family(name), status="timeout", detail=f"over {args.timeout} s")]
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("SWEEP-RESULT "):
-            results = json.loads(line[len("SWEEP-RESULT "):])
+            results = json.loads(line[len("SWEEP-RESULT ") :])
             for r in results:
                 r["seconds"] = round(time.time() - t0, 1)
             return results
-    return [dict(test=name, family=family(name), status="load/run error",
-                 detail=f"child exited {p.returncode} without a result: " + one_line(p.stderr[-800:]))]
+    return [
+        dict(
+            test=name,
+            family=family(name),
+            status="load/run error",
+            detail=f"child exited {p.returncode} without a result: " + one_line(p.stderr[-800:]),
+        )
+    ]
 
 
 def _file_status(results):
@@ -385,10 +408,16 @@ def main(argv=None):
     if args.child:
         try:
             results = run_one(args.child, _pnnx_executable(), args.timeout)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             name = os.path.basename(args.child)[:-3]
-            results = [dict(test=name, family=family(name), status="load/run error",
-                            detail=f"sweep child: {type(e).__name__}: {one_line(e)}")]
+            results = [
+                dict(
+                    test=name,
+                    family=family(name),
+                    status="load/run error",
+                    detail=f"sweep child: {type(e).__name__}: {one_line(e)}",
+                )
+            ]
         sys.stdout.write("\nSWEEP-RESULT " + json.dumps(results) + "\n")
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown of whatever the test left behind

@@ -11,7 +11,6 @@ Rules validate parameters and raise PmxCompileError naming the node and .param l
 from dataclasses import dataclass
 
 import numpy as np
-
 from pmx.compiler.ir import Node, Value
 from pmx.runtime.errors import PmxCompileError
 
@@ -101,8 +100,15 @@ def weight(node, key, required=True):
 def make(node, op, inputs, attrs=None, outputs=None, expr=None, name=None):
     """A node replacing `node` (its outputs unless given); expr: an expression tree
     (runtime/expr.py at() and call()) or None."""
-    return Node(op, name or node.name, inputs, node.outputs if outputs is None else outputs,
-                attrs or {}, line=node.line, expr=expr)
+    return Node(
+        op,
+        name or node.name,
+        inputs,
+        node.outputs if outputs is None else outputs,
+        attrs or {},
+        line=node.line,
+        expr=expr,
+    )
 
 
 def elementwise(node, expr, inputs, outputs=None, name=None):
@@ -116,8 +122,11 @@ def out_shape(node, i=0):
     if s is None or any(d is None for d in s):
         computed = _shape_from_params(node, i)
         if computed is None or (s is not None and any(a is not None and a != b for a, b in zip(s, computed))):
-            fail(node, f"output {node.outputs[i].name} has no static shape {s}; pmx cannot derive it from the "
-                       f"op's parameters (export with a fixed input shape)")
+            fail(
+                node,
+                f"output {node.outputs[i].name} has no static shape {s}; pmx cannot derive it from the "
+                f"op's parameters (export with a fixed input shape)",
+            )
         return computed
     return s
 
@@ -134,9 +143,9 @@ def _shape_from_params(node, i):
             start = a.get("start_dim", 1 if node.op == "nn.Flatten" else 0) % rank if rank else 0
             end = a.get("end_dim", -1) % rank if rank else 0
             merged = 1
-            for d in shape[start:end + 1]:
+            for d in shape[start : end + 1]:
                 merged *= d
-            return tuple(shape[:start] + [merged] + shape[end + 1:])
+            return tuple(shape[:start] + [merged] + shape[end + 1 :])
         if kind in ("reshape", "view") and isinstance(a.get("shape"), tuple):
             target = list(a["shape"])
             if all(isinstance(d, int) for d in target):

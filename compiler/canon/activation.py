@@ -8,7 +8,6 @@ x * relu6(x + 3) / 6).
 import math
 
 import numpy as np
-
 from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule, weight
 from pmx.runtime.expr import at, call
 
@@ -41,14 +40,19 @@ def tanhshrink_expr():
     poly = ("#", float(_TANHSHRINK_SERIES[-1]))
     for c in reversed(_TANHSHRINK_SERIES[:-1]):
         poly = call("add", float(c), call("mul", x2, poly))
-    return call("where", call("lt", call("abs", X), 0.5), call("mul", call("mul", X, x2), poly),
-                call("sub", X, call("tanh", X)))
+    return call(
+        "where", call("lt", call("abs", X), 0.5), call("mul", call("mul", X, x2), poly), call("sub", X, call("tanh", X))
+    )
 
 
 def softplus_expr(beta=1.0, threshold=20.0, x=X):
     beta = float(beta)
-    return call("where", call("gt", call("mul", x, beta), float(threshold)), x,
-                call("div", call("log1p", call("exp", call("mul", x, beta))), beta))
+    return call(
+        "where",
+        call("gt", call("mul", x, beta), float(threshold)),
+        x,
+        call("div", call("log1p", call("exp", call("mul", x, beta))), beta),
+    )
 
 
 def _number(node, key, default):
@@ -67,8 +71,12 @@ def softshrink_expr(lambd):
     # the middle is x - x: +0 (torch's vectorized loop writes +0 there, its scalar tail
     # x * 0) and NaN for NaN
     lambd = float(lambd)
-    return call("where", call("gt", X, lambd), call("sub", X, lambd),
-                call("where", call("lt", X, -lambd), call("add", X, lambd), call("sub", X, X)))
+    return call(
+        "where",
+        call("gt", X, lambd),
+        call("sub", X, lambd),
+        call("where", call("lt", X, -lambd), call("add", X, lambd), call("sub", X, X)),
+    )
 
 
 def threshold_expr(threshold, value):
@@ -91,6 +99,7 @@ def _shrink_lambda(node):
 def _unary(expr_fn):
     def fn(node, ctx):
         return [elementwise(node, expr_fn(node), [data_input(node)])]
+
     return fn
 
 
@@ -114,7 +123,9 @@ _SIMPLE = {
     ("F.relu", "nn.ReLU", "torch.relu", "Tensor.relu"): lambda n: _RELU,
     ("F.relu6", "nn.ReLU6"): lambda n: call("minimum", _RELU, 6),
     ("F.hardtanh", "nn.Hardtanh"): lambda n: _clamp_expr(param(n, "min_val", -1.0), param(n, "max_val", 1.0)),
-    ("F.leaky_relu", "nn.LeakyReLU"): lambda n: _where_positive(call("mul", X, float(param(n, "negative_slope", 0.01)))),
+    ("F.leaky_relu", "nn.LeakyReLU"): lambda n: _where_positive(
+        call("mul", X, float(param(n, "negative_slope", 0.01)))
+    ),
     ("F.sigmoid", "nn.Sigmoid", "torch.sigmoid", "Tensor.sigmoid"): lambda n: call("sigmoid", X),
     ("F.silu", "nn.SiLU"): lambda n: call("mul", X, call("sigmoid", X)),
     ("F.hardswish", "nn.Hardswish"): lambda n: call("mul", X, _HARDSIGMOID),
@@ -122,10 +133,12 @@ _SIMPLE = {
     ("F.tanh", "nn.Tanh", "torch.tanh", "Tensor.tanh"): lambda n: call("tanh", X),
     ("F.gelu", "nn.GELU"): lambda n: gelu_expr(param(n, "approximate", "none")),
     ("F.elu", "nn.ELU"): lambda n: _where_positive(call("mul", float(param(n, "alpha", 1.0)), call("expm1", X))),
-    ("F.celu", "nn.CELU"): lambda n: _where_positive(call("mul", float(param(n, "alpha", 1.0)),
-                                                          call("expm1", call("div", X, float(param(n, "alpha", 1.0)))))),
-    ("F.selu", "nn.SELU", "torch.selu"): lambda n: call("mul", SELU_SCALE, _where_positive(
-        call("mul", SELU_ALPHA, call("expm1", X)))),
+    ("F.celu", "nn.CELU"): lambda n: _where_positive(
+        call("mul", float(param(n, "alpha", 1.0)), call("expm1", call("div", X, float(param(n, "alpha", 1.0)))))
+    ),
+    ("F.selu", "nn.SELU", "torch.selu"): lambda n: call(
+        "mul", SELU_SCALE, _where_positive(call("mul", SELU_ALPHA, call("expm1", X)))
+    ),
     ("F.softplus", "nn.Softplus"): lambda n: softplus_expr(param(n, "beta", 1.0), param(n, "threshold", 20.0)),
     ("F.mish", "nn.Mish"): lambda n: call("mul", X, call("tanh", softplus_expr())),
     ("F.softsign", "nn.Softsign"): lambda n: call("div", X, call("add", call("abs", X), 1)),
@@ -138,12 +151,35 @@ _SIMPLE = {
 }
 
 # torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
-_MATH = {"abs": "abs", "exp": "exp", "log": "log", "sqrt": "sqrt", "rsqrt": "rsqrt",
-         "neg": "neg", "floor": "floor", "ceil": "ceil", "round": "round", "sign": "sign",
-         "sin": "sin", "cos": "cos", "tan": "tan", "asin": "asin", "acos": "acos",
-         "atan": "atan", "sinh": "sinh", "cosh": "cosh", "reciprocal": "reciprocal",
-         "square": "square", "log10": "log10", "log1p": "log1p", "expm1": "expm1",
-         "trunc": "trunc", "erf": "erf", "erfc": "erfc", "lgamma": "lgamma"}
+_MATH = {
+    "abs": "abs",
+    "exp": "exp",
+    "log": "log",
+    "sqrt": "sqrt",
+    "rsqrt": "rsqrt",
+    "neg": "neg",
+    "floor": "floor",
+    "ceil": "ceil",
+    "round": "round",
+    "sign": "sign",
+    "sin": "sin",
+    "cos": "cos",
+    "tan": "tan",
+    "asin": "asin",
+    "acos": "acos",
+    "atan": "atan",
+    "sinh": "sinh",
+    "cosh": "cosh",
+    "reciprocal": "reciprocal",
+    "square": "square",
+    "log10": "log10",
+    "log1p": "log1p",
+    "expm1": "expm1",
+    "trunc": "trunc",
+    "erf": "erf",
+    "erfc": "erfc",
+    "lgamma": "lgamma",
+}
 
 for _types, _fn in _SIMPLE.items():
     rule(*_types)(_unary(_fn))
@@ -162,19 +198,34 @@ def prelu(node, ctx):
     c = int(np.prod(w.shape)) if w.shape is not None else None
     channels = (x.shape[1] if len(x.shape) > 1 else 1) if x.shape is not None else None
     if c is None or (c != 1 and channels != c):
-        fail(node, f"PReLU has {c} slopes but the input {x.shape} has {channels if channels is not None else '?'} channels")
+        fail(
+            node,
+            f"PReLU has {c} slopes but the input {x.shape} has {channels if channels is not None else '?'} channels",
+        )
     shape = (c,) + (1,) * (len(x.shape) - 2) if c != 1 else ()
     expr = _where_positive(call("mul", X, at(1)))
     if w.is_constant:
         slopes = ctx.const(f"{node.name}.slope", w.data.reshape(shape).astype(np.float32))
         return [elementwise(node, expr, [x, slopes])]
     slopes = ctx.temp(node, shape, w.dtype, "slope")
-    return [make(node, "reshape", [w], dict(shape=shape), outputs=[slopes], name=node.name + ".slope"),
-            elementwise(node, expr, [x, slopes])]
+    return [
+        make(node, "reshape", [w], dict(shape=shape), outputs=[slopes], name=node.name + ".slope"),
+        elementwise(node, expr, [x, slopes]),
+    ]
 
 
-@rule("torch.clamp", "Tensor.clamp", "torch.clip", "Tensor.clip", "torch.clamp_min", "Tensor.clamp_min",
-      "torch.clamp_max", "Tensor.clamp_max", "aten::clamp_min", "aten::clamp_max")
+@rule(
+    "torch.clamp",
+    "Tensor.clamp",
+    "torch.clip",
+    "Tensor.clip",
+    "torch.clamp_min",
+    "Tensor.clamp_min",
+    "torch.clamp_max",
+    "Tensor.clamp_max",
+    "aten::clamp_min",
+    "aten::clamp_max",
+)
 def clamp(node, ctx):
     """Bounds are numbers (params) or tensors ($min / $max inputs, or the second input of
     aten::clamp_min / aten::clamp_max, as pnnx writes F.normalize's clamp); an integer
@@ -216,5 +267,7 @@ def glu(node, ctx):
     half = list(x.shape)
     half[axis] //= 2
     a, b = (ctx.temp(node, tuple(half), x.dtype, s) for s in ("a", "b"))
-    return [make(node, "split", [x], dict(axis=axis, sizes=(half[axis],) * 2), outputs=[a, b], name=node.name + ".split"),
-            elementwise(node, call("mul", X, call("sigmoid", at(1))), [a, b])]
+    return [
+        make(node, "split", [x], dict(axis=axis, sizes=(half[axis],) * 2), outputs=[a, b], name=node.name + ".split"),
+        elementwise(node, call("mul", X, call("sigmoid", at(1))), [a, b]),
+    ]

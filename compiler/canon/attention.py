@@ -24,7 +24,6 @@ What pnnx records for nn.MultiheadAttention, and how it is read here:
 import math
 
 import numpy as np
-
 from pmx.compiler.canon import fail, in_shape, make, out_shape, param, rule, weight
 from pmx.compiler.ir import Node
 
@@ -53,8 +52,16 @@ def _mask_input(node, ctx, v, mode, name, pad=0):
     if pad:
         zeros = ctx.const(f"{node.name}.{name}_pad", np.zeros(v.shape[:-1] + (pad,), v.dtype))
         padded = ctx.temp(node, v.shape[:-1] + (v.shape[-1] + pad,), v.dtype, suffix=name)
-        nodes.append(make(node, "concat", [v, zeros], dict(axis=len(v.shape) - 1), outputs=[padded],
-                          name=f"{node.name}.{name}_pad"))
+        nodes.append(
+            make(
+                node,
+                "concat",
+                [v, zeros],
+                dict(axis=len(v.shape) - 1),
+                outputs=[padded],
+                name=f"{node.name}.{name}_pad",
+            )
+        )
         v = padded
     return nodes, v, mode
 
@@ -93,8 +100,7 @@ def scaled_dot_product_attention(node, ctx):
         nodes += extra
         masks.append(m)
         modes.append(mode)
-    attrs = dict(heads=0, scale=float(scale), causal=int(causal), masks=tuple(modes), masked_rows="zero",
-                 gqa=int(gqa))
+    attrs = dict(heads=0, scale=float(scale), causal=int(causal), masks=tuple(modes), masked_rows="zero", gqa=int(gqa))
     return nodes + [make(node, "attention", [q, k, v] + masks, attrs)]
 
 
@@ -138,10 +144,14 @@ def _split_operands(node, a):
     q = data[0]
     k = data[1] if len(data) > 1 else q
     v = data[2] if len(data) > 2 else k
-    if (q.shape[a.sa], q.shape[-1], k.shape[-1], v.shape[-1]) != (a.lq, a.e, a.kdim, a.vdim) \
-            or k.shape[a.sa] != v.shape[a.sa]:
-        fail(node, f"query {q.shape}, key {k.shape}, value {v.shape} do not fit embed_dim={a.e} "
-                   f"kdim={a.kdim} vdim={a.vdim} batch_first={a.batch_first}")
+    if (q.shape[a.sa], q.shape[-1], k.shape[-1], v.shape[-1]) != (a.lq, a.e, a.kdim, a.vdim) or k.shape[
+        a.sa
+    ] != v.shape[a.sa]:
+        fail(
+            node,
+            f"query {q.shape}, key {k.shape}, value {v.shape} do not fit embed_dim={a.e} "
+            f"kdim={a.kdim} vdim={a.vdim} batch_first={a.batch_first}",
+        )
     s_len = k.shape[a.sa]
     found = {}
     for m in masks:
@@ -158,11 +168,17 @@ def _mask_role(node, a, m, s_len):
         return "attn"
     if len(ms) == 2 and ms[1] == s_len and ms[0] in (a.lq, a.n):
         if ms[0] == a.lq == a.n and a.n > 1:
-            fail(node, f"mask {m.name} {ms} could be an attn_mask [L, S] or a key_padding_mask [N, S]: pnnx "
-                       f"does not record which; export with a batch size different from the target length {a.lq}")
+            fail(
+                node,
+                f"mask {m.name} {ms} could be an attn_mask [L, S] or a key_padding_mask [N, S]: pnnx "
+                f"does not record which; export with a batch size different from the target length {a.lq}",
+            )
         return "attn" if ms[0] == a.lq else "key_padding"
-    fail(node, f"operand {m.name} {ms} {m.dtype} is neither an attn_mask [L, S] / [N*H, L, S] nor a "
-               f"key_padding_mask [N, S] (L={a.lq}, S={s_len}, N={a.n}, H={a.heads})")
+    fail(
+        node,
+        f"operand {m.name} {ms} {m.dtype} is neither an attn_mask [L, S] / [N*H, L, S] nor a "
+        f"key_padding_mask [N, S] (L={a.lq}, S={s_len}, N={a.n}, H={a.heads})",
+    )
 
 
 def _projection_weights(node, a):
@@ -173,8 +189,11 @@ def _projection_weights(node, a):
     else:
         wq, wk, wv = (weight(node, f"{x}_proj_weight").data.astype(np.float64) for x in "qkv")
     if wq.shape != (a.e, a.e) or wk.shape != (a.e, a.kdim) or wv.shape != (a.e, a.vdim):
-        fail(node, f"projection weights {wq.shape} {wk.shape} {wv.shape} do not fit embed_dim={a.e} "
-                   f"kdim={a.kdim} vdim={a.vdim}")
+        fail(
+            node,
+            f"projection weights {wq.shape} {wk.shape} {wv.shape} do not fit embed_dim={a.e} "
+            f"kdim={a.kdim} vdim={a.vdim}",
+        )
     b = weight(node, "in_proj_bias", required=False)
     if b is None and param(node, "bias", True):
         fail(node, "bias=True but no in_proj_bias weight")
@@ -197,8 +216,9 @@ def _append_row(node, ctx, x, row, seq_axis, name):
     """x [S, N, E] / [N, S, E] with one more position holding `row` [E] in every batch."""
     n = x.shape[1 - seq_axis]
     shape = (1, n, row.size) if seq_axis == 0 else (n, 1, row.size)
-    const = ctx.const(f"{node.name}.{name}", np.ascontiguousarray(np.broadcast_to(row.reshape(1, 1, -1), shape),
-                                                                  dtype=x.dtype))
+    const = ctx.const(
+        f"{node.name}.{name}", np.ascontiguousarray(np.broadcast_to(row.reshape(1, 1, -1), shape), dtype=x.dtype)
+    )
     out_shape_ = list(x.shape)
     out_shape_[seq_axis] += 1
     out = ctx.temp(node, tuple(out_shape_), x.dtype, suffix=name)
@@ -257,8 +277,15 @@ def _unbatched_mha(node, ctx):
     outs = [out_shape(node, i) for i in range(len(node.outputs))]
     batched = [(outs[0][0], 1, outs[0][1])] + [(1,) + tuple(s) for s in outs[1:]]
     temps = [ctx.temp(node, b, v.dtype, suffix="batched_out") for b, v in zip(batched, node.outputs)]
-    copy = Node(node.op, node.name, inputs, temps, dict(node.attrs, batch_first=False),
-                input_names=node.input_names, line=node.line)
+    copy = Node(
+        node.op,
+        node.name,
+        inputs,
+        temps,
+        dict(node.attrs, batch_first=False),
+        input_names=node.input_names,
+        line=node.line,
+    )
     nodes += multihead_attention(copy, ctx)
     for t, v, s in zip(temps, node.outputs, outs):
         nodes.append(make(node, "reshape", [t], dict(shape=tuple(s)), outputs=[v], name=f"{v.name}.unbatch"))
@@ -288,13 +315,28 @@ def multihead_attention(node, ctx):
         if weights is None:
             fail(node, f"attention weights output {ws} must be [N, L, S] or [N, H, L, S]")
         outputs.append(node.outputs[1])
-    attrs = dict(heads=a.heads, seq_axis=a.sa, scale=1.0, causal=0, masks=tuple(modes), mask_roles=tuple(roles),
-                 weights=weights, masked_rows="nan")
+    attrs = dict(
+        heads=a.heads,
+        seq_axis=a.sa,
+        scale=1.0,
+        causal=0,
+        masks=tuple(modes),
+        mask_roles=tuple(roles),
+        weights=weights,
+        masked_rows="nan",
+    )
     if packed:
         attrs["packed"] = packed
     nodes.append(make(node, "attention", tensors + masks, attrs, outputs=outputs, name=f"{node.name}.attention"))
     wo = weight(node, "out_proj.weight")
     bo = weight(node, "out_proj.bias", required=False)
-    nodes.append(make(node, "linear", [outputs[0], wo] + ([bo] if bo is not None else []),
-                      outputs=[node.outputs[0]], name=f"{node.name}.out_proj"))
+    nodes.append(
+        make(
+            node,
+            "linear",
+            [outputs[0], wo] + ([bo] if bo is not None else []),
+            outputs=[node.outputs[0]],
+            name=f"{node.name}.out_proj",
+        )
+    )
     return nodes

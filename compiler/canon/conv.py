@@ -33,7 +33,7 @@ def conv_pads(node, nd, kernel, dilation):
         # (last dim first, begin/end pairs), which may be asymmetric
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in p):
             fail(node, f"padding={p!r}: expected non-negative ints")
-        pairs = [p[2 * i:2 * i + 2] for i in range(nd)][::-1]
+        pairs = [p[2 * i : 2 * i + 2] for i in range(nd)][::-1]
         return tuple(b for b, _ in pairs) + tuple(e for _, e in pairs)
     pads = ints(node, "padding", nd, 0)
     if any(v < 0 for v in pads):
@@ -45,8 +45,10 @@ def with_batch_of_one(node, ctx, x, convert):
     """Run rule `convert` on a copy of `node` whose input `x` gets a leading batch axis of
     one (and its output too), between reshapes: torch's unbatched call is exactly that."""
     bx = ctx.temp(node, (1,) + tuple(x.shape), x.dtype, suffix="batched")
-    outs = [ctx.temp(node, (1,) + tuple(out_shape(node, i)), v.dtype, suffix="batched_out")
-            for i, v in enumerate(node.outputs)]
+    outs = [
+        ctx.temp(node, (1,) + tuple(out_shape(node, i)), v.dtype, suffix="batched_out")
+        for i, v in enumerate(node.outputs)
+    ]
     inputs = [bx if v is x else v for v in node.inputs]
     copy = Node(node.op, node.name, inputs, outs, node.attrs, input_names=node.input_names, line=node.line)
     nodes = [make(node, "reshape", [x], dict(shape=bx.shape), outputs=[bx], name=f"{node.name}.batch")]
@@ -67,7 +69,10 @@ def conv(node, ctx):
         fail(node, "weight has no shape")
     nd = len(w.shape) - 2
     if nd != int(node.op[-2]) or x.shape is None or len(x.shape) != nd + 2:
-        fail(node, f"expected a {node.op[-2]}-d convolution input of rank {int(node.op[-2]) + 2}, got input shape {x.shape} and weight shape {w.shape}")
+        fail(
+            node,
+            f"expected a {node.op[-2]}-d convolution input of rank {int(node.op[-2]) + 2}, got input shape {x.shape} and weight shape {w.shape}",
+        )
     kernel = tuple(w.shape[2:])
     dilation = ints(node, "dilation", nd, 1)
     stride = ints(node, "stride", nd, 1)

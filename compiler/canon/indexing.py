@@ -8,7 +8,6 @@ shape rules re-check them in infer_shapes.
 """
 
 import numpy as np
-
 from pmx.compiler.canon import (
     Forward,
     data_input,
@@ -23,7 +22,6 @@ from pmx.compiler.canon import (
 from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
-
 
 _NO_DEFAULT = object()
 
@@ -60,8 +58,14 @@ def roll(node, ctx):
         flat_out = ctx.temp(node, (n,), x.dtype)
         return [
             make(node, "reshape", [x], dict(shape=(n,)), outputs=[flat_in], name=node.name + ".flat"),
-            make(node, "roll", [flat_in], dict(axes=(0,), shifts=(shifts[0] % n if n else 0,)),
-                 outputs=[flat_out], name=node.name + ".roll"),
+            make(
+                node,
+                "roll",
+                [flat_in],
+                dict(axes=(0,), shifts=(shifts[0] % n if n else 0,)),
+                outputs=[flat_out],
+                name=node.name + ".roll",
+            ),
             make(node, "reshape", [flat_out], dict(shape=tuple(shape))),
         ]
     if len(dims) != len(shifts):
@@ -79,7 +83,7 @@ def roll(node, ctx):
 def flip(node, ctx):
     x = data_input(node)
     dims = _dims(node, "dims", len(in_shape(node, x)))
-    axes = tuple(sorted(set(d for d in dims if x.shape[d] > 1)))
+    axes = tuple(sorted({d for d in dims if x.shape[d] > 1}))
     if not axes:
         return Forward(x)
     return [make(node, "flip", [x], dict(axes=axes))]
@@ -205,7 +209,7 @@ def narrow(node, ctx):
     n = x.shape[dim]
     if start < 0:
         start += n
-    if not (0 <= start and length >= 0 and start + length <= n):
+    if not (start >= 0 and length >= 0 and start + length <= n):
         fail(node, f"narrow start={start} length={length} out of range for dim {dim} of size {n}")
     attrs = dict(axes=(dim,), starts=(start,), ends=(start + length,), steps=(1,), squeeze=())
     return [make(node, "slice", [x], attrs)]
@@ -356,15 +360,38 @@ def masked_fill(node, ctx):
 
 
 _TORCH_DTYPES = {
-    "torch.float": "float32", "torch.float32": "float32", "torch.double": "float64", "torch.float64": "float64",
-    "torch.half": "float16", "torch.float16": "float16", "torch.long": "int64", "torch.int64": "int64",
-    "torch.int": "int32", "torch.int32": "int32", "torch.short": "int16", "torch.int16": "int16",
-    "torch.int8": "int8", "torch.uint8": "uint8", "torch.bool": "bool",
+    "torch.float": "float32",
+    "torch.float32": "float32",
+    "torch.double": "float64",
+    "torch.float64": "float64",
+    "torch.half": "float16",
+    "torch.float16": "float16",
+    "torch.long": "int64",
+    "torch.int64": "int64",
+    "torch.int": "int32",
+    "torch.int32": "int32",
+    "torch.short": "int16",
+    "torch.int16": "int16",
+    "torch.int8": "int8",
+    "torch.uint8": "uint8",
+    "torch.bool": "bool",
 }
 
 
-@rule("Tensor.to", "Tensor.type", "Tensor.float", "Tensor.double", "Tensor.half", "Tensor.int",
-      "Tensor.long", "Tensor.bool", "Tensor.short", "Tensor.char", "Tensor.byte", "Tensor.type_as")
+@rule(
+    "Tensor.to",
+    "Tensor.type",
+    "Tensor.float",
+    "Tensor.double",
+    "Tensor.half",
+    "Tensor.int",
+    "Tensor.long",
+    "Tensor.bool",
+    "Tensor.short",
+    "Tensor.char",
+    "Tensor.byte",
+    "Tensor.type_as",
+)
 def cast(node, ctx):
     x = data_input(node)
     recorded = node.outputs[0].recorded_dtype
@@ -375,8 +402,11 @@ def cast(node, ctx):
     if target is None:
         fail(node, "pnnx recorded no output dtype for this cast")
     if named is not None and np.dtype(named) != np.dtype(target):
-        fail(node, f"casts to {named} (dtype={node.attrs['dtype']}) but its output {node.outputs[0].name} is "
-                   f"recorded as {target}; the .param contradicts itself (edited or damaged?)")
+        fail(
+            node,
+            f"casts to {named} (dtype={node.attrs['dtype']}) but its output {node.outputs[0].name} is "
+            f"recorded as {target}; the .param contradicts itself (edited or damaged?)",
+        )
     if target == x.dtype:
         return Forward(x)
     return [make(node, "cast", [x], dict(dtype=str(np.dtype(target))))]
@@ -435,8 +465,11 @@ def _scalar_param(node, label, default=_NO_DEFAULT):
         return param(node, label) if default is _NO_DEFAULT else param(node, label, default)
     n = _number(node, v, label)
     if n is None:
-        fail(node, f"{label} is computed from tensor values (operand {v.name}), so the output's size would "
-                   f"depend on the data; pmx needs it known at compile time")
+        fail(
+            node,
+            f"{label} is computed from tensor values (operand {v.name}), so the output's size would "
+            f"depend on the data; pmx needs it known at compile time",
+        )
     return n
 
 
@@ -508,8 +541,11 @@ def arange(node, ctx):
     # torch computes start + i * step in int64 for integer bounds, else in double
     exact = all(isinstance(v, int) for v in (start, end, step))
     data = (start + np.arange(n, dtype=np.int64 if exact else np.float64) * step).astype(dtype)
-    if node.outputs[0].shape is not None and None not in node.outputs[0].shape and \
-            int(np.prod(node.outputs[0].shape)) != n:
+    if (
+        node.outputs[0].shape is not None
+        and None not in node.outputs[0].shape
+        and int(np.prod(node.outputs[0].shape)) != n
+    ):
         fail(node, f"arange gives {n} elements but pnnx recorded {node.outputs[0].shape}")
     return Forward(ctx.const(node.outputs[0].name, data))
 
@@ -545,8 +581,11 @@ def _arange_values(node, ctx):
 def _refuse_readers(node, why):
     out = node.outputs[0]
     if out.consumers:
-        fail(node, f"{why}: its output has a length known only at run time and {out.consumers[0].where()} reads "
-                   f"it; pmx supports such outputs only as model outputs")
+        fail(
+            node,
+            f"{why}: its output has a length known only at run time and {out.consumers[0].where()} reads "
+            f"it; pmx supports such outputs only as model outputs",
+        )
 
 
 def _sized_at_run(node, op, inputs, attrs):
@@ -620,8 +659,12 @@ def scatter_add(node, ctx):
     if src is None:
         fail(node, "missing src tensor")
     ishape, sshape = in_shape(node, idx), in_shape(node, src)
-    if len(ishape) != rank or len(sshape) != rank or any(i > s for i, s in zip(ishape, sshape)) or any(
-            i > s for d, (i, s) in enumerate(zip(ishape, x.shape)) if d != dim):
+    if (
+        len(ishape) != rank
+        or len(sshape) != rank
+        or any(i > s for i, s in zip(ishape, sshape))
+        or any(i > s for d, (i, s) in enumerate(zip(ishape, x.shape)) if d != dim)
+    ):
         fail(node, f"index {ishape} must fit src {sshape} and input {x.shape} (except along dim {dim})")
     return [make(node, "scatter_add", [x, idx, src], dict(axis=dim))]
 
@@ -675,6 +718,7 @@ def _cumulative(op):
         if out is None:  # torch widens integers (and bool) to int64
             out = "int64" if np.dtype(x.dtype).kind in "biu" else x.dtype
         return [make(node, op, [x], dict(axis=dim % max(rank, 1), dtype=str(np.dtype(out))))]
+
     return fn
 
 
@@ -768,8 +812,11 @@ def repeat_interleave(node, ctx):
         reps = rv.data.reshape(-1)
         reps = int(reps[0]) if reps.size == 1 else reps.astype(np.int64)
     else:
-        fail(node, f"repeats are computed from tensor values (operand {rv.name}), so the output's size would "
-                   f"depend on the data; pmx needs them known at compile time")
+        fail(
+            node,
+            f"repeats are computed from tensor values (operand {rv.name}), so the output's size would "
+            f"depend on the data; pmx needs them known at compile time",
+        )
     if isinstance(reps, int):
         if reps < 0:
             fail(node, f"repeats={reps} must be non-negative")

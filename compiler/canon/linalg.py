@@ -3,7 +3,6 @@ addmm / baddbmm / addmv -> matmul + an elementwise beta * input + alpha * produc
 torch.einsum -> einsum; nn.Embedding / F.embedding -> embedding."""
 
 import numpy as np
-
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, out_shape, param, rule, weight
 from pmx.runtime import expr as E
 
@@ -14,7 +13,10 @@ def linear(node, ctx):
     w = weight(node, "weight")
     b = weight(node, "bias", required=False)
     if w.shape is None or len(w.shape) != 2 or x.shape is None or x.shape[-1] != w.shape[1]:
-        fail(node, f"input {x.shape} does not match weight {w.shape} (expected input [..., {w.shape[1] if w.shape else '?'}])")
+        fail(
+            node,
+            f"input {x.shape} does not match weight {w.shape} (expected input [..., {w.shape[1] if w.shape else '?'}])",
+        )
     return [make(node, "linear", [x, w] + ([b] if b is not None else []))]
 
 

@@ -8,9 +8,29 @@ from pmx.runtime.errors import PmxFormatError
 
 # pnnx's shape arithmetic in dynamic-shape exports: x.size(d), int(), and casts of such
 # scalars (Tensor.to of a scalar, written with the dtype's name)
-SHAPE_FUNCTIONS = {"size": 2, "int": 1} | {f"torch.{t}": 1 for t in (
-    "bool", "uint8", "int8", "short", "int16", "int", "int32", "long", "int64", "half", "float16", "bfloat16",
-    "float", "float32", "double", "float64", "complex64", "complex128")}
+SHAPE_FUNCTIONS = {"size": 2, "int": 1} | {
+    f"torch.{t}": 1
+    for t in (
+        "bool",
+        "uint8",
+        "int8",
+        "short",
+        "int16",
+        "int",
+        "int32",
+        "long",
+        "int64",
+        "half",
+        "float16",
+        "bfloat16",
+        "float",
+        "float32",
+        "double",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+}
 # pnnx's list [a,b,...] as the tree (LIST, a, b, ...): a compiler-side head, since index and
 # size lists are consumed by canonicalization and never stored
 LIST = "list"
@@ -152,18 +172,37 @@ def expression(node, ctx):
         return attach_expand_sizes(node, ctx, tree)
     parts = list(_subtrees(tree))
     if any(t[0] == LIST or t[0] in SHAPE_FUNCTIONS for t in parts):
-        fail(node, f"expression {text!r} computes on tensor shapes (dynamic-shape export); "
-                   "export with a fixed input shape")
+        fail(
+            node,
+            f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape",
+        )
     if NONE in parts:
         fail(node, f"expression {text!r}: None is no value to compute with")
     return [elementwise(node, tree, list(node.inputs))]
 
 
-_BINARY = {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
-           "maximum": "maximum", "minimum": "minimum", "atan2": "atan2", "fmod": "fmod",
-           "remainder": "remainder", "floor_divide": "floor_divide",
-           "gt": "gt", "ge": "ge", "lt": "lt", "le": "le", "eq": "eq", "ne": "ne",
-           "logaddexp": "logaddexp", "bitwise_left_shift": "lshift", "bitwise_right_shift": "rshift"}
+_BINARY = {
+    "add": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "div": "div",
+    "pow": "pow",
+    "maximum": "maximum",
+    "minimum": "minimum",
+    "atan2": "atan2",
+    "fmod": "fmod",
+    "remainder": "remainder",
+    "floor_divide": "floor_divide",
+    "gt": "gt",
+    "ge": "ge",
+    "lt": "lt",
+    "le": "le",
+    "eq": "eq",
+    "ne": "ne",
+    "logaddexp": "logaddexp",
+    "bitwise_left_shift": "lshift",
+    "bitwise_right_shift": "rshift",
+}
 
 
 def _binary(fn_name):
@@ -172,7 +211,11 @@ def _binary(fn_name):
         b = node.named_input("other")
         tensors = [a]
         if b is None:
-            unnamed = [v for v, n in zip(node.inputs, node.input_names) if v is not a and (n is None or n in ("other", "exponent"))]
+            unnamed = [
+                v
+                for v, n in zip(node.inputs, node.input_names)
+                if v is not a and (n is None or n in ("other", "exponent"))
+            ]
             b = unnamed[0] if unnamed else None
         if b is not None:
             tensors.append(b)
@@ -186,6 +229,7 @@ def _binary(fn_name):
         if alpha != 1 and fn_name in ("add", "sub"):
             rhs = E.call("mul", rhs, alpha)
         return [elementwise(node, E.call(fn_name, E.at(0), rhs), tensors)]
+
     return fn
 
 
@@ -193,8 +237,13 @@ for _name, _fn in _BINARY.items():
     rule(f"torch.{_name}", f"Tensor.{_name}")(_binary(_fn))
 
 
-_REDUCE = {"mean": "reduce_mean", "sum": "reduce_sum", "amax": "reduce_max", "amin": "reduce_min",
-           "prod": "reduce_prod"}
+_REDUCE = {
+    "mean": "reduce_mean",
+    "sum": "reduce_sum",
+    "amax": "reduce_max",
+    "amin": "reduce_min",
+    "prod": "reduce_prod",
+}
 
 
 def _reduce(op):
@@ -210,7 +259,10 @@ def _reduce(op):
         rank = len(x.shape)
         if any(not -rank <= a < rank for a in axes):
             fail(node, f"dim={dim} out of range for input of rank {rank}")
-        return [make(node, op, [x], dict(axes=tuple(a % rank for a in axes), keepdim=bool(param(node, "keepdim", False))))]
+        return [
+            make(node, op, [x], dict(axes=tuple(a % rank for a in axes), keepdim=bool(param(node, "keepdim", False))))
+        ]
+
     return fn
 
 
@@ -227,6 +279,7 @@ def _softmax(op):
         if not -len(x.shape) <= dim < len(x.shape):
             fail(node, f"dim={dim} out of range for input of rank {len(x.shape)}")
         return [make(node, op, [x], dict(axis=dim % len(x.shape)))]
+
     return fn
 
 
@@ -291,6 +344,7 @@ def _logical(fn_name):
         if b is None:
             fail(node, "second operand must be a tensor")
         return [elementwise(node, E.call(fn_name, _truth(a, 0), _truth(b, 1)), [a, b])]
+
     return fn
 
 
@@ -325,12 +379,29 @@ def _max_min(values_op, index_op, binary):
             fail(node, f"dim={dim!r} must be one int in range for rank {len(x.shape)}")
         keep = bool(param(node, "keepdim", False))
         axis = dim % len(x.shape)
-        nodes = [make(node, values_op, [x], dict(axes=(axis,), keepdim=keep), outputs=node.outputs[:1],
-                      name=node.name + ".values")]
+        nodes = [
+            make(
+                node,
+                values_op,
+                [x],
+                dict(axes=(axis,), keepdim=keep),
+                outputs=node.outputs[:1],
+                name=node.name + ".values",
+            )
+        ]
         if len(node.outputs) > 1:
-            nodes.append(make(node, index_op, [x], dict(axis=axis, keepdim=keep), outputs=node.outputs[1:2],
-                              name=node.name + ".indices"))
+            nodes.append(
+                make(
+                    node,
+                    index_op,
+                    [x],
+                    dict(axis=axis, keepdim=keep),
+                    outputs=node.outputs[1:2],
+                    name=node.name + ".indices",
+                )
+            )
         return nodes
+
     return fn
 
 
@@ -351,12 +422,15 @@ def _arg(op):
                 n *= d
             flat = ctx.temp(node, (n,), x.dtype)
             idx = ctx.temp(node, (), "int64")
-            return [make(node, "reshape", [x], dict(shape=(n,)), outputs=[flat], name=node.name + ".flat"),
-                    make(node, op, [flat], dict(axis=0, keepdim=False), outputs=[idx], name=node.name + ".arg"),
-                    make(node, "reshape", [idx], dict(shape=tuple(node.outputs[0].shape or ())))]
+            return [
+                make(node, "reshape", [x], dict(shape=(n,)), outputs=[flat], name=node.name + ".flat"),
+                make(node, op, [flat], dict(axis=0, keepdim=False), outputs=[idx], name=node.name + ".arg"),
+                make(node, "reshape", [idx], dict(shape=tuple(node.outputs[0].shape or ()))),
+            ]
         if not isinstance(dim, int) or not -len(x.shape) <= dim < len(x.shape):
             fail(node, f"dim={dim!r} must be one int in range for rank {len(x.shape)}")
         return [make(node, op, [x], dict(axis=dim % len(x.shape), keepdim=keep))]
+
     return fn
 
 
@@ -373,8 +447,15 @@ def _statistic(op):
         if not isinstance(correction, (int, float)) or isinstance(correction, bool):
             fail(node, f"correction={correction!r} must be a number")
         axes = _axes_param(node, x)
-        return [make(node, op, [x], dict(axes=axes, keepdim=bool(param(node, "keepdim", False)),
-                                         correction=float(correction)))]
+        return [
+            make(
+                node,
+                op,
+                [x],
+                dict(axes=axes, keepdim=bool(param(node, "keepdim", False)), correction=float(correction)),
+            )
+        ]
+
     return fn
 
 
@@ -390,11 +471,21 @@ def norm(node, ctx):
         p = 2
     if isinstance(p, bool) or not isinstance(p, (int, float)):
         fail(node, f"p={p!r}: pmx supports numeric vector norms (p=1, 2, inf, ...) only")
-    return [make(node, "reduce_norm", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False)),
-                                                p=float(p)))]
+    return [
+        make(
+            node,
+            "reduce_norm",
+            [x],
+            dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False)), p=float(p)),
+        )
+    ]
 
 
 @rule("torch.logsumexp", "Tensor.logsumexp")
 def logsumexp(node, ctx):
     x = data_input(node)
-    return [make(node, "reduce_logsumexp", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False))))]
+    return [
+        make(
+            node, "reduce_logsumexp", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False)))
+        )
+    ]

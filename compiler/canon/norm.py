@@ -9,7 +9,6 @@ on computed tensors works too; absent ones are simply left out of the node's inp
 """
 
 import numpy as np
-
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, param, rule, weight
 from pmx.compiler.ir import Node
 from pmx.runtime import expr as E
@@ -54,8 +53,9 @@ def _folded_batch_norm(node, ctx, x, mean, var, gamma, beta, eps):
     if x.shape is None or len(x.shape) < 2:
         fail(node, f"input {x.shape} must have a channel axis 1")
     if any(v is not None and not v.is_constant for v in (mean, var, gamma, beta)):
-        return _batch_norm_of_tensors(node, ctx, x, eps, [("mean", mean), ("var", var), ("weight", gamma),
-                                                           ("bias", beta)])
+        return _batch_norm_of_tensors(
+            node, ctx, x, eps, [("mean", mean), ("var", var), ("weight", gamma), ("bias", beta)]
+        )
     c = mean.data.size
     if x.shape is None or len(x.shape) < 2 or x.shape[1] != c:
         fail(node, f"input {x.shape} must have {c} channels on axis 1")
@@ -76,9 +76,16 @@ def batch_norm(node, ctx):
     x = data_input(node)
     if param(node, "training", False) is True:
         fail(node, "training=True uses batch statistics; pmx compiles inference (training=False)")
-    return _folded_batch_norm(node, ctx, x, weight(node, "running_mean"), weight(node, "running_var"),
-                              weight(node, "weight", required=False), weight(node, "bias", required=False),
-                              float(param(node, "eps", 1e-5)))
+    return _folded_batch_norm(
+        node,
+        ctx,
+        x,
+        weight(node, "running_mean"),
+        weight(node, "running_var"),
+        weight(node, "weight", required=False),
+        weight(node, "bias", required=False),
+        float(param(node, "eps", 1e-5)),
+    )
 
 
 def _affine_inputs(node, ctx, shape, dtype):
@@ -107,7 +114,7 @@ def layer_norm(node, ctx):
     shape = param(node, "normalized_shape")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     k = len(shape)
-    if k == 0 or k > len(x.shape) or tuple(x.shape[len(x.shape) - k:]) != shape:
+    if k == 0 or k > len(x.shape) or tuple(x.shape[len(x.shape) - k :]) != shape:
         fail(node, f"normalized_shape={shape} does not match the trailing dims of input {x.shape}")
     rms = node.op in ("nn.RMSNorm", "F.rms_norm")
     eps = param(node, "eps", 1e-5)
@@ -149,8 +156,9 @@ def instance_norm(node, ctx):
     if use_running:
         if mean is None or var is None:
             fail(node, "use_input_stats=False needs running_mean and running_var")
-        return _folded_batch_norm(node, ctx, x, mean, var, weight(node, "weight", required=False),
-                                  weight(node, "bias", required=False), eps)
+        return _folded_batch_norm(
+            node, ctx, x, mean, var, weight(node, "weight", required=False), weight(node, "bias", required=False), eps
+        )
     c = x.shape[1]
     affine = _affine_inputs(node, ctx, (c,), x.dtype)
     return [make(node, "group_norm", [x] + affine, dict(groups=c, eps=eps))]
@@ -167,5 +175,6 @@ def normalize(node, ctx):
         p = float("inf")
     if not isinstance(p, (int, float)) or isinstance(p, bool) or not p > 0:
         fail(node, f"p={p!r} must be a positive number")
-    return [make(node, "lp_normalize", [x], dict(axis=dim % len(x.shape), p=float(p),
-                                                  eps=float(param(node, "eps", 1e-12))))]
+    return [
+        make(node, "lp_normalize", [x], dict(axis=dim % len(x.shape), p=float(p), eps=float(param(node, "eps", 1e-12))))
+    ]

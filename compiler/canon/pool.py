@@ -33,8 +33,13 @@ def _unpacked(node, ctx):
     nn.AdaptiveMaxPool2d(return_indices=True) so), else None."""
     out = node.outputs[0]
     readers = out.consumers
-    if len(node.outputs) == 1 and len(readers) == 1 and readers[0].op == "prim::TupleUnpack" \
-            and len(readers[0].outputs) == 2 and not _is_output(ctx, out):
+    if (
+        len(node.outputs) == 1
+        and len(readers) == 1
+        and readers[0].op == "prim::TupleUnpack"
+        and len(readers[0].outputs) == 2
+        and not _is_output(ctx, out)
+    ):
         return readers[0]
     return None
 
@@ -61,8 +66,11 @@ def tuple_unpack(node, ctx):
     over the outputs it produces; the ones it left are unused."""
     for v in node.outputs:
         if v.producer is node and (v.consumers or _is_output(ctx, v)):
-            fail(node, "prim::TupleUnpack of a tuple pmx cannot split (pmx unpacks max pools' (values, indices) "
-                       "and packs built by prim::TupleConstruct)")
+            fail(
+                node,
+                "prim::TupleUnpack of a tuple pmx cannot split (pmx unpacks max pools' (values, indices) "
+                "and packs built by prim::TupleConstruct)",
+            )
     return []
 
 
@@ -71,8 +79,13 @@ def max_pool(node, ctx):
     nd = _nd(node)
     outputs, with_indices = _pool_outputs(node, ctx)
     kernel, stride, pads = _common(node, nd)
-    attrs = dict(kernel=kernel, stride=stride, pads=pads, dilation=ints(node, "dilation", nd, 1),
-                 ceil_mode=bool(param(node, "ceil_mode", False)))
+    attrs = dict(
+        kernel=kernel,
+        stride=stride,
+        pads=pads,
+        dilation=ints(node, "dilation", nd, 1),
+        ceil_mode=bool(param(node, "ceil_mode", False)),
+    )
     op = "max_pool_indices" if with_indices else "max_pool"
     return [make(node, op, [data_input(node)], attrs, outputs=outputs)]
 
@@ -82,10 +95,15 @@ def avg_pool(node, ctx):
     nd = _nd(node)
     kernel, stride, pads = _common(node, nd)
     divisor = param(node, "divisor_override", None)
-    attrs = dict(kernel=kernel, stride=stride, pads=pads, dilation=(1,) * nd,
-                 ceil_mode=bool(param(node, "ceil_mode", False)),
-                 count_include_pad=bool(param(node, "count_include_pad", True)),
-                 divisor_override=int(divisor) if divisor else 0)
+    attrs = dict(
+        kernel=kernel,
+        stride=stride,
+        pads=pads,
+        dilation=(1,) * nd,
+        ceil_mode=bool(param(node, "ceil_mode", False)),
+        count_include_pad=bool(param(node, "count_include_pad", True)),
+        divisor_override=int(divisor) if divisor else 0,
+    )
     return [make(node, "avg_pool", [data_input(node)], attrs)]
 
 
@@ -96,19 +114,36 @@ def _adaptive(op):
         size = param(node, "output_size")
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size,) * nd
-        if not isinstance(size, tuple) or len(size) != nd or not all(s is None or (isinstance(s, int) and s >= 0) for s in size):
+        if (
+            not isinstance(size, tuple)
+            or len(size) != nd
+            or not all(s is None or (isinstance(s, int) and s >= 0) for s in size)
+        ):
             fail(node, f"output_size={size!r}: expected {nd} positive ints (or None)")
         x = data_input(node)
         # pnnx writes None (keep the input size) as 0
-        size = tuple(x.shape[-nd + i] if not s else s for i, s in enumerate(size))
+        size = tuple(s if s else x.shape[-nd + i] for i, s in enumerate(size))
         return [make(node, op + "_indices" if with_indices else op, [x], dict(output_size=size), outputs=outputs)]
+
     return fn
 
 
-rule("nn.AdaptiveAvgPool1d", "nn.AdaptiveAvgPool2d", "nn.AdaptiveAvgPool3d", "F.adaptive_avg_pool1d",
-     "F.adaptive_avg_pool2d", "F.adaptive_avg_pool3d")(_adaptive("adaptive_avg_pool"))
-rule("nn.AdaptiveMaxPool1d", "nn.AdaptiveMaxPool2d", "nn.AdaptiveMaxPool3d", "F.adaptive_max_pool1d",
-     "F.adaptive_max_pool2d", "F.adaptive_max_pool3d")(_adaptive("adaptive_max_pool"))
+rule(
+    "nn.AdaptiveAvgPool1d",
+    "nn.AdaptiveAvgPool2d",
+    "nn.AdaptiveAvgPool3d",
+    "F.adaptive_avg_pool1d",
+    "F.adaptive_avg_pool2d",
+    "F.adaptive_avg_pool3d",
+)(_adaptive("adaptive_avg_pool"))
+rule(
+    "nn.AdaptiveMaxPool1d",
+    "nn.AdaptiveMaxPool2d",
+    "nn.AdaptiveMaxPool3d",
+    "F.adaptive_max_pool1d",
+    "F.adaptive_max_pool2d",
+    "F.adaptive_max_pool3d",
+)(_adaptive("adaptive_max_pool"))
 
 
 def _number(node, key, default=None):
@@ -142,18 +177,24 @@ def lp_pool(node, ctx):
     powered = ctx.temp(node, x.shape, x.dtype, "pow")
     pooled = ctx.temp(node, shape, x.dtype, "pool")
     if math.isinf(p):
-        magnitude = elementwise(node, _ABS if p > 0 else E.call("neg", _ABS), [x], outputs=[powered],
-                                name=node.name + ".abs")
+        magnitude = elementwise(
+            node, _ABS if p > 0 else E.call("neg", _ABS), [x], outputs=[powered], name=node.name + ".abs"
+        )
         if p > 0:
             return [magnitude, make(node, "max_pool", [powered], geometry)]
-        return [magnitude, make(node, "max_pool", [powered], geometry, outputs=[pooled], name=node.name + ".max"),
-                elementwise(node, E.call("neg", E.at(0)), [pooled])]
+        return [
+            magnitude,
+            make(node, "max_pool", [powered], geometry, outputs=[pooled], name=node.name + ".max"),
+            elementwise(node, E.call("neg", E.at(0)), [pooled]),
+        ]
     if p == 0:
         fail(node, "norm_type=0 is not a norm (torch divides by it)")
     attrs = dict(geometry, count_include_pad=True, divisor_override=0)
-    return [elementwise(node, E.call("pow", E.at(0), p), [x], outputs=[powered], name=node.name + ".pow"),
-            make(node, "avg_pool", [powered], attrs, outputs=[pooled], name=node.name + ".avg"),
-            elementwise(node, E.call("pow", E.call("mul", E.at(0), math.prod(kernel)), 1.0 / p), [pooled])]
+    return [
+        elementwise(node, E.call("pow", E.at(0), p), [x], outputs=[powered], name=node.name + ".pow"),
+        make(node, "avg_pool", [powered], attrs, outputs=[pooled], name=node.name + ".avg"),
+        elementwise(node, E.call("pow", E.call("mul", E.at(0), math.prod(kernel)), 1.0 / p), [pooled]),
+    ]
 
 
 @rule("F.local_response_norm", "nn.LocalResponseNorm")
@@ -167,24 +208,42 @@ def local_response_norm(node, ctx):
     size = param(node, "size")
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         fail(node, f"size={size!r} must be a positive int")
-    alpha, beta, k = (float(_number(node, key, default)) for key, default in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0)))
+    alpha, beta, k = (
+        float(_number(node, key, default)) for key, default in (("alpha", 1e-4), ("beta", 0.75), ("k", 1.0))
+    )
     n, c = x.shape[:2]
     grid = (n, 1, c, math.prod(x.shape[2:]))
     square = ctx.temp(node, x.shape, x.dtype, "sq")
     flat, mean, back = (ctx.temp(node, s, x.dtype, t) for s, t in ((grid, "flat"), (grid, "mean"), (x.shape, "back")))
-    attrs = dict(kernel=(size, 1), stride=(1, 1), pads=(size // 2, 0, (size - 1) // 2, 0), dilation=(1, 1),
-                 ceil_mode=False, count_include_pad=True, divisor_override=0)
-    return [elementwise(node, E.call("mul", E.at(0), E.at(0)), [x], outputs=[square], name=node.name + ".sq"),
-            make(node, "reshape", [square], dict(shape=grid), outputs=[flat], name=node.name + ".flat"),
-            make(node, "avg_pool", [flat], attrs, outputs=[mean], name=node.name + ".mean"),
-            make(node, "reshape", [mean], dict(shape=tuple(x.shape)), outputs=[back], name=node.name + ".back"),
-            elementwise(node, E.call("div", E.at(0), E.call("pow", E.call("add", E.call("mul", E.at(1), alpha), k), beta)),
-                        [x, back])]
+    attrs = dict(
+        kernel=(size, 1),
+        stride=(1, 1),
+        pads=(size // 2, 0, (size - 1) // 2, 0),
+        dilation=(1, 1),
+        ceil_mode=False,
+        count_include_pad=True,
+        divisor_override=0,
+    )
+    return [
+        elementwise(node, E.call("mul", E.at(0), E.at(0)), [x], outputs=[square], name=node.name + ".sq"),
+        make(node, "reshape", [square], dict(shape=grid), outputs=[flat], name=node.name + ".flat"),
+        make(node, "avg_pool", [flat], attrs, outputs=[mean], name=node.name + ".mean"),
+        make(node, "reshape", [mean], dict(shape=tuple(x.shape)), outputs=[back], name=node.name + ".back"),
+        elementwise(
+            node,
+            E.call("div", E.at(0), E.call("pow", E.call("add", E.call("mul", E.at(1), alpha), k), beta)),
+            [x, back],
+        ),
+    ]
 
 
 def _window_attrs(node):
-    return dict(kernel=_positive(node, "kernel_size", 2), stride=_positive(node, "stride", 2, 1),
-                pads=ints(node, "padding", 2, 0) * 2, dilation=_positive(node, "dilation", 2, 1))
+    return dict(
+        kernel=_positive(node, "kernel_size", 2),
+        stride=_positive(node, "stride", 2, 1),
+        pads=ints(node, "padding", 2, 0) * 2,
+        dilation=_positive(node, "dilation", 2, 1),
+    )
 
 
 @rule("F.unfold", "nn.Unfold")
@@ -192,8 +251,11 @@ def unfold(node, ctx):
     x = data_input(node)
     attrs = _window_attrs(node)
     if x.shape is None or len(x.shape) not in (3, 4) or min(attrs["pads"]) < 0:
-        fail(node, f"unfold takes a 3-d or 4-d input and non-negative padding, found shape {x.shape}, "
-                   f"padding {attrs['pads'][:2]}")
+        fail(
+            node,
+            f"unfold takes a 3-d or 4-d input and non-negative padding, found shape {x.shape}, "
+            f"padding {attrs['pads'][:2]}",
+        )
     return [make(node, "unfold", [x], attrs)]
 
 
@@ -202,6 +264,9 @@ def fold(node, ctx):
     x = data_input(node)
     attrs = dict(_window_attrs(node), output_size=_positive(node, "output_size", 2))
     if x.shape is None or len(x.shape) not in (2, 3) or min(attrs["pads"]) < 0:
-        fail(node, f"fold takes a 2-d or 3-d input and non-negative padding, found shape {x.shape}, "
-                   f"padding {attrs['pads'][:2]}")
+        fail(
+            node,
+            f"fold takes a 2-d or 3-d input and non-negative padding, found shape {x.shape}, "
+            f"padding {attrs['pads'][:2]}",
+        )
     return [make(node, "fold", [x], attrs)]

@@ -7,7 +7,6 @@ planner gives short lifetimes), so the kernel has one fixed signature.
 """
 
 import numpy as np
-
 from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule
 
 CELLS = {"nn.LSTM": ("lstm", 4), "nn.GRU": ("gru", 3), "nn.RNN": ("rnn", 1)}
@@ -34,13 +33,11 @@ def recurrent(node, ctx):
     if nonlinearity not in ("tanh", "relu"):
         fail(node, f"nonlinearity={nonlinearity!r}: expected 'tanh' or 'relu'")
     if len(shape) not in (2, 3):
-        fail(node, f"input shape {shape}: expected (T, N, features), (N, T, features) or "
-                   "(T, features)")
+        fail(node, f"input shape {shape}: expected (T, N, features), (N, T, features) or (T, features)")
     dirs = 2 if bidirectional else 1
     hout = proj or hidden
 
-    states = [v for v, n in zip(node.inputs, node.input_names)
-              if v is not x and not (n or "").startswith("@")]
+    states = [v for v, n in zip(node.inputs, node.input_names) if v is not x and not (n or "").startswith("@")]
     expected_states = 2 if cell == "lstm" else 1
     if states and len(states) != expected_states:
         fail(node, f"expected {expected_states} initial state inputs, got {len(states)}")
@@ -72,9 +69,16 @@ def recurrent(node, ctx):
                 weights.append(w)
         in_size = dirs * hout
 
-    attrs = dict(hidden_size=hidden, num_layers=layers, bidirectional=bidirectional,
-                 batch_first=batch_first, has_bias=has_bias, has_state=bool(states),
-                 proj_size=proj, nonlinearity=nonlinearity)
+    attrs = dict(
+        hidden_size=hidden,
+        num_layers=layers,
+        bidirectional=bidirectional,
+        batch_first=batch_first,
+        has_bias=has_bias,
+        has_state=bool(states),
+        proj_size=proj,
+        nonlinearity=nonlinearity,
+    )
     batched = len(shape) == 3
     batch = (shape[0] if batch_first else shape[1]) if batched else None
     state = (layers * dirs, batch) if batched else (layers * dirs,)
@@ -83,6 +87,6 @@ def recurrent(node, ctx):
         full.append(state + (hidden,))
     if len(node.outputs) > len(full):
         fail(node, f"{len(node.outputs)} outputs, {node.op} has at most {len(full)}")
-    unused = full[len(node.outputs):]
+    unused = full[len(node.outputs) :]
     outputs = list(node.outputs) + [ctx.temp(node, s, x.dtype, suffix="state") for s in unused]
     return [make(node, cell, [x] + states + weights, attrs, outputs=outputs)]

@@ -11,19 +11,27 @@ modules into F.pad; the other spellings are accepted in case a version keeps the
 import math
 
 import numpy as np
-
 from pmx.compiler.canon import data_input, fail, in_shape, make, out_shape, param, rule
 
-MODES = {"nearest": "nearest", "nearest-exact": "nearest_exact", "linear": "linear",
-         "bilinear": "linear", "trilinear": "linear", "bicubic": "cubic"}
+MODES = {
+    "nearest": "nearest",
+    "nearest-exact": "nearest_exact",
+    "linear": "linear",
+    "bilinear": "linear",
+    "trilinear": "linear",
+    "bicubic": "cubic",
+}
 LINEAR_RANK = {"linear": 1, "bilinear": 2, "trilinear": 3, "bicubic": 2}
 
 
 def _per_dim(node, key, value, nd, kind):
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = (value,) * nd
-    if not isinstance(value, tuple) or len(value) not in (1, nd) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+    if (
+        not isinstance(value, tuple)
+        or len(value) not in (1, nd)
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    ):
         fail(node, f"{key}={value!r}: expected {nd} {kind}")
     return tuple(value) * (nd if len(value) == 1 else 1)
 
@@ -59,8 +67,7 @@ def _resize(node, ctx, mode, align_corners):
             fail(node, f"scale_factor={scale!r} must be positive")
         # an output size that follows the input (for other input shapes) where it agrees
         # with what pnnx recorded
-        follow = tuple(s if math.floor(n * s) == o else 0.0
-                       for n, s, o in zip(shape[2:], scales, sizes))
+        follow = tuple(s if math.floor(n * s) == o else 0.0 for n, s, o in zip(shape[2:], scales, sizes))
         if param(node, "recompute_scale_factor", None) is True:
             scales = (0.0,) * nd  # torch maps coordinates by in/out then
     else:
@@ -71,8 +78,7 @@ def _resize(node, ctx, mode, align_corners):
         align = bool(align_corners)
     else:
         align = False
-    attrs = dict(mode=MODES[mode], align_corners=align, sizes=sizes, scales=scales,
-                 scale_factor=follow)
+    attrs = dict(mode=MODES[mode], align_corners=align, sizes=sizes, scales=scales, scale_factor=follow)
     return [make(node, "resize", [x], attrs)]
 
 
@@ -127,24 +133,26 @@ def _pad(node, ctx, torch_pad, mode, value):
     shape = in_shape(node, x)
     if mode not in PAD_MODES:
         fail(node, f"mode={mode!r}: expected one of {', '.join(PAD_MODES)}")
-    if not isinstance(torch_pad, tuple) or len(torch_pad) % 2 or not torch_pad or not all(
-            isinstance(p, int) and not isinstance(p, bool) for p in torch_pad):
+    if (
+        not isinstance(torch_pad, tuple)
+        or len(torch_pad) % 2
+        or not torch_pad
+        or not all(isinstance(p, int) and not isinstance(p, bool) for p in torch_pad)
+    ):
         fail(node, f"pad={torch_pad!r}: expected an even number of constant ints")
     nd = len(torch_pad) // 2
     if nd > len(shape):
         fail(node, f"pad={torch_pad!r} pads {nd} dims of a rank-{len(shape)} input")
     begins = tuple(torch_pad[2 * (nd - 1 - i)] for i in range(nd))
     ends = tuple(torch_pad[2 * (nd - 1 - i) + 1] for i in range(nd))
-    sizes = shape[len(shape) - nd:]
+    sizes = shape[len(shape) - nd :]
     for n, b, e in zip(sizes, begins, ends):
         if n + min(b, 0) + min(e, 0) <= 0 and (b > 0 or e > 0) and mode == "circular":
             fail(node, f"pad={torch_pad!r} crops a dim of size {n} away before padding it")
         if mode == "reflect" and (b >= n or e >= n):
-            fail(node, f"reflect padding {torch_pad!r} must be smaller than the padded dims "
-                       f"{sizes}")
+            fail(node, f"reflect padding {torch_pad!r} must be smaller than the padded dims {sizes}")
         if mode == "circular" and max(b, e) > n + min(b, 0) + min(e, 0):
-            fail(node, f"circular padding {torch_pad!r} wraps around more than once for dims "
-                       f"{sizes}")
+            fail(node, f"circular padding {torch_pad!r} wraps around more than once for dims {sizes}")
     if value is None:
         value = 0.0
     if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -26,8 +26,11 @@ def grid_sample(node, ctx):
     if padding_mode not in PADDING_MODES:
         fail(node, f"padding_mode={padding_mode!r}: expected one of {', '.join(PADDING_MODES)}")
     if nd not in (2, 3) or len(gs) != nd + 2 or gs[-1] != nd or gs[0] != xs[0]:
-        fail(node, f"input {xs} and grid {gs}: expected (N, C, H, W) with (N, H', W', 2) "
-                   f"or (N, C, D, H, W) with (N, D', H', W', 3)")
+        fail(
+            node,
+            f"input {xs} and grid {gs}: expected (N, C, H, W) with (N, H', W', 2) "
+            f"or (N, C, D, H, W) with (N, D', H', W', 3)",
+        )
     if mode == "bicubic" and nd != 2:
         fail(node, "mode='bicubic' needs a 4-d input")
     attrs = dict(mode=mode, padding_mode=padding_mode, align_corners=bool(align))
@@ -41,8 +44,11 @@ def affine_grid(node, ctx):
         theta = data_input(node, "theta")
     ts = in_shape(node, theta)
     size = param(node, "size")
-    if not isinstance(size, tuple) or len(size) not in (4, 5) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size):
+    if (
+        not isinstance(size, tuple)
+        or len(size) not in (4, 5)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size)
+    ):
         fail(node, f"size={size!r}: expected 4 or 5 positive ints (N, C, *spatial)")
     nd = len(size) - 2
     if tuple(ts) != (size[0], nd, nd + 1):
@@ -76,9 +82,16 @@ def pairwise_distance(node, ctx):
     if rank == 0:
         fail(node, "pairwise_distance needs inputs of rank 1 or more")
     diff = ctx.temp(node, shape, x1.dtype, "diff")
-    return [elementwise(node, E.call("add", E.call("sub", E.at(0), E.at(1)), eps), [x1, x2], outputs=[diff],
-                        name=node.name + ".diff"),
-            make(node, "reduce_norm", [diff], dict(axes=(rank - 1,), keepdim=keepdim, p=p))]
+    return [
+        elementwise(
+            node,
+            E.call("add", E.call("sub", E.at(0), E.at(1)), eps),
+            [x1, x2],
+            outputs=[diff],
+            name=node.name + ".diff",
+        ),
+        make(node, "reduce_norm", [diff], dict(axes=(rank - 1,), keepdim=keepdim, p=p)),
+    ]
 
 
 def _broadcast(a, b):
@@ -92,7 +105,6 @@ def _broadcast(a, b):
     return tuple(out)
 
 
-
 @rule("torchvision.ops.RoIAlign")
 def roi_align(node, ctx):
     x, rois = data_input(node, "input", 0), data_input(node, "rois", 1)
@@ -103,8 +115,12 @@ def roi_align(node, ctx):
     ratio = param(node, "sampling_ratio", -1)
     if not isinstance(ratio, int) or isinstance(ratio, bool):
         fail(node, f"sampling_ratio={ratio!r} must be an int")
-    attrs = dict(output_size=size, spatial_scale=_number(node, "spatial_scale", 1.0), sampling_ratio=ratio,
-                 aligned=bool(param(node, "aligned", False)))
+    attrs = dict(
+        output_size=size,
+        spatial_scale=_number(node, "spatial_scale", 1.0),
+        sampling_ratio=ratio,
+        aligned=bool(param(node, "aligned", False)),
+    )
     return [make(node, "roi_align", [x, rois], attrs)]
 
 
@@ -128,8 +144,13 @@ def deform_conv2d(node, ctx):
         fail(node, f"offset {os_}: expected 2 * offset_groups * {k} channels, offset_groups dividing {xs[1]}")
     if mask is not None and in_shape(node, mask)[1] != os_[1] // 2:
         fail(node, f"mask {mask.shape}: expected {os_[1] // 2} channels")
-    attrs = dict(stride=ints(node, "stride", 2, 1), pads=ints(node, "padding", 2, 0),
-                 dilation=ints(node, "dilation", 2, 1), groups=groups, has_mask=mask is not None,
-                 has_bias=b is not None)
+    attrs = dict(
+        stride=ints(node, "stride", 2, 1),
+        pads=ints(node, "padding", 2, 0),
+        dilation=ints(node, "dilation", 2, 1),
+        groups=groups,
+        has_mask=mask is not None,
+        has_bias=b is not None,
+    )
     inputs = [x, offset, w] + ([mask] if mask is not None else []) + ([b] if b is not None else [])
     return [make(node, "deform_conv", inputs, attrs)]

@@ -7,8 +7,6 @@ re-planning at other input shapes, the shape argument as written (`pnnx_shape`).
 """
 
 import numpy as np
-
-from pmx.runtime.kernels.shape import slice_infer
 from pmx.compiler.canon import (
     Forward,
     data_input,
@@ -19,18 +17,48 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
+from pmx.runtime.kernels.shape import slice_infer
 
 
-@rule("nn.Dropout", "nn.Dropout1d", "nn.Dropout2d", "nn.Dropout3d", "nn.AlphaDropout", "F.dropout",
-      "F.dropout1d", "F.dropout2d", "F.dropout3d", "F.alpha_dropout", "nn.Identity",
-      "Tensor.contiguous", "Tensor.detach", "Tensor.clone", "torch.clone", "torch.detach")
+@rule(
+    "nn.Dropout",
+    "nn.Dropout1d",
+    "nn.Dropout2d",
+    "nn.Dropout3d",
+    "nn.AlphaDropout",
+    "F.dropout",
+    "F.dropout1d",
+    "F.dropout2d",
+    "F.dropout3d",
+    "F.alpha_dropout",
+    "nn.Identity",
+    "Tensor.contiguous",
+    "Tensor.detach",
+    "Tensor.clone",
+    "torch.clone",
+    "torch.detach",
+)
 def identity(node, ctx):
     return Forward(data_input(node))
 
 
-@rule("Tensor.reshape", "Tensor.view", "torch.reshape", "torch.flatten", "Tensor.flatten", "nn.Flatten",
-      "torch.squeeze", "Tensor.squeeze", "torch.unsqueeze", "Tensor.unsqueeze", "nn.Unflatten",
-      "torch.unflatten", "Tensor.unflatten", "torch.ravel", "Tensor.ravel")
+@rule(
+    "Tensor.reshape",
+    "Tensor.view",
+    "torch.reshape",
+    "torch.flatten",
+    "Tensor.flatten",
+    "nn.Flatten",
+    "torch.squeeze",
+    "Tensor.squeeze",
+    "torch.unsqueeze",
+    "Tensor.unsqueeze",
+    "nn.Unflatten",
+    "torch.unflatten",
+    "Tensor.unflatten",
+    "torch.ravel",
+    "Tensor.ravel",
+)
 def reshape(node, ctx):
     x = data_input(node)
     shape = out_shape(node)
@@ -50,7 +78,7 @@ def reshape(node, ctx):
 
 @rule("torch.cat", "torch.concat", "torch.concatenate")
 def cat(node, ctx):
-    inputs = [v for v in node.inputs]
+    inputs = list(node.inputs)
     dim = param(node, "dim", 0)
     ranks = {len(in_shape(node, v)) for v in inputs}
     if len(ranks) != 1:
@@ -58,8 +86,7 @@ def cat(node, ctx):
     return [make(node, "concat", inputs, dict(axis=dim))]
 
 
-@rule("torch.chunk", "Tensor.chunk", "torch.split", "Tensor.split", "torch.tensor_split",
-      "Tensor.tensor_split")
+@rule("torch.chunk", "Tensor.chunk", "torch.split", "Tensor.split", "torch.tensor_split", "Tensor.tensor_split")
 def split(node, ctx):
     x = data_input(node)
     dim = param(node, "dim", 0)
@@ -77,11 +104,22 @@ def unbind(node, ctx):
     x = data_input(node)
     dim = param(node, "dim", 0) % len(in_shape(node, x))
     nodes, parts = [], []
-    for i, out in enumerate(node.outputs):
+    for _ in node.outputs:
         parts.append(ctx.temp(node, tuple(1 if j == dim else d for j, d in enumerate(x.shape)), x.dtype))
-    nodes.append(make(node, "split", [x], dict(axis=dim, sizes=(1,) * len(parts)), outputs=parts, name=node.name + ".split"))
+    nodes.append(
+        make(node, "split", [x], dict(axis=dim, sizes=(1,) * len(parts)), outputs=parts, name=node.name + ".split")
+    )
     for part, out in zip(parts, node.outputs):
-        nodes.append(make(node, "reshape", [part], dict(shape=out_shape(node, node.outputs.index(out))), outputs=[out], name=out.name + ".squeeze"))
+        nodes.append(
+            make(
+                node,
+                "reshape",
+                [part],
+                dict(shape=out_shape(node, node.outputs.index(out))),
+                outputs=[out],
+                name=out.name + ".squeeze",
+            )
+        )
     return nodes
 
 

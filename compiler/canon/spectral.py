@@ -143,8 +143,15 @@ def stft(node, ctx):
         fail(node, f"reflect padding of {n_fft // 2} needs more than {n_fft // 2} samples, got {shape[-1]}")
     if param(node, "return_complex", True) is not True:
         fail(node, "return_complex=False is not supported (torch deprecates it): export with return_complex=True")
-    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=center, pad_mode=pad_mode,
-                 normalized=bool(param(node, "normalized", False)), onesided=bool(onesided))
+    attrs = dict(
+        n_fft=n_fft,
+        hop_length=hop,
+        win_length=win,
+        center=center,
+        pad_mode=pad_mode,
+        normalized=bool(param(node, "normalized", False)),
+        onesided=bool(onesided),
+    )
     return [make(node, "stft", [x] + ([window] if window is not None else []), attrs)]
 
 
@@ -168,9 +175,16 @@ def istft(node, ctx):
     length = param(node, "length", None)
     if length is not None and (not _int(length) or length < 1):
         fail(node, f"length={length!r} must be a positive int")
-    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=bool(param(node, "center", True)),
-                 normalized=bool(param(node, "normalized", False)), onesided=bool(onesided),
-                 return_complex=return_complex, length=length or 0)
+    attrs = dict(
+        n_fft=n_fft,
+        hop_length=hop,
+        win_length=win,
+        center=bool(param(node, "center", True)),
+        normalized=bool(param(node, "normalized", False)),
+        onesided=bool(onesided),
+        return_complex=return_complex,
+        length=length or 0,
+    )
     return [make(node, "istft", [x] + ([window] if window is not None else []), attrs)]
 
 
@@ -208,12 +222,20 @@ def _unit_window(node, ctx, window):
     squares = ctx.temp(node, tuple(w.shape), w.dtype, "wsq")
     total = ctx.temp(node, (1,), w.dtype, "wsum")
     unit = ctx.temp(node, tuple(w.shape), w.dtype, "wunit")
-    nodes = [make(node, "elementwise", [w], outputs=[squares], expr=E.call("mul", E.at(0), E.at(0)),
-                  name=f"{node.name}.wsq"),
-             make(node, "reduce_sum", [squares], dict(axes=(0,), keepdim=True), outputs=[total],
-                  name=f"{node.name}.wsum"),
-             make(node, "elementwise", [w, total], outputs=[unit], expr=E.call("div", E.at(0), E.call("sqrt", E.at(1))),
-                  name=f"{node.name}.wunit")]
+    nodes = [
+        make(
+            node, "elementwise", [w], outputs=[squares], expr=E.call("mul", E.at(0), E.at(0)), name=f"{node.name}.wsq"
+        ),
+        make(node, "reduce_sum", [squares], dict(axes=(0,), keepdim=True), outputs=[total], name=f"{node.name}.wsum"),
+        make(
+            node,
+            "elementwise",
+            [w, total],
+            outputs=[unit],
+            expr=E.call("div", E.at(0), E.call("sqrt", E.at(1))),
+            name=f"{node.name}.wunit",
+        ),
+    ]
     return nodes, unit
 
 
@@ -282,8 +304,16 @@ def spectrogram(node, ctx):
     nodes = []
     if pad:
         padded = ctx.temp(node, shape[:-1] + (t,), x.dtype, "pad")
-        nodes.append(make(node, "pad", [x], dict(pads=(pad, pad), mode="constant", value=0.0), outputs=[padded],
-                          name=f"{node.name}.pad"))
+        nodes.append(
+            make(
+                node,
+                "pad",
+                [x],
+                dict(pads=(pad, pad), mode="constant", value=0.0),
+                outputs=[padded],
+                name=f"{node.name}.pad",
+            )
+        )
         x = padded
     if window_norm:
         more, window = _unit_window(node, ctx, window)
@@ -291,8 +321,15 @@ def spectrogram(node, ctx):
     flat = _batched(node, ctx, nodes, x, 1)
     bins = n_fft // 2 + 1 if onesided else n_fft
     spec = ctx.temp(node, tuple(flat.shape[:-1]) + (bins, 1 + (n - n_fft) // hop), _complex_dtype(x.dtype), "stft")
-    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=center, pad_mode=pad_mode,
-                 normalized=frame_norm, onesided=onesided)
+    attrs = dict(
+        n_fft=n_fft,
+        hop_length=hop,
+        win_length=win,
+        center=center,
+        pad_mode=pad_mode,
+        normalized=frame_norm,
+        onesided=onesided,
+    )
     nodes.append(make(node, "stft", [flat, window], attrs, outputs=[spec], name=f"{node.name}.stft"))
     spec = _unbatched(node, ctx, nodes, spec, shape[:-1])
     if power is not None:
@@ -318,8 +355,9 @@ def inverse_spectrogram(node, ctx):
     onesided = bool(param(node, "onesided", True))
     bins = n_fft // 2 + 1 if onesided else n_fft
     if shape[-2] != bins:
-        fail(node, f"spectrogram has {shape[-2]} frequency bins: expected {bins} for n_fft={n_fft}, "
-                   f"onesided={onesided}")
+        fail(
+            node, f"spectrogram has {shape[-2]} frequency bins: expected {bins} for n_fft={n_fft}, onesided={onesided}"
+        )
     length = param(node, "length", None)
     if length is not None and (not _int(length) or length < 1):
         fail(node, f"length={length!r} must be None or a positive int")
@@ -336,8 +374,16 @@ def inverse_spectrogram(node, ctx):
     if n < 1:
         fail(node, f"the inverse has {n} samples: too few frames ({shape[-1]}) for n_fft={n_fft}")
     wave = ctx.temp(node, tuple(flat.shape[:-2]) + (n,), "float64" if x.dtype == "complex128" else "float32", "istft")
-    attrs = dict(n_fft=n_fft, hop_length=hop, win_length=win, center=center, normalized=frame_norm,
-                 onesided=onesided, return_complex=False, length=0 if length is None else n)
+    attrs = dict(
+        n_fft=n_fft,
+        hop_length=hop,
+        win_length=win,
+        center=center,
+        normalized=frame_norm,
+        onesided=onesided,
+        return_complex=False,
+        length=0 if length is None else n,
+    )
     nodes.append(make(node, "istft", [flat, window], attrs, outputs=[wave], name=f"{node.name}.istft"))
     if length is not None and pad > 0:
         cut = ctx.temp(node, tuple(wave.shape[:-1]) + (length,), wave.dtype, "unpad")

@@ -47,8 +47,15 @@ class Pass(NamedTuple):
     keeps_nodes: bool = False
 
 
-FUSIONS = ("fuse_conv_batchnorm", "fuse_activation", "batch_norm_as_elementwise", "fuse_elementwise",
-           "negate_silu_weights", "fold_affine_relu", "pool_before_pointwise")
+FUSIONS = (
+    "fuse_conv_batchnorm",
+    "fuse_activation",
+    "batch_norm_as_elementwise",
+    "fuse_elementwise",
+    "negate_silu_weights",
+    "fold_affine_relu",
+    "pool_before_pointwise",
+)
 
 PIPELINE = [
     # PNNX spellings -> canonical ops; everything after sees one op set.
@@ -70,12 +77,20 @@ PIPELINE = [
     Pass("fuse_activation", fuse_activation, optional=True, after=("mark_dynamic_dims", "fuse_conv_batchnorm")),
     # A batch_norm no conv absorbed becomes an expression fuse_elementwise can merge
     # with its neighbours (DenseNet's BN -> ReLU).
-    Pass("batch_norm_as_elementwise", batch_norm_as_elementwise, optional=True,
-         after=("mark_dynamic_dims", "fuse_conv_batchnorm")),
+    Pass(
+        "batch_norm_as_elementwise",
+        batch_norm_as_elementwise,
+        optional=True,
+        after=("mark_dynamic_dims", "fuse_conv_batchnorm"),
+    ),
     # After fuse_activation, so a GEMM's activation goes into its epilogue (in cache)
     # rather than into a separate elementwise region that re-reads the output.
-    Pass("fuse_elementwise", fuse_elementwise, optional=True,
-         after=("mark_dynamic_dims", "fuse_activation", "batch_norm_as_elementwise")),
+    Pass(
+        "fuse_elementwise",
+        fuse_elementwise,
+        optional=True,
+        after=("mark_dynamic_dims", "fuse_activation", "batch_norm_as_elementwise"),
+    ),
     # After the activations are final: SiLU epilogues run over negated products, one
     # numpy pass fewer (bit-identical results).
     Pass("negate_silu_weights", negate_silu_weights, optional=True, after=("fuse_activation", "fuse_elementwise")),
@@ -105,8 +120,9 @@ PIPELINE = [
     # concat gets the first claim on a tensor's placement.
     Pass("alias_concat", alias_concat, optional=True, after=("order", "alias_views"), keeps_nodes=True),
     # Needs the final order and every other alias to know where each buffer dies.
-    Pass("write_inplace", write_inplace, optional=True, after=("order", "alias_views", "alias_concat"),
-         keeps_nodes=True),
+    Pass(
+        "write_inplace", write_inplace, optional=True, after=("order", "alias_views", "alias_concat"), keeps_nodes=True
+    ),
     # Lifetimes over the final order and placement -> arena offsets.
     Pass("plan_memory", plan_memory, after=("order", "write_inplace"), keeps_nodes=True),
 ]
@@ -169,23 +185,25 @@ def check_aliases(graph, aliases, after=""):
 
     where = f" after pass {after}" if after else ""
     values = {v.uid for v in graph.values()}
-    for uid, (target, offset, strides) in aliases.items():
+    for uid, (target, _offset, _strides) in aliases.items():
         if uid not in values:
             continue  # the viewing tensor was removed; harmless, the writer ignores it
         if target.is_constant or target.uid not in values:
             raise PmxCompileError(
-                f"alias check failed{where}: a tensor aliases {target.name}, which is not a live tensor")
+                f"alias check failed{where}: a tensor aliases {target.name}, which is not a live tensor"
+            )
         seen = {uid}
         t = target
         while t.uid in aliases:
             if t.uid in seen:
-                raise PmxCompileError(
-                    f"alias check failed{where}: alias chain through {t.name} loops")
+                raise PmxCompileError(f"alias check failed{where}: alias chain through {t.name} loops")
             seen.add(t.uid)
             t = aliases[t.uid][0]
     by_uid = {v.uid: v for v in graph.values()}
     for uid, (target, offset, strides) in aliases.items():
         v = by_uid.get(uid)
         if v is not None and strides is None and offset + v.nbytes > target.nbytes:
-            raise PmxCompileError(f"alias check failed{where}: {v.name} [{offset}, +{v.nbytes}) "
-                                  f"exceeds {target.name} ({target.nbytes} bytes)")
+            raise PmxCompileError(
+                f"alias check failed{where}: {v.name} [{offset}, +{v.nbytes}) "
+                f"exceeds {target.name} ({target.nbytes} bytes)"
+            )

@@ -17,7 +17,6 @@ concat's output itself becomes the leading part of the later one, so none of the
 """
 
 import numpy as np
-
 from pmx.compiler.passes.plan_memory import resolve
 
 
@@ -39,7 +38,7 @@ def _alias_prefixes(aliases, concats, fixed):
         out = a.outputs[0]
         if out.uid in fixed or out.uid in aliases or not _contiguous_slices(a, aliases):
             continue
-        for b in concats[i + 1:]:
+        for b in concats[i + 1 :]:
             if not (_is_prefix(a, b) and _contiguous_slices(b, aliases)):
                 continue
             if resolve(b.outputs[0], aliases)[0] is not out:
@@ -67,13 +66,19 @@ def alias_concat(graph, ctx) -> bool:
         if not _contiguous_slices(node, aliases):
             continue
         axis = node.attrs["axis"] % len(out.shape)
-        inner = int(np.prod(out.shape[axis + 1:], dtype=np.int64)) * np.dtype(out.dtype).itemsize
+        inner = int(np.prod(out.shape[axis + 1 :], dtype=np.int64)) * np.dtype(out.dtype).itemsize
         uids = [v.uid for v in node.inputs]
         offset = 0
         for v in node.inputs:
-            ok = (not v.is_constant and v.uid not in fixed and v.uid not in aliases
-                  and v.producer is not None and v.dtype == out.dtype and uids.count(v.uid) == 1
-                  and resolve(out, aliases)[0] is not v)
+            ok = (
+                not v.is_constant
+                and v.uid not in fixed
+                and v.uid not in aliases
+                and v.producer is not None
+                and v.dtype == out.dtype
+                and uids.count(v.uid) == 1
+                and resolve(out, aliases)[0] is not v
+            )
             if ok:
                 aliases[v.uid] = (out, offset, None)
                 changed = True

@@ -9,7 +9,6 @@ Not aliased, so the kernel copies:
   (in-place writes through a view) do downstream.
 """
 
-
 from pmx.compiler.passes.plan_memory import resolve
 from pmx.runtime.kernels.registry import get
 

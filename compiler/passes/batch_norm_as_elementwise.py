@@ -4,7 +4,6 @@ fuse_elementwise merges it with what follows (DenseNet's BN -> ReLU). The values
 same: the kernel computed x * scale + shift in the input's dtype too."""
 
 import numpy as np
-
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E
@@ -12,8 +11,17 @@ from pmx.runtime import expr as E
 EXPR = E.call("add", E.call("mul", E.at(0), E.at(1)), E.at(2))
 
 
-@rule(N("batch_norm", V("x", kind="f"), V("scale", const=True), V("shift", const=True), arity=3, name="bn",
-        where=lambda bn, m: len(m.x.shape) >= 2 and m.scale.dtype == m.shift.dtype == m.x.dtype))
+@rule(
+    N(
+        "batch_norm",
+        V("x", kind="f"),
+        V("scale", const=True),
+        V("shift", const=True),
+        arity=3,
+        name="bn",
+        where=lambda bn, m: len(m.x.shape) >= 2 and m.scale.dtype == m.shift.dtype == m.x.dtype,
+    )
+)
 def batch_norm_to_expression(graph, m):
     """Constant scale and shift of the input's float dtype, broadcast along axis 1."""
     bn, rank = m.bn, len(m.x.shape)

@@ -1,7 +1,6 @@
 """PNNX spellings -> the canonical op set (rules in compiler/canon/)."""
 
 import numpy as np
-
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.runtime.errors import PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes
@@ -16,8 +15,13 @@ def canonicalize(graph, ctx) -> bool:
         raise PmxUnsupportedOpError(
             f"{graph.source}: line {first.line}: unsupported op {first.op} (node '{first.name}'){more}. "
             f"`pmx compile --list-ops` prints the supported op types"
-            + (" (Tensor.size appears in exports with dynamic dims: export with a fixed shape and "
-               "declare dynamic dims with --dynamic / --shape)" if first.op in ("Tensor.size", "aten::size") else ""))
+            + (
+                " (Tensor.size appears in exports with dynamic dims: export with a fixed shape and "
+                "declare dynamic dims with --dynamic / --shape)"
+                if first.op in ("Tensor.size", "aten::size")
+                else ""
+            )
+        )
     rules_ctx = Context(graph)
     changed = False
     for node in list(graph.nodes):
@@ -50,7 +54,7 @@ def _fill_shapes(node):
         return
     try:
         results = output_shapes(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
-    except Exception:  # noqa: BLE001 - infer_shapes reports the error with context
+    except Exception:
         return
     for v, (shape, dtype) in zip(node.outputs, results):
         if v.shape is None or None in v.shape:

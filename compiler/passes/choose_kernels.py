@@ -57,7 +57,6 @@ conv/linear/matmul run on numpy (in place, on a tensor still in cache).
 """
 
 import numpy as np
-
 from pmx.compiler.passes.prepack_weights import WINOGRAD, winograd_applies
 from pmx.runtime import expr as E
 
@@ -66,8 +65,27 @@ WINOGRAD_MIN_TILES = 36
 NUMEXPR_WHERE_MIN_ELEMENTS = 1 << 16
 NUMEXPR_TINY_MAX_ELEMENTS = 1 << 10
 NUMEXPR_TINY_MIN_OPS = 6
-TRANSCENDENTAL = {"exp", "log", "log10", "log1p", "expm1", "pow", "sin", "cos", "tan", "asin",
-                  "acos", "atan", "atan2", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh"}
+TRANSCENDENTAL = {
+    "exp",
+    "log",
+    "log10",
+    "log1p",
+    "expm1",
+    "pow",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "atan2",
+    "sinh",
+    "cosh",
+    "tanh",
+    "asinh",
+    "acosh",
+    "atanh",
+}
 
 
 def _functions(tree, acc):
@@ -113,5 +131,8 @@ def winograd_pays(node) -> bool:
         return False
     k, c = node.inputs[1].shape[:2]
     ho, wo = node.outputs[0].shape[2:]
-    return c >= WINOGRAD_MIN_CHANNELS and k >= WINOGRAD_MIN_CHANNELS // 4 and \
-        (-(-ho // 2)) * (-(-wo // 2)) >= WINOGRAD_MIN_TILES
+    return (
+        c >= WINOGRAD_MIN_CHANNELS
+        and k >= WINOGRAD_MIN_CHANNELS // 4
+        and (-(-ho // 2)) * (-(-wo // 2)) >= WINOGRAD_MIN_TILES
+    )

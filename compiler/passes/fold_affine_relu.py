@@ -13,23 +13,29 @@ window; without padding every output sees every tap). Three numpy passes become 
 is clipped |s| t and b cancel to within an ulp of b rather than exactly."""
 
 import numpy as np
-
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import In, Lit, N, V, rule, rule_pass
 from pmx.runtime import expr as E
 
 FOLDED = E.call("maximum", E.at(0), E.at(1))
 FOLDED_SIGNED = E.call("maximum", E.call("mul", E.at(0), E.at(1)), E.at(2))
-AFFINE_RELU = E.call("maximum", E.call("add", E.call("mul", In("x", V(const=False, kind="f")), In("s", V(const=True))),
-                                       In("b", V(const=True))), Lit(0, 0.0))
+AFFINE_RELU = E.call(
+    "maximum",
+    E.call("add", E.call("mul", In("x", V(const=False, kind="f")), In("s", V(const=True))), In("b", V(const=True))),
+    Lit(0, 0.0),
+)
 
 
 def _per_channel(x, v):
     """v holds one value of x's dtype per channel of x (axis 1): (C, 1, ...) or (1, C, 1, ...)."""
     shape = tuple(np.shape(v.data))
     padded = (1,) * (len(x.shape) - len(shape)) + shape
-    return (v.dtype == x.dtype and len(x.shape) >= 2 and len(shape) <= len(x.shape)
-            and padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2))
+    return (
+        v.dtype == x.dtype
+        and len(x.shape) >= 2
+        and len(shape) <= len(x.shape)
+        and padded == (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
+    )
 
 
 def _readers_with_own_weights(graph, y):
@@ -40,8 +46,13 @@ def _readers_with_own_weights(graph, y):
     for reader in readers:
         w = reader.inputs[1] if len(reader.inputs) > 1 else None
         b = reader.inputs[2] if len(reader.inputs) > 2 else None
-        if (reader.inputs[0] is not y or w is None or not w.is_constant or w.dtype != y.dtype
-                or graph.sole_reader(w) is not reader):
+        if (
+            reader.inputs[0] is not y
+            or w is None
+            or not w.is_constant
+            or w.dtype != y.dtype
+            or graph.sole_reader(w) is not reader
+        ):
             return None
         if b is not None and (not b.is_constant or b.dtype != y.dtype or graph.sole_reader(b) is not reader):
             return None
@@ -55,8 +66,13 @@ def _absorbing_readers(graph, y, channels):
     for reader in readers or ():
         w, a = reader.inputs[1], reader.attrs
         if reader.op == "conv":
-            if (int(a.get("groups", 1)) != 1 or any(a.get("pads", ())) or len(w.shape) != len(y.shape)
-                    or w.shape[1] != channels or (len(reader.inputs) > 3 and reader.inputs[3] is not None)):
+            if (
+                int(a.get("groups", 1)) != 1
+                or any(a.get("pads", ()))
+                or len(w.shape) != len(y.shape)
+                or w.shape[1] != channels
+                or (len(reader.inputs) > 3 and reader.inputs[3] is not None)
+            ):
                 return None
         elif reader.op != "linear" or len(y.shape) != 2 or len(w.shape) != 2 or w.shape[1] != channels:
             return None
@@ -86,8 +102,16 @@ def _threshold(scale, shift, dtype):
     return t if np.all(np.abs(t) <= np.finfo(dtype).max) else None
 
 
-@rule(N("elementwise", arity=3, expr=AFFINE_RELU, out=V("y", internal=True), name="node",
-        where=lambda node, m: m.s is not m.b and _per_channel(m.x, m.s) and _per_channel(m.x, m.b)))
+@rule(
+    N(
+        "elementwise",
+        arity=3,
+        expr=AFFINE_RELU,
+        out=V("y", internal=True),
+        name="node",
+        where=lambda node, m: m.s is not m.b and _per_channel(m.x, m.s) and _per_channel(m.x, m.b),
+    )
+)
 def fold_into_readers(graph, m):
     """Only where every reader can absorb the scale and shift into weights of its own."""
     node, x, like = m.node, m.x, m.s
@@ -101,8 +125,9 @@ def fold_into_readers(graph, m):
         _absorb(graph, reader, scale, shift)
 
     def constant(suffix, values):  # shaped and typed as the old scale
-        return Value(f"{node.name}.{suffix}", like.shape, like.dtype,
-                     data=values.reshape(np.shape(like.data)).astype(like.dtype))
+        return Value(
+            f"{node.name}.{suffix}", like.shape, like.dtype, data=values.reshape(np.shape(like.data)).astype(like.dtype)
+        )
 
     sign = np.sign(scale)
     if np.all(sign > 0):

@@ -10,8 +10,15 @@ from pmx.runtime import expr as E
 GEMM_OPS = ("conv", "linear", "matmul")
 
 
-@rule(N("elementwise", V("x", N(GEMM_OPS, name="gemm"), sole=True, kind="f"), arity=1, name="act",
-        where=lambda act, m: act.outputs[0].shape == m.x.shape and act.outputs[0].dtype == m.x.dtype))
+@rule(
+    N(
+        "elementwise",
+        V("x", N(GEMM_OPS, name="gemm"), sole=True, kind="f"),
+        arity=1,
+        name="act",
+        where=lambda act, m: act.outputs[0].shape == m.x.shape and act.outputs[0].dtype == m.x.dtype,
+    )
+)
 def fuse_into_epilogue(graph, m):
     """Only where the activation is the GEMM output's sole reader and neither broadcasts
     nor changes dtype: the epilogue overwrites the output."""

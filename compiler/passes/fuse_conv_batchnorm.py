@@ -3,17 +3,30 @@ weights and bias: W' = W * scale per output channel, b' = b * scale + shift, in 
 stored in the weight's dtype (new constants: the old weight may be shared)."""
 
 import numpy as np
-
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 
 # a conv or linear with constant weights and no epilogue yet
-GEMM = N(("conv", "linear"), None, V("w", const=True, kind="f"), V("b", const=True, opt=True), name="p",
-         where=lambda p, m: not p.expr)
+GEMM = N(
+    ("conv", "linear"),
+    None,
+    V("w", const=True, kind="f"),
+    V("b", const=True, opt=True),
+    name="p",
+    where=lambda p, m: not p.expr,
+)
 
 
-@rule(N("batch_norm", V("x", GEMM, sole=True), V("scale", const=True), V("shift", const=True), name="bn",
-        where=lambda bn, m: (m.p.op == "conv" or len(m.x.shape) == 2) and m.scale.data.size == m.w.shape[0]))
+@rule(
+    N(
+        "batch_norm",
+        V("x", GEMM, sole=True),
+        V("scale", const=True),
+        V("shift", const=True),
+        name="bn",
+        where=lambda bn, m: (m.p.op == "conv" or len(m.x.shape) == 2) and m.scale.data.size == m.w.shape[0],
+    )
+)
 def fold_batchnorm(graph, m):
     """The conv's output has no other reader (it would need the unnormalized values); a
     linear only on (N, C) input, where the norm's axis 1 is its output feature axis."""

@@ -3,7 +3,6 @@ producer merges into its consumer. Inputs are deduplicated, so add(x, relu(x)) r
 once; a region stays within numexpr's operand limit and the parser's depth limit."""
 
 import numpy as np
-
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E
 
@@ -56,8 +55,12 @@ def merge_producer(graph, m):
     if _numel(v) != _numel(node.outputs[0]) or not _writes_as_computed(p.expr, p.inputs, v):
         return None
     inputs, tree = _merge(node, v)
-    if (len(inputs) > MAX_INPUTS or E.size(tree) > MAX_SIZE or _depth(tree) > MAX_DEPTH
-            or not _writes_as_computed(tree, inputs, node.outputs[0])):
+    if (
+        len(inputs) > MAX_INPUTS
+        or E.size(tree) > MAX_SIZE
+        or _depth(tree) > MAX_DEPTH
+        or not _writes_as_computed(tree, inputs, node.outputs[0])
+    ):
         return None
     graph.remove_node(p)
     graph.set_inputs(node, inputs)

@@ -21,7 +21,6 @@ ctx.fixed_reasons = [text, ...] for the compile summary.
 """
 
 import numpy as np
-
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.kernels.shape import resolve_dyn_shape
@@ -65,8 +64,9 @@ def symbolic_reshape(target, in_compiled, in_probe, batch_values=()):
         if candidate is None:
             continue
         try:
-            if (resolve_dyn_shape(candidate, in_compiled) == resolve_dyn_shape(target, in_compiled)
-                    and _numel(resolve_dyn_shape(candidate, in_probe)) == _numel(in_probe)):
+            if resolve_dyn_shape(candidate, in_compiled) == resolve_dyn_shape(target, in_compiled) and _numel(
+                resolve_dyn_shape(candidate, in_probe)
+            ) == _numel(in_probe):
                 return tuple(candidate)
         except ValueError:
             continue
@@ -225,9 +225,13 @@ def mark_dynamic_dims(graph, ctx) -> bool:
                 ranges[d] = rng
             ctx.dynamic[v.name] = ranges
     # outputs whose dims moved in the probe are reported as dynamic (get_outputs: None)
-    ctx.dynamic_outputs.update({
-        v.uid: [i for i, (a, b) in enumerate(zip(v.shape, shapes[v.uid])) if a != b]
-        for v in graph.outputs if v.uid in shapes and shapes[v.uid] != v.shape})
+    ctx.dynamic_outputs.update(
+        {
+            v.uid: [i for i, (a, b) in enumerate(zip(v.shape, shapes[v.uid])) if a != b]
+            for v in graph.outputs
+            if v.uid in shapes and shapes[v.uid] != v.shape
+        }
+    )
     return False
 
 
@@ -260,14 +264,17 @@ def _probe(graph, req):
                 target = node.attrs["shape"]
             new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
             if new is None:
-                return (node, f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}"), None
+                return (
+                    node,
+                    f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}",
+                ), None
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
             continue
         dtypes = [np.dtype(x.dtype) for x in ins]
         try:
             results = output_shapes(node, in_probe, dtypes)
-        except Exception as e:  # noqa: BLE001 - a rule rejecting the probe fixes the dim
+        except Exception as e:
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
                 return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
@@ -296,7 +303,7 @@ def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
         results = output_shapes(probe_node, in_probe, dtypes)
         if output_shapes(probe_node, [x.shape for x in ins], dtypes)[0][0] != tuple(node.outputs[0].shape):
             return None
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     rewrites[node.uid] = (node, {key: value})
     return results

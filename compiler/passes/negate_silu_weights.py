@@ -4,7 +4,6 @@ passes instead of four (negate, exp, add 1, divide). Bit-identical: negating eve
 weight and the bias negates each product and sum exactly (rounding is symmetric)."""
 
 import numpy as np
-
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E
@@ -13,8 +12,16 @@ SILU = E.call("mul", E.at(0), E.call("sigmoid", E.at(0)))
 NEGATED_SILU = E.call("div", E.at(0), E.call("sub", -1, E.call("exp", E.at(0))))
 
 
-@rule(N(("conv", "linear"), None, V("w", const=True, kind="f", sole=True),
-        V("b", const=True, kind="f", sole=True, opt=True), expr=SILU, name="gemm"))
+@rule(
+    N(
+        ("conv", "linear"),
+        None,
+        V("w", const=True, kind="f", sole=True),
+        V("b", const=True, kind="f", sole=True, opt=True),
+        expr=SILU,
+        name="gemm",
+    )
+)
 def negate_weights(graph, m):
     """Only weights no other node reads: the file would hold both."""
     for i, v in ((1, m.w), (2, m.b)):

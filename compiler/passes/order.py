@@ -29,6 +29,7 @@ def order(graph, ctx) -> bool:
                     heapq.heappush(ready, (position[c.uid], c.uid))
     if len(result) != len(graph.nodes):
         from pmx.runtime.errors import PmxCompileError
+
         stuck = [n for n in graph.nodes if indegree[n.uid] > 0][:3]
         raise PmxCompileError(f"the graph has a cycle through {', '.join(n.where() for n in stuck)}")
     changed = [n.uid for n in result] != [n.uid for n in graph.nodes]

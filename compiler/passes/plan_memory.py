@@ -32,10 +32,10 @@ def resolve(v, aliases):
 def value_lifetimes(graph):
     """{value uid: (first step, last step)} over graph.nodes (runtime/plan.lifetimes)."""
     constants = {v.uid for v in graph.values() if v.is_constant}
-    steps = [([v.uid if v is not None else None for v in n.inputs], [v.uid for v in n.outputs])
-             for n in graph.nodes]
-    return lifetimes(steps, [v.uid for v in graph.inputs],
-                     [v.uid for v in graph.outputs + graph.kept], constants.__contains__)
+    steps = [([v.uid if v is not None else None for v in n.inputs], [v.uid for v in n.outputs]) for n in graph.nodes]
+    return lifetimes(
+        steps, [v.uid for v in graph.inputs], [v.uid for v in graph.outputs + graph.kept], constants.__contains__
+    )
 
 
 def root_lifetimes(graph, aliases):

@@ -11,17 +11,28 @@ from pmx.compiler.rewrite import N, V, rule, rule_pass
 def _pointwise(conv, m):
     """Stride 1, unpadded, 1x1, no epilogue, no input scale."""
     a, w = conv.attrs, m.w
-    return (not conv.expr and w.shape is not None and all(k == 1 for k in w.shape[2:])
-            and all(s == 1 for s in a.get("stride", ())) and not any(a.get("pads", ()))
-            and not (len(conv.inputs) > 3 and conv.inputs[3] is not None) and m.x.dtype == m.y.dtype)
+    return (
+        not conv.expr
+        and w.shape is not None
+        and all(k == 1 for k in w.shape[2:])
+        and all(s == 1 for s in a.get("stride", ()))
+        and not any(a.get("pads", ()))
+        and not (len(conv.inputs) > 3 and conv.inputs[3] is not None)
+        and m.x.dtype == m.y.dtype
+    )
 
 
 def _averaging(pool, m):
     """Unpadded (with count_include_pad the border weights would not sum to 1, scaling the
     bias), no divisor override, no dilation."""
     a = pool.attrs
-    return (not any(a.get("pads", ())) and not a.get("divisor_override") and all(d == 1 for d in a.get("dilation", ()))
-            and m.x.shape is not None and pool.outputs[0].shape is not None)
+    return (
+        not any(a.get("pads", ()))
+        and not a.get("divisor_override")
+        and all(d == 1 for d in a.get("dilation", ()))
+        and m.x.shape is not None
+        and pool.outputs[0].shape is not None
+    )
 
 
 CONV = N("conv", V("x"), V("w"), name="conv", where=_pointwise)

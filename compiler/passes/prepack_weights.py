@@ -21,12 +21,24 @@ def winograd_applies(node) -> bool:
         return False
     x, w = node.inputs[0], node.inputs[1]
     a = node.attrs
-    return (w is not None and w.is_constant and w.shape is not None and len(w.shape) == 4
-            and tuple(w.shape[2:]) == (3, 3) and str(w.dtype) in ("float32", "float64")
-            and x is not None and x.shape is not None and len(x.shape) == 4 and x.dtype == w.dtype
-            and tuple(a.get("stride", (1, 1))) == (1, 1) and tuple(a.get("dilation", (1, 1))) == (1, 1)
-            and a.get("groups", 1) == 1 and a.get("padding_mode", "zeros") == "zeros"
-            and len(node.inputs) <= 3 and all(p >= 0 for p in a["pads"]))
+    return (
+        w is not None
+        and w.is_constant
+        and w.shape is not None
+        and len(w.shape) == 4
+        and tuple(w.shape[2:]) == (3, 3)
+        and str(w.dtype) in ("float32", "float64")
+        and x is not None
+        and x.shape is not None
+        and len(x.shape) == 4
+        and x.dtype == w.dtype
+        and tuple(a.get("stride", (1, 1))) == (1, 1)
+        and tuple(a.get("dilation", (1, 1))) == (1, 1)
+        and a.get("groups", 1) == 1
+        and a.get("padding_mode", "zeros") == "zeros"
+        and len(node.inputs) <= 3
+        and all(p >= 0 for p in a["pads"])
+    )
 
 
 def packed(node, variant, weight):

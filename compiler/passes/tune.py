@@ -35,7 +35,6 @@ got slower. Steady-state ms, medians over 4-5 fresh processes taking turns (2 th
 import time
 
 import numpy as np
-
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
 from pmx.runtime.kernels import conv, elementwise
 from pmx.runtime.kernels.bind import BindContext
@@ -149,7 +148,7 @@ def _bind(node, variant, rng):
             with np.errstate(all="ignore"):
                 run()
         return run
-    except Exception:  # noqa: BLE001 - a candidate that cannot run is not chosen
+    except Exception:
         return None
     finally:
         node.variant = before

@@ -34,7 +34,7 @@ def write_inplace(graph, ctx) -> bool:
                 continue
             if x.shape != out.shape or x.dtype != out.dtype:
                 continue
-            root, offset, strided = resolve(x, aliases)
+            root, _offset, strided = resolve(x, aliases)
             if strided or root.uid in pinned or roots[root.uid][2] != step:
                 continue
             others = [y for y in node.inputs if y is not None and y is not x and not y.is_constant]

@@ -42,10 +42,18 @@ throughput of its two GEMMs alone.
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, NUMBER, defaulting, integer, one_of, optional,
-                                            or_empty, words)
+from pmx.runtime.kernels.attr_specs import (
+    FLAG,
+    NON_NEGATIVE,
+    NUMBER,
+    defaulting,
+    integer,
+    one_of,
+    optional,
+    or_empty,
+    words,
+)
 from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import along, chain, view_as
 from pmx.runtime.kernels.registry import register
@@ -60,12 +68,19 @@ def _mask_inputs(attrs, ranks):
 
 # packed first: the number of mask inputs follows it; masks: one mode per mask input;
 # mask_roles: () (all attention masks) or one role per mask
-ATTENTION_ATTRS = dict(packed=optional(one_of("", "qkv", "kv")), heads=optional(NON_NEGATIVE),
-                       seq_axis=optional(integer(0, 1)), gqa=optional(FLAG), scale=optional(NUMBER),
-                       causal=optional(FLAG), masks=defaulting((), words("add", "keep", "drop", length=_mask_inputs)),
-                       mask_roles=optional(or_empty(words("attn", "key_padding", length=_mask_inputs))),
-                       tile_masks=optional(FLAG),
-                       weights=optional(one_of("none", "mean", "heads")), masked_rows=optional(one_of("nan", "zero")))
+ATTENTION_ATTRS = dict(
+    packed=optional(one_of("", "qkv", "kv")),
+    heads=optional(NON_NEGATIVE),
+    seq_axis=optional(integer(0, 1)),
+    gqa=optional(FLAG),
+    scale=optional(NUMBER),
+    causal=optional(FLAG),
+    masks=defaulting((), words("add", "keep", "drop", length=_mask_inputs)),
+    mask_roles=optional(or_empty(words("attn", "key_padding", length=_mask_inputs))),
+    tile_masks=optional(FLAG),
+    weights=optional(one_of("none", "mean", "heads")),
+    masked_rows=optional(one_of("nan", "zero")),
+)
 
 
 def _unpack_shapes(attrs, shapes):
@@ -91,8 +106,11 @@ def _check_masks(node, masks, scores):
         size = math.prod(m)
         if node.attrs.get("heads"):
             full = n * h * lq * s
-            ok = size == n * s if role == "key_padding" else (
-                size in (lq * s, full) or (tile and len(m) == 3 and full % size == 0))
+            ok = (
+                size == n * s
+                if role == "key_padding"
+                else (size in (lq * s, full) or (tile and len(m) == 3 and full % size == 0))
+            )
         else:
             ok = tuple(np.broadcast_shapes(tuple(m), tuple(scores))) == tuple(scores)
         if not ok:
@@ -136,16 +154,17 @@ def _split_last(a, heads):
     """Split the last axis of a (possibly sliced) array into (heads, d) as a view."""
     d = a.shape[-1] // heads
     st = a.strides
-    return np.lib.stride_tricks.as_strided(a, a.shape[:-1] + (heads, d), st[:-1] + (d * st[-1], st[-1]),
-                                           writeable=a.flags.writeable)
+    return np.lib.stride_tricks.as_strided(
+        a, a.shape[:-1] + (heads, d), st[:-1] + (d * st[-1], st[-1]), writeable=a.flags.writeable
+    )
 
 
 def _split_axis(a, axis, parts):
     """`a` with axis `axis` split into `parts` (p0, p1): always a view."""
     axis %= a.ndim
     st = a.strides
-    shape = a.shape[:axis] + tuple(parts) + a.shape[axis + 1:]
-    strides = st[:axis] + (parts[1] * st[axis], st[axis]) + st[axis + 1:]
+    shape = a.shape[:axis] + tuple(parts) + a.shape[axis + 1 :]
+    strides = st[:axis] + (parts[1] * st[axis], st[axis]) + st[axis + 1 :]
     return np.lib.stride_tricks.as_strided(a, shape, strides, writeable=a.flags.writeable)
 
 
@@ -161,8 +180,13 @@ def _group_heads(q, k, v, out, masks):
         elif m.ndim >= 3:
             m = m[..., None, :, :]
         grouped.append(m)
-    return (_split_axis(q, -3, parts), k[..., None, :, :], v[..., None, :, :], _split_axis(out, -3, parts),
-            tuple(grouped))
+    return (
+        _split_axis(q, -3, parts),
+        k[..., None, :, :],
+        v[..., None, :, :],
+        _split_axis(out, -3, parts),
+        tuple(grouped),
+    )
 
 
 def _viewed(a, shape):
@@ -214,14 +238,25 @@ def _thread_axis(b, mean_weights):
 def _block_part(b, axis, lo, hi):
     """Block `b` restricted to lo:hi along `axis` of its scores (see `_thread_axis`);
     operands that broadcast along it are used whole."""
+
     def cut(a):
         return along(a, axis, lo, hi)
 
     # query rows: k and v are whole (their axis -2 is not the query axis)
     kt, v = (b.kt, b.v) if axis == -2 else (cut(b.kt), cut(b.v))
     masks = tuple((cut(m), mode) for m, mode in b.masks)
-    return _Block(cut(b.q), cut(b.q_scaled), kt, v, cut(b.out), cut(b.scores), cut(b.row_max),
-                  cut(b.row_sum), masks, cut(b.weights))
+    return _Block(
+        cut(b.q),
+        cut(b.q_scaled),
+        kt,
+        v,
+        cut(b.out),
+        cut(b.scores),
+        cut(b.row_max),
+        cut(b.row_sum),
+        masks,
+        cut(b.weights),
+    )
 
 
 def _over_threads(ctx, b, attend, mean_weights):
@@ -230,8 +265,7 @@ def _over_threads(ctx, b, attend, mean_weights):
     this is how both GEMMs and the softmax between them get the other cores."""
     axis = _thread_axis(b, mean_weights)
     parts = ctx.gemm_threads if ctx.worth_splitting(b.scores.size) else 1
-    return ctx.split([attend(_block_part(b, axis, lo, hi))
-                      for lo, hi in parallel.ranges(b.scores.shape[axis], parts)])
+    return ctx.split([attend(_block_part(b, axis, lo, hi)) for lo, hi in parallel.ranges(b.scores.shape[axis], parts)])
 
 
 def _attend(b, scale, safe, weights, heads, ones):
@@ -252,8 +286,7 @@ def _attend(b, scale, safe, weights, heads, ones):
         steps.append(lambda: np.divide(b.out, b.row_sum, out=b.out))
     elif weights == "mean":
         inv = 1.0 / heads
-        steps.append(lambda: (np.sum(b.scores, axis=1, out=b.weights),
-                              np.multiply(b.weights, inv, out=b.weights)))
+        steps.append(lambda: (np.sum(b.scores, axis=1, out=b.weights), np.multiply(b.weights, inv, out=b.weights)))
     else:
         steps.append(lambda: np.copyto(b.weights, b.scores))
     return chain(*steps)
@@ -296,7 +329,7 @@ def _views(attrs, inputs, out):
     packed = attrs.get("packed", "")
     if packed == "qkv":
         e = inputs[0].shape[-1] // 3
-        q, k, v = inputs[0][..., :e], inputs[0][..., e:2 * e], inputs[0][..., 2 * e:]
+        q, k, v = inputs[0][..., :e], inputs[0][..., e : 2 * e], inputs[0][..., 2 * e :]
         masks = inputs[1:]
     elif packed == "kv":
         e = inputs[1].shape[-1] // 2
@@ -326,7 +359,13 @@ def _prepare_masks(attrs, masks, full, dt):
         adds.append((np.where(np.triu(np.ones((lq, s), bool), 1), -np.inf, 0).astype(dt), "add"))
     roles = tuple(attrs.get("mask_roles", ())) or ("attn",) * len(masks)
     for m, mode, role in zip(masks, modes, roles):
-        if heads and role == "attn" and m.ndim == 3 and int(attrs.get("tile_masks", 0)) and m.shape[0] != full[0] * heads:
+        if (
+            heads
+            and role == "attn"
+            and m.ndim == 3
+            and int(attrs.get("tile_masks", 0))
+            and m.shape[0] != full[0] * heads
+        ):
             # a constant [N*H, L, S] mask traced at batch 1: torch repeated it per batch
             m = np.tile(m, (full[0] * heads // m.shape[0], 1, 1))
         if heads and (role == "key_padding" or m.ndim == 3):
@@ -382,8 +421,9 @@ def make_attention(node, inputs, outputs, ctx):
     w = outputs[1] if weights != "none" else None
     requests = _scratch_requests(qh.shape, slab, dt, scale)
     buf, max_buf, sum_buf, *scaled = (ctx.scratch_array(shape, dtype) for shape, dtype in requests)
-    whole = _Block(qh, scaled[0] if scaled else None, np.swapaxes(kh, -1, -2), vh, oh, buf, max_buf,
-                   sum_buf, tuple(adds), w)
+    whole = _Block(
+        qh, scaled[0] if scaled else None, np.swapaxes(kh, -1, -2), vh, oh, buf, max_buf, sum_buf, tuple(adds), w
+    )
     ones = np.ones((full[-1], 1), dt)
 
     def attend(block):
@@ -408,5 +448,6 @@ def _slice(b, nd, r0, r1):
     averaged over the heads)."""
     n = r1 - r0
     weights = None if b.weights is None else along(b.weights, -b.weights.ndim, r0, r1)
-    return _block_part(b, -nd, r0, r1).replace(scores=b.scores[:n], row_max=b.row_max[:n],
-                                               row_sum=b.row_sum[:n], weights=weights)
+    return _block_part(b, -nd, r0, r1).replace(
+        scores=b.scores[:n], row_max=b.row_max[:n], row_sum=b.row_sum[:n], weights=weights
+    )

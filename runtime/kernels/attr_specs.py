@@ -78,6 +78,9 @@ def input_rank(i):
     return lambda attrs, ranks: ranks[i] if i < len(ranks) else None
 
 
+FIRST_INPUT_RANK = input_rank(0)
+
+
 def widest_input(attrs, ranks):
     """The highest rank among the inputs (concat's and cross's operands)."""
     return max((r for r in ranks if r is not None), default=None)
@@ -117,22 +120,26 @@ def _within(v, lo, hi):
 
 def integer(lo=None, hi=None):
     """An int (not a bool) in [lo, hi] (each a number, a function as in ints(), or None)."""
+
     def check(v, attrs, ranks):
         low, high = _resolve(lo, attrs, ranks), _resolve(hi, attrs, ranks)
         if (low is None and lo is not None) or (high is None and hi is not None):
             return "an int, but the input it depends on is absent"
         if type(v) is not int or not _within(v, low, high):
             return f"an int{_bounds(low, high)}"
+
     return check
 
 
 def number(lo=None, nonzero=False, none=False):
     """An int or float (not a bool); `none`: or None."""
+
     def check(v, attrs, ranks):
         if none and v is None:
             return None
         if type(v) not in (int, float) or (lo is not None and not v >= lo) or (nonzero and v == 0):
             return f"a number{_bounds(lo, None)}{' other than 0' if nonzero else ''}{' or None' if none else ''}"
+
     return check
 
 
@@ -150,6 +157,7 @@ def one_of(*choices):
     def check(v, attrs, ranks):
         if type(v) is not str or v not in choices:
             return "one of " + ", ".join(map(repr, choices))
+
     return check
 
 
@@ -173,14 +181,16 @@ UNREAD = optional(_unread)
 DTYPE = one_of(*NAME_TO_ENUM)
 
 
-def axis(rank=input_rank(0)):
+def axis(rank=FIRST_INPUT_RANK):
     """An int in [-rank, rank): an axis of the input whose rank `rank` gives."""
+
     def check(v, attrs, ranks):
         r = rank(attrs, ranks)
         if r is None:
             return "an axis, but the input it indexes is absent"
         if type(v) is not int or not -r <= v < r:
             return f"an axis of a rank-{r} input: an int in [{-r}, {r - 1}]"
+
     return check
 
 
@@ -205,6 +215,7 @@ def _bounds_of(given):
             if values[k] is None:
                 return None
         return values
+
     return resolve
 
 
@@ -218,12 +229,25 @@ def ints(length=None, lo=None, hi=None, min_length=0, max_length=None):
         if values is None:
             return "a tuple of ints, but an input it depends on is absent or too small"
         n, least, most, low, high = values
-        if (type(v) is not tuple or (n is not None and len(v) != n) or len(v) < least
-                or (most is not None and len(v) > most) or (v and (type(v[0]) is not int
-                or (low is not None and min(v) < low) or (high is not None and max(v) > high)))):
-            size = f"{n} " if n is not None else (f"{least} to {most} " if most is not None else
-                                                  f"at least {least} " if least else "")
+        if (
+            type(v) is not tuple
+            or (n is not None and len(v) != n)
+            or len(v) < least
+            or (most is not None and len(v) > most)
+            or (
+                v
+                and (
+                    type(v[0]) is not int or (low is not None and min(v) < low) or (high is not None and max(v) > high)
+                )
+            )
+        ):
+            size = (
+                f"{n} "
+                if n is not None
+                else (f"{least} to {most} " if most is not None else f"at least {least} " if least else "")
+            )
             return f"a tuple of {size}ints{_bounds(low, high).replace(' ', ' each ', 1)}"
+
     return check
 
 
@@ -231,9 +255,11 @@ def target_shape(copies_dims_of=None, min_length=0):
     """A target shape: each entry a size >= 0, -1 (inferred from the element count, or
     the input's own size), or -2-k: dim k of input `copies_dims_of` (the compiler writes
     these so the shape follows dims that change at run time)."""
+
     def lowest(attrs, ranks):
         rank = None if copies_dims_of is None else input_rank(copies_dims_of)(attrs, ranks)
         return -1 - (rank or 0)
+
     return ints(lo=lowest, min_length=min_length)
 
 
@@ -256,9 +282,14 @@ def numbers(length=None, lo=None):
     def check(v, attrs, ranks):
         values = bounds(attrs, ranks)
         n = None if values is None else values[0]
-        if (values is None or type(v) is not tuple or (n is not None and len(v) != n)
-                or (v and (type(v[0]) not in (int, float) or (lo is not None and not min(v) >= lo)))):
+        if (
+            values is None
+            or type(v) is not tuple
+            or (n is not None and len(v) != n)
+            or (v and (type(v[0]) not in (int, float) or (lo is not None and not min(v) >= lo)))
+        ):
             return f"a tuple of {f'{n} ' if n is not None else ''}numbers{_bounds(lo, None).replace(' ', ' each ', 1)}"
+
     return check
 
 
@@ -271,13 +302,17 @@ def words(*choices, length=None):
         if values is None:
             return "a tuple of strings, but the inputs that set its length are missing"
         n = values[0]
-        if type(v) is not tuple or (n is not None and len(v) != n) or (v and (type(v[0]) is not str
-                                                                            or not allowed.issuperset(v))):
+        if (
+            type(v) is not tuple
+            or (n is not None and len(v) != n)
+            or (v and (type(v[0]) is not str or not allowed.issuperset(v)))
+        ):
             return f"a tuple of {f'{n} ' if n is not None else ''}strings, each one of {', '.join(map(repr, choices))}"
+
     return check
 
 
-def distinct_axes(rank=input_rank(0), length=None, min_length=0):
+def distinct_axes(rank=FIRST_INPUT_RANK, length=None, min_length=0):
     """A tuple of distinct axes of the input whose rank `rank` gives (-1 and rank - 1 are
     one axis), of `length` entries or at least `min_length`."""
     bounds = _bounds_of((rank, length))
@@ -287,28 +322,36 @@ def distinct_axes(rank=input_rank(0), length=None, min_length=0):
         if values is None:
             return "axes, but the input they index is absent"
         r, n = values
-        if (type(v) is not tuple or (n is not None and len(v) != n) or len(v) < min_length
-                or (v and (type(v[0]) is not int or min(v) < -r or max(v) >= r or len({e % r for e in v}) != len(v)))):
+        if (
+            type(v) is not tuple
+            or (n is not None and len(v) != n)
+            or len(v) < min_length
+            or (v and (type(v[0]) is not int or min(v) < -r or max(v) >= r or len({e % r for e in v}) != len(v)))
+        ):
             size = f"{n} " if n is not None else (f"at least {min_length} " if min_length else "")
             return f"a tuple of {size}distinct axes of a rank-{r} input, each in [{-r}, {r - 1}]"
+
     return check
 
 
 AXES = distinct_axes()
 
 
-def permutation(rank=input_rank(0)):
+def permutation(rank=FIRST_INPUT_RANK):
     def check(v, attrs, ranks):
         r = rank(attrs, ranks)
         if r is None or type(v) is not tuple or (v and type(v[0]) is not int) or sorted(v) != list(range(r)):
             return f"a permutation of 0..{r - 1 if r is not None else '?'}"
+
     return check
 
 
 def twice(length):
     """Two entries for each one `length` (a number or function, as in ints()) counts:
     pads, begins then ends."""
+
     def n(attrs, ranks):
         one = _resolve(length, attrs, ranks)
         return None if one is None else 2 * one
+
     return n

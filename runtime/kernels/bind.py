@@ -20,7 +20,6 @@ context is its own, so bindings on several threads at once never see each other'
 import math
 
 import numpy as np
-
 from pmx.runtime import parallel
 from pmx.runtime.options import default_thread_count
 
@@ -50,8 +49,17 @@ class BindContext:
     bytes of scratch requests the buffer could not hold (a kernel whose scratch rule
     declares too little: correct, but memory of its own)."""
 
-    __slots__ = ("pool", "threads", "gemm_threads", "scratch", "used", "persistent", "temporaries",
-                 "temporaries_taken", "shortfall")
+    __slots__ = (
+        "pool",
+        "threads",
+        "gemm_threads",
+        "scratch",
+        "used",
+        "persistent",
+        "temporaries",
+        "temporaries_taken",
+        "shortfall",
+    )
 
     def __init__(self, pool=None, scratch=None, persistent=None, temporaries=None):
         self.pool = parallel.Pool(default_thread_count()) if pool is None else pool
@@ -92,7 +100,7 @@ class BindContext:
             return np.empty(shape, dtype)
         start = self.used
         self.used += _aligned(nbytes)
-        return buf[start:start + nbytes].view(dtype).reshape(shape)
+        return buf[start : start + nbytes].view(dtype).reshape(shape)
 
     def temporary_array(self, shape, dtype):
         """A temporary valid only while this node's callable runs (an expression step's

@@ -8,7 +8,6 @@ import math
 import sys
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
 
@@ -36,10 +35,14 @@ def copy_rows(dst, src):
     copy, float32, plain -> rows: 3x3 im2col of 128 channels at 14x14 132 -> 55, 28x28
     268 -> 132, 56x56 904 -> 706; 7x7 rows out of rows of 9 (576 channels) 23 -> 13."""
     item = dst.itemsize
-    if (dst.ndim >= 2 and dst.shape == src.shape and dst.dtype == src.dtype
-            and 1 < dst.shape[-1] * item <= ROW_COPY_MAX_BYTES
-            and dst.strides[-1] == src.strides[-1] == item
-            and (dst.strides[-2] != dst.shape[-1] * item or src.strides[-2] != src.shape[-1] * item)):
+    if (
+        dst.ndim >= 2
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+        and 1 < dst.shape[-1] * item <= ROW_COPY_MAX_BYTES
+        and dst.strides[-1] == src.strides[-1] == item
+        and (dst.strides[-2] != dst.shape[-1] * item or src.strides[-2] != src.shape[-1] * item)
+    ):
         row = np.dtype((np.void, dst.shape[-1] * item))
         d, s = dst.view(row)[..., 0], src.view(row)[..., 0]
         return lambda: np.copyto(d, s)
@@ -57,8 +60,15 @@ def copy_strided(dst, src, owner=None):
     found from src's bases when not given); where they would not, or the items are not
     4 or 2 bytes, copy_rows."""
     item = src.itemsize
-    if (src.ndim >= 1 and src.shape == dst.shape and src.dtype == dst.dtype and pairs_castable(src.dtype)
-            and src.strides[-1] == 2 * item and dst.strides[-1] == item and src.size):
+    if (
+        src.ndim >= 1
+        and src.shape == dst.shape
+        and src.dtype == dst.dtype
+        and pairs_castable(src.dtype)
+        and src.strides[-1] == 2 * item
+        and dst.strides[-1] == item
+        and src.size
+    ):
         owner = root_array(src) if owner is None else owner
         if owner is not None:
             offset = src.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
@@ -110,8 +120,12 @@ def split_threads(ctx, node, elements):
 def split_copy(ctx, dst, src, axis, threads):
     """Callable np.copyto(dst, src) split over `threads` along `axis` (of both)."""
     lead = (slice(None),) * axis
-    return ctx.split([lambda d=dst[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
-                      for lo, hi in parallel.ranges(dst.shape[axis], threads)])
+    return ctx.split(
+        [
+            lambda d=dst[lead + (slice(lo, hi),)], s=src[lead + (slice(lo, hi),)]: np.copyto(d, s)
+            for lo, hi in parallel.ranges(dst.shape[axis], threads)
+        ]
+    )
 
 
 def epilogue(ctx, node, out, threads=None):
@@ -121,8 +135,9 @@ def epilogue(ctx, node, out, threads=None):
     if not node.expr:
         return None
     tree = node.expr
-    return split_expression(ctx, tree, [out], out, ctx.threads if threads is None else threads,
-                            expression_backend(node, tree))
+    return split_expression(
+        ctx, tree, [out], out, ctx.threads if threads is None else threads, expression_backend(node, tree)
+    )
 
 
 # Ops a float32 numpy pass computes in ~0.1 ns per element. An activation made only of
@@ -130,8 +145,27 @@ def epilogue(ctx, node, out, threads=None):
 # the GIL: two threads calling numpy at once hand the GIL over at every call (two
 # threads each calling np.add on 10,000 float32s: 7.5-7.9 us per pair of calls against
 # 2.0-2.3 us per call on one thread).
-CHEAP_OPS = frozenset({"@", "#", "add", "sub", "mul", "div", "neg", "abs", "maximum", "minimum",
-                       "where", "gt", "ge", "lt", "le", "eq", "ne"})
+CHEAP_OPS = frozenset(
+    {
+        "@",
+        "#",
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "abs",
+        "maximum",
+        "minimum",
+        "where",
+        "gt",
+        "ge",
+        "lt",
+        "le",
+        "eq",
+        "ne",
+    }
+)
 
 
 def split_activated(ctx, node, out, parts):
@@ -196,8 +230,10 @@ def split_expression(ctx, tree, inputs, out, threads, backend=None):
     if axis is None or not ctx.worth_splitting(out.size):
         return backend(tree, inputs, out)
     axis -= out.ndim
-    parts = [backend(tree, [along(x, axis, lo, hi) for x in inputs], along(out, axis, lo, hi))
-             for lo, hi in parallel.ranges(out.shape[axis], threads)]
+    parts = [
+        backend(tree, [along(x, axis, lo, hi) for x in inputs], along(out, axis, lo, hi))
+        for lo, hi in parallel.ranges(out.shape[axis], threads)
+    ]
     return ctx.split(parts)
 
 
@@ -263,8 +299,9 @@ def gemm(ctx, a, b, out, threads=None, activation=None, rows_first=False, bias=N
     (axis_a, axis_b, axis_out), length = plan
     parts = []
     for lo, hi in parallel.ranges(length, threads):
-        pa, pb, po = (x if axis is None else along(x, axis, lo, hi) for x, axis in
-                      ((a, axis_a), (b, axis_b), (out, axis_out)))
+        pa, pb, po = (
+            x if axis is None else along(x, axis, lo, hi) for x, axis in ((a, axis_a), (b, axis_b), (out, axis_out))
+        )
         parts.append((product(pa, pb, po, None if bias is None else along(bias, axis_out, lo, hi)), po))
     return split_activated(ctx, activation, out, parts)
 
@@ -304,9 +341,11 @@ def chain(*fns):
     if len(fns) == 2:
         a, b = fns
         return lambda: (a(), b())
+
     def run():
         for f in fns:
             f()
+
     return run
 
 
@@ -363,9 +402,12 @@ RESTORE_NS_PER_ITEM = 0.08
 
 
 def _families_ns(slot_count, families):
-    return sum(slot_count * count * (RESTORE_NS_PER_SINGLE if length == 1 else
-                                     RESTORE_NS_PER_RUN + RESTORE_NS_PER_RUN_ITEM * length)
-               for _, _, count, length in families)
+    return sum(
+        slot_count
+        * count
+        * (RESTORE_NS_PER_SINGLE if length == 1 else RESTORE_NS_PER_RUN + RESTORE_NS_PER_RUN_ITEM * length)
+        for _, _, count, length in families
+    )
 
 
 def restore_stale(slots, families, value):
@@ -379,12 +421,18 @@ def restore_stale(slots, families, value):
     if not families:
         return None
     value = slots.dtype.type(value)
-    if _families_ns(math.prod(slots.shape[:-1]), families) + 1000 * (len(families) - 1) > RESTORE_NS_PER_ITEM * slots.size:
+    if (
+        _families_ns(math.prod(slots.shape[:-1]), families) + 1000 * (len(families) - 1)
+        > RESTORE_NS_PER_ITEM * slots.size
+    ):
         return lambda: slots.fill(value)
     item = slots.itemsize
-    views = tuple(np.lib.stride_tricks.as_strided(slots[..., start:], slots.shape[:-1] + (count, length),
-                                                  slots.strides[:-1] + (period * item, item))
-                  for start, period, count, length in families)
+    views = tuple(
+        np.lib.stride_tricks.as_strided(
+            slots[..., start:], slots.shape[:-1] + (count, length), slots.strides[:-1] + (period * item, item)
+        )
+        for start, period, count, length in families
+    )
 
     def run():
         for v in views:
@@ -485,7 +533,7 @@ class Phases:
             self.padded = self.padded[:-1] + (row,)
         self.rows = tuple(-(-self.padded[i] // stride[i]) for i in range(nd))  # per phase
         self.phase_size = math.prod(self.rows)
-        row_strides = tuple(math.prod(self.rows[i + 1:]) for i in range(nd))
+        row_strides = tuple(math.prod(self.rows[i + 1 :]) for i in range(nd))
         self.wide = self.out_spatial[:1] + self.rows[1:]
         self.length = math.prod(self.wide)  # wide output elements per channel
         self.phases = list(np.ndindex(*stride))
@@ -502,8 +550,9 @@ class Phases:
         for combo in itertools.product(*runs):
             phase = self.phases.index(tuple(r[0] for r in combo))
             first = tuple(r[1] for r in combo)
-            offset = phase * self.phase_size + sum((first[i] * dilation[i] // stride[i]) * row_strides[i]
-                                                   for i in range(nd))
+            offset = phase * self.phase_size + sum(
+                (first[i] * dilation[i] // stride[i]) * row_strides[i] for i in range(nd)
+            )
             steps = tuple((combo[i][2] * dilation[i] // stride[i]) * row_strides[i] for i in range(nd))
             self.grids.append((offset, steps, first, tuple(r[2] for r in combo), tuple(r[3] for r in combo)))
 
@@ -525,8 +574,9 @@ def _phases_cached(x_shape, kernel, out_shape, stride, dilation, pads, shared_pa
 
 def phases(x_shape, kernel, out_shape, stride, dilation, pads, shared_padding=False):
     """The Phases of this geometry (memoized)."""
-    return _phases_cached(tuple(x_shape), tuple(kernel), tuple(out_shape), tuple(stride), tuple(dilation),
-                          tuple(pads), shared_padding)
+    return _phases_cached(
+        tuple(x_shape), tuple(kernel), tuple(out_shape), tuple(stride), tuple(dilation), tuple(pads), shared_padding
+    )
 
 
 def _valid_reads(g):
@@ -558,8 +608,9 @@ def phase_buffer(ctx, x, g, mode="zeros", fill=0):
     only what lies past the padded size."""
     nd = len(g.k)
     buf = ctx.scratch_array((g.n, g.c, g.per_channel), x.dtype)
-    phase_views = [view_as(buf[:, :, p * g.phase_size:(p + 1) * g.phase_size], (g.n, g.c) + g.rows)
-                   for p in range(len(g.phases))]
+    phase_views = [
+        view_as(buf[:, :, p * g.phase_size : (p + 1) * g.phase_size], (g.n, g.c) + g.rows) for p in range(len(g.phases))
+    ]
     if mode == "zeros":
         src_spatial, begins, padded = x.shape[2:], g.pads[:nd], None
     else:
@@ -577,7 +628,7 @@ def phase_buffer(ctx, x, g, mode="zeros", fill=0):
             d_idx.append(slice(q0, max(q0, q1)))
             s_idx.append(slice(r + s * q0 - begin, r + s * max(q0, q1) - begin, s) if q1 > q0 else slice(0, 0))
         pairs.append((dst, tuple(d_idx), tuple(s_idx)))
-        view_as(stale[k * g.phase_size:(k + 1) * g.phase_size], g.rows)[tuple(d_idx)] = False
+        view_as(stale[k * g.phase_size : (k + 1) * g.phase_size], g.rows)[tuple(d_idx)] = False
     families = runs_of(stale)
 
     def fill_channels(ch):
@@ -585,8 +636,10 @@ def phase_buffer(ctx, x, g, mode="zeros", fill=0):
         steps = [restore_stale(buf[:, ch], families, fill)]
         if padded is not None:
             inside = tuple(slice(b, b + n) for b, n in zip(g.pads[:nd], x.shape[2:]))
-            steps += [copy_rows(padded[(slice(None), ch) + inside], x[:, ch]),
-                      fill_border(padded[:, ch], g.pads, g.in_spatial, mode)]
+            steps += [
+                copy_rows(padded[(slice(None), ch) + inside], x[:, ch]),
+                fill_border(padded[:, ch], g.pads, g.in_spatial, mode),
+            ]
         steps += [copy_strided(dst[(slice(None), ch) + di], src[(slice(None), ch) + si]) for dst, di, si in pairs]
         return chain(*steps)
 

@@ -61,7 +61,6 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, one_of, optional, twice, weight_spatial
 from pmx.runtime.kernels.bind import scratch_nbytes
@@ -93,13 +92,16 @@ from pmx.runtime.kernels.common import (
 )
 from pmx.runtime.kernels.registry import register
 
-
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 # the attributes of conv (and, with output_padding, conv_transpose): one stride and
 # dilation per spatial dim of the weight, pads begins then ends
-CONV_ATTRS = dict(stride=ints(weight_spatial, lo=1), pads=ints(twice(weight_spatial), lo=0),
-                  dilation=ints(weight_spatial, lo=1), groups=optional(POSITIVE),
-                  padding_mode=optional(one_of(*PADDING_MODES)))
+CONV_ATTRS = dict(
+    stride=ints(weight_spatial, lo=1),
+    pads=ints(twice(weight_spatial), lo=0),
+    dilation=ints(weight_spatial, lo=1),
+    groups=optional(POSITIVE),
+    padding_mode=optional(one_of(*PADDING_MODES)),
+)
 
 
 def conv_infer(node, shapes, dtypes):
@@ -144,8 +146,11 @@ def _windows(xp, k, stride, dilation, out_spatial, groups):
     s = xp.strides
     cg = c // groups
     shape = (groups, cg) + tuple(k) + tuple(out_spatial)
-    strides = (cg * s[0], s[0]) + tuple(dilation[i] * s[1 + i] for i in range(nd)) + tuple(
-        stride[i] * s[1 + i] for i in range(nd))
+    strides = (
+        (cg * s[0], s[0])
+        + tuple(dilation[i] * s[1 + i] for i in range(nd))
+        + tuple(stride[i] * s[1 + i] for i in range(nd))
+    )
     return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
 
 
@@ -163,7 +168,7 @@ def _variant(node, w):
     """The lowering to use: the stored one when it applies (an unknown or inapplicable
     variant falls back to the rule, so any file runs), else depthwise for groups ==
     channels."""
-    lowering = node.variant[:-len(SINGLE_THREAD)] if node.variant.endswith(SINGLE_THREAD) else node.variant
+    lowering = node.variant[: -len(SINGLE_THREAD)] if node.variant.endswith(SINGLE_THREAD) else node.variant
     depthwise = _is_depthwise(w.shape, int(node.attrs.get("groups", 1)))
     if lowering == "gemm" or (lowering == "depthwise" and depthwise):
         return lowering
@@ -171,8 +176,12 @@ def _variant(node, w):
 
 
 def _is_pointwise(x, w, a):
-    return (all(v == 1 for v in w.shape[2:]) and all(s == 1 for s in a["stride"]) and not any(a["pads"])
-            and x.flags.c_contiguous)
+    return (
+        all(v == 1 for v in w.shape[2:])
+        and all(s == 1 for s in a["stride"])
+        and not any(a["pads"])
+        and x.flags.c_contiguous
+    )
 
 
 def conv_scratch(node, inputs, outputs, ctx):
@@ -183,8 +192,9 @@ def conv_scratch(node, inputs, outputs, ctx):
     scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
         g = _depthwise_geometry(x, w, out, node.attrs)
-        padded, rest = _depthwise_scratch(g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape,
-                                          node.attrs.get("padding_mode", "zeros"))
+        padded, rest = _depthwise_scratch(
+            g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape, node.attrs.get("padding_mode", "zeros")
+        )
         return scratch_nbytes(*scaled, *padded, *rest)
     if _is_pointwise(x, w, node.attrs):
         return scratch_nbytes(*scaled)
@@ -217,19 +227,30 @@ def _input_scale(inputs):
     if scale is None:
         return None
     x = inputs[0]
-    if (scale.ndim != x.ndim or scale.shape[0] not in (1, x.shape[0]) or scale.shape[1] != x.shape[1]
-            or any(d != 1 for d in scale.shape[2:]) or scale.dtype != x.dtype):
-        raise ValueError(f"input scale {scale.shape} {scale.dtype} does not scale the channels of input "
-                         f"{x.shape} {x.dtype}: expected ({'1' if x.shape[0] == 1 else f'{x.shape[0]} or 1'}, "
-                         f"{x.shape[1]}{', 1' * (x.ndim - 2)}) {x.dtype}")
+    if (
+        scale.ndim != x.ndim
+        or scale.shape[0] not in (1, x.shape[0])
+        or scale.shape[1] != x.shape[1]
+        or any(d != 1 for d in scale.shape[2:])
+        or scale.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"input scale {scale.shape} {scale.dtype} does not scale the channels of input "
+            f"{x.shape} {x.dtype}: expected ({'1' if x.shape[0] == 1 else f'{x.shape[0]} or 1'}, "
+            f"{x.shape[1]}{', 1' * (x.ndim - 2)}) {x.dtype}"
+        )
     return scale
 
 
 def _scales_weights(node, x, w, out):
     """Whether the scale goes into the weights: a 1x1 conv with one group that runs as a
     plain GEMM on its input."""
-    return (_variant(node, w) == "gemm" and x.shape[1] == w.shape[1] and _is_pointwise(x, w, node.attrs)
-            and math.prod(out.shape[2:]) > 1)
+    return (
+        _variant(node, w) == "gemm"
+        and x.shape[1] == w.shape[1]
+        and _is_pointwise(x, w, node.attrs)
+        and math.prod(out.shape[2:]) > 1
+    )
 
 
 def _scaled_pointwise(ctx, node, x, w, b, scale, out):
@@ -240,7 +261,9 @@ def _scaled_pointwise(ctx, node, x, w, b, scale, out):
     n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
     scaled = ctx.scratch_array((cout, cin), w.dtype)
     w2 = w.reshape(cout, cin)
-    rows = scale[(slice(None), slice(None)) + (0,) * (scale.ndim - 2)][:, None, :]  # (images, 1, Cin): a view at any strides
+    rows = scale[(slice(None), slice(None)) + (0,) * (scale.ndim - 2)][
+        :, None, :
+    ]  # (images, 1, Cin): a view at any strides
     x2 = view_as(x, (n, cin, -1))
     out2 = view_as(out, (n, cout, -1))
     bias = None if b is None else b.reshape(cout, 1)
@@ -276,13 +299,16 @@ def _gemm(ctx, node, x, w, b, out):
     wg = view_as(w, (groups, cout // groups, -1)) if w.flags.c_contiguous else w.reshape(groups, cout // groups, -1)
     out_g = view_as(out, (n, groups, cout // groups, o))
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
-    squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)  # noqa: E731
+    squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)
     bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(*(gemm(ctx, squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True,
-                            bias=bias)
-                       for i in range(n)))
+        return chain(
+            *(
+                gemm(ctx, squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True, bias=bias)
+                for i in range(n)
+            )
+        )
     pad_step, xp = _padded_input(ctx, x, a, nd)
     owner = root_array(xp)  # the windows below are as_strided views, which lose their bases
     cols = ctx.scratch_array(_cols_shape(x, w, out), x.dtype)
@@ -295,16 +321,30 @@ def _gemm(ctx, node, x, w, b, out):
     steps = [pad_step]
     for i in range(n):
         windows = _windows(xp[i], k, a["stride"], a["dilation"], out.shape[2:], groups)
-        band_views = [(cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)])
-                      for lo, hi in bands]
+        band_views = [
+            (cols_windows[first_axis + (slice(lo, hi),)], windows[first_axis + (slice(lo, hi),)]) for lo, hi in bands
+        ]
         if _split_by_channels(threads, groups, cout, o):
             steps.append(ctx.split([copy_strided(d, s, owner) for d, s in band_views]))
             steps.append(gemm(ctx, wg[0], cols[0], out_g[i][0], threads, node, rows_first=True, bias=bias))
             continue
-        steps.append(split_activated(ctx, node, out_g[i], [
-            _im2col_gemm(copy_strided(dst, src, owner), squeeze(wg), squeeze(cols[..., lo * row:hi * row]),
-                         squeeze(out_g[i][..., lo * row:hi * row]), bias)
-            for (dst, src), (lo, hi) in zip(band_views, bands)]))
+        steps.append(
+            split_activated(
+                ctx,
+                node,
+                out_g[i],
+                [
+                    _im2col_gemm(
+                        copy_strided(dst, src, owner),
+                        squeeze(wg),
+                        squeeze(cols[..., lo * row : hi * row]),
+                        squeeze(out_g[i][..., lo * row : hi * row]),
+                        bias,
+                    )
+                    for (dst, src), (lo, hi) in zip(band_views, bands)
+                ],
+            )
+        )
     return chain(*steps)
 
 
@@ -319,8 +359,7 @@ def _split_by_channels(threads, groups, cout, positions):
     13x13 0.65 -> 0.57. Big maps keep bands (stems at 112x112: 2.39 -> 2.50, 0.44 -> 0.48),
     and so do convs with too few channels for gemm() to split (DenseNet's 128->32 at 7x7:
     0.107 -> 0.132 with the GEMM on one thread)."""
-    return (threads > 1 and groups == 1 and cout >= GEMM_SPLIT_MIN_ROWS
-            and positions // threads < GEMM_SPLIT_MIN_COLUMNS)
+    return threads > 1 and groups == 1 and cout >= GEMM_SPLIT_MIN_ROWS and positions // threads < GEMM_SPLIT_MIN_COLUMNS
 
 
 def _gemv(ctx, node, x, w, b, out):
@@ -344,6 +383,7 @@ def _gemv(ctx, node, x, w, b, out):
         def product():
             multiply()
             add(o, b, out=o)
+
     return chain(product, epilogue(ctx, node, out, threads=1))
 
 
@@ -371,8 +411,15 @@ DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 17  # was 1 << 19
 
 
 def _phases(x, w, out, a):
-    return phases(x.shape, w.shape[2:], out.shape, a["stride"], a["dilation"], a["pads"],
-                  shared_padding=a.get("padding_mode", "zeros") == "zeros")
+    return phases(
+        x.shape,
+        w.shape[2:],
+        out.shape,
+        a["stride"],
+        a["dilation"],
+        a["pads"],
+        shared_padding=a.get("padding_mode", "zeros") == "zeros",
+    )
 
 
 def _depthwise_plan(ctx, node, g, dtype):
@@ -437,9 +484,17 @@ class _Flat:
     @staticmethod
     def applies(x, w, out, a):
         pads, nd = a["pads"], x.ndim - 2
-        return (nd == 2 and tuple(a["stride"]) == (1, 1) and a.get("padding_mode", "zeros") == "zeros"
-                and w.shape[3] <= 3 and a["dilation"][1] == 1 and out.shape[3] == x.shape[3]
-                and pads[1] + pads[3] == w.shape[3] - 1 and x.flags.c_contiguous and out.flags.c_contiguous)
+        return (
+            nd == 2
+            and tuple(a["stride"]) == (1, 1)
+            and a.get("padding_mode", "zeros") == "zeros"
+            and w.shape[3] <= 3
+            and a["dilation"][1] == 1
+            and out.shape[3] == x.shape[3]
+            and pads[1] + pads[3] == w.shape[3] - 1
+            and x.flags.c_contiguous
+            and out.flags.c_contiguous
+        )
 
 
 def _depthwise_geometry(x, w, out, a):
@@ -458,24 +513,26 @@ def _depthwise(ctx, node, x, w, b, out):
     weights = w.reshape(g.c, 1, -1)
     # scratch: the padded input first (as _depthwise_scratch lists it), then the rest
     buf, fill = _flat_buffer(ctx, x, g) if isinstance(g, _Flat) else phase_buffer(ctx, x, g, mode)
-    *wide, cols = (ctx.scratch_array(shape, dtype) for shape, dtype in
-                   _depthwise_scratch(g, parts, block, out.dtype, x.shape, mode)[1])
+    *wide, cols = (
+        ctx.scratch_array(shape, dtype)
+        for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype, x.shape, mode)[1]
+    )
     if isinstance(g, _Flat):
         # the GEMVs write the output itself
         target = view_as(out, (g.n, g.c, 1, g.length))
-        finish = lambda ch: _add_bias(out[:, ch], b[ch] if b is not None else None)  # noqa: E731
+        finish = lambda ch: _add_bias(out[:, ch], b[ch] if b is not None else None)
     else:
         target = wide[0]
         valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
         wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
-        finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch],  # noqa: E731
-                                      b[ch] if b is not None else None)
+        finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None)
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
         blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
-        steps.append((chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)),
-                      out[:, ch]))
+        steps.append(
+            (chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)), out[:, ch])
+        )
     return split_activated(ctx, node, out, steps)
 
 
@@ -485,12 +542,13 @@ def _flat_buffer(ctx, x, g):
     zeroes the positions before and after it (stale from other nodes) and copies it in."""
     buf = ctx.scratch_array((g.n, g.c, g.per_channel), x.dtype)
     x_flat = view_as(x, (g.n, g.c, -1))
-    inner = buf[:, :, g.base:g.base + x_flat.shape[2]]
+    inner = buf[:, :, g.base : g.base + x_flat.shape[2]]
     stale = np.ones(g.per_channel, bool)
-    stale[g.base:g.base + x_flat.shape[2]] = False
+    stale[g.base : g.base + x_flat.shape[2]] = False
     families = runs_of(stale)
-    return buf, lambda ch: chain(restore_stale(buf[:, ch], families, 0),
-                                 lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s))
+    return buf, lambda ch: chain(
+        restore_stale(buf[:, ch], families, 0), lambda d=inner[:, ch], s=x_flat[:, ch]: np.copyto(d, s)
+    )
 
 
 def _im2col_gemv(buf, g, weights, cols, target, blocks):
@@ -508,10 +566,16 @@ def _im2col_gemv(buf, g, weights, cols, target, blocks):
             copies = []
             for offset, steps, first, tap_step, counts in g.grids:
                 src = np.lib.stride_tricks.as_strided(
-                    buf[i, c0:c1, offset:], (n_ch,) + counts + (g.length,),
-                    (buf.strides[1],) + tuple(s * item for s in steps) + (item,), writeable=False)
-                dst = cols_k[(slice(0, n_ch),) + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in
-                                                     zip(first, tap_step, counts)) + (slice(None),)]
+                    buf[i, c0:c1, offset:],
+                    (n_ch,) + counts + (g.length,),
+                    (buf.strides[1],) + tuple(s * item for s in steps) + (item,),
+                    writeable=False,
+                )
+                dst = cols_k[
+                    (slice(0, n_ch),)
+                    + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in zip(first, tap_step, counts))
+                    + (slice(None),)
+                ]
                 copies.append(copy_rows(dst, src))
             work.append((tuple(copies), zeros, blas.matmul(weights[c0:c1], cols[:n_ch], target[i, c0:c1])))
 
@@ -555,6 +619,11 @@ def _wrapped_columns(rows, g):
         (k0, lo0, hi0), (k1, lo1, _) = spans
         item = rows.itemsize
         step = ((k1 - k0) * g.length + lo1 - lo0) * item
-        return (np.lib.stride_tricks.as_strided(rows[:, :, k0, lo0:], (n_ch, kh, 2, g.length // g.width, hi0 - lo0),
-                                                rows.strides[:2] + (step, g.width * item, item)),)
+        return (
+            np.lib.stride_tricks.as_strided(
+                rows[:, :, k0, lo0:],
+                (n_ch, kh, 2, g.length // g.width, hi0 - lo0),
+                rows.strides[:2] + (step, g.width * item, item),
+            ),
+        )
     return tuple(view_as(rows[:, :, kx], (n_ch, kh, -1, g.width))[..., lo:hi] for kx, lo, hi in spans)

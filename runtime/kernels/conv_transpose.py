@@ -14,16 +14,19 @@ the factory, so no padded scratch output is needed.
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, optional, twice, weight_spatial
 from pmx.runtime.kernels.bind import scratch_nbytes
 from pmx.runtime.kernels.common import chain, split_activated, split_threads, view_as
 from pmx.runtime.kernels.registry import register
 
-CONV_TRANSPOSE_ATTRS = dict(stride=ints(weight_spatial, lo=1), pads=ints(twice(weight_spatial), lo=0),
-                            output_padding=ints(weight_spatial, lo=0), dilation=ints(weight_spatial, lo=1),
-                            groups=optional(POSITIVE))
+CONV_TRANSPOSE_ATTRS = dict(
+    stride=ints(weight_spatial, lo=1),
+    pads=ints(twice(weight_spatial), lo=0),
+    output_padding=ints(weight_spatial, lo=0),
+    dilation=ints(weight_spatial, lo=1),
+    groups=optional(POSITIVE),
+)
 
 
 def conv_transpose_out_size(n, k, s, d, pb, pe, op):
@@ -38,9 +41,17 @@ def conv_transpose_infer(node, shapes, dtypes):
     if len(x) != nd + 2 or x[1] != w[0] or x[1] % groups:
         raise ValueError(f"input {tuple(x)} does not match weight {tuple(w)} in {groups} groups")
     spatial = tuple(
-        conv_transpose_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i],
-                                a["pads"][nd + i], a["output_padding"][i])
-        for i in range(nd))
+        conv_transpose_out_size(
+            x[2 + i],
+            w[2 + i],
+            a["stride"][i],
+            a["dilation"][i],
+            a["pads"][i],
+            a["pads"][nd + i],
+            a["output_padding"][i],
+        )
+        for i in range(nd)
+    )
     return [((x[0], w[1] * groups) + spatial, dtypes[0])]
 
 
@@ -64,7 +75,13 @@ def conv_transpose_scratch(node, inputs, outputs, ctx):
     return scratch_nbytes((_cols_shape(inputs[0], inputs[1], int(node.attrs.get("groups", 1))), outputs[0].dtype))
 
 
-@register("conv_transpose", infer=conv_transpose_infer, scratch=conv_transpose_scratch, attrs=CONV_TRANSPOSE_ATTRS, float_input=True)
+@register(
+    "conv_transpose",
+    infer=conv_transpose_infer,
+    scratch=conv_transpose_scratch,
+    attrs=CONV_TRANSPOSE_ATTRS,
+    float_input=True,
+)
 def make_conv_transpose(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
@@ -116,8 +133,7 @@ def make_conv_transpose(node, inputs, outputs, ctx):
         pairs = [(out[o][:, ch], cols_taps[c][:, ch]) for o, c in adds]
         rows = slice(c0 * kk, c1 * kk) if groups == 1 else slice(None)
         multiply = blas.matmul(wt[:, rows], xg, cols[:, :, rows])
-        parts.append((_part(multiply, pairs, None if bias is None else bias[:, ch],
-                            out[:, ch], tiled), out[:, ch]))
+        parts.append((_part(multiply, pairs, None if bias is None else bias[:, ch], out[:, ch], tiled), out[:, ch]))
     return chain(copy_w, copy_x, split_activated(ctx, node, out, parts))
 
 

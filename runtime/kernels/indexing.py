@@ -53,9 +53,27 @@ import math
 
 import numpy as np
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels.attr_specs import (AXES, AXIS, DTYPE, FLAG, INT, MISSING, NON_NEGATIVE, NUMBER, TRUE,
-                                            at_least_1d, axis, distinct_axes, input_rank, ints, length_of, number,
-                                            optional, target_shape, widest_input)
+from pmx.runtime.kernels.attr_specs import (
+    AXES,
+    AXIS,
+    DTYPE,
+    FLAG,
+    INT,
+    MISSING,
+    NON_NEGATIVE,
+    NUMBER,
+    TRUE,
+    at_least_1d,
+    axis,
+    distinct_axes,
+    input_rank,
+    ints,
+    length_of,
+    number,
+    optional,
+    target_shape,
+    widest_input,
+)
 from pmx.runtime.kernels.common import view_as
 from pmx.runtime.kernels.registry import register
 
@@ -67,7 +85,7 @@ def same_shape(node, shapes, dtypes):
 def _copies(pairs):
     pairs = tuple(pairs)
     if len(pairs) == 1:
-        (d, s), = pairs
+        ((d, s),) = pairs
         return lambda: np.copyto(d, s)
 
     def run():
@@ -82,7 +100,7 @@ def make_roll(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     # A roll along k axes is 2^k block copies: along each axis the tail moves to the front.
     pieces = []
-    for ax in range(x.ndim):
+    for _ in range(x.ndim):
         pieces.append([(slice(None), slice(None))])
     for ax, shift in zip(node.attrs["axes"], node.attrs["shifts"]):
         ax %= x.ndim
@@ -156,7 +174,7 @@ def make_tile(node, inputs, outputs, ctx):
 def take_infer(node, shapes, dtypes):
     x, idx = shapes[0], shapes[1]
     axis = node.attrs["axis"] % len(x)
-    return [(tuple(x[:axis]) + tuple(idx) + tuple(x[axis + 1:]), dtypes[0])]
+    return [(tuple(x[:axis]) + tuple(idx) + tuple(x[axis + 1 :]), dtypes[0])]
 
 
 @register("take", infer=take_infer, attrs=dict(axis=AXIS))
@@ -254,8 +272,13 @@ def _key_with(axes, indices):
 def _put_axes(v, attrs, ranks):
     """index_put's axes: rising dims of the data, one per index tensor (inputs 2 on)."""
     r, n = ranks[0], len(ranks) - 2
-    if (r is None or type(v) is not tuple or any(type(a) is not int or not 0 <= a < r for a in v)
-            or list(v) != sorted(set(v)) or len(v) != n):
+    if (
+        r is None
+        or type(v) is not tuple
+        or any(type(a) is not int or not 0 <= a < r for a in v)
+        or list(v) != sorted(set(v))
+        or len(v) != n
+    ):
         return f"a tuple of {n} rising dims of a rank-{r} input, one per index input"
 
 
@@ -273,17 +296,23 @@ def index_put_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("index_put", infer=index_put_infer, inplace=True,
-          attrs=dict(axes=_put_axes, accumulate=optional(FLAG), value=_value_unless_input))
+@register(
+    "index_put",
+    infer=index_put_infer,
+    inplace=True,
+    attrs=dict(axes=_put_axes, accumulate=optional(FLAG), value=_value_unless_input),
+)
 def make_index_put(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     values = inputs[1] if "value" not in node.attrs else np.asarray(node.attrs["value"], x.dtype)
     key = _key_with(node.attrs["axes"], inputs[2:])
     copy = None if _same(x, out) else (lambda: np.copyto(out, x))
     if node.attrs.get("accumulate"):
+
         def put():
             np.add.at(out, key, values)
     else:
+
         def put():
             out[key] = values
 
@@ -423,11 +452,13 @@ def topk_infer(node, shapes, dtypes):
 
 
 # sorted: written by the compiler; the values come out sorted either way
-@register("topk", infer=topk_infer,
-          attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG)))
+@register(
+    "topk", infer=topk_infer, attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG))
+)
 def make_topk(node, inputs, outputs, ctx):
     x, values, indices = inputs[0], outputs[0], outputs[1]
     if x.ndim == 0:
+
         def scalar():
             np.copyto(values, x)
             indices.fill(0)
@@ -484,20 +515,26 @@ def as_strided_infer(node, shapes, dtypes):
     if all(size):
         last = offset + sum((n - 1) * s for n, s in zip(size, stride))
         if last >= numel:
-            raise ValueError(f"as_strided size={size} stride={stride} offset={offset} reaches element {last} "
-                             f"of an input with {numel}")
+            raise ValueError(
+                f"as_strided size={size} stride={stride} offset={offset} reaches element {last} "
+                f"of an input with {numel}"
+            )
     return [(tuple(size), dtypes[0])]
 
 
-@register("as_strided", infer=as_strided_infer,
-          attrs=dict(size=ints(lo=0), stride=ints(length_of("size"), lo=0), offset=optional(NON_NEGATIVE)))
+@register(
+    "as_strided",
+    infer=as_strided_infer,
+    attrs=dict(size=ints(lo=0), stride=ints(length_of("size"), lo=0), offset=optional(NON_NEGATIVE)),
+)
 def make_as_strided(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     size, stride, offset = tuple(node.attrs["size"]), node.attrs["stride"], node.attrs.get("offset", 0)
     if x.flags.c_contiguous:
         flat = x.reshape(-1)
-        src = np.lib.stride_tricks.as_strided(flat[offset:], size, tuple(s * x.itemsize for s in stride),
-                                              writeable=False)
+        src = np.lib.stride_tricks.as_strided(
+            flat[offset:], size, tuple(s * x.itemsize for s in stride), writeable=False
+        )
         return lambda: np.copyto(out, src)
 
     def run():  # a strided operand: its storage order is its logical order
@@ -519,7 +556,7 @@ def make_repeat_interleave(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axis, r = node.attrs["axis"] % x.ndim, node.attrs["repeats"]
     # out seen with the repeats as a new axis after `axis` receives x broadcast along it
-    dst = view_as(out, x.shape[:axis + 1] + (r,) + x.shape[axis + 1:]) if out.flags.c_contiguous else None
+    dst = view_as(out, x.shape[: axis + 1] + (r,) + x.shape[axis + 1 :]) if out.flags.c_contiguous else None
     if dst is None:
         return lambda: np.copyto(out, np.repeat(x, r, axis=axis))
     src = np.expand_dims(x, axis + 1)
@@ -559,8 +596,10 @@ def make_arange_values(node, inputs, outputs, ctx):
     def run():
         start, end, step = (acc(v.reshape(-1)[0]) for v in (start_t, end_t, step_t))
         if step == 0 or not (np.isfinite(start) and np.isfinite(end)) or (end - start) * step < 0:
-            raise PmxInputError(f"node {node.name[:40]!r} (arange): start={start}, end={end}, step={step} read from "
-                                f"the inputs are not finite or inconsistent with the step's sign (torch raises too)")
+            raise PmxInputError(
+                f"node {node.name[:40]!r} (arange): start={start}, end={end}, step={step} read from "
+                f"the inputs are not finite or inconsistent with the step's sign (torch raises too)"
+            )
         n = math.ceil(float(end - start) / float(step))
         out.value = (start + np.arange(n, dtype=acc) * step).astype(dtype)
 

@@ -21,7 +21,6 @@ import functools
 import math
 
 import numpy as np
-
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import STRING
@@ -48,7 +47,10 @@ def make_linear(node, inputs, outputs, ctx):
     wt = w.T
     if x.ndim > 2 and x.flags.c_contiguous and out.flags.c_contiguous:
         # one GEMM over all leading dims instead of a batch of small ones
-        x2, out2 = view_as(x, (math.prod(x.shape[:-1]), x.shape[-1])), view_as(out, (math.prod(out.shape[:-1]), out.shape[-1]))
+        x2, out2 = (
+            view_as(x, (math.prod(x.shape[:-1]), x.shape[-1])),
+            view_as(out, (math.prod(out.shape[:-1]), out.shape[-1])),
+        )
     else:
         x2, out2 = x, out
     return gemm(ctx, x2, wt, out2, activation=node, bias=b)
@@ -93,7 +95,7 @@ def _einsum_parts(equation, ranks):
     for t, r in zip(terms, ranks):
         if "..." in t:
             k = r - (len(t) - 3)
-            t = t.replace("...", ell[n_ell - k:])
+            t = t.replace("...", ell[n_ell - k :])
         if len(t) != r:
             raise ValueError(f"einsum term {t!r} does not match an operand of rank {r}")
         expanded.append(t)
@@ -138,8 +140,11 @@ def _batched_matmul_axes(terms, out_term):
     batch = [c for c in out_term if c in a and c in b]
     if len(m) != 1 or len(n) != 1 or len(k) != 1 or sorted(out_term) != sorted(batch + m + n):
         return None
-    return ([a.index(c) for c in batch + m + k], [b.index(c) for c in batch + k + n],
-            [out_term.index(c) for c in batch + m + n])
+    return (
+        [a.index(c) for c in batch + m + k],
+        [b.index(c) for c in batch + k + n],
+        [out_term.index(c) for c in batch + m + n],
+    )
 
 
 # the dtypes BLAS multiplies; einsums of any other run numpy's own loops
@@ -238,9 +243,13 @@ def _pair(a_term, b_term, out_term, a, b, out):
     a, a_term, sum_a = _summed(a, a_term, b_term + out_term, out.dtype)
     b, b_term, sum_b = _summed(b, b_term, a_term + out_term, out.dtype)
     if not any(c in b_term and c not in out_term for c in a_term):
-        av, bv = (view_as(x.transpose(sorted(range(len(t)), key=lambda i: out_term.index(t[i]))),
-                          [x.shape[t.index(c)] if c in t else 1 for c in out_term])
-                  for x, t in ((a, a_term), (b, b_term)))
+        av, bv = (
+            view_as(
+                x.transpose(sorted(range(len(t)), key=lambda i: out_term.index(t[i]))),
+                [x.shape[t.index(c)] if c in t else 1 for c in out_term],
+            )
+            for x, t in ((a, a_term), (b, b_term))
+        )
         return chain(sum_a, sum_b, lambda: np.multiply(av, bv, out=out))
     return chain(sum_a, sum_b, _pair_matmul(a_term, b_term, out_term, a, b, out))
 
@@ -323,7 +332,9 @@ def make_embedding(node, inputs, outputs, ctx):
             lo, hi = ids.min(), ids.max()
             if lo < 0 or hi >= rows:
                 bad = lo if lo < 0 else hi
-                raise PmxInputError(f"embedding {node.name!r}: index {int(bad)} is out of range for a table of {rows} rows")
+                raise PmxInputError(
+                    f"embedding {node.name!r}: index {int(bad)} is out of range for a table of {rows} rows"
+                )
         np.take(weight, ids, axis=0, out=out, mode="clip")
 
     return run

@@ -23,7 +23,6 @@ rounds of 50): 3136x96 475 -> 247, 784x192 212 -> 127, 197x768 194 -> 126, 49x76
 import math
 
 import numpy as np
-
 from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, split_threads, view_as
@@ -86,7 +85,7 @@ def _normalize_rows(x2, out2, eps, rms=False):
     blocks = []
     for r in range(0, m, rows):
         b = slice(r, min(m, r + rows))
-        blocks.append((src[b], sq[:b.stop - r], reduction("mean", sq[:b.stop - r], var[b], (1,))))
+        blocks.append((src[b], sq[: b.stop - r], reduction("mean", sq[: b.stop - r], var[b], (1,))))
 
     def run():
         if row_mean is not None:
@@ -114,21 +113,28 @@ def _affine(out, weight, bias, shape):
 
 
 # axes: how many trailing dims are normalized
-@register("layer_norm", infer=same_as_input, inplace=True,
-          attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)), float_input=True)
+@register(
+    "layer_norm",
+    infer=same_as_input,
+    inplace=True,
+    attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)),
+    float_input=True,
+)
 def make_layer_norm(node, inputs, outputs, ctx):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
     bias = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
     k = int(node.attrs["axes"])
-    inner = math.prod(x.shape[x.ndim - k:])
-    rows = math.prod(x.shape[:x.ndim - k])
+    inner = math.prod(x.shape[x.ndim - k :])
+    rows = math.prod(x.shape[: x.ndim - k])
     x2, pre = _rows(x, (rows, inner), out.dtype, writes=False)
     out2, post = _rows(out, (rows, inner), out.dtype, writes=True)
     eps, rms = float(node.attrs.get("eps", 1e-5)), bool(node.attrs.get("rms", 0))
-    parts = [chain(_normalize_rows(x2[lo:hi], out2[lo:hi], eps, rms), _affine(out2[lo:hi], weight, bias, (inner,)))
-             for lo, hi in _row_parts(ctx, node, rows, inner)]
+    parts = [
+        chain(_normalize_rows(x2[lo:hi], out2[lo:hi], eps, rms), _affine(out2[lo:hi], weight, bias, (inner,)))
+        for lo, hi in _row_parts(ctx, node, rows, inner)
+    ]
     return chain(pre, ctx.split(parts), post)
 
 
@@ -147,7 +153,13 @@ def group_norm_infer(node, shapes, dtypes):
     return [(x, dtypes[0])]
 
 
-@register("group_norm", infer=group_norm_infer, inplace=True, attrs=dict(groups=POSITIVE, eps=optional(NUMBER)), float_input=True)
+@register(
+    "group_norm",
+    infer=group_norm_infer,
+    inplace=True,
+    attrs=dict(groups=POSITIVE, eps=optional(NUMBER)),
+    float_input=True,
+)
 def make_group_norm(node, inputs, outputs, ctx):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
@@ -172,14 +184,23 @@ def make_group_norm(node, inputs, outputs, ctx):
         channels = slice(lo * cpg, hi * cpg) if by_groups else slice(None)
         images = 1 if by_groups else hi - lo
         part_c = (hi - lo) * cpg if by_groups else c
-        affine = _affine(view_as(out2[rows], (images, part_c, spatial)), None if weight is None else weight[channels],
-                         None if bias is None else bias[channels], (part_c, 1))
+        affine = _affine(
+            view_as(out2[rows], (images, part_c, spatial)),
+            None if weight is None else weight[channels],
+            None if bias is None else bias[channels],
+            (part_c, 1),
+        )
         parts.append(chain(_normalize_rows(x2[rows], out2[rows], eps), affine))
     return chain(pre, ctx.split(parts), post)
 
 
-@register("lp_normalize", infer=same_as_input, inplace=True,
-          attrs=dict(axis=AXIS, p=optional(NUMBER), eps=optional(NUMBER)), float_input=True)
+@register(
+    "lp_normalize",
+    infer=same_as_input,
+    inplace=True,
+    attrs=dict(axis=AXIS, p=optional(NUMBER), eps=optional(NUMBER)),
+    float_input=True,
+)
 def make_lp_normalize(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axis = int(node.attrs["axis"]) % x.ndim

@@ -9,21 +9,34 @@ dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
 import math
 
 import numpy as np
-
 from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, input_rank, ints, length_of, optional
 from pmx.runtime.kernels.bind import scratch_nbytes
-from pmx.runtime.kernels.common import (chain, copy_rows, copy_strided, padded_buffer, pairs_castable,
-                                        phase_buffer, phase_scratch, phases, root_array, split_threads, view_as)
+from pmx.runtime.kernels.common import (
+    chain,
+    copy_rows,
+    copy_strided,
+    padded_buffer,
+    pairs_castable,
+    phase_buffer,
+    phase_scratch,
+    phases,
+    root_array,
+    split_threads,
+    view_as,
+)
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
 from pmx.runtime.kernels.registry import register
 
-
 # kernel first: the other tuples' lengths follow it (one entry per spatial dim, pads
 # begins then ends)
-POOL_ATTRS = dict(kernel=ints(min_length=1, max_length=input_rank(0), lo=1), stride=ints(length_of("kernel"), lo=1),
-                  pads=ints(length_of("kernel", 2), lo=0), dilation=optional(ints(length_of("kernel"), lo=1)),
-                  ceil_mode=optional(FLAG))
+POOL_ATTRS = dict(
+    kernel=ints(min_length=1, max_length=input_rank(0), lo=1),
+    stride=ints(length_of("kernel"), lo=1),
+    pads=ints(length_of("kernel", 2), lo=0),
+    dilation=optional(ints(length_of("kernel"), lo=1)),
+    ceil_mode=optional(FLAG),
+)
 AVG_POOL_ATTRS = dict(POOL_ATTRS, count_include_pad=optional(FLAG), divisor_override=optional(NON_NEGATIVE))
 ADAPTIVE_ATTRS = dict(output_size=ints(min_length=1, max_length=input_rank(0), lo=0))
 
@@ -45,8 +58,17 @@ def pool_infer(node, shapes, dtypes):
     nd = len(a["kernel"])
     dil = a.get("dilation") or (1,) * nd
     spatial = tuple(
-        _pool_len(x[-nd + i], a["kernel"][i], a["stride"][i], dil[i], a["pads"][i], a["pads"][nd + i], a.get("ceil_mode", False))
-        for i in range(nd))
+        _pool_len(
+            x[-nd + i],
+            a["kernel"][i],
+            a["stride"][i],
+            dil[i],
+            a["pads"][i],
+            a["pads"][nd + i],
+            a.get("ceil_mode", False),
+        )
+        for i in range(nd)
+    )
     if np.dtype(dtypes[0]).kind == "b":
         raise ValueError(f"input of dtype bool: {node.op} takes numbers (torch refuses bool too)")
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
@@ -96,9 +118,15 @@ def _pool_scratch(node, inputs, outputs, ctx):
 
 def _pool_phases(x, out, a):
     nd = len(a["kernel"])
-    return phases(x.shape, a["kernel"], out.shape, a["stride"], a.get("dilation") or (1,) * nd,
-                  _ceil_pads(x.shape, out.shape, a),
-                  shared_padding=True)
+    return phases(
+        x.shape,
+        a["kernel"],
+        out.shape,
+        a["stride"],
+        a.get("dilation") or (1,) * nd,
+        _ceil_pads(x.shape, out.shape, a),
+        shared_padding=True,
+    )
 
 
 def _lowest(dtype):
@@ -133,8 +161,14 @@ def _same_size_stride_one(x, out, a):
     """Whether a 2-d pool runs on x as it is (_same_size_pool): stride 1, an output as
     large as the input (Inception's 3x3 pools with padding 1), and each image's channels
     stored one after another in both x and out."""
-    return (x.ndim == 4 and len(a["kernel"]) == 2 and tuple(a["stride"]) == (1, 1) and out.shape == x.shape
-            and _image_rows(x) is not None and _image_rows(out) is not None)
+    return (
+        x.ndim == 4
+        and len(a["kernel"]) == 2
+        and tuple(a["stride"]) == (1, 1)
+        and out.shape == x.shape
+        and _image_rows(x) is not None
+        and _image_rows(out) is not None
+    )
 
 
 def _image_rows(a):
@@ -158,7 +192,7 @@ def _same_size_pool(ctx, node, x, out, combine, finish=None):
     max 256x28x28 302 -> 153 / 175 -> 99-108, 480x14x14 176 -> 97 / 112 -> 72, 832x7x7
     124 -> 72-75 / 84 -> 84; average 288x35x35 562 -> 270 / 301 -> 161, 2048x8x8 355 ->
     198 / 204-215 -> 128."""
-    n, c, h, w = x.shape
+    _n, c, h, w = x.shape
     a = node.attrs
     dil = a.get("dilation") or (1, 1)
     pads = a["pads"]
@@ -172,11 +206,14 @@ def _same_size_pool(ctx, node, x, out, combine, finish=None):
         ch = slice(c0, c1)
         src, acc, dst = x[:, ch], row_acc[:, ch], out[:, ch]
         steps = [_shifted(combine, _image_rows(src), _image_rows(acc), column_shifts)]
-        steps += [combine([src[..., ox + dx] for dx in column_shifts if 0 <= ox + dx < w], acc[..., ox])
-                  for ox in edge_columns]
+        steps += [
+            combine([src[..., ox + dx] for dx in column_shifts if 0 <= ox + dx < w], acc[..., ox])
+            for ox in edge_columns
+        ]
         steps.append(_shifted(combine, _image_rows(acc), _image_rows(dst), [dy * w for dy in row_shifts]))
-        steps += [combine([acc[:, :, oy + dy] for dy in row_shifts if 0 <= oy + dy < h], dst[:, :, oy])
-                  for oy in edge_rows]
+        steps += [
+            combine([acc[:, :, oy + dy] for dy in row_shifts if 0 <= oy + dy < h], dst[:, :, oy]) for oy in edge_rows
+        ]
         parts.append(chain(*steps, finish(ch) if finish else None))
     return ctx.split(parts)
 
@@ -185,10 +222,10 @@ def _shifted(combine, src, dst, shifts):
     """Callable writing into dst (N, L) the reduction over the shifts of src (N, L): dst[i]
     from src[i + shift] for every shift, over the i where all of those lie inside."""
     length = src.shape[1]
-    lo, hi = max(0, -min(shifts)), length - max(0, max(shifts))
+    lo, hi = max(0, -min(shifts)), length - max(0, *shifts)
     if hi <= lo:
         return None
-    return combine([src[:, lo + s:hi + s] for s in shifts], dst[:, lo:hi])
+    return combine([src[:, lo + s : hi + s] for s in shifts], dst[:, lo:hi])
 
 
 def _phase_pool(ctx, node, x, out, combine, pad_value, finish=None):
@@ -210,9 +247,10 @@ def _phase_pool(ctx, node, x, out, combine, pad_value, finish=None):
         if separable:
             reduced = _separable_reduce(buf[:, ch], separable, g.length, row_acc[:, ch], wide[:, ch], combine)
         else:
-            reduced = combine([buf[:, ch, t:t + g.length] for t in g.taps], wide[:, ch])
-        parts.append(chain(fill_phases(ch), reduced, copy_rows(out[:, ch], wide_valid[:, ch]),
-                           finish(ch) if finish else None))
+            reduced = combine([buf[:, ch, t : t + g.length] for t in g.taps], wide[:, ch])
+        parts.append(
+            chain(fill_phases(ch), reduced, copy_rows(out[:, ch], wide_valid[:, ch]), finish(ch) if finish else None)
+        )
     return ctx.split(parts)
 
 
@@ -239,8 +277,10 @@ def _separable_reduce(buf, taps, length, row_acc, acc, combine):
     of buf as rows x columns (_separable_taps): each row's at every offset a row may
     start, then theirs."""
     columns, rows, span = taps
-    return chain(combine([buf[..., c:c + span] for c in columns], row_acc),
-                 combine([row_acc[..., r:r + length] for r in rows], acc))
+    return chain(
+        combine([buf[..., c : c + span] for c in columns], row_acc),
+        combine([row_acc[..., r : r + length] for r in rows], acc),
+    )
 
 
 class _ColumnPairs:
@@ -281,8 +321,7 @@ class _ColumnPairs:
         self.row_taps = [ky * dilation[0] - pads[0] for ky in range(kh)]
         self.wide_row = stride[0] * self.half
         self.stride_h = stride[0]
-        inner = [y for y in range(self.out_h)
-                 if all(0 <= stride[0] * y + r < self.height for r in self.row_taps)]
+        inner = [y for y in range(self.out_h) if all(0 <= stride[0] * y + r < self.height for r in self.row_taps)]
         self.inner_rows = (inner[0], inner[-1] + 1) if inner else (0, 0)
         self.edge_rows = [y for y in range(self.out_h) if not self.inner_rows[0] <= y < self.inner_rows[1]]
 
@@ -291,11 +330,22 @@ class _ColumnPairs:
         """The geometry when this path applies, else None: 2-d, stride 2 along the width,
         every output column at most ceil(W/2), and an input _widened takes."""
         x_shape = _widened(x)
-        if (len(a["kernel"]) != 2 or a["stride"][1] != 2 or x_shape is None or out.shape[-1] > x_shape[-1] // 2
-                or x.dtype != out.dtype):
+        if (
+            len(a["kernel"]) != 2
+            or a["stride"][1] != 2
+            or x_shape is None
+            or out.shape[-1] > x_shape[-1] // 2
+            or x.dtype != out.dtype
+        ):
             return None
-        return _ColumnPairs(x_shape, out.shape, tuple(a["kernel"]), tuple(a["stride"]),
-                            tuple(a.get("dilation") or (1, 1)), _ceil_pads(x_shape, out.shape, a))
+        return _ColumnPairs(
+            x_shape,
+            out.shape,
+            tuple(a["kernel"]),
+            tuple(a["stride"]),
+            tuple(a.get("dilation") or (1, 1)),
+            _ceil_pads(x_shape, out.shape, a),
+        )
 
     def scratch(self, dtype, x_shape):
         """(even columns, odd columns, row maxima, and for an input x_shape of odd width
@@ -320,16 +370,21 @@ def _column_pairs_pool(ctx, node, g, x, out, combine, pad_value, finish=None):
     source, widen = x, None
     if widened:
         source = widened[0]
-        widen = lambda ch: chain(copy_rows(source[:, ch, :, :-1], x[:, ch]),  # noqa: E731
-                                 lambda last=source[:, ch, :, -1]: last.fill(pad_value))
+        widen = lambda ch: chain(
+            copy_rows(source[:, ch, :, :-1], x[:, ch]), lambda last=source[:, ch, :, -1]: last.fill(pad_value)
+        )
     parts = []
     for c0, c1 in parallel.ranges(g.c, split_threads(ctx, node, out.size * len(g.column_taps) * 4)):
         ch = slice(c0, c1)
-        parts.append(chain(widen(ch) if widen else None,
-                           _split_columns(source[:, ch], even[:, ch], odd[:, ch]),
-                           _row_pass(g, even[:, ch], odd[:, ch], row_max[:, ch], combine),
-                           _column_pass(g, row_max[:, ch], even[:, ch], out[:, ch], combine),
-                           finish(ch) if finish else None))
+        parts.append(
+            chain(
+                widen(ch) if widen else None,
+                _split_columns(source[:, ch], even[:, ch], odd[:, ch]),
+                _row_pass(g, even[:, ch], odd[:, ch], row_max[:, ch], combine),
+                _column_pass(g, row_max[:, ch], even[:, ch], out[:, ch], combine),
+                finish(ch) if finish else None,
+            )
+        )
     return ctx.split(parts)
 
 
@@ -341,7 +396,8 @@ def _widened(x):
     if x.shape[-1] % 2:
         return x.shape[:-1] + (x.shape[-1] + 1,)
     contiguous_channels = x.strides[-1] == x.itemsize and all(
-        x.strides[i] == x.itemsize * math.prod(x.shape[i + 1:]) for i in range(2, x.ndim))
+        x.strides[i] == x.itemsize * math.prod(x.shape[i + 1 :]) for i in range(2, x.ndim)
+    )
     return x.shape if contiguous_channels else None
 
 
@@ -355,9 +411,11 @@ def _split_columns(x, even, odd):
     flat = view_as(x, x.shape[:2] + (size,))
     owner = root_array(x)
     last_odd, last = odd[..., size // 2 - 1], flat[..., -1]
-    return chain(copy_strided(even[..., :size // 2], flat[..., 0::2], owner),
-                 copy_strided(odd[..., :size // 2 - 1], flat[..., 1:-1:2], owner),
-                 lambda: np.copyto(last_odd, last))
+    return chain(
+        copy_strided(even[..., : size // 2], flat[..., 0::2], owner),
+        copy_strided(odd[..., : size // 2 - 1], flat[..., 1:-1:2], owner),
+        lambda: np.copyto(last_odd, last),
+    )
 
 
 def _flat(a):
@@ -367,7 +425,7 @@ def _flat(a):
 
 def _grid(a, rows, columns):
     """(N, C, B) blocks as (N, C, rows, columns), the first rows * columns of each."""
-    return a[..., :rows * columns].reshape(a.shape[:2] + (rows, columns))
+    return a[..., : rows * columns].reshape(a.shape[:2] + (rows, columns))
 
 
 def _row_pass(g, even, odd, row_max, combine):
@@ -375,13 +433,18 @@ def _row_pass(g, even, odd, row_max, combine):
     over the window columns of every output column x < W/2 (x >= out_w: unused)."""
     columns = (_flat(even), _flat(odd))
     offsets = [offset for _, offset in g.column_taps]
-    lo, hi = max(0, -min(offsets)), columns[0].shape[1] - max(0, max(offsets))
-    bulk = combine([columns[parity][:, lo + offset:hi + offset] for parity, offset in g.column_taps],
-                       _flat(row_max)[:, lo:hi])
+    lo, hi = max(0, -min(offsets)), columns[0].shape[1] - max(0, *offsets)
+    bulk = combine(
+        [columns[parity][:, lo + offset : hi + offset] for parity, offset in g.column_taps], _flat(row_max)[:, lo:hi]
+    )
     grid = [_grid(a, g.height, g.half) for a in (even, odd, row_max)]
-    edges = [combine([grid[parity][..., x + offset] for parity, offset in g.column_taps
-                          if 0 <= x + offset < g.half], grid[2][..., x])
-             for x in g.edge_columns]
+    edges = [
+        combine(
+            [grid[parity][..., x + offset] for parity, offset in g.column_taps if 0 <= x + offset < g.half],
+            grid[2][..., x],
+        )
+        for x in g.edge_columns
+    ]
     return chain(bulk, *edges)
 
 
@@ -394,12 +457,12 @@ def _column_pass(g, row_max, wide, out, combine):
     if y1 > y0:
         rows, target = _flat(row_max), _flat(wide)
         shifts = [r * g.half for r in g.row_taps]
-        lo, hi = y0 * g.wide_row, target.shape[1] - max(0, max(shifts))
-        steps.append(combine([rows[:, lo + shift:hi + shift] for shift in shifts], target[:, lo:hi]))
-        steps.append(copy_rows(out[..., y0:y1, :], _grid(wide, g.out_h, g.wide_row)[..., y0:y1, :g.out_w]))
+        lo, hi = y0 * g.wide_row, target.shape[1] - max(0, *shifts)
+        steps.append(combine([rows[:, lo + shift : hi + shift] for shift in shifts], target[:, lo:hi]))
+        steps.append(copy_rows(out[..., y0:y1, :], _grid(wide, g.out_h, g.wide_row)[..., y0:y1, : g.out_w]))
     grid = _grid(row_max, g.height, g.half)
     for y in g.edge_rows:
-        taps = [grid[..., g.stride_h * y + r, :g.out_w] for r in g.row_taps if 0 <= g.stride_h * y + r < g.height]
+        taps = [grid[..., g.stride_h * y + r, : g.out_w] for r in g.row_taps if 0 <= g.stride_h * y + r < g.height]
         steps.append(combine(taps, out[..., y, :]))
     return chain(*steps)
 

@@ -15,17 +15,26 @@ intermediate layers need no transposes.
 """
 
 import numpy as np
-
 from pmx.runtime import blas
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, POSITIVE, integer, one_of, optional
 from pmx.runtime.kernels.registry import register
 
-RECURRENT_ATTRS = dict(hidden_size=POSITIVE, num_layers=POSITIVE, bidirectional=optional(FLAG),
-                       batch_first=optional(FLAG), has_bias=optional(FLAG), has_state=optional(FLAG),
-                       proj_size=optional(integer(0, 0)), nonlinearity=optional(one_of("tanh")))
+RECURRENT_ATTRS = dict(
+    hidden_size=POSITIVE,
+    num_layers=POSITIVE,
+    bidirectional=optional(FLAG),
+    batch_first=optional(FLAG),
+    has_bias=optional(FLAG),
+    has_state=optional(FLAG),
+    proj_size=optional(integer(0, 0)),
+    nonlinearity=optional(one_of("tanh")),
+)
 # lstm projects its output (proj_size), rnn may use relu
-ATTRS = {"lstm": dict(RECURRENT_ATTRS, proj_size=optional(NON_NEGATIVE)), "gru": RECURRENT_ATTRS,
-         "rnn": dict(RECURRENT_ATTRS, nonlinearity=optional(one_of("tanh", "relu")))}
+ATTRS = {
+    "lstm": dict(RECURRENT_ATTRS, proj_size=optional(NON_NEGATIVE)),
+    "gru": RECURRENT_ATTRS,
+    "rnn": dict(RECURRENT_ATTRS, nonlinearity=optional(one_of("tanh", "relu"))),
+}
 GATES = {"lstm": 4, "gru": 3, "rnn": 1}
 
 
@@ -45,7 +54,7 @@ def _dims(node, x_shape):
 def recurrent_infer(node, shapes, dtypes):
     x = shapes[0]
     a = node.attrs
-    batched, t, b, dirs, hidden, hout = _dims(node, x)
+    batched, _t, b, dirs, hidden, hout = _dims(node, x)
     layers = a["num_layers"]
     y = tuple(x[:-1]) + (dirs * hout,)
     state = (layers * dirs, b) if batched else (layers * dirs,)
@@ -57,11 +66,12 @@ def recurrent_infer(node, shapes, dtypes):
         raise ValueError(f"initial h {tuple(shapes[1])} does not match {state + (hout,)}")
     if n_states == 2 and tuple(shapes[2]) != state + (hidden,):
         raise ValueError(f"initial c {tuple(shapes[2])} does not match {state + (hidden,)}")
-    weights = [tuple(w) for w in shapes[1 + n_states:]]
+    weights = [tuple(w) for w in shapes[1 + n_states :]]
     expected = _weight_shapes(node, x[-1], hidden, hout, dirs, layers)
     if len(weights) != len(expected):
-        raise ValueError(f"{len(weights)} weight inputs, expected {len(expected)} for {layers} layers x "
-                         f"{dirs} directions")
+        raise ValueError(
+            f"{len(weights)} weight inputs, expected {len(expected)} for {layers} layers x {dirs} directions"
+        )
     for k, (got, want) in enumerate(zip(weights, expected)):
         if got != want:
             raise ValueError(f"weight input {1 + n_states + k} is {got}, expected {want}")
@@ -75,7 +85,7 @@ def _weight_shapes(node, features, hidden, hout, dirs, layers):
     """The weight inputs make_recurrent takes, in order: per layer and direction w_ih,
     w_hh, then b_ih and b_hh (has_bias), then w_hr (lstm with proj_size)."""
     rows, shapes = GATES[node.op] * hidden, []
-    for layer in range(layers):
+    for _layer in range(layers):
         for _ in range(dirs):
             shapes += [(rows, features), (rows, hout)]
             shapes += [(rows,), (rows,)] if node.attrs.get("has_bias") else []
@@ -166,12 +176,11 @@ def make_recurrent(node, inputs, outputs, ctx):
             h_init = h03[k] if h03 is not None else np.zeros((batch, hout), dtype)
             c_init = c03[k] if c03 is not None else None
             order = range(steps) if d == 0 else range(steps - 1, -1, -1)
-            outs = [dst_steps[t, :, d * hout:(d + 1) * hout] for t in order]
+            outs = [dst_steps[t, :, d * hout : (d + 1) * hout] for t in order]
             ins = [gx_steps[t] for t in order]
             project = _projection(src, src_rows, gx, gx_rows, w_ih, bias_x)
             if cell == "lstm":
-                loop = _lstm_loop(ins, outs, h_init, c_init, w_hh.T, w_hr, hidden, h_n3[k],
-                                  c_n3[k], dtype)
+                loop = _lstm_loop(ins, outs, h_init, c_init, w_hh.T, w_hr, hidden, h_n3[k], c_n3[k], dtype)
             elif cell == "gru":
                 loop = _gru_loop(ins, outs, h_init, w_hh.T, bias_h, hidden, h_n3[k], dtype)
             else:
@@ -212,14 +221,16 @@ def _lstm_loop(ins, outs, h_init, c_init, whh_t, w_hr, hidden, h_last, c_last, d
     batch = h_init.shape[0]
     g = np.empty((batch, 4 * hidden), dtype)
     s = np.empty((batch, 4 * hidden), dtype)
-    i_, f_, o_ = s[:, :hidden], s[:, hidden:2 * hidden], s[:, 3 * hidden:]
+    i_, f_, o_ = s[:, :hidden], s[:, hidden : 2 * hidden], s[:, 3 * hidden :]
     cand = np.empty((batch, hidden), dtype)
     c = np.empty((batch, hidden), dtype)
     tmp = np.empty((batch, hidden), dtype)
     whr_t = w_hr.T if w_hr is not None else None
     prevs = [h_init] + outs[:-1]
-    steps = [(gx_t, out_t, blas.matmul(h_prev, whh_t, g),
-              None if whr_t is None else blas.matmul(tmp, whr_t, out_t)) for gx_t, out_t, h_prev in zip(ins, outs, prevs)]
+    steps = [
+        (gx_t, out_t, blas.matmul(h_prev, whh_t, g), None if whr_t is None else blas.matmul(tmp, whr_t, out_t))
+        for gx_t, out_t, h_prev in zip(ins, outs, prevs)
+    ]
 
     def run():
         if c_init is None:
@@ -229,7 +240,7 @@ def _lstm_loop(ins, outs, h_init, c_init, whh_t, w_hr, hidden, h_last, c_last, d
         for gx_t, out_t, recur, project in steps:
             recur()
             np.add(g, gx_t, out=g)
-            np.tanh(g[:, 2 * hidden:3 * hidden], out=cand)
+            np.tanh(g[:, 2 * hidden : 3 * hidden], out=cand)
             _sigmoid(g, s)
             np.multiply(c, f_, out=c)
             np.multiply(i_, cand, out=cand)
@@ -261,10 +272,10 @@ def _gru_loop(ins, outs, h_init, whh_t, bias_h, hidden, h_last, dtype):
             recur()
             if bias_h is not None:
                 np.add(gh, bias_h, out=gh)
-            np.add(gx_t[:, :2 * hidden], gh[:, :2 * hidden], out=rz)
+            np.add(gx_t[:, : 2 * hidden], gh[:, : 2 * hidden], out=rz)
             _sigmoid(rz, rz)
-            np.multiply(r, gh[:, 2 * hidden:], out=n)
-            np.add(n, gx_t[:, 2 * hidden:], out=n)
+            np.multiply(r, gh[:, 2 * hidden :], out=n)
+            np.add(n, gx_t[:, 2 * hidden :], out=n)
             np.tanh(n, out=n)
             np.subtract(h_prev, n, out=tmp)
             np.multiply(z, tmp, out=tmp)

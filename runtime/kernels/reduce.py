@@ -7,7 +7,6 @@ empty = all), keepdim. `softmax`, `log_softmax`: attrs axis.
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import AXES, AXIS, FLAG, NUMBER, optional
 from pmx.runtime.kernels.common import split_threads, view_as
@@ -81,8 +80,9 @@ def _chunked_sum(x2, o1):
     12544 = 4 x 3136) took 175 us in np.mean's float64 path, 30 us this way (one thread)."""
     rows, positions = x2.shape
     fewest = -(-positions // ROWS_GEMV_MAX_LENGTH)
-    chunks = 1 if fewest == 1 else next(
-        (k for k in range(fewest, positions // 64 + 1) if positions % k == 0), None)  # chunks of 64 or more
+    chunks = (
+        1 if fewest == 1 else next((k for k in range(fewest, positions // 64 + 1) if positions % k == 0), None)
+    )  # chunks of 64 or more
     if chunks is None:
         return None
     ones = np.ones(positions // chunks, x2.dtype)
@@ -227,7 +227,7 @@ register("argmin", infer=arg_infer, attrs=ARG_ATTRS)(_make_arg(np.argmin))
 
 
 def float_reduce_infer(node, shapes, dtypes):
-    (shape, dtype), = reduce_infer(node, shapes, dtypes)
+    ((shape, dtype),) = reduce_infer(node, shapes, dtypes)
     return [(shape, dtype if np.dtype(dtype).kind == "f" else np.dtype("float32"))]
 
 
@@ -284,8 +284,12 @@ def make_reduce_norm(node, inputs, outputs, ctx):
         return lambda: (np.absolute(x, out=scratch), np.min(scratch, **kw))
     if p == 0.0:
         return lambda: (np.not_equal(x, 0, out=scratch, casting="unsafe"), np.sum(scratch, **kw))
-    return lambda: (np.absolute(x, out=scratch), np.power(scratch, p, out=scratch), np.sum(scratch, **kw),
-                    np.power(target, 1.0 / p, out=target))
+    return lambda: (
+        np.absolute(x, out=scratch),
+        np.power(scratch, p, out=scratch),
+        np.sum(scratch, **kw),
+        np.power(target, 1.0 / p, out=target),
+    )
 
 
 @register("reduce_logsumexp", infer=float_reduce_infer, attrs=REDUCE_ATTRS)

@@ -22,11 +22,18 @@ arithmetic (the tables are computed in float32 so floors land where torch's do).
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import FLAG, POSITIVE, ints, length_of, number, numbers, one_of, optional, or_empty
-from pmx.runtime.kernels.common import (check_border_pads, chain, fill_border, padded_shape, pairs_castable, split_copy,
-                                        split_threads, view_as)
+from pmx.runtime.kernels.common import (
+    chain,
+    check_border_pads,
+    fill_border,
+    padded_shape,
+    pairs_castable,
+    split_copy,
+    split_threads,
+    view_as,
+)
 from pmx.runtime.kernels.registry import register
 
 F32 = np.float32
@@ -114,10 +121,13 @@ def _below_rank(attrs, ranks):
 
 
 # sizes first: scales and scale_factor hold one entry per resized dim (or none)
-RESIZE_ATTRS = dict(mode=one_of("nearest", "nearest_exact", "linear", "cubic"),
-                    sizes=ints(min_length=1, max_length=_below_rank, lo=0), align_corners=optional(FLAG),
-                    scales=optional(or_empty(numbers(length_of("sizes"), lo=0))),
-                    scale_factor=optional(or_empty(numbers(length_of("sizes"), lo=0))))
+RESIZE_ATTRS = dict(
+    mode=one_of("nearest", "nearest_exact", "linear", "cubic"),
+    sizes=ints(min_length=1, max_length=_below_rank, lo=0),
+    align_corners=optional(FLAG),
+    scales=optional(or_empty(numbers(length_of("sizes"), lo=0))),
+    scale_factor=optional(or_empty(numbers(length_of("sizes"), lo=0))),
+)
 
 
 @register("resize", infer=resize_infer, attrs=RESIZE_ATTRS)
@@ -129,12 +139,13 @@ def make_resize(node, inputs, outputs, ctx):
     lead = x.ndim - nd
     scales = tuple(a.get("scales") or (0.0,) * nd)
     align = bool(a.get("align_corners", False))
-    taps = [axis_taps(mode, x.shape[lead + i], out.shape[lead + i], align, scales[i], nd)
-            for i in range(nd)]
+    taps = [axis_taps(mode, x.shape[lead + i], out.shape[lead + i], align, scales[i], nd) for i in range(nd)]
     # shrinking axes first, so later passes touch fewer elements; among axes scaled alike
     # the last first, so a nearest 2x doubles its rows' items before copying whole rows
-    axes = sorted(((lead + i, t) for i, t in enumerate(taps) if t is not None),
-                  key=lambda at: (out.shape[at[0]] / x.shape[at[0]], -at[0]))
+    axes = sorted(
+        ((lead + i, t) for i, t in enumerate(taps) if t is not None),
+        key=lambda at: (out.shape[at[0]] / x.shape[at[0]], -at[0]),
+    )
     if not axes:
         return lambda: np.copyto(out, x)
     arrays = [x]  # the input, each intermediate, the output
@@ -150,9 +161,13 @@ def make_resize(node, inputs, outputs, ctx):
     parts = []
     for lo, hi in parallel.ranges(x.shape[along], split_threads(ctx, node, out.size)):
         part = (slice(None),) * along + (slice(lo, hi),)
-        steps = [(_axis_step(arrays[k][part], arrays[k + 1][part], axis, t),
-                  _product_step(arrays[k][part], arrays[k + 1][part], axis, m))
-                 for k, ((axis, t), m) in enumerate(zip(axes, matrices))]
+        steps = [
+            (
+                _axis_step(arrays[k][part], arrays[k + 1][part], axis, t),
+                _product_step(arrays[k][part], arrays[k + 1][part], axis, m),
+            )
+            for k, ((axis, t), m) in enumerate(zip(axes, matrices))
+        ]
         gathers = chain(*(gather for gather, _ in steps))
         if any(product is not None for _, product in steps):
             parts.append(_finite_or(x[part], chain(*(product or gather for gather, product in steps)), gathers))
@@ -196,7 +211,7 @@ def _product_step(src, dst, axis, weights):
         except (AttributeError, ValueError):
             a, o = src, dst  # one GEMM per matrix of the leading dims
         return blas.matmul(a, weights, o)
-    rest = math.prod(src.shape[axis + 1:])
+    rest = math.prod(src.shape[axis + 1 :])
     try:
         a, o = view_as(src, src.shape[:axis] + (n_in, rest)), view_as(dst, dst.shape[:axis] + (n_out, rest))
     except (AttributeError, ValueError):
@@ -258,7 +273,7 @@ def _repeat_step(src, dst, axis, idx):
         src_bits, dst_pairs = src.view(narrow), dst.view(wide)
         both_halves = wide.type((1 << (8 * item)) + 1)
         return lambda: np.multiply(src_bits, both_halves, out=dst_pairs, casting="unsafe")
-    rows = view_as(dst, dst.shape[:axis] + (n_in, factor) + dst.shape[axis + 1:])
+    rows = view_as(dst, dst.shape[:axis] + (n_in, factor) + dst.shape[axis + 1 :])
     source = np.expand_dims(src, axis + 1)
     return lambda: np.copyto(rows, source)
 
@@ -273,16 +288,22 @@ def _pads(v, attrs, ranks):
 def pad_infer(node, shapes, dtypes):
     pads, mode = node.attrs["pads"], node.attrs.get("mode", "constant")
     nd = len(pads) // 2
-    sizes = shapes[0][len(shapes[0]) - nd:]
+    sizes = shapes[0][len(shapes[0]) - nd :]
     if mode == "circular":  # crops first, then pads the crop
         sizes = [n - max(-pads[i], 0) - max(-pads[nd + i], 0) for i, n in enumerate(sizes)]
     check_border_pads(mode, [max(p, 0) for p in pads], sizes)
     return [(padded_shape(shapes[0], pads), dtypes[0])]
 
 
-@register("pad", infer=pad_infer, attrs=dict(pads=_pads, mode=optional(one_of("constant", "reflect", "replicate",
-                                                                           "circular")),
-                                             value=optional(number(none=True))))
+@register(
+    "pad",
+    infer=pad_infer,
+    attrs=dict(
+        pads=_pads,
+        mode=optional(one_of("constant", "reflect", "replicate", "circular")),
+        value=optional(number(none=True)),
+    ),
+)
 def make_pad(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -294,8 +315,7 @@ def make_pad(node, inputs, outputs, ctx):
     grow = tuple(max(p, 0) for p in pads)
 
     def crop(shape):
-        return (Ellipsis,) + tuple(
-            slice(max(-pads[i], 0), shape[lead + i] - max(-pads[nd + i], 0)) for i in range(nd))
+        return (Ellipsis,) + tuple(slice(max(-pads[i], 0), shape[lead + i] - max(-pads[nd + i], 0)) for i in range(nd))
 
     if mode in ("reflect", "replicate") and min(pads) < 0:
         # torch pads these from the uncropped input and crops afterwards
@@ -314,7 +334,7 @@ def _pad_into(src, out, grow, mode, value):
     lead = src.ndim - nd
     sizes = src.shape[lead:]
     interior = out[(Ellipsis,) + tuple(slice(grow[i], grow[i] + sizes[i]) for i in range(nd))]
-    copy_in = lambda: np.copyto(interior, src)  # noqa: E731
+    copy_in = lambda: np.copyto(interior, src)
     if not any(grow):
         return copy_in
     if mode != "constant":
@@ -370,7 +390,7 @@ def make_pixel_shuffle(node, inputs, outputs, ctx):
     inverse = bool(node.attrs.get("inverse"))
     k = x.ndim - 3
     lead = tuple(x.shape[:k])
-    small, big = (out, x) if inverse else (x, out)
+    small, _big = (out, x) if inverse else (x, out)
     c, h, w = small.shape[k] // (r * r), small.shape[k + 1], small.shape[k + 2]
     small_shape = lead + (c, r, r, h, w)
     big_shape = lead + (c, h, r, w, r)

@@ -16,7 +16,6 @@ import itertools
 import math
 
 import numpy as np
-
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import FLAG, INT, NUMBER, POSITIVE, ints, one_of, optional
@@ -59,6 +58,7 @@ def _pad_coordinates(c, size, padding_mode, align_corners):
 
 def _cubic_weights(t):
     """Cubic convolution coefficients (A = -0.75) for taps at -1, 0, 1, 2 from fraction t."""
+
     def near(x):
         return ((CUBIC_A + F32(2)) * x - (CUBIC_A + F32(3))) * x * x + F32(1)
 
@@ -89,24 +89,29 @@ def _axis_taps(c, size, mode, padding_mode, align_corners):
     lo = np.floor(c)
     frac = (c - lo).astype(F32)
     lo = np.where(np.isfinite(lo), lo, -2).astype(np.int64)
-    return [(lo, F32(1) - frac, (lo >= 0) & (lo < size)),
-            (lo + 1, frac, (lo + 1 >= 0) & (lo + 1 < size))]
+    return [(lo, F32(1) - frac, (lo >= 0) & (lo < size)), (lo + 1, frac, (lo + 1 >= 0) & (lo + 1 < size))]
 
 
 def grid_sample_infer(node, shapes, dtypes):
     x, g = tuple(shapes[0]), tuple(shapes[1])
     nd = len(x) - 2
     if nd not in (2, 3) or len(g) != nd + 2 or g[-1] != nd or g[0] != x[0]:
-        raise ValueError(f"grid_sample: input {x} and grid {g} must be (N, C, *{nd} dims) and "
-                         f"(N, *out, {nd})")
+        raise ValueError(f"grid_sample: input {x} and grid {g} must be (N, C, *{nd} dims) and (N, *out, {nd})")
     if node.attrs.get("mode") == "bicubic" and nd != 2:
         raise ValueError("grid_sample: bicubic needs a 4-d input")
     return [((x[0], x[1]) + g[1:-1], dtypes[0])]
 
 
-@register("grid_sample", infer=grid_sample_infer,
-          attrs=dict(mode=one_of("bilinear", "nearest", "bicubic"),
-                     padding_mode=one_of("zeros", "border", "reflection"), align_corners=optional(FLAG)), float_input=True)
+@register(
+    "grid_sample",
+    infer=grid_sample_infer,
+    attrs=dict(
+        mode=one_of("bilinear", "nearest", "bicubic"),
+        padding_mode=one_of("zeros", "border", "reflection"),
+        align_corners=optional(FLAG),
+    ),
+    float_input=True,
+)
 def make_grid_sample(node, inputs, outputs, ctx):
     x, grid, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -117,7 +122,7 @@ def make_grid_sample(node, inputs, outputs, ctx):
     points = math.prod(grid.shape[1:-1])
     flat_x = x.reshape(n, c, -1)
     flat_out = out.reshape(n, c, points)
-    strides = [math.prod(spatial[i + 1:]) for i in range(nd)]
+    strides = [math.prod(spatial[i + 1 :]) for i in range(nd)]
 
     def run():
         g = grid.reshape(n, points, nd).astype(F32, copy=False)
@@ -160,8 +165,11 @@ def affine_grid_infer(node, shapes, dtypes):
     return [((size[0],) + size[2:] + (nd,), dtypes[0])]
 
 
-@register("affine_grid", infer=affine_grid_infer,
-          attrs=dict(size=ints(min_length=4, max_length=5, lo=0), align_corners=optional(FLAG)))
+@register(
+    "affine_grid",
+    infer=affine_grid_infer,
+    attrs=dict(size=ints(min_length=4, max_length=5, lo=0), align_corners=optional(FLAG)),
+)
 def make_affine_grid(node, inputs, outputs, ctx):
     theta, out = inputs[0], outputs[0]
     size = tuple(node.attrs["size"])
@@ -208,13 +216,21 @@ def _roi_bilinear(plane, y, x):
     y1, x1 = np.minimum(y0 + 1, h - 1), np.minimum(x0 + 1, w - 1)
     ly, lx = y - y0, x - x0
     hy, hx = 1.0 - ly, 1.0 - lx
-    val = (hy * hx * plane[:, y0, x0] + hy * lx * plane[:, y0, x1] + ly * hx * plane[:, y1, x0]
-           + ly * lx * plane[:, y1, x1])
+    val = (
+        hy * hx * plane[:, y0, x0]
+        + hy * lx * plane[:, y0, x1]
+        + ly * hx * plane[:, y1, x0]
+        + ly * lx * plane[:, y1, x1]
+    )
     return np.where(outside, 0.0, val)
 
 
-@register("roi_align", infer=roi_align_infer,
-          attrs=dict(output_size=ints(2, lo=1), spatial_scale=NUMBER, sampling_ratio=INT, aligned=FLAG), float_input=True)
+@register(
+    "roi_align",
+    infer=roi_align_infer,
+    attrs=dict(output_size=ints(2, lo=1), spatial_scale=NUMBER, sampling_ratio=INT, aligned=FLAG),
+    float_input=True,
+)
 def make_roi_align(node, inputs, outputs, ctx):
     x, rois, out = inputs[0], inputs[1], outputs[0]
     a = node.attrs
@@ -267,9 +283,19 @@ def deform_conv_infer(node, shapes, dtypes):
     return [((x[0], w[0], ho, wo), dtypes[0])]
 
 
-@register("deform_conv", infer=deform_conv_infer,
-          attrs=dict(stride=ints(2, lo=1), pads=ints(2, lo=0), dilation=ints(2, lo=1), groups=POSITIVE,
-                     has_mask=optional(FLAG), has_bias=optional(FLAG)), float_input=True)
+@register(
+    "deform_conv",
+    infer=deform_conv_infer,
+    attrs=dict(
+        stride=ints(2, lo=1),
+        pads=ints(2, lo=0),
+        dilation=ints(2, lo=1),
+        groups=POSITIVE,
+        has_mask=optional(FLAG),
+        has_bias=optional(FLAG),
+    ),
+    float_input=True,
+)
 def make_deform_conv(node, inputs, outputs, ctx):
     a = node.attrs
     x, offset, w, out = inputs[0], inputs[1], inputs[2], outputs[0]
@@ -311,12 +337,12 @@ def make_deform_conv(node, inputs, outputs, ctx):
                 for xi, wx in ((x0, 1 - lx), (x0 + 1, lx)):
                     ok = (yi >= 0) & (yi < h) & (xi >= 0) & (xi < wd)
                     idx = np.where(ok, yi * wd + xi, 0).reshape(n, 1, k * p)
-                    vals = np.take_along_axis(flat_x[:, g * cpg:(g + 1) * cpg], idx, axis=2)
+                    vals = np.take_along_axis(flat_x[:, g * cpg : (g + 1) * cpg], idx, axis=2)
                     acc += vals * np.where(ok, wy * wx, F32(0)).reshape(n, 1, k * p)
             acc = acc.reshape(n, cpg, k, p)
             if mask is not None:
                 acc *= mask.reshape(n, og, k, p)[:, g][:, None]
-            cols[:, g * cpg:(g + 1) * cpg] = acc
+            cols[:, g * cpg : (g + 1) * cpg] = acc
         multiply()
         r = res.reshape(n, o, p)
         if bias is not None:

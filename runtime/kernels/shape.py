@@ -20,10 +20,21 @@
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
-from pmx.runtime.kernels.attr_specs import (AXES, AXIS, FLAG, POSITIVE, UNREAD, axis, ints, length_of, optional,
-                                            permutation, target_shape, widest_input)
+from pmx.runtime.kernels.attr_specs import (
+    AXES,
+    AXIS,
+    FLAG,
+    POSITIVE,
+    UNREAD,
+    axis,
+    ints,
+    length_of,
+    optional,
+    permutation,
+    target_shape,
+    widest_input,
+)
 from pmx.runtime.kernels.common import chain, split_copy, split_threads, view_as
 from pmx.runtime.kernels.registry import register
 
@@ -70,8 +81,12 @@ def _same_memory(a, b):
 
 # shape: the target at the compiled shape; dyn_shape: the one re-planning follows;
 # pnnx_shape: the shape argument as written, which only the compiler reads
-@register("reshape", infer=reshape_infer, view=True,
-          attrs=dict(shape=target_shape(), dyn_shape=optional(target_shape(copies_dims_of=0)), pnnx_shape=UNREAD))
+@register(
+    "reshape",
+    infer=reshape_infer,
+    view=True,
+    attrs=dict(shape=target_shape(), dyn_shape=optional(target_shape(copies_dims_of=0)), pnnx_shape=UNREAD),
+)
 def make_reshape(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     if _same_memory(x, out) and x.flags.c_contiguous and out.flags.c_contiguous:
@@ -140,7 +155,9 @@ def make_concat(node, inputs, outputs, ctx):
         idx[axis] = slice(start, start + x.shape[axis])
         start += x.shape[axis]
         dst = out[tuple(idx)]
-        if not _same_view(x, dst):  # (np.copyto broadcasts size-1 dims when attrs broadcast)  # inputs the planner placed in their slice need no copy
+        if not _same_view(
+            x, dst
+        ):  # (np.copyto broadcasts size-1 dims when attrs broadcast)  # inputs the planner placed in their slice need no copy
             pairs.append((dst, x))
     if not pairs:
         return None
@@ -213,8 +230,13 @@ def _squeezed(v, attrs, ranks):
 
 
 # axes first: the other tuples hold one entry per axis
-SLICE_ATTRS = dict(axes=AXES, starts=ints(length_of("axes")), ends=ints(length_of("axes")),
-                   steps=ints(length_of("axes"), lo=1), squeeze=optional(_squeezed))
+SLICE_ATTRS = dict(
+    axes=AXES,
+    starts=ints(length_of("axes")),
+    ends=ints(length_of("axes")),
+    steps=ints(length_of("axes"), lo=1),
+    squeeze=optional(_squeezed),
+)
 
 
 def _slice_shape(shape, attrs):
@@ -335,8 +357,8 @@ def _shuffle_into_parts(x, outputs, g):
             first = start + (r - start) % g  # the output's first channel of residue r
             count = len(range(first, start + size, g))
             if count:
-                src = x[:, r * per_group + first // g:r * per_group + first // g + count]
-                pairs.append((out[:, first - start::g], src))
+                src = x[:, r * per_group + first // g : r * per_group + first // g + count]
+                pairs.append((out[:, first - start :: g], src))
         start += size
     copyto = np.copyto
 

@@ -20,13 +20,26 @@ complex inputs are the matching float dtype.
 
 import numpy as np
 from pmx.runtime.errors import PmxInputError
-from pmx.runtime.kernels.attr_specs import (FLAG, NON_NEGATIVE, POSITIVE, distinct_axes, integer, ints, length_of,
-                                            one_of, optional)
+from pmx.runtime.kernels.attr_specs import (
+    FLAG,
+    NON_NEGATIVE,
+    POSITIVE,
+    distinct_axes,
+    integer,
+    ints,
+    length_of,
+    one_of,
+    optional,
+)
 from pmx.runtime.kernels.registry import register
 
-COMPLEX_OF = {np.dtype("float32"): np.dtype("complex64"), np.dtype("float64"): np.dtype("complex128"),
-              np.dtype("float16"): np.dtype("complex64"), np.dtype("complex64"): np.dtype("complex64"),
-              np.dtype("complex128"): np.dtype("complex128")}
+COMPLEX_OF = {
+    np.dtype("float32"): np.dtype("complex64"),
+    np.dtype("float64"): np.dtype("complex128"),
+    np.dtype("float16"): np.dtype("complex64"),
+    np.dtype("complex64"): np.dtype("complex64"),
+    np.dtype("complex128"): np.dtype("complex128"),
+}
 REAL_OF = {np.dtype("complex64"): np.dtype("float32"), np.dtype("complex128"): np.dtype("float64")}
 DUAL_NORM = {"backward": "forward", "forward": "backward", "ortho": "ortho"}
 
@@ -153,9 +166,16 @@ def _transform(kind, lengths, axes, norm):
 
 
 # axes first: lengths holds one entry per axis
-@register("fft", infer=fft_infer,
-          attrs=dict(kind=one_of("fft", "ifft", "rfft", "irfft", "hfft", "ihfft"), axes=distinct_axes(min_length=1),
-                     lengths=ints(length_of("axes"), lo=0), norm=optional(one_of("backward", "forward", "ortho"))))
+@register(
+    "fft",
+    infer=fft_infer,
+    attrs=dict(
+        kind=one_of("fft", "ifft", "rfft", "irfft", "hfft", "ihfft"),
+        axes=distinct_axes(min_length=1),
+        lengths=ints(length_of("axes"), lo=0),
+        norm=optional(one_of("backward", "forward", "ortho")),
+    ),
+)
 def make_fft(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -171,8 +191,13 @@ def make_fft(node, inputs, outputs, ctx):
 
 
 # n_fft first: the window is at most as long
-FRAMES_ATTRS = dict(n_fft=POSITIVE, hop_length=POSITIVE, win_length=integer(1, lambda attrs, ranks: attrs["n_fft"]),
-                    center=FLAG, normalized=FLAG)
+FRAMES_ATTRS = dict(
+    n_fft=POSITIVE,
+    hop_length=POSITIVE,
+    win_length=integer(1, lambda attrs, ranks: attrs["n_fft"]),
+    center=FLAG,
+    normalized=FLAG,
+)
 
 
 def _check_window(node, shapes):
@@ -202,12 +227,15 @@ def _window(window, n_fft, win_length, dtype):
     w = np.ones(win_length, dtype) if window is None else np.asarray(window, dtype)
     full = np.zeros(n_fft, dtype)
     left = (n_fft - win_length) // 2
-    full[left:left + win_length] = w
+    full[left : left + win_length] = w
     return full
 
 
-@register("stft", infer=stft_infer,
-          attrs=dict(FRAMES_ATTRS, onesided=FLAG, pad_mode=one_of("reflect", "constant", "replicate", "circular")))
+@register(
+    "stft",
+    infer=stft_infer,
+    attrs=dict(FRAMES_ATTRS, onesided=FLAG, pad_mode=one_of("reflect", "constant", "replicate", "circular")),
+)
 def make_stft(node, inputs, outputs, ctx):
     a = node.attrs
     x, out = inputs[0], outputs[0]
@@ -228,7 +256,7 @@ def make_stft(node, inputs, outputs, ctx):
         seg = sig[..., idx] * w  # (..., frames, n_fft)
         spec = np.fft.rfft(seg, axis=-1) if onesided and seg.dtype.kind != "c" else np.fft.fft(seg, axis=-1)
         if onesided and spec.shape[-1] != n_fft // 2 + 1:
-            spec = spec[..., :n_fft // 2 + 1]
+            spec = spec[..., : n_fft // 2 + 1]
         if normalized:
             spec = spec / np.sqrt(n_fft)
         np.copyto(out, np.swapaxes(spec, -1, -2), casting="unsafe")
@@ -250,9 +278,11 @@ def istft_infer(node, shapes, dtypes):
 
 # onesided: written by the compiler; a real inverse reads the first n_fft // 2 + 1 bins
 # either way
-@register("istft", infer=istft_infer,
-          attrs=dict(FRAMES_ATTRS, onesided=optional(FLAG), length=optional(NON_NEGATIVE),
-                     return_complex=optional(FLAG)))
+@register(
+    "istft",
+    infer=istft_infer,
+    attrs=dict(FRAMES_ATTRS, onesided=optional(FLAG), length=optional(NON_NEGATIVE), return_complex=optional(FLAG)),
+)
 def make_istft(node, inputs, outputs, ctx):
     a = node.attrs
     x, out = inputs[0], outputs[0]
@@ -277,7 +307,7 @@ def make_istft(node, inputs, outputs, ctx):
         else:
             # torch reads a real inverse from the first n_fft // 2 + 1 bins only (irfft), also
             # of a two-sided spectrum, whose other bins need not be their conjugate mirror
-            seg = np.fft.irfft(spec[..., :n_fft // 2 + 1], n_fft, axis=-1)
+            seg = np.fft.irfft(spec[..., : n_fft // 2 + 1], n_fft, axis=-1)
         seg = seg * w
         lead = seg.shape[:-2]
         acc = np.zeros(lead + (total,), seg.dtype)
@@ -290,10 +320,12 @@ def make_istft(node, inputs, outputs, ctx):
         e = env[start:end]
         if e.size and np.abs(e).min() < 1e-11:
             # torch refuses too: those samples cannot be recovered (the NOLA condition fails)
-            raise PmxInputError(f"{node.name} (istft): the window's overlap-add is zero at some samples "
-                                f"(n_fft={n_fft}, hop_length={hop}, win_length={a['win_length']})")
+            raise PmxInputError(
+                f"{node.name} (istft): the window's overlap-add is zero at some samples "
+                f"(n_fft={n_fft}, hop_length={hop}, win_length={a['win_length']})"
+            )
         y = y / e
         out[...] = 0
-        np.copyto(out[..., :end - start], y, casting="unsafe")
+        np.copyto(out[..., : end - start], y, casting="unsafe")
 
     return run

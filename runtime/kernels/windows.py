@@ -19,15 +19,17 @@ padding taps) points at its first element inside the input.
 import math
 
 import numpy as np
-
 from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
 from pmx.runtime.kernels.pool import ADAPTIVE_ATTRS, POOL_ATTRS, _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
 from pmx.runtime.kernels.registry import register
 
-
-UNFOLD_ATTRS = dict(kernel=ints(min_length=1, lo=1), stride=ints(length_of("kernel"), lo=1),
-                    pads=ints(length_of("kernel", 2), lo=0), dilation=ints(length_of("kernel"), lo=1))
+UNFOLD_ATTRS = dict(
+    kernel=ints(min_length=1, lo=1),
+    stride=ints(length_of("kernel"), lo=1),
+    pads=ints(length_of("kernel", 2), lo=0),
+    dilation=ints(length_of("kernel"), lo=1),
+)
 FOLD_ATTRS = dict(UNFOLD_ATTRS, output_size=ints(length_of("kernel"), lo=1))
 
 # Taps of one window: far above any model's (a 224x224 global window is 50176), low
@@ -89,8 +91,9 @@ def make_max_pool_indices(node, inputs, outputs, ctx):
     buf, interior = padded_buffer(ctx, x.shape, pads, x.dtype, _lowest(x.dtype))
     copy_in = copy_rows(interior, x)
     # per output position, the window's first valid element: where an all -inf window points
-    first = _flat_index(np.ix_(*[_first_inside(out_sp[i], spatial[i], k[i], s[i], d[i], pads[i])
-                                 for i in range(nd)]), spatial)
+    first = _flat_index(
+        np.ix_(*[_first_inside(out_sp[i], spatial[i], k[i], s[i], d[i], pads[i]) for i in range(nd)]), spatial
+    )
     taps = []
     for tap in np.ndindex(*k):
         sl = tuple(slice(tap[i] * d[i], tap[i] * d[i] + (out_sp[i] - 1) * s[i] + 1, s[i]) for i in range(nd))
@@ -182,7 +185,7 @@ def unfold_infer(node, shapes, dtypes):
     blocks = _blocks(x[-nd:], a)
     if min(blocks) < 1:
         raise ValueError(f"unfold: no window fits input {tuple(x)} (kernel {a['kernel']}, pads {a['pads']})")
-    return [(tuple(x[:-nd - 1]) + (x[-nd - 1] * math.prod(a["kernel"]), math.prod(blocks)), dtypes[0])]
+    return [(tuple(x[: -nd - 1]) + (x[-nd - 1] * math.prod(a["kernel"]), math.prod(blocks)), dtypes[0])]
 
 
 def _tap_slices(a, blocks):
@@ -206,8 +209,10 @@ def make_unfold(node, inputs, outputs, ctx):
         buf, copy_in = x, None
     c = x.shape[-nd - 1]
     rows, _, copy_out = _reshaped(out, out.shape[:-2] + (c, math.prod(a["kernel"])) + blocks)
-    copies = [copy_rows(rows[(Ellipsis, t) + (slice(None),) * nd], buf[(Ellipsis,) + sl])
-              for t, sl in enumerate(_tap_slices(a, blocks))]
+    copies = [
+        copy_rows(rows[(Ellipsis, t) + (slice(None),) * nd], buf[(Ellipsis,) + sl])
+        for t, sl in enumerate(_tap_slices(a, blocks))
+    ]
     return chain(copy_in, *copies, copy_out)
 
 
@@ -221,8 +226,10 @@ def fold_infer(node, shapes, dtypes):
         raise ValueError(f"fold: input {tuple(x)} must be (N, C * {taps}, L) or (C * {taps}, L)")
     blocks = _blocks(size, a)
     if min(blocks) < 1 or math.prod(blocks) != x[-1]:
-        raise ValueError(f"fold: {x[-1]} blocks given, output_size {size} with kernel {a['kernel']} makes "
-                         f"{math.prod(blocks) if min(blocks) > 0 else 0}")
+        raise ValueError(
+            f"fold: {x[-1]} blocks given, output_size {size} with kernel {a['kernel']} makes "
+            f"{math.prod(blocks) if min(blocks) > 0 else 0}"
+        )
     return [(tuple(x[:-2]) + (x[-2] // taps,) + size, dtypes[0])]
 
 
@@ -242,8 +249,10 @@ def make_fold(node, inputs, outputs, ctx):
     padded = tuple(size[i] + pads[i] + pads[nd + i] for i in range(nd))
     buf = np.zeros(out.shape[:-nd] + padded, out.dtype) if any(pads) else out
     interior = buf[(Ellipsis,) + tuple(slice(pads[i], pads[i] + size[i]) for i in range(nd))]
-    adds = [(buf[(Ellipsis,) + sl], cols[(Ellipsis, t) + (slice(None),) * nd])
-            for t, sl in enumerate(_tap_slices(a, blocks))]
+    adds = [
+        (buf[(Ellipsis,) + sl], cols[(Ellipsis, t) + (slice(None),) * nd])
+        for t, sl in enumerate(_tap_slices(a, blocks))
+    ]
 
     def run():
         if copy_in is not None:

@@ -29,7 +29,6 @@ transforms cost more than the GEMM saves). choose_kernels' rule picks accordingl
 import math
 
 import numpy as np
-
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import ints
 from pmx.runtime.kernels.bind import scratch_nbytes
@@ -56,8 +55,9 @@ def winograd_infer(node, shapes, dtypes):
     x, u = shapes[0], shapes[1]
     pt, pl, pb, pr = node.attrs["pads"]
     if len(x) != 4 or len(u) != 4 or tuple(u[:2]) != (4, 4) or u[3] != x[1]:
-        raise ValueError(f"input {tuple(x)} and transformed weight {tuple(u)} do not fit "
-                         f"(expected x[N, C, H, W] and u[4, 4, K, C])")
+        raise ValueError(
+            f"input {tuple(x)} and transformed weight {tuple(u)} do not fit (expected x[N, C, H, W] and u[4, 4, K, C])"
+        )
     if len(shapes) > 2 and shapes[2] is not None and tuple(shapes[2]) != (u[2],):
         raise ValueError(f"bias {tuple(shapes[2])} does not match {u[2]} output channels")
     ho, wo = x[2] + pt + pb - 2, x[3] + pl + pr - 2
@@ -101,12 +101,16 @@ def winograd_scratch(node, inputs, outputs, ctx):
 
 
 def _scratch_shapes(g, dtype):
-    return [((2, 4, g.span + 1), dtype),  # input rows combined, per column parity
-            ((4, 4, g.c, g.columns), dtype),  # V
-            ((4, 4, g.k, g.columns), dtype)]  # M, then Y, then the output tiles, in place
+    return [
+        ((2, 4, g.span + 1), dtype),  # input rows combined, per column parity
+        ((4, 4, g.c, g.columns), dtype),  # V
+        ((4, 4, g.k, g.columns), dtype),
+    ]  # M, then Y, then the output tiles, in place
 
 
-@register("conv_winograd", infer=winograd_infer, scratch=winograd_scratch, attrs=dict(pads=ints(4, lo=0)), float_input=True)
+@register(
+    "conv_winograd", infer=winograd_infer, scratch=winograd_scratch, attrs=dict(pads=ints(4, lo=0)), float_input=True
+)
 def make_conv_winograd(node, inputs, outputs, ctx):
     x, u, out = inputs[0], inputs[1], outputs[0]
     bias = inputs[2] if len(inputs) > 2 else None
@@ -129,22 +133,30 @@ def _images(ctx, node, x, u, bias, out, buffers, phase_buffers):
     # persistent (not scratch): the padding between the copied-in pixels stays zero (every
     # chunk of a size writes the same interior positions)
     if g.n not in phase_buffers:
-        phase_buffers[g.n] = ctx.persistent_buffer(("winograd", x.shape, out.shape, tuple(node.attrs["pads"])),
-                                                   (2, 2, g.span + g.margin), x.dtype)
+        phase_buffers[g.n] = ctx.persistent_buffer(
+            ("winograd", x.shape, out.shape, tuple(node.attrs["pads"])), (2, 2, g.span + g.margin), x.dtype
+        )
     phases = phase_buffers[g.n]
-    rows_combined, v, m = (buf[:math.prod(shape)].reshape(shape)
-                           for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype)))
+    rows_combined, v, m = (
+        buf[: math.prod(shape)].reshape(shape) for buf, (shape, _) in zip(buffers, _scratch_shapes(g, out.dtype))
+    )
     threads = gemm_node_threads(ctx, node) if 16 * g.k * g.c * g.columns >= SPLIT_MIN_MACS else 1
-    transform_in = [_input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
-                    for lo, hi in parallel.ranges(g.c, threads)]
+    transform_in = [
+        _input_part(x, node.attrs["pads"], g, phases, rows_combined, v, lo, hi)
+        for lo, hi in parallel.ranges(g.c, threads)
+    ]
     multiply_out = [_output_part(u, bias, out, g, v, m, lo, hi) for lo, hi in parallel.ranges(g.k, threads)]
     return chain(ctx.split(transform_in), split_activated(ctx, node, out, multiply_out))
 
 
 def _combine_rows(d0, d1, d2, d3, out):
     """B^T applied along one axis: out[0..3] = d0 - d2, d1 + d2, d2 - d1, d1 - d3."""
-    return (lambda: np.subtract(d0, d2, out=out[0]), lambda: np.add(d1, d2, out=out[1]),
-            lambda: np.subtract(d2, d1, out=out[2]), lambda: np.subtract(d1, d3, out=out[3]))
+    return (
+        lambda: np.subtract(d0, d2, out=out[0]),
+        lambda: np.add(d1, d2, out=out[1]),
+        lambda: np.subtract(d2, d1, out=out[2]),
+        lambda: np.subtract(d1, d3, out=out[3]),
+    )
 
 
 def _input_part(x, pads, g, phases, rows_combined, v, c0, c1):
@@ -152,23 +164,23 @@ def _input_part(x, pads, g, phases, rows_combined, v, c0, c1):
     wide positions. A term's slice may read a little of the next channel's plane: only
     discarded positions (past the last tile of a plane) use it."""
     pt, pl = pads[0], pads[1]
-    planes = phases[:, :, :g.span].reshape(2, 2, g.c, g.n, g.rows, g.cols)
+    planes = phases[:, :, : g.span].reshape(2, 2, g.c, g.n, g.rows, g.cols)
     steps = []
     for py in range(2):
         for px in range(2):
             y0, x0 = (py - pt) % 2, (px - pl) % 2  # first input row/column in this phase
             src = x[:, c0:c1, y0::2, x0::2].transpose(1, 0, 2, 3)
             i0, j0 = (y0 + pt) // 2, (x0 + pl) // 2
-            dst = planes[py, px, c0:c1, :, i0:i0 + src.shape[2], j0:j0 + src.shape[3]]
+            dst = planes[py, px, c0:c1, :, i0 : i0 + src.shape[2], j0 : j0 + src.shape[3]]
             steps.append(copy_strided(dst, src))
     lo, hi = c0 * g.columns, c1 * g.columns
     extra = 1 if c1 == g.c else 0  # the last part also makes the one position past span
     for px in range(2):
-        d = [phases[a % 2, px, lo + (a // 2) * g.cols: hi + extra + (a // 2) * g.cols] for a in range(4)]
-        steps += _combine_rows(*d, [rows_combined[px, r, lo:hi + extra] for r in range(4)])
+        d = [phases[a % 2, px, lo + (a // 2) * g.cols : hi + extra + (a // 2) * g.cols] for a in range(4)]
+        steps += _combine_rows(*d, [rows_combined[px, r, lo : hi + extra] for r in range(4)])
     vf = v.reshape(4, 4, g.span)
     for r in range(4):
-        t = [rows_combined[b % 2, r, lo + b // 2: hi + b // 2] for b in range(4)]
+        t = [rows_combined[b % 2, r, lo + b // 2 : hi + b // 2] for b in range(4)]
         steps += _combine_rows(*t, [vf[r, s, lo:hi] for s in range(4)])
     return chain(*steps)
 
@@ -180,7 +192,7 @@ def _output_part(u, bias, out, g, v, m, k0, k1):
     u16 = u.reshape(16, g.k, g.c)[:, k0:k1]
     v16 = v.reshape(16, g.c, g.columns)
     m16 = m.reshape(16, g.k, g.columns)[:, k0:k1]
-    mf = m.reshape(4, 4, g.k * g.columns)[:, :, k0 * g.columns:k1 * g.columns]
+    mf = m.reshape(4, 4, g.k * g.columns)[:, :, k0 * g.columns : k1 * g.columns]
     steps = [blas.matmul(u16, v16, m16)]
     if bias is not None:
         center, b = m[1, 1, k0:k1], bias[k0:k1, None]
@@ -195,12 +207,16 @@ def _output_part(u, bias, out, g, v, m, k0, k1):
         for c in range(2):
             dst = part[:, :, a::2, c::2]
             tiles = mf[a, c].reshape(k1 - k0, g.n, g.rows, g.cols).transpose(1, 0, 2, 3)
-            src = tiles[:, :, :dst.shape[2], :dst.shape[3]]
+            src = tiles[:, :, : dst.shape[2], : dst.shape[3]]
             steps.append(lambda dst=dst, src=src: np.copyto(dst, src))
     return chain(*steps), part
 
 
 def _combine_out(m0, m1, m2, m3):
     """A^T along one axis, in place: m0 <- m0 + m1 + m2, then m1 <- m1 - m2 - m3."""
-    return (lambda: np.add(m0, m1, out=m0), lambda: np.add(m0, m2, out=m0),
-            lambda: np.subtract(m1, m2, out=m1), lambda: np.subtract(m1, m3, out=m1))
+    return (
+        lambda: np.add(m0, m1, out=m0),
+        lambda: np.add(m0, m2, out=m0),
+        lambda: np.subtract(m1, m2, out=m1),
+        lambda: np.subtract(m1, m3, out=m1),
+    )
