@@ -18,6 +18,7 @@ import os
 import tempfile
 
 import numpy as np
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime.errors import PmxCompileError
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from pmx.runtime.errors import PmxCompileError
 
 _ids = itertools.count()

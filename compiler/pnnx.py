@@ -62,6 +62,7 @@ import struct
 import zlib
 
 import numpy as np
+
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.runtime.errors import PmxFormatError, PmxResourceError
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
+
 from pmx.compiler.ir import Node
 from pmx.runtime.errors import PmxInternalError
 

@@ -14,6 +14,7 @@ import zlib
 
 import flatbuffers
 import numpy as np
+
 from pmx.compiler.plan import Plan
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff

@@ -36,6 +36,7 @@ import math
 import os
 
 import numpy as np
+
 from pmx.runtime.record import FrozenRecord
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112

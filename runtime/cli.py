@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+
 from pmx.runtime.errors import PmxInputError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3

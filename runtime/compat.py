@@ -16,6 +16,7 @@ import time
 import warnings
 
 import numpy as np
+
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.options import checked_value

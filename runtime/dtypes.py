@@ -1,6 +1,7 @@
 """The dtypes a .pmx tensor can have, and their schema enum values."""
 
 import numpy as np
+
 from pmx.schema.layout import DType
 
 # numpy dtype name <-> schema enum. bfloat16 and complex32 have no numpy dtype; the

@@ -23,6 +23,7 @@ import math
 import re
 
 import numpy as np
+
 from pmx.runtime.errors import PmxFormatError
 
 # name -> arity

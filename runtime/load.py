@@ -51,6 +51,7 @@ import os
 import struct
 
 import numpy as np
+
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY

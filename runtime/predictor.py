@@ -14,6 +14,7 @@ import os
 import threading
 
 import numpy as np
+
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.session import InferenceSession

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.plan import check_plan, lifetimes, plan_arena, root_spans

@@ -32,6 +32,7 @@ import time
 import weakref
 
 import numpy as np
+
 from pmx.runtime import blas, compat, parallel
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (

@@ -25,6 +25,7 @@ def kernels_read_only_declared_attributes():
     folding, load, bind, run, the kernel tests) is one its op declares: the loader checks
     only those (runtime/kernels/attr_specs.py)."""
     from attr_reads import record_reads
+
     from pmx.runtime.kernels.registry import REGISTRY
 
     with record_reads(REGISTRY) as undeclared:

@@ -28,9 +28,10 @@ def run_one_op(op, params, inputs, expected, labels=None, weights=None):
     `labels` as pnnx does, e.g. $input=x0) and `weights` ({name: array}, written as @name
     and stored in the .bin); `expected` gives each output's shape and dtype as pnnx would
     record it. Returns pmx's outputs."""
+    from ziputil import write_bin
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import write_bin
 
     names = [f"x{i}" for i in range(len(inputs))]
     outs = [f"y{i}" for i in range(len(expected))]

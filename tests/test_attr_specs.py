@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 from attr_reads import record_reads
+
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.options import CompileOptions

@@ -10,6 +10,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from torch import nn
+from ziputil import Entry, build_zip
+
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime.errors import (
@@ -19,8 +22,6 @@ from pmx.runtime.errors import (
     PmxResourceError,
     PmxUnsupportedOpError,
 )
-from torch import nn
-from ziputil import Entry, build_zip
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
 

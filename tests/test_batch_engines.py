@@ -14,6 +14,7 @@ import uuid
 
 import numpy as np
 import pytest
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxInputError, Predictor, SessionOptions
 

@@ -13,6 +13,7 @@ import textwrap
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pmx.runtime import blas
 from pmx.runtime.kernels import common
 

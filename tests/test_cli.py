@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from pmx.compiler.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -13,9 +13,10 @@ import sys
 
 import numpy as np
 import pytest
+from ziputil import build_zip
+
 from pmx.compiler import compile_model
 from pmx.runtime import InferenceSession, __version__
-from ziputil import build_zip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "tools" / "example"

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 

@@ -9,6 +9,7 @@ import pathlib
 
 import numpy as np
 import pytest
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxFormatError
 from pmx.runtime import fileformat as ff

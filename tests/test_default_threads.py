@@ -6,6 +6,7 @@ import functools
 import os
 
 import pytest
+
 from pmx.runtime import options
 
 REAL_LIMIT = options.cgroup_cpu_limit
@@ -179,9 +180,10 @@ def test_an_inference_session_in_a_one_cpu_container_defaults_to_one_thread(fake
     import threading
 
     import numpy as np
+    from ziputil import write_bin
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import write_bin
 
     assert threads(v2(fake, "100000 100000\n"), cores=16) == 1
     param, pmx = tmp_path / "m.pnnx.param", tmp_path / "m.pmx"

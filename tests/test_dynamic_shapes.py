@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import rel_error, torch_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxCompileError, PmxInputError
 

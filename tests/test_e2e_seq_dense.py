@@ -309,6 +309,7 @@ def test_conv_transpose_functional_written_unbatched(nd):
 
 def test_conv_transpose_input_of_another_rank_is_refused():
     from paramgraph import run_one_op
+
     from pmx.runtime.errors import PmxCompileError
 
     x, w = np.zeros((4, 5), np.float32), np.zeros((4, 3, 2, 2), np.float32)
@@ -429,6 +430,7 @@ def test_other_input_shapes(exporter, tmp_path, name):
     take other batch sizes, image sizes and sequence lengths (by default the batch; an
     unbatched transposed conv, its length)."""
     from helpers import rel_error, torch_outputs
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 

@@ -17,6 +17,7 @@ import torch
 from helpers import KernelNode, bind_context
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pmx.runtime import blas
 
 ALPHABET = "abcd"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from pmx.runtime import InferenceSession
 from pmx.runtime import fileformat as ff
 

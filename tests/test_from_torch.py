@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from pmx.compiler import check_against_torch, compile_model, from_torch
 from pmx.compiler.cli import main
 from pmx.runtime import InferenceSession, PmxCompileError, PmxFormatError

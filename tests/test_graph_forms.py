@@ -262,6 +262,7 @@ def test_expand_follows_another_tensor_in_a_dynamic_export(tmp_path):
 
     import numpy as np
     import pnnx
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 
@@ -311,6 +312,7 @@ def test_expand_output_shape_from_its_sizes_when_pnnx_left_it_out(tmp_path):
     import zipfile
 
     import torch
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from pmx.compiler import cli
 from pmx.compiler import passes as P
 from pmx.compiler.driver import compile_model

@@ -200,6 +200,7 @@ def test_conv_input_scale_may_be_a_strided_view():
     """A gate read through a view (every other channel of a wider tensor) scales the
     weights without a copy at bind time, which would freeze its first values."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     x, w = signed_input((2, 8, 5, 5), 0), signed_input((6, 8, 1, 1), 1)
@@ -344,6 +345,7 @@ def test_flat_depthwise_matches_torch(c):
     different inputs, as an InferenceSession makes: the columns are scratch, dirty from the run
     before, so the zeroing must happen on every run."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels import conv
     from pmx.runtime.kernels.registry import get
 
@@ -478,6 +480,7 @@ def test_conv_1x1_on_one_position_into_a_concat_slice():
     """A batch's output that is a channel slice of a concat buffer is not C-contiguous:
     the product must land in the slice, the neighbouring channels untouched."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     x = signed_input((3, 6, 1, 1), 0)
@@ -505,6 +508,7 @@ def test_row_and_pair_copies_equal_numpy(kind, dtype, data):
     and window views given their owner, float32/float16/float64 (no pair type: rows), and
     sources whose last pair would read past their owner (copy_strided must not)."""
     from numpy.lib.stride_tricks import as_strided
+
     from pmx.runtime.kernels.common import copy_rows, copy_strided
 
     shape = tuple(data.draw(st.integers(1, 7)) for _ in range(4))
@@ -797,6 +801,7 @@ def test_max_and_avg_pools_of_one_geometry_keep_their_own_padding(kernel, stride
     context, over scratch full of float32 max (whatever an earlier node left), then run
     in turn, twice."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((1, 3, 9, 9), 3)
@@ -913,6 +918,7 @@ def test_global_pools_match_torch(nd, batch, channels, sizes, dtype, strided, se
     7.5e-10 off -4.05e-5 on 270 signed values, pmx 9e-11: 1.6e-5 relative to the mean,
     over TOL, although pmx was the closer of the two). Maxima exactly."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     size = tuple(sizes[:nd]) if nd < 3 else tuple(s % 9 + 1 for s in sizes)
@@ -1220,6 +1226,7 @@ def test_cheap_activation_runs_after_split_parts(kind, two_threads):
     (common.epilogue_after_parts): every lowering that splits, against torch. Hardswish
     shows an activation applied twice or not at all."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels import common
     from pmx.runtime.kernels.winograd import transform_weights
 
@@ -1261,6 +1268,7 @@ def test_which_activations_run_after_split_parts():
     """Cheap arithmetic on a tensor an elementwise node would not split runs after the
     parts; SiLU (exp) and big tensors stay in them."""
     from helpers import KernelNode
+
     from pmx.runtime import parallel
     from pmx.runtime.kernels import common
 

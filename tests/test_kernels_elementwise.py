@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from helpers import bind_context, kernel_pool, rel_error, run_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pmx.compiler.canon import RULES, Context
 from pmx.compiler.ir import Node, Value
 from pmx.runtime import expr as E
@@ -393,6 +394,7 @@ def test_numexpr_work_follows_the_sessions_thread_count(numexpr_threads, monkeyp
     pool of another size (numexpr sized for the machine, not a container), the node runs
     on numpy in slabs over pmx's threads, and numexpr is not called."""
     import numexpr
+
     from pmx.runtime import parallel
 
     rng = np.random.default_rng(1)
@@ -660,9 +662,10 @@ def test_aten_clamp_and_zero_spellings(tmp_path):
     """pnnx writes F.normalize's clamp (torchvision's SwinV2) as aten::clamp_min with the
     bound as a second input, and zero_() as aten::zero: they compile to the clamp and
     zeros torch computes."""
+    from ziputil import build_zip
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import build_zip
 
     ops = [
         "pnnx.Input in 0 1 0 #0=(2,3)f32",

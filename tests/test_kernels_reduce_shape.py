@@ -351,6 +351,7 @@ def test_concat_shape_rule_matches_torch_cat(rank, n, data, dtype):
     (a differing dim, a differing rank). With broadcast=True, size-1 dims stretch: the
     oracle is torch.cat of the inputs expanded to the other inputs' size."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import output_shapes
 
     axis = data.draw(st.integers(-rank, rank - 1))
@@ -405,6 +406,7 @@ def test_channel_shuffle_matches_torch(batch, groups, per_group, spatial, seed):
     """channel_shuffle on contiguous operands, and into a channel slice of a wider buffer
     (a concat slice: strided across images, the fallback copy)."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     shape = (batch, groups * per_group) + tuple(spatial)
@@ -435,6 +437,7 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
     groups, empty parts), each part written into a channel slice of a wider buffer when
     `strided` (a concat slice) and nothing outside it."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get, output_shapes
 
     c = groups * per_group
@@ -457,6 +460,7 @@ def test_channel_shuffle_into_split_parts_matches_torch(batch, groups, per_group
 
 def test_channel_shuffle_sizes_must_split_the_channels():
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import output_shapes
 
     for sizes in ((3, 4), (), (8, -1, 1), (4.0, 4)):
@@ -466,6 +470,7 @@ def test_channel_shuffle_sizes_must_split_the_channels():
 
 def test_channel_shuffle_refuses_groups_that_do_not_divide():
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import output_shapes
 
     with pytest.raises(ValueError, match="must divide the channels"):

@@ -118,6 +118,7 @@ def test_resize_nearest_integer_factors_exact():
 
 def test_resize_shape_rule_follows_scale_factor():
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     node = KernelNode(

@@ -9,6 +9,7 @@ import inspect
 import pathlib
 
 import numpy as np
+
 import pmx.runtime.kernels
 
 KERNELS = pathlib.Path(pmx.runtime.kernels.__file__).resolve().parent
@@ -86,6 +87,7 @@ def test_a_split_kernel_keeps_the_pool_it_was_made_with():
     """The callable holds the binding's pool, taken from ctx at make time: no lookup of
     the calling thread's state when it runs."""
     from helpers import KernelNode, bind_context, kernel_pool
+
     from pmx.runtime import parallel
     from pmx.runtime.kernels.registry import get
 

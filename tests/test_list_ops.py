@@ -7,6 +7,7 @@ import sys
 import zipfile
 
 import pytest
+
 from pmx.compiler.canon import RULES
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model

@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_pmx_fuzz import Views
+
 from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions
@@ -29,7 +31,6 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
-from test_pmx_fuzz import Views
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn"
 

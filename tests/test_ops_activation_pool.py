@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers import run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
+
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.compiler.canon.math_ops import pnnx_expression_tree
 from pmx.compiler.ir import Node, Value

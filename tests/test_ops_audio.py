@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from paramgraph import generator
+
 from pmx.runtime.errors import PmxCompileError
 
 SPELL = {torch.float32: "f32", torch.complex64: "c64"}
@@ -93,9 +94,10 @@ def _spell(v):
 def run_audio_op(op, params, x, label, window, want, window_as_input=False):
     """Compile and run one torchaudio op over input x and window (a weight, or a second graph
     input); returns pmx's output."""
+    from ziputil import write_bin
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import write_bin
 
     text = " ".join(f"{k}={_spell(v)}" for k, v in sorted(params.items()))
     lines = [f"pnnx.Input pnnx_input_0 0 1 0 {_operand('0', x)}"]

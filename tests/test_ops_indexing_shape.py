@@ -13,6 +13,7 @@ from helpers import compare_with_torch, export_pnnx, run_kernel, torch_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
 from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 shapes = hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=5)
@@ -368,9 +369,10 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
 def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tmp_path):
     """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
     masked_select, written here) must leave the run-sized op to run time."""
+    from ziputil import write_bin
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import write_bin
 
     w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     ops = [

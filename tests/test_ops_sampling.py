@@ -11,6 +11,7 @@ from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
 from paramgraph import generator, run_one_op, sizes
+
 from pmx.runtime.errors import PmxCompileError
 
 TOL = 1e-5
@@ -276,9 +277,10 @@ def test_deform_conv2d(data):
 
 
 def compile_and_run(tmp_path, lines, weights, feeds):
+    from ziputil import write_bin
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
-    from ziputil import write_bin
 
     operands = {t for line in lines for t in line.split()[4 : 4 + int(line.split()[2]) + int(line.split()[3])]}
     param = tmp_path / "m.pnnx.param"

@@ -10,6 +10,7 @@ from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
 from paramgraph import generator, run_one_op, sizes
+
 from pmx.runtime.errors import PmxCompileError
 
 TOL = 1e-5

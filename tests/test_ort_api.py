@@ -9,8 +9,9 @@ import pickle
 import threading
 
 import numpy as np
-import pmx.runtime as rt
 import pytest
+
+import pmx.runtime as rt
 from pmx.compiler.driver import compile_model
 
 EXAMPLE = "tools/example/cnn"

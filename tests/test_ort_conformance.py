@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from pmx.compiler.driver import compile_model
 
 ort = pytest.importorskip("onnxruntime")

@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 from helpers import recompute_crcs
+
 from pmx.compiler import compile_model
 from pmx.runtime import (
     InferenceSession,

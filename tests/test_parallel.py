@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+
 from pmx.runtime import parallel
 
 
@@ -48,6 +49,7 @@ def test_gemm_split_matches_numpy(monkeypatch):
     each part with its share of the bias, and the activation seeing each part (the
     epilogue is replaced by one that records the parts it is given)."""
     from helpers import KernelNode, bind_context
+
     from pmx.runtime.kernels import common
 
     ctx = bind_context(2)
@@ -108,6 +110,7 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
     """GEMMs split over pmx's threads would multiply with BLAS's own threads: a pool
     splits them only when BLAS is single-threaded (or told to, as tests do)."""
     from helpers import bind_context
+
     from pmx.runtime.kernels import common
 
     a, b = np.ones((256, 512), np.float32), np.ones((512, 1024), np.float32)

@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+from ziputil import build_zip
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 from pmx.runtime.errors import PmxError, PmxInternalError
-from torch import nn
-from ziputil import build_zip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

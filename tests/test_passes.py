@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 from pmx.compiler import pnnx
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value

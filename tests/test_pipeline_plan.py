@@ -8,6 +8,7 @@ import pathlib
 
 import numpy as np
 import pytest
+
 from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions

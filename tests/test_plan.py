@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pmx.compiler.driver import compile_graph
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions

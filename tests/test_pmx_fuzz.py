@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from helpers import recompute_crcs
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime import fileformat as ff
@@ -615,6 +616,7 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     import time
 
     import flatbuffers
+
     from pmx.runtime import load
     from pmx.schema import pmx_generated as fb
 
@@ -655,6 +657,7 @@ def test_overlapping_strings_cannot_amplify_reads(tmp_path):
     import time
 
     import flatbuffers
+
     from pmx.schema import pmx_generated as fb
 
     b = flatbuffers.Builder(1 << 20)

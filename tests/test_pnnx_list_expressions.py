@@ -7,6 +7,7 @@ import zipfile
 
 import numpy as np
 import pytest
+
 from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxCompileError, PmxFormatError

@@ -8,10 +8,11 @@ import zipfile
 import numpy as np
 import pytest
 import torch
-from pmx.compiler import pnnx
-from pmx.runtime.errors import PmxFormatError
 from torch import nn
 from ziputil import build_zip, write_bin
+
+from pmx.compiler import pnnx
+from pmx.runtime.errors import PmxFormatError
 
 HEADER = "7767517"
 

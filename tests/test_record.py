@@ -3,8 +3,9 @@
 import inspect
 import sys
 
-import pmx.runtime
 import pytest
+
+import pmx.runtime
 from pmx.runtime.record import FrozenRecord, Record
 from pmx.runtime.session import NodeArg
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 from helpers import rel_error, torch_outputs
+from torch import nn
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession
 from pmx.runtime.errors import PmxCompileError, PmxError, PmxFormatError, PmxInternalError
-from torch import nn
 
 NUMPY_NAMES = {
     "f32": "float32",

@@ -5,6 +5,7 @@ output or is kept, and it fires with commutative operands either way round."""
 
 import numpy as np
 import pytest
+
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.passes.batch_norm_as_elementwise import EXPR, batch_norm_as_elementwise
 from pmx.compiler.passes.fold_affine_relu import FOLDED, fold_affine_relu

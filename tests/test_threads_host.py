@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import threadpoolctl
+
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxInputError, SessionOptions, parallel
 from pmx.runtime.options import cgroup_cpu_limit

@@ -3,11 +3,12 @@ file as the node's variant, and the tuned model still matches torch."""
 
 import torch
 from helpers import compare_with_torch
+from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
+
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import TUNE_MARGIN, _choose, candidates
 from pmx.runtime import InferenceSession
 from pmx.runtime.kernels.common import SINGLE_THREAD
-from test_e2e_cnn_blocks import DepthwiseSeparable, MBConv, _rand
 
 
 class TunedBlocks(torch.nn.Module):

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession, PmxFormatError

@@ -10,13 +10,14 @@ import torch.nn.functional as F
 from helpers import bind_context, compare_with_torch, kernel_pool, rel_error, run_kernel
 from hypothesis import given
 from hypothesis import strategies as st
+from test_e2e_cnn_blocks import _rand
+from test_kernels_cnn import FAST, assert_close, signed_input
+
 from pmx.compiler.driver import compile_model
 from pmx.compiler.passes.tune import candidates
 from pmx.runtime import InferenceSession
 from pmx.runtime.kernels import winograd
 from pmx.runtime.kernels.winograd import transform_weights
-from test_e2e_cnn_blocks import _rand
-from test_kernels_cnn import FAST, assert_close, signed_input
 
 ACTIVATIONS = {"": lambda y: y, "maximum(@0,0)": F.relu, "mul(@0,sigmoid(@0))": F.silu}
 
@@ -123,6 +124,7 @@ def test_winograd_runs_twice_with_new_inputs():
     """The padded phases persist between runs: their borders must stay zero while the
     interior is overwritten."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get
 
     x = signed_input((1, 4, 6, 5), 0)
@@ -270,6 +272,7 @@ def test_winograd_never_computes_on_stale_scratch():
     too), so whatever the shared scratch held before cannot overflow or turn into NaN:
     scratch full of float32 max raises nothing with floating-point errors as errors."""
     from helpers import KernelNode
+
     from pmx.runtime.kernels.registry import get, node_scratch_nbytes
 
     x = signed_input((2, 5, 7, 6), 0)

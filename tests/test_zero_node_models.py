@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+
 from pmx.compiler.cli import main
 from pmx.compiler.driver import compile_model
 from pmx.runtime import InferenceSession

@@ -13,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+
 from pmx.runtime import expr as E
 
 EXPRESSIONS = {

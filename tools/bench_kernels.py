@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from pmx.compiler.canon.activation import gelu_expr
 from pmx.runtime.kernels.bind import BindContext
 from pmx.runtime.kernels.registry import get

@@ -149,6 +149,7 @@ def timed(fn, seconds=0.6, least=5, most=60):
 
 def check(name, batch=1):
     import torch
+
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession
 

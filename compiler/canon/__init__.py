@@ -11,6 +11,7 @@ Rules validate parameters and raise PmxCompileError naming the node and .param l
 from dataclasses import dataclass
 
 import numpy as np
+
 from pmx.compiler.ir import Node, Value
 from pmx.runtime.errors import PmxCompileError
 

@@ -8,6 +8,7 @@ x * relu6(x + 3) / 6).
 import math
 
 import numpy as np
+
 from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule, weight
 from pmx.runtime.expr import at, call
 

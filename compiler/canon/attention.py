@@ -24,6 +24,7 @@ What pnnx records for nn.MultiheadAttention, and how it is read here:
 import math
 
 import numpy as np
+
 from pmx.compiler.canon import fail, in_shape, make, out_shape, param, rule, weight
 from pmx.compiler.ir import Node
 

@@ -8,6 +8,7 @@ shape rules re-check them in infer_shapes.
 """
 
 import numpy as np
+
 from pmx.compiler.canon import (
     Forward,
     data_input,

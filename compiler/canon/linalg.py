@@ -3,6 +3,7 @@ addmm / baddbmm / addmv -> matmul + an elementwise beta * input + alpha * produc
 torch.einsum -> einsum; nn.Embedding / F.embedding -> embedding."""
 
 import numpy as np
+
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, out_shape, param, rule, weight
 from pmx.runtime import expr as E
 

@@ -9,6 +9,7 @@ on computed tensors works too; absent ones are simply left out of the node's inp
 """
 
 import numpy as np
+
 from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, param, rule, weight
 from pmx.compiler.ir import Node
 from pmx.runtime import expr as E

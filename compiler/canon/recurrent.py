@@ -7,6 +7,7 @@ planner gives short lifetimes), so the kernel has one fixed signature.
 """
 
 import numpy as np
+
 from pmx.compiler.canon import data_input, fail, in_shape, make, param, rule
 
 CELLS = {"nn.LSTM": ("lstm", 4), "nn.GRU": ("gru", 3), "nn.RNN": ("rnn", 1)}

@@ -11,6 +11,7 @@ modules into F.pad; the other spellings are accepted in case a version keeps the
 import math
 
 import numpy as np
+
 from pmx.compiler.canon import data_input, fail, in_shape, make, out_shape, param, rule
 
 MODES = {

@@ -7,6 +7,7 @@ re-planning at other input shapes, the shape argument as written (`pnnx_shape`).
 """
 
 import numpy as np
+
 from pmx.compiler.canon import (
     Forward,
     data_input,

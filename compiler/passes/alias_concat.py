@@ -17,6 +17,7 @@ concat's output itself becomes the leading part of the later one, so none of the
 """
 
 import numpy as np
+
 from pmx.compiler.passes.plan_memory import resolve
 
 

@@ -4,6 +4,7 @@ fuse_elementwise merges it with what follows (DenseNet's BN -> ReLU). The values
 same: the kernel computed x * scale + shift in the input's dtype too."""
 
 import numpy as np
+
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E

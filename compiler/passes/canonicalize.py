@@ -1,6 +1,7 @@
 """PNNX spellings -> the canonical op set (rules in compiler/canon/)."""
 
 import numpy as np
+
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.runtime.errors import PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes

@@ -57,6 +57,7 @@ conv/linear/matmul run on numpy (in place, on a tensor still in cache).
 """
 
 import numpy as np
+
 from pmx.compiler.passes.prepack_weights import WINOGRAD, winograd_applies
 from pmx.runtime import expr as E
 

@@ -13,6 +13,7 @@ window; without padding every output sees every tap). Three numpy passes become 
 is clipped |s| t and b cancel to within an ulp of b rather than exactly."""
 
 import numpy as np
+
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import In, Lit, N, V, rule, rule_pass
 from pmx.runtime import expr as E

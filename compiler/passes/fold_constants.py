@@ -3,6 +3,7 @@ replace their outputs by constants (pnnx leaves shape arithmetic, pnnx.Attribute
 and expression subtrees like this)."""
 
 import numpy as np
+
 from pmx.runtime.kernels.bind import BindContext
 from pmx.runtime.kernels.registry import get
 

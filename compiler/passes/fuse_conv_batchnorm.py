@@ -3,6 +3,7 @@ weights and bias: W' = W * scale per output channel, b' = b * scale + shift, in 
 stored in the weight's dtype (new constants: the old weight may be shared)."""
 
 import numpy as np
+
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 

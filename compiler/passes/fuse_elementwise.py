@@ -3,6 +3,7 @@ producer merges into its consumer. Inputs are deduplicated, so add(x, relu(x)) r
 once; a region stays within numexpr's operand limit and the parser's depth limit."""
 
 import numpy as np
+
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E
 

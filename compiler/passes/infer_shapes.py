@@ -6,6 +6,7 @@ pnnx left without a shape get the inferred one.
 """
 
 import numpy as np
+
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 

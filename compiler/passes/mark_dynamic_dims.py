@@ -21,6 +21,7 @@ ctx.fixed_reasons = [text, ...] for the compile summary.
 """
 
 import numpy as np
+
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.kernels.shape import resolve_dyn_shape

@@ -4,6 +4,7 @@ passes instead of four (negate, exp, add 1, divide). Bit-identical: negating eve
 weight and the bias negates each product and sum exactly (rounding is symmetric)."""
 
 import numpy as np
+
 from pmx.compiler.ir import Value
 from pmx.compiler.rewrite import N, V, rule, rule_pass
 from pmx.runtime import expr as E

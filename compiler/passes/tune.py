@@ -35,6 +35,7 @@ got slower. Steady-state ms, medians over 4-5 fresh processes taking turns (2 th
 import time
 
 import numpy as np
+
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
 from pmx.runtime.kernels import conv, elementwise
 from pmx.runtime.kernels.bind import BindContext

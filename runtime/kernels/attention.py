@@ -42,6 +42,7 @@ throughput of its two GEMMs alone.
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import (
     FLAG,

@@ -20,6 +20,7 @@ context is its own, so bindings on several threads at once never see each other'
 import math
 
 import numpy as np
+
 from pmx.runtime import parallel
 from pmx.runtime.options import default_thread_count
 

@@ -8,6 +8,7 @@ import math
 import sys
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
 

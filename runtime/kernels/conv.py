@@ -61,6 +61,7 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, one_of, optional, twice, weight_spatial
 from pmx.runtime.kernels.bind import scratch_nbytes

@@ -14,6 +14,7 @@ the factory, so no padded scratch output is needed.
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, optional, twice, weight_spatial
 from pmx.runtime.kernels.bind import scratch_nbytes

@@ -11,6 +11,7 @@ the rule; such files still run as stored).
 """
 
 import numpy as np
+
 from pmx.runtime import expr as E
 from pmx.runtime.kernels.common import expression_backend, node_threads, split_expression
 from pmx.runtime.kernels.registry import register

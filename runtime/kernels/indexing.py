@@ -52,6 +52,7 @@ import itertools
 import math
 
 import numpy as np
+
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import (
     AXES,

@@ -21,6 +21,7 @@ import functools
 import math
 
 import numpy as np
+
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import STRING

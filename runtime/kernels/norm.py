@@ -23,6 +23,7 @@ rounds of 50): 3136x96 475 -> 247, 784x192 212 -> 127, 197x768 194 -> 126, 49x76
 import math
 
 import numpy as np
+
 from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, split_threads, view_as

@@ -9,6 +9,7 @@ dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
 import math
 
 import numpy as np
+
 from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, input_rank, ints, length_of, optional
 from pmx.runtime.kernels.bind import scratch_nbytes

@@ -15,6 +15,7 @@ intermediate layers need no transposes.
 """
 
 import numpy as np
+
 from pmx.runtime import blas
 from pmx.runtime.kernels.attr_specs import FLAG, NON_NEGATIVE, POSITIVE, integer, one_of, optional
 from pmx.runtime.kernels.registry import register

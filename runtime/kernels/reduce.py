@@ -7,6 +7,7 @@ empty = all), keepdim. `softmax`, `log_softmax`: attrs axis.
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import AXES, AXIS, FLAG, NUMBER, optional
 from pmx.runtime.kernels.common import split_threads, view_as

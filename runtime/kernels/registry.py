@@ -33,6 +33,7 @@ package (the families' imports of this module and of common.py form no cycle).
 """
 
 import numpy as np
+
 from pmx.runtime.errors import PmxFormatError
 from pmx.runtime.kernels.attr_specs import as_specs
 from pmx.runtime.record import Record

@@ -22,6 +22,7 @@ arithmetic (the tables are computed in float32 so floors land where torch's do).
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import FLAG, POSITIVE, ints, length_of, number, numbers, one_of, optional, or_empty
 from pmx.runtime.kernels.common import (

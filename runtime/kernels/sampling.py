@@ -16,6 +16,7 @@ import itertools
 import math
 
 import numpy as np
+
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import FLAG, INT, NUMBER, POSITIVE, ints, one_of, optional

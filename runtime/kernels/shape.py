@@ -20,6 +20,7 @@
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import (
     AXES,

@@ -19,6 +19,7 @@ complex inputs are the matching float dtype.
 """
 
 import numpy as np
+
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import (
     FLAG,

@@ -19,6 +19,7 @@ padding taps) points at its first element inside the input.
 import math
 
 import numpy as np
+
 from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
 from pmx.runtime.kernels.pool import ADAPTIVE_ATTRS, POOL_ATTRS, _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer

@@ -29,6 +29,7 @@ transforms cost more than the GEMM saves). choose_kernels' rule picks accordingl
 import math
 
 import numpy as np
+
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import ints
 from pmx.runtime.kernels.bind import scratch_nbytes
