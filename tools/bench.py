@@ -456,18 +456,16 @@ def prepare(name, cache, tune=False):
     return d, compile_pmx(d, tune)
 
 
+def compile_command(d, output="model.pmx"):
+    """`pmx compile` of the model in d into d / output, as a command for a fresh process."""
+    param, weights = str(d / "model.pnnx.param"), str(d / "model.pnnx.bin")
+    return [sys.executable, "-m", "pmx.compiler", param, weights, "-o", str(d / output)]
+
+
 def compile_pmx(d, tune):
     """`pmx compile` in a fresh process, as a user runs it: --tune must not time kernels
     beside this process's torch, whose idle OpenMP threads spin after every torch call."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pmx.compiler",
-        str(d / "model.pnnx.param"),
-        str(d / "model.pnnx.bin"),
-        "-o",
-        str(d / "model.pmx"),
-    ] + (["--tune"] if tune else [])
+    cmd = compile_command(d) + (["--tune"] if tune else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=worker_env(2), timeout=3600)
     if p.returncode != 0:

@@ -33,9 +33,11 @@ from bench_busy_host import environment
 _WORKER = """
 import json, sys, time
 import numpy as np
-from pmx.runtime import InferenceSession
-path, warm = sys.argv[1], int(sys.argv[2])
-sess = InferenceSession(path)
+from pmx.runtime import InferenceSession, SessionOptions
+path, warm, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+options = SessionOptions()
+options.intra_op_num_threads = threads  # 0: the session's default
+sess = InferenceSession(path, options)
 feed = {sess.get_inputs()[0].name: np.load(path.rsplit("/", 1)[0] + "/input.npy")}
 for _ in range(warm):
     sess.run(None, feed)
@@ -66,18 +68,7 @@ def compile_files(model_dir, args):
         for c, out in (("pmx", "model.pmx"), ("pmx-baseline", "model.baseline.pmx")):
             t0 = time.perf_counter()
             subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pmx.compiler",
-                    str(d / "model.pnnx.param"),
-                    str(d / "model.pnnx.bin"),
-                    "-o",
-                    str(d / out),
-                ],
-                env=environment(c, args.baseline),
-                check=True,
-                capture_output=True,
+                bench.compile_command(d, out), env=environment(c, args.baseline), check=True, capture_output=True
             )
             seconds[c].append(time.perf_counter() - t0)
     return {c: statistics.median(t) for c, t in seconds.items()}
@@ -86,7 +77,7 @@ def compile_files(model_dir, args):
 def start(contender, model_dir, args):
     path = model_file(contender, model_dir, args)
     p = subprocess.Popen(
-        [sys.executable, "-c", _WORKER, str(path), str(args.warm)],
+        [sys.executable, "-c", _WORKER, str(path), str(args.warm), str(args.threads)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -122,9 +113,10 @@ def main():
     p.add_argument("--baseline", default=None, metavar="DIR", help="a folder holding another checkout's pmx package")
     p.add_argument("--warm", type=int, default=30)
     p.add_argument("--burst", type=int, default=5)
-    p.add_argument("--bursts", type=int, default=24)
+    p.add_argument("--bursts", type=int, default=24, help="0: no runs (with --own-files, compile times only)")
     p.add_argument("--pause", type=float, default=0.3, help="seconds before each burst")
     p.add_argument("--cache", default="/tmp/pmx_bench")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads of every session (0: the default)")
     p.add_argument(
         "--own-files",
         action="store_true",
@@ -151,6 +143,8 @@ def main():
     for name in names:
         if a.own_files:
             compile_s[name] = compile_files(pathlib.Path(a.cache) / name, a)
+        if not a.bursts:  # compile times only
+            continue
         ms = interleave(contenders, pathlib.Path(a.cache) / name, a)
         ratios[name] = [ms[c] / ms[contenders[0]] for c in contenders[1:]]
         print(
@@ -162,7 +156,7 @@ def main():
             flush=True,
         )
     for label, group in (("CNNs", bench.TORCHVISION_CNNS), ("small models", bench.SMALL_MODELS)):
-        rows = [ratios[n] for n in names if n in group]
+        rows = [ratios[n] for n in names if n in group and n in ratios]
         if rows:
             means = [math.exp(sum(math.log(r[i]) for r in rows) / len(rows)) for i in range(len(contenders) - 1)]
             cells = [f"geomean, {label}"] + [""] * len(contenders) + [f"{m:.3f}" for m in means]
