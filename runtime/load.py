@@ -58,7 +58,7 @@ from pmx.runtime.dtypes import ENUM_TO_NAME, ENUM_TO_NUMPY
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.hints import foreign_model_hint
 from pmx.runtime.record import Record
-from pmx.runtime.verify import MAX_EXPANDED_EXPR, check_data_checksum, verify_structure
+from pmx.runtime.verify import MAX_EXPANDED_EXPR, _fail, check_data_checksum, verify_structure
 from pmx.runtime.verify import check_shape_rules as check_shape_rules  # importable from here, as before
 from pmx.schema import layout as schema
 
@@ -174,10 +174,6 @@ class Model(Record):
         # tensor index -> (root tensor index, byte offset into the root), filled by the verifier
         self.roots = [] if roots is None else roots
         self.metadata = {} if metadata is None else metadata  # user metadata (pmx compile --meta)
-
-
-def _fail(path, msg):
-    raise PmxFormatError(f"{path}: {msg}")
 
 
 # How messages name a model given as bytes instead of a path.

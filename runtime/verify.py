@@ -43,6 +43,7 @@ _KINDS = (schema.TensorKind.Intermediate, schema.TensorKind.Constant, schema.Ten
 
 
 def _fail(path, msg):
+    """A damaged file, named (the reader raises through this too)."""
     raise PmxFormatError(f"{path}: {msg}")
 
 

@@ -14,7 +14,7 @@ MAX_FOLDED_BYTES = 16 << 20
 
 def fold_constants(graph, ctx) -> bool:
     changed = False
-    ctx = None  # the pool of the default thread count, made when a first node folds
+    bind = None  # the kernels' context (a pool of the default thread count), made when a first node folds
     for node in list(graph.nodes):
         ins = [v for v in node.inputs if v is not None]
         if not ins or not all(v.is_constant for v in ins) or "sized_at_run" in node.attrs:
@@ -24,8 +24,8 @@ def fold_constants(graph, ctx) -> bool:
             continue
         outputs = [np.empty(v.shape, v.dtype) for v in node.outputs]
         inputs = [v.data if v is not None else None for v in node.inputs]
-        ctx = ctx or BindContext()
-        run = get(node.op).make(node, inputs, outputs, ctx)
+        bind = bind or BindContext()
+        run = get(node.op).make(node, inputs, outputs, bind.begin_node())
         if run is not None:
             with np.errstate(all="ignore"):
                 run()

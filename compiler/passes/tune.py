@@ -63,11 +63,12 @@ def tune(graph, ctx) -> bool:
         return False
     report = ctx.tune_report
     rng = np.random.default_rng(0)
+    bind = BindContext()  # one pool of the default thread count for every candidate
     for node in graph.nodes:
         options = candidates(node)
         if len(options) < 2:
             continue
-        times, rounds = _time_candidates(node, options, rng)
+        times, rounds = _time_candidates(node, options, rng, bind)
         if times:
             chosen = _choose(times, node.variant, rounds)
             report.append((node, node.variant, chosen, times, rounds))
@@ -95,11 +96,11 @@ def _choose(times, rule, rounds=None):
     return best
 
 
-def _time_candidates(node, options, rng):
+def _time_candidates(node, options, rng, bind):
     """({variant: median seconds}, {variant: [median seconds of each round]}). Candidates
     are timed in alternating rounds, so a burst of load from elsewhere lands on all of
     them rather than on one."""
-    runs = {v: _bind(node, v, rng) for v in options}
+    runs = {v: _bind(node, v, rng, bind) for v in options}
     runs = {v: r for v, r in runs.items() if r is not None}
     samples = {v: [] for v in runs}
     rounds = {v: [] for v in runs}
@@ -134,7 +135,7 @@ def _operands(node, rng):
     return ins, outs
 
 
-def _bind(node, variant, rng):
+def _bind(node, variant, rng, bind):
     """The kernel callable for `node` with `variant`, on private buffers; None when this
     candidate cannot run here (it raised at bind or on a first call)."""
     before = node.variant
@@ -144,7 +145,7 @@ def _bind(node, variant, rng):
         op = node.op
         if len(ins) > 1 and ins[1] is not None:  # the weight as prepack_weights will store it
             op, ins[1] = packed(node, variant, ins[1])
-        run = get(op).make(node, ins, outs, BindContext())
+        run = get(op).make(node, ins, outs, bind.begin_node())
         if run is not None:
             with np.errstate(all="ignore"):
                 run()
