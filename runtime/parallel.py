@@ -41,7 +41,7 @@ class Pool:
     caller thread at a time. `splits_gemms` (None: read BLAS's thread count now) says
     whether kernels bound on it split their BLAS calls over its threads. While `serial`
     is set, every split bound on it runs its parts one after another on the calling
-    thread (a run RunChooser gives to one thread)."""
+    thread (a run RunChooser gives to one thread, in a deterministic InferenceSession)."""
 
     def __init__(self, threads: int, splits_gemms: bool | None = None):
         self.threads = max(1, int(threads))
@@ -154,9 +154,10 @@ class _Chooser:
 
 
 class RunChooser:
-    """Whether runs hand split parts to the pool's workers (`concurrent`) or run every
-    part on the calling thread (Pool.serial), decided on whole runs: both compute the
-    same bits, so the choice changes no result. A split's own timing (_Chooser) misses what a worker
+    """Whether runs hand split parts to the pool's workers (`concurrent`) or run on the
+    calling thread alone (kernels bound for one thread, or with
+    use_deterministic_compute every split's parts one after another: Pool.serial),
+    decided on whole runs. A split's own timing (_Chooser) misses what a worker
     costs the nodes after it (a late wake-up taking the GIL and a core from the caller)
     and what handing parts over costs when they end up run one after another: on a host
     whose other cores were busy, 2-thread runs were up to 1.6x slower than 1-thread

@@ -82,18 +82,25 @@ class _Binding:
     """One thread's arena, scratch, tensor views and kernel callables for one input-shape
     layout. Arena plus scratch count against max_arena_bytes.
 
-    With a pool of several threads, whether a run hands split parts to the pool's workers
-    or runs every part on the calling thread is decided on whole runs
-    (parallel.RunChooser): on a host whose other cores are busy, and for small models,
-    one thread can be faster. Both ways run the same parts, so every run of a binding
-    computes the same bits."""
+    With a pool of several threads, whether a run uses the pool's workers or the calling
+    thread alone is decided on whole runs (parallel.RunChooser): on a host whose other
+    cores are busy, and for small models, one thread can be faster. The one-thread way is
+    a second set of callables over the same arena and scratch, bound for one thread
+    (whole GEMMs, no parts) and made when first chosen; a GEMM computed whole and one
+    computed in parts may differ in the last bits, so runs may differ there when the
+    choice changes. With `deterministic` (SessionOptions.use_deterministic_compute) the
+    one-thread way runs the split parts one after another instead: every run of the
+    binding computes the same bits, and that way costs 6-11% more (docs/performance.md)."""
 
-    def __init__(self, model, layout, max_arena_bytes, pool, run_sized):
+    def __init__(self, model, layout, max_arena_bytes, pool, run_sized, deterministic=False):
         self.model = model
         self.pool = pool
         self.gate = parallel.RunChooser(pool.threads > 1)
         self.step_nodes = None  # id(step) -> its node, made when profiling first needs it
+        self.single = parallel.Pool(1) if pool.threads > 1 and not deterministic else None
         self._bind(model, layout, max_arena_bytes, run_sized)
+        self._ways = {True: (self.steps, self.subsets), False: None}
+        self.concurrent = True
 
     def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
@@ -110,7 +117,9 @@ class _Binding:
             ([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
             for node in model.nodes
         ]
-        scratch_size = self._scratch_size(model)
+        scratch_size = self._scratch_size(model, self.pool)
+        if self.single is not None:
+            scratch_size = max(scratch_size, self._scratch_size(model, self.single))
         if layout.arena_size + scratch_size > max_arena_bytes:
             raise PmxResourceError(
                 f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
@@ -122,17 +131,17 @@ class _Binding:
         self.steps = self._make_steps(model)
         self.subsets = {}
 
-    def _scratch_size(self, model):
+    def _scratch_size(self, model, pool):
         size = 0
-        ctx = BindContext(self.pool)
+        ctx = BindContext(pool)
         for node, (ins, outs) in zip(model.nodes, self.operands):
             with _naming_node(model, node):
                 size = max(size, node_scratch_nbytes(node, ins, outs, ctx))
         return size
 
-    def _make_steps(self, model):
+    def _make_steps(self, model, pool=None):
         steps = []
-        ctx = BindContext(self.pool, self.scratch, self.persistent, self.temporaries)
+        ctx = BindContext(pool or self.pool, self.scratch, self.persistent, self.temporaries)
         for node, (ins, outs) in zip(model.nodes, self.operands):
             with _naming_node(model, node):
                 steps.append(get(node.op).make(node, ins, outs, ctx.begin_node()))
@@ -142,8 +151,20 @@ class _Binding:
         """Pick whether this run's splits use the pool's workers (RunChooser); True when
         the run is a trial to time and report to self.gate.after_run."""
         timed = self.gate.before_run()
-        self.pool.serial = not self.gate.concurrent
+        if self.single is None:
+            self.pool.serial = not self.gate.concurrent
+        elif self.gate.concurrent != self.concurrent:
+            self._use(self.gate.concurrent)
         return timed
+
+    def _use(self, concurrent):
+        """Switch to the split (True) or the one-thread (False) set of callables."""
+        if self._ways[concurrent] is None:
+            with collector_paused():
+                self._ways[concurrent] = (self._make_steps(self.model, self.single), {})
+        self.steps, self.subsets = self._ways[concurrent]
+        self.concurrent = concurrent
+        self.step_nodes = None  # the profiler's map from callables to nodes
 
     def _arena_view(self, t, i, layout):
         shape = layout.shapes[i]
@@ -366,7 +387,14 @@ class InferenceSession:
         layout = self._layout(key)
         try:
             with collector_paused():
-                b = _Binding(self._model, layout, self._max_arena_bytes, self._pool(), self._run_sized)
+                b = _Binding(
+                    self._model,
+                    layout,
+                    self._max_arena_bytes,
+                    self._pool(),
+                    self._run_sized,
+                    self._options.use_deterministic_compute,
+                )
         except PmxError:
             raise
         except MemoryError:

@@ -144,19 +144,45 @@ def test_other_threads_keep_their_blas_thread_count_during_runs(model_path):
     assert seen and all(s == want for s in seen), f"{sum(s != want for s in seen)} of {len(seen)} samples differed"
 
 
+def runs_through_two_thread_trials(sess, feed):
+    """Outputs of the runs through the first two trials in which a multi-thread
+    InferenceSession times runs with its workers against runs on the calling thread
+    alone (parallel.RunChooser), so both ways run."""
+    gate = parallel.RunChooser
+    return [sess.run(None, feed)[0] for _ in range(1 + gate.WARM + 2 * gate.TRIALS + gate.RECHECK[0] + 2 * gate.TRIALS)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_runs_through_the_thread_trials_agree(model_path, deterministic):
+    """The one-thread way is bound for one thread (whole GEMMs): its results may differ
+    from the split way's in the last bits. use_deterministic_compute makes it run the
+    split parts instead, so every run gives the same bits."""
+    so = options(2)
+    so.use_deterministic_compute = deterministic
+    sess = InferenceSession(model_path, sess_options=so)
+    outs = runs_through_two_thread_trials(sess, feed(0))
+    one_thread = InferenceSession(model_path, sess_options=options(1)).run(None, feed(0))[0]
+    for out in outs:
+        if deterministic:
+            np.testing.assert_array_equal(out, outs[0])
+        else:
+            np.testing.assert_allclose(out, one_thread, rtol=1e-5, atol=1e-6)
+    if not deterministic:
+        # the one-thread way ran, bound for one thread: its runs are the 1-thread session's bits
+        assert any(np.array_equal(out, one_thread) for out in outs)
+
+
 def test_two_sessions_with_their_own_thread_counts_run_concurrently_bit_identical(model_path):
     one = InferenceSession(model_path, sess_options=options(1))
-    two = InferenceSession(model_path, sess_options=options(2))
+    # deterministic: each calling thread has its own binding, whose thread chooser may
+    # settle on the other way (test_runs_through_the_thread_trials_agree)
+    so = options(2)
+    so.use_deterministic_compute = True
+    two = InferenceSession(model_path, sess_options=so)
     assert one.get_session_options().intra_op_num_threads == 1
     assert two.get_session_options().intra_op_num_threads == 2
     feeds = [feed(k) for k in range(6)]
-    # through the first two trials in which a multi-thread InferenceSession times runs
-    # with its workers against runs on the calling thread alone (parallel.RunChooser):
-    # both ways compute the same bits
-    gate = parallel.RunChooser
-    first = two.run(None, feeds[0])[0]
-    for _ in range(gate.WARM + 2 * gate.TRIALS + gate.RECHECK[0] + 2 * gate.TRIALS):
-        np.testing.assert_array_equal(two.run(None, feeds[0])[0], first)
+    runs_through_two_thread_trials(two, feeds[0])
     want = [one.run(None, f)[0] for f in feeds]
     np.testing.assert_allclose(np.stack([two.run(None, f)[0] for f in feeds]), np.stack(want), rtol=1e-5, atol=1e-6)
     sequential = {id(s): [s.run(None, f)[0] for f in feeds] for s in (one, two)}

@@ -9,7 +9,8 @@ medians: 3.7-4.1 ms or 5.4-5.9 ms for the same model, switching mid-process), so
 contenders measured one after another in fresh processes compare sittings, not
 runtimes. Here each contender is one long-lived worker process (environment as in
 tools/bench_busy_host.py: no thread variable set; `-blas1`: OPENBLAS_NUM_THREADS=1;
-`pmx-baseline*`: the pmx package in --baseline DIR), and the parent asks the workers in
+`pmx-baseline*`: the pmx package in --baseline DIR; `-deterministic`:
+SessionOptions.use_deterministic_compute), and the parent asks the workers in
 turn for a burst of --burst timed runs, --bursts times, after a pause that lets spinning
 BLAS threads of the previous worker go to sleep. A drift of the host then slows every
 contender alike. Prints per model the median run time of each contender and its ratio to
@@ -34,9 +35,10 @@ _WORKER = """
 import json, sys, time
 import numpy as np
 from pmx.runtime import InferenceSession, SessionOptions
-path, warm, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, warm, threads, deterministic = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 options = SessionOptions()
 options.intra_op_num_threads = threads  # 0: the session's default
+options.use_deterministic_compute = deterministic
 sess = InferenceSession(path, options)
 feed = {sess.get_inputs()[0].name: np.load(path.rsplit("/", 1)[0] + "/input.npy")}
 for _ in range(warm):
@@ -77,7 +79,15 @@ def compile_files(model_dir, args):
 def start(contender, model_dir, args):
     path = model_file(contender, model_dir, args)
     p = subprocess.Popen(
-        [sys.executable, "-c", _WORKER, str(path), str(args.warm), str(args.threads)],
+        [
+            sys.executable,
+            "-c",
+            _WORKER,
+            str(path),
+            str(args.warm),
+            str(args.threads),
+            "1" if contender.endswith("-deterministic") else "0",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
