@@ -2,7 +2,6 @@
 
 import os
 import time
-from dataclasses import dataclass, field, replace
 
 from pmx.compiler import pnnx
 from pmx.compiler.ir import Node
@@ -11,26 +10,36 @@ from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
 from pmx.compiler.write import write
 from pmx.runtime.errors import PmxCompileError, PmxError
+from pmx.runtime.record import Record
 
 
-@dataclass
-class CompileResult:
-    output: str
-    ops_in: int
-    ops_out: int
-    constants: int
-    constant_bytes: int
-    file_bytes: int
-    arena_bytes: int
-    lower_bound_bytes: int
-    naive_bytes: int
-    seconds: float
-    pass_stats: list = field(default_factory=list)
-    rule_hits: list = field(default_factory=list)  # (pass, rule, hits) per rule of each rule-table pass run
-    dynamic: dict = field(default_factory=dict)  # input name -> [(min, max) per dim]
-    notes: list = field(default_factory=list)  # e.g. which input dims are fixed and why
-    # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
-    tuned: list = field(default_factory=list)
+class CompileResult(Record):
+    """What compile_model reports: sizes, timings and what the passes decided."""
+
+    __slots__ = (
+        "output",
+        "ops_in",
+        "ops_out",
+        "constants",
+        "constant_bytes",
+        "file_bytes",
+        "arena_bytes",
+        "lower_bound_bytes",
+        "naive_bytes",
+        "seconds",
+        "pass_stats",
+        "rule_hits",  # (pass, rule, hits) per rule of each rule-table pass run
+        "dynamic",  # input name -> [(min, max) per dim]
+        "notes",  # e.g. which input dims are fixed and why
+        # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
+        "tuned",
+    )
+
+    def __init__(self, **fields):
+        if set(fields) != set(self.__slots__):
+            raise TypeError(f"CompileResult takes exactly the fields {self.__slots__}")
+        for name in self.__slots__:
+            setattr(self, name, fields[name])
 
 
 def default_output(param_path):
@@ -289,7 +298,7 @@ def compile_graph(graph, options) -> Plan:
     if options.verify:
         # pnnx records no shape for 0-d results and index lists; infer_shapes fills them
         graph.verify(after="pnnx frontend", require_shapes=False)
-    plan = run_pipeline(graph, PassContext(replace(options, dynamic=dynamic), notes=notes))
+    plan = run_pipeline(graph, PassContext(options.replace(dynamic=dynamic), notes=notes))
     inputs = {v.uid for v in graph.inputs}
     for i, v in enumerate(graph.outputs):
         if v.uid not in inputs and not v.is_constant and v not in kept:

@@ -2,42 +2,68 @@
 compile_model's arguments), one frozen value passed explicitly to the driver, the
 pipeline's passes and the writer."""
 
-from dataclasses import dataclass, field
 from types import MappingProxyType
+
+from pmx.runtime.record import FrozenRecord
 
 
 def _frozen(mapping):
     return MappingProxyType(dict(mapping or {}))
 
 
-@dataclass(frozen=True)
-class CompileOptions:
-    # tensors to keep readable after a run, by name (--keep)
-    keep: tuple = ()
-    # check the graph and its aliases after every pass (--verify)
-    verify: bool = False
-    # optional passes not to run (--disable NAME); no_opt: none of them (--no-opt)
-    disabled: frozenset = frozenset()
-    no_opt: bool = False
-    # {input name: {dim: (min, max)}} input dims that may change at run time (max -1:
-    # unbounded; (n, n) fixes the dim at n) (--dynamic, --shape); the driver passes the
-    # pipeline these checked against the export, with the dims pnnx wrote as '?' added
-    dynamic: MappingProxyType = field(default_factory=dict)
-    # make dim 0 of every input dynamic where the model allows it (off: --static)
-    auto_batch: bool = True
-    # {input name: shape} to plan memory at, for inputs pnnx wrote with '?' dims (--shape)
-    plan_shapes: MappingProxyType = field(default_factory=dict)
-    # choose kernels by timing them on this machine (--tune)
-    tune: bool = False
-    # {key: value} strings stored in the file (--meta KEY=VALUE)
-    metadata: MappingProxyType = field(default_factory=dict)
+class CompileOptions(FrozenRecord):
+    """The containers given become read-only copies, so no pass can change the options.
+    A plain record rather than a dataclass: @dataclass generates and executes code at
+    import, a cost every `pmx compile` pays."""
 
-    def __post_init__(self):
-        # the containers given become read-only copies, so no pass can change the options
-        object.__setattr__(self, "keep", tuple(self.keep or ()))
-        object.__setattr__(self, "disabled", frozenset(self.disabled or ()))
-        object.__setattr__(
-            self, "dynamic", MappingProxyType({name: _frozen(dims) for name, dims in (self.dynamic or {}).items()})
-        )
-        object.__setattr__(self, "plan_shapes", _frozen(self.plan_shapes))
-        object.__setattr__(self, "metadata", _frozen(self.metadata))
+    __slots__ = (
+        # tensors to keep readable after a run, by name (--keep)
+        "keep",
+        # check the graph and its aliases after every pass (--verify)
+        "verify",
+        # optional passes not to run (--disable NAME); no_opt: none of them (--no-opt)
+        "disabled",
+        "no_opt",
+        # {input name: {dim: (min, max)}} input dims that may change at run time (max -1:
+        # unbounded; (n, n) fixes the dim at n) (--dynamic, --shape); the driver passes the
+        # pipeline these checked against the export, with the dims pnnx wrote as '?' added
+        "dynamic",
+        # make dim 0 of every input dynamic where the model allows it (off: --static)
+        "auto_batch",
+        # {input name: shape} to plan memory at, for inputs pnnx wrote with '?' dims (--shape)
+        "plan_shapes",
+        # choose kernels by timing them on this machine (--tune)
+        "tune",
+        # {key: value} strings stored in the file (--meta KEY=VALUE)
+        "metadata",
+    )
+
+    def __init__(
+        self,
+        keep=(),
+        verify=False,
+        disabled=(),
+        no_opt=False,
+        dynamic=None,
+        auto_batch=True,
+        plan_shapes=None,
+        tune=False,
+        metadata=None,
+    ):
+        values = {
+            "keep": tuple(keep or ()),
+            "verify": verify,
+            "disabled": frozenset(disabled or ()),
+            "no_opt": no_opt,
+            "dynamic": MappingProxyType({name: _frozen(dims) for name, dims in (dynamic or {}).items()}),
+            "auto_batch": auto_batch,
+            "plan_shapes": _frozen(plan_shapes),
+            "tune": tune,
+            "metadata": _frozen(metadata),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes):
+        """A copy with the named fields changed (read-only copies of them, as __init__ makes)."""
+        return CompileOptions(**{**{f: getattr(self, f) for f in self.__slots__}, **changes})

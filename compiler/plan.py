@@ -10,62 +10,71 @@ placement passes at the end of the pipeline (order, alias_views, alias_concat,
 write_inplace, plan_memory: compiler/passes/), over the node list they keep as it is.
 """
 
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from pmx.compiler.options import CompileOptions
 from pmx.runtime.errors import PmxInternalError
+from pmx.runtime.record import FrozenRecord
 
 
-@dataclass(frozen=True)
-class Plan:
-    # the graph's nodes in the execution order the file stores (the runtime never sorts)
-    order: tuple
-    # root Value uid -> arena byte offset, for every non-constant tensor that is no view
-    offsets: MappingProxyType
-    # Value uid -> (target Value, byte offset, strides or None): the tensor is a view of
-    # the target's bytes (a reshape, a concat slice, an in-place output) and has no buffer
-    aliases: MappingProxyType
-    arena_size: int
-    # the most bytes alive at one step: no plan of these buffers can be smaller
-    lower_bound: int
-    # runtime/plan.py naive_bytes: one buffer per tensor, nothing reused
-    naive_bytes: int
-    # input name -> [(min, max) per dim] (max -1: unbounded), for inputs with dims that
-    # may change at run time
-    dynamic: MappingProxyType
-    # output Value uid -> [its dims that follow the dynamic input dims]
-    dynamic_outputs: MappingProxyType
-    # why input dims that could have been dynamic are fixed, for the compile summary
-    fixed_reasons: tuple
-    # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
-    tune_report: tuple
-    # (pass, nodes before, nodes after) per pass run, in order; the file stores them
-    pass_stats: tuple
-    # (rule set, rule, hits) per rule of each rule-table pass run (compiler/rewrite.py)
-    rule_hits: tuple
-    # what the compile decided that the user should know
-    notes: tuple
+class Plan(FrozenRecord):
+    """Made by PassContext.plan; every field by keyword."""
+
+    __slots__ = (
+        # the graph's nodes in the execution order the file stores (the runtime never sorts)
+        "order",
+        # root Value uid -> arena byte offset, for every non-constant tensor that is no view
+        "offsets",
+        # Value uid -> (target Value, byte offset, strides or None): the tensor is a view of
+        # the target's bytes (a reshape, a concat slice, an in-place output) and has no buffer
+        "aliases",
+        "arena_size",
+        # the most bytes alive at one step: no plan of these buffers can be smaller
+        "lower_bound",
+        # runtime/plan.py naive_bytes: one buffer per tensor, nothing reused
+        "naive_bytes",
+        # input name -> [(min, max) per dim] (max -1: unbounded), for inputs with dims that
+        # may change at run time
+        "dynamic",
+        # output Value uid -> [its dims that follow the dynamic input dims]
+        "dynamic_outputs",
+        # why input dims that could have been dynamic are fixed, for the compile summary
+        "fixed_reasons",
+        # --tune: (node, rule's variant, chosen, {variant: median s}, {variant: [median s per round]})
+        "tune_report",
+        # (pass, nodes before, nodes after) per pass run, in order; the file stores them
+        "pass_stats",
+        # (rule set, rule, hits) per rule of each rule-table pass run (compiler/rewrite.py)
+        "rule_hits",
+        # what the compile decided that the user should know
+        "notes",
+    )
+
+    def __init__(self, **fields):
+        if set(fields) != set(self.__slots__):
+            raise TypeError(f"Plan takes exactly the fields {self.__slots__}")
+        for name in self.__slots__:
+            object.__setattr__(self, name, fields[name])
 
 
-@dataclass
 class PassContext:
     """One compile's options, and what its passes have found so far: each field below
     `options` is filled by the pass named beside it, and `plan(graph)` freezes them."""
 
-    options: CompileOptions = field(default_factory=CompileOptions)
-    notes: list = field(default_factory=list)  # the driver (placeholder sizes)
-    pass_stats: list = field(default_factory=list)  # run_pipeline
-    rule_hits: list = field(default_factory=list)  # every rule_pass
-    dynamic: dict = field(default_factory=dict)  # mark_dynamic_dims
-    dynamic_outputs: dict = field(default_factory=dict)  # mark_dynamic_dims
-    fixed_reasons: list = field(default_factory=list)  # mark_dynamic_dims
-    tune_report: list = field(default_factory=list)  # tune
-    aliases: dict = field(default_factory=dict)  # alias_views, alias_concat, write_inplace
-    offsets: dict | None = None  # plan_memory, with the three below
-    arena_size: int = 0
-    lower_bound: int = 0
-    naive_bytes: int = 0
+    def __init__(self, options=None, notes=None):
+        self.options = CompileOptions() if options is None else options
+        self.notes = [] if notes is None else notes  # the driver (placeholder sizes)
+        self.pass_stats = []  # run_pipeline
+        self.rule_hits = []  # every rule_pass
+        self.dynamic = {}  # mark_dynamic_dims
+        self.dynamic_outputs = {}  # mark_dynamic_dims
+        self.fixed_reasons = []  # mark_dynamic_dims
+        self.tune_report = []  # tune
+        self.aliases = {}  # alias_views, alias_concat, write_inplace
+        self.offsets = None  # plan_memory, with the three below
+        self.arena_size = 0
+        self.lower_bound = 0
+        self.naive_bytes = 0
 
     def plan(self, graph) -> Plan:
         """The Plan of `graph` as it stands; PmxInternalError before memory is planned."""

@@ -8,7 +8,6 @@ vtables overlap fields; the checks' messages on models damaged where a shortcut 
 look away; the collector's state. No timing is asserted.
 """
 
-import dataclasses
 import gc
 import math
 import pathlib
@@ -419,7 +418,7 @@ def _strided_view_file(tmp_path):
     g.outputs = [y1]
     options = CompileOptions(disabled=["fuse_elementwise"])
     plan = compile_graph(g, options)
-    plan = dataclasses.replace(plan, aliases={**plan.aliases, y0.uid: (x, 0, (12, 4))})
+    plan = plan.replace(aliases={**plan.aliases, y0.uid: (x, 0, (12, 4))})
     path = tmp_path / "strided.pmx"
     write(g, plan, options, str(path))
     return path.read_bytes()

@@ -3,7 +3,6 @@ Graph's own fields alone, the options cannot change under the passes, the writer
 exactly the Plan it is given and refuses to write without one or with a stale one, and
 pmx compile and pmx inspect count the unplanned sum the same way."""
 
-import dataclasses
 import pathlib
 
 import numpy as np
@@ -59,7 +58,7 @@ def test_options_cannot_change_under_the_passes():
     metadata["k"] = "w"
     assert options.dynamic["in0"][0] == (1, 8) and options.metadata["k"] == "v"
     assert options.keep == ("a",) and options.disabled == frozenset({"tune"})
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         options.tune = True
     with pytest.raises(TypeError):
         options.dynamic["in0"][1] = (1, 4)
@@ -101,9 +100,9 @@ def test_the_writer_refuses_to_write_without_a_plan_or_with_a_stale_one(tmp_path
     with pytest.raises(PmxInternalError, match="write\\(\\) needs the Plan the pipeline returned, got NoneType"):
         write(g, None, options, str(path))
     with pytest.raises(PmxInternalError, match="the plan orders other nodes than the graph has"):
-        write(g, dataclasses.replace(plan, order=plan.order[1:]), options, str(path))
+        write(g, plan.replace(order=plan.order[1:]), options, str(path))
     with pytest.raises(PmxInternalError, match="tensor x has neither an arena offset nor an alias in the plan"):
-        write(g, dataclasses.replace(plan, offsets={}), options, str(path))
+        write(g, plan.replace(offsets={}), options, str(path))
     assert not path.exists() and not list(tmp_path.iterdir())
 
 

@@ -8,8 +8,6 @@ and its single output is replaced by `value` (Dropout, Identity, contiguous).
 Rules validate parameters and raise PmxCompileError naming the node and .param line.
 """
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from pmx.compiler.ir import Node, Value
@@ -30,9 +28,13 @@ def rule(*pnnx_types):
     return deco
 
 
-@dataclass
 class Forward:
-    value: Value
+    """The node is an identity: its output is `value`."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Value):
+        self.value = value
 
 
 class Context:
