@@ -10,7 +10,7 @@ from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
 from pmx.compiler.write import write
 from pmx.runtime.errors import PmxCompileError, PmxError
-from pmx.runtime.record import Record
+from pmx.runtime.record import Record, set_fields
 
 
 class CompileResult(Record):
@@ -36,10 +36,7 @@ class CompileResult(Record):
     )
 
     def __init__(self, **fields):
-        if set(fields) != set(self.__slots__):
-            raise TypeError(f"CompileResult takes exactly the fields {self.__slots__}")
-        for name in self.__slots__:
-            setattr(self, name, fields[name])
+        set_fields(self, fields)
 
 
 def default_output(param_path):

@@ -14,7 +14,7 @@ from types import MappingProxyType
 
 from pmx.compiler.options import CompileOptions
 from pmx.runtime.errors import PmxInternalError
-from pmx.runtime.record import FrozenRecord
+from pmx.runtime.record import FrozenRecord, set_fields
 
 
 class Plan(FrozenRecord):
@@ -51,10 +51,7 @@ class Plan(FrozenRecord):
     )
 
     def __init__(self, **fields):
-        if set(fields) != set(self.__slots__):
-            raise TypeError(f"Plan takes exactly the fields {self.__slots__}")
-        for name in self.__slots__:
-            object.__setattr__(self, name, fields[name])
+        set_fields(self, fields)
 
 
 class PassContext:

@@ -44,3 +44,12 @@ class FrozenRecord(Record):
 
     def __hash__(self):
         return hash(self._values())
+
+
+def set_fields(record, fields):
+    """Set every field of `record` from `fields`, which must name exactly its fields (for
+    records made by keyword only)."""
+    if set(fields) != set(record.__slots__):
+        raise TypeError(f"{type(record).__name__} takes exactly the fields {record.__slots__}")
+    for name in record.__slots__:
+        object.__setattr__(record, name, fields[name])
