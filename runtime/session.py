@@ -90,7 +90,7 @@ class _Binding:
     computed in parts may differ in the last bits, so runs may differ there when the
     choice changes. With `deterministic` (SessionOptions.use_deterministic_compute) the
     one-thread way runs the split parts one after another instead: every run of the
-    binding computes the same bits, and that way costs 6-11% more (docs/performance.md)."""
+    binding computes the same bits, and that way is slower (docs/performance.md)."""
 
     def __init__(self, model, layout, max_arena_bytes, pool, run_sized, deterministic=False):
         self.model = model
