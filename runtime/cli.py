@@ -720,7 +720,7 @@ def guarded(fn, debug):
         return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
-    except Exception as e:
+    except Exception as e:  # the CLI never shows a bare traceback
         if debug:
             raise
         print(

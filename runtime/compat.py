@@ -20,7 +20,7 @@ import numpy as np
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.options import checked_value
-from pmx.runtime.record import FrozenRecord
+from pmx.runtime.record import FrozenRecord, set_fields
 
 CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -43,31 +43,8 @@ class ModelMetadata(FrozenRecord):
         "custom_metadata_map",
     )
 
-    def __init__(
-        self,
-        producer_name,
-        producer_version,
-        graph_name,
-        graph_description,
-        domain,
-        description,
-        version,
-        custom_metadata_map,
-    ):
-        for f, v in zip(
-            self.__slots__,
-            (
-                producer_name,
-                producer_version,
-                graph_name,
-                graph_description,
-                domain,
-                description,
-                version,
-                custom_metadata_map,
-            ),
-        ):
-            object.__setattr__(self, f, v)
+    def __init__(self, **fields):
+        set_fields(self, fields)
 
 
 def model_metadata(model) -> ModelMetadata:

@@ -633,22 +633,22 @@ def result_dtype(tree, input_dtypes):
     return _result_dtype(tree, dtypes)
 
 
+COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
+
 # Functions that map floats of one dtype (with int or float literals) to that dtype.
-_FLOAT_KEEPING = frozenset(FUNCTIONS) - {
-    "gt",
-    "ge",
-    "lt",
-    "le",
-    "eq",
-    "ne",
-    "and",
-    "or",
-    "xor",
-    "not",
-    "where",
-    "lshift",
-    "rshift",
-}  # shifts take integers only
+_FLOAT_KEEPING = (
+    frozenset(FUNCTIONS)
+    - COMPARISONS
+    - {
+        "and",
+        "or",
+        "xor",
+        "not",
+        "where",
+        "lshift",
+        "rshift",
+    }
+)  # shifts take integers only
 
 
 @functools.lru_cache(maxsize=4096)

@@ -355,9 +355,11 @@ class _Field:
 
 class _Layout:
     """The fields of one table type that the loader reads, in the order _vtable's readers
-    return them in; each attribute named as given holds that field's index."""
+    return them in; each attribute named as given holds that field's index, and
+    `accessors` the names as given."""
 
     def __init__(self, table, **accessors):
+        self.accessors = accessors
         self.fields = tuple(_Field(*schema.TABLES[table][name]) for name in accessors.values())
         vars(self).update((name, k) for k, name in enumerate(accessors))
 

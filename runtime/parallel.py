@@ -102,7 +102,7 @@ def split(parts, pool: Pool):
         error = None
         try:
             first()
-        except BaseException as e:
+        except BaseException as e:  # re-raised once every part is done
             error = e
         for t in tasks:
             error = t.run_here_or_wait() or error
@@ -114,7 +114,7 @@ def split(parts, pool: Pool):
         for p in parts:
             try:
                 p()
-            except BaseException as e:
+            except BaseException as e:  # raised once every part is done, as above
                 error = error or e
         if error is not None:
             raise error
@@ -219,7 +219,7 @@ class _Task:
         """Run the part; its error, or None."""
         try:
             self.fn()
-        except BaseException as e:
+        except BaseException as e:  # handed to the caller
             return e
         return None
 

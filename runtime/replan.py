@@ -66,7 +66,7 @@ def infer_shapes(model, input_shapes: dict) -> list:
                 shapes[out] = shape
         except PmxInputError:
             raise
-        except Exception as e:
+        except Exception as e:  # any rule failure means "this shape is not allowed"
             raise PmxInputError(f"node {node.name!r} ({node.op}) cannot take input shapes {in_shapes}: {e}") from None
     return shapes
 

@@ -57,7 +57,7 @@ class NodeArg(FrozenRecord):
 
     __slots__ = ("name", "shape", "type")
 
-    def __init__(self, name, shape, type):
+    def __init__(self, name, shape, type):  # onnxruntime's field name
         for f, v in (("name", name), ("shape", shape), ("type", type)):
             object.__setattr__(self, f, v)
 
@@ -74,7 +74,7 @@ def _naming_node(model, node):
         raise PmxResourceError(
             f"{model.path}: node {node.name[:40]!r} ({node.op}) needs more scratch memory than is available"
         ) from None
-    except Exception as e:
+    except Exception as e:  # whatever the kernel raised, on a file the verifier passed
         raise internal_error(model.path, node, "bind", e) from e
 
 
@@ -399,7 +399,7 @@ class InferenceSession:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: cannot allocate the {layout.arena_size}-byte arena") from None
-        except Exception as e:
+        except Exception as e:  # views the verifier let through but numpy refuses
             raise internal_error(self._model.path, None, "bind", e) from e
         cache[key] = b
         while len(cache) > self._cache_size:
@@ -603,7 +603,7 @@ class InferenceSession:
             raise
         except MemoryError:
             raise PmxResourceError(f"{self._model.path}: out of memory in {self._describe(binding, step)}") from None
-        except Exception as e:
+        except Exception as e:  # only PmxError subclasses leave run()
             raise internal_error(self._model.path, self._node_of(binding, step), "run", e) from e
 
     def _profiling_watch(self, binding, profiler):

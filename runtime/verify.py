@@ -357,7 +357,7 @@ def _check_attrs(path, j, node, ranks):
     shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
     try:
         found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
-    except Exception as e:
+    except Exception as e:  # a spec tripping over a value it did not foresee
         found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
     if found is not None:
         name, message = found
@@ -383,7 +383,7 @@ def _rule_shapes(path, j, node, shapes, dtypes):
         raise PmxResourceError(
             f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory"
         ) from None
-    except Exception as e:
+    except Exception as e:  # a rule refusing hostile attributes, whatever it raises
         _fail(
             path,
             f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}",

@@ -86,7 +86,7 @@ def test_threads_match_sequential_bit_for_bit(models, name):
                 for g, w in zip(got, want[i]):
                     if g.shape != w.shape or g.tobytes() != w.tobytes():
                         mismatches.append((k, r, i))
-        except Exception as e:
+        except Exception as e:  # reported below
             errors.append(repr(e))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]

@@ -545,7 +545,7 @@ def test_temporaries_in_the_output_compute_what_separate_buffers_compute(data, s
     inputs = [np.asarray(rng.standard_normal(s) * 3, np.float32) for s in shapes]
     try:
         dtype = E.result_dtype(tree, [x.dtype for x in inputs])
-    except Exception:
+    except Exception:  # trees numpy refuses
         return
     out_shape = np.broadcast_shapes(*shapes)
     results = []
@@ -627,7 +627,7 @@ def test_result_dtype_without_evaluation_agrees_with_evaluation(data, num_inputs
     dtypes = [np.dtype(dtypes[0])] * num_inputs if same else [np.dtype(d) for d in dtypes[:num_inputs]]
     try:
         want = E._result_dtype(tree, tuple(dtypes))
-    except Exception:
+    except Exception:  # trees numpy refuses (logic on floats, overflowing ints)
         assert not (dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and E._keeps_float_dtype(tree))
         return
     assert E.result_dtype(tree, dtypes) == want, (tree, dtypes)

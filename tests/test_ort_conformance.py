@@ -80,7 +80,7 @@ def error_of(fn):
     classes: ValueError, TypeError, AttributeError), or None."""
     try:
         fn()
-    except Exception as e:
+    except Exception as e:  # the class is what is compared
         builtin = next((c for c in type(e).__mro__ if c.__module__ == "builtins"), Exception)
         return builtin.__name__
     return None
@@ -155,7 +155,7 @@ def user_script(rt, path, x):
 def _raised(fn):
     try:
         fn()
-    except Exception as e:
+    except Exception as e:  # returned for comparison
         return e
     return None
 

@@ -125,27 +125,11 @@ def test_a_runtime_that_predates_metadata_reads_a_file_with_it(models, monkeypat
     pre, header = _header(meta.read_bytes())
     assert fb.Model.GetRootAs(header, 0).MetadataLength() == len(META)
     assert pre["version"] == _header(plain.read_bytes())[0]["version"]  # no format version bump
-    old = load._Layout("Model", **{k: v for k, v in _MODEL_ACCESSORS.items() if k != "metadata"})
+    old = load._Layout("Model", **{k: v for k, v in load._MODEL.accessors.items() if k != "metadata"})
     monkeypatch.setattr(load, "_MODEL", old)
     monkeypatch.setattr(load, "_read_metadata", lambda r, m: {})
     [y] = InferenceSession(str(meta)).run(None, {"in0": X})
     assert _close_to_torch(y)
-
-
-_MODEL_ACCESSORS = dict(
-    producer="Producer",
-    tensors="Tensors",
-    nodes="Nodes",
-    strings="StringsLength",
-    attr_sets="AttrSetsLength",
-    inputs="InputsAsNumpy",
-    outputs="OutputsAsNumpy",
-    kept="KeptAsNumpy",
-    arena_size="ArenaSize",
-    pass_stats="PassStatsLength",
-    source="Source",
-    metadata="MetadataLength",
-)
 
 
 def test_damaged_metadata_is_a_format_error(models):

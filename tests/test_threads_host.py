@@ -192,7 +192,7 @@ def test_two_sessions_with_their_own_thread_counts_run_concurrently_bit_identica
     def worker(sess):
         try:
             got[id(sess)] = [sess.run(None, f)[0] for f in feeds for _ in range(2)][::2]
-        except BaseException as e:
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in (one, two)]

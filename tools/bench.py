@@ -736,7 +736,7 @@ def main():
         probes[name] = host_probe()
         try:
             d, info = prepare(name, args.cache, tune=args.tune)
-        except Exception as e:
+        except Exception as e:  # report and go on with the next model
             results[name] = {"pmx": {"error": f"prepare: {type(e).__name__}: {str(e)[:100]}"}}
             continue
         meta[name] = info

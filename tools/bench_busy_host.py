@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench
+import bench  # the model set, exports and the CPU description
 
 CONTENDERS = ("pmx", "pmx-blas1", "pmx-baseline", "onnxruntime")
 THREAD_VARIABLES = ("OMP_", "OPENBLAS_", "MKL_", "NUMEXPR_", "GOTO_", "VECLIB_")

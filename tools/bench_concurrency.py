@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench
+import bench  # the model set and exports
 
 _WORKER = """
 import json, sys, threading, time

@@ -23,17 +23,10 @@ import subprocess
 import sys
 import time
 
-MODELS = (
-    "resnet18",
-    "mobilenet_v2",
-    "mobilenet_v3_small",
-    "shufflenet_v2_x1_0",
-    "squeezenet1_1",
-    "efficientnet_b0",
-    "densenet121",
-    "googlenet",
-    "vit_b_16",
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench
+
+MODELS = bench.TORCHVISION_CNNS + ("vit_b_16",)
 
 # Timed in a child process: the first construction after `import pmx.runtime`.
 _FRESH = """

@@ -137,7 +137,7 @@ def check_outputs(prefix, module, inputs, out_path):
         with contextlib.redirect_stdout(io.StringIO()):
             compare_with_torch(prefix, module, inputs, out_path)
         return "ok"
-    except Exception as e:
+    except Exception as e:  # reported in the table
         return f"FAIL {type(e).__name__}: {str(e)[:60]}"
 
 

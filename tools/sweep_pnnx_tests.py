@@ -109,7 +109,7 @@ class _Recorder:
                     # run before tracing: tracing runs forward too, which may update state
                     out = func(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs])
                 outputs = [t.detach().clone() for t in _flatten(out, [])]
-            except Exception as e:
+            except Exception as e:  # recorded, the trace itself will decide
                 outputs = e
             mod = original(func, example_inputs, *args, **kwargs)
             self.traces.append(([t.detach().clone() for t in _flatten(inputs, [])], outputs))
@@ -290,7 +290,7 @@ def _run_in(workdir, test_path, pnnx_exe, timeout):
         if "torchvision" in str(e) or "torchvision" in traceback.format_exc():
             return [dict(base, status="needs torchvision", detail=one_line(e))]
         failure = e
-    except BaseException as e:
+    except BaseException as e:  # the test's own failure (in torch) is a finding
         failure = e
     if not recorder.cases:
         why = (

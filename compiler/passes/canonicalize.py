@@ -55,7 +55,7 @@ def _fill_shapes(node):
         return
     try:
         results = output_shapes(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
-    except Exception:
+    except Exception:  # infer_shapes reports the error with context
         return
     for v, (shape, dtype) in zip(node.outputs, results):
         if v.shape is None or None in v.shape:

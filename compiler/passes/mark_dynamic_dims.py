@@ -275,7 +275,7 @@ def _probe(graph, req):
         dtypes = [np.dtype(x.dtype) for x in ins]
         try:
             results = output_shapes(node, in_probe, dtypes)
-        except Exception as e:
+        except Exception as e:  # a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
                 return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None

@@ -150,7 +150,7 @@ def _bind(node, variant, rng, bind):
             with np.errstate(all="ignore"):
                 run()
         return run
-    except Exception:
+    except Exception:  # a candidate that cannot run is not chosen
         return None
     finally:
         node.variant = before
