@@ -355,17 +355,15 @@ class _Field:
 
 class _Layout:
     """The fields of one table type that the loader reads, in the order _vtable's readers
-    return them in; each attribute named as given holds that field's index, and
-    `accessors` the names as given."""
+    return them in; each attribute named as given holds that field's index."""
 
     def __init__(self, table, **accessors):
-        self.accessors = accessors
         self.fields = tuple(_Field(*schema.TABLES[table][name]) for name in accessors.values())
         vars(self).update((name, k) for k, name in enumerate(accessors))
 
 
-_MODEL = _Layout(
-    "Model",
+# the Model table's fields the loader reads (a test builds the layout without the last)
+MODEL_ACCESSORS = dict(
     producer="Producer",
     tensors="Tensors",
     nodes="Nodes",
@@ -379,6 +377,7 @@ _MODEL = _Layout(
     source="Source",
     metadata="MetadataLength",
 )
+_MODEL = _Layout("Model", **MODEL_ACCESSORS)
 _TENSORS = _Layout(
     "Tensors",
     names="Names",

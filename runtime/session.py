@@ -117,9 +117,9 @@ class _Binding:
             ([self.views[k] if k >= 0 else None for k in node.inputs], [self.views[k] for k in node.outputs])
             for node in model.nodes
         ]
-        scratch_size = self._scratch_size(model, self.pool)
-        if self.single is not None:
-            scratch_size = max(scratch_size, self._scratch_size(model, self.single))
+        # sized for the split kernels: the one-thread ones have needed no more on any model
+        # tried, and a request past the buffer gets an array of its own (scratch_array)
+        scratch_size = self._scratch_size(model)
         if layout.arena_size + scratch_size > max_arena_bytes:
             raise PmxResourceError(
                 f"{model.path}: the {layout.arena_size}-byte arena plus {scratch_size} bytes of kernel "
@@ -131,9 +131,9 @@ class _Binding:
         self.steps = self._make_steps(model)
         self.subsets = {}
 
-    def _scratch_size(self, model, pool):
+    def _scratch_size(self, model):
         size = 0
-        ctx = BindContext(pool)
+        ctx = BindContext(self.pool)
         for node, (ins, outs) in zip(model.nodes, self.operands):
             with _naming_node(model, node):
                 size = max(size, node_scratch_nbytes(node, ins, outs, ctx))

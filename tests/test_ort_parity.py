@@ -125,7 +125,7 @@ def test_a_runtime_that_predates_metadata_reads_a_file_with_it(models, monkeypat
     pre, header = _header(meta.read_bytes())
     assert fb.Model.GetRootAs(header, 0).MetadataLength() == len(META)
     assert pre["version"] == _header(plain.read_bytes())[0]["version"]  # no format version bump
-    old = load._Layout("Model", **{k: v for k, v in load._MODEL.accessors.items() if k != "metadata"})
+    old = load._Layout("Model", **{k: v for k, v in load.MODEL_ACCESSORS.items() if k != "metadata"})
     monkeypatch.setattr(load, "_MODEL", old)
     monkeypatch.setattr(load, "_read_metadata", lambda r, m: {})
     [y] = InferenceSession(str(meta)).run(None, {"in0": X})

@@ -109,8 +109,7 @@ class BindContext:
         of every node of a binding gets the k-th buffer of the pool, made larger when a node
         needs more (nodes that already hold the smaller one keep it). Nodes run one after
         another and split parts of one node take different buffers, so no two live
-        temporaries share bytes. EfficientNet-B0's SiLU epilogues had held 24.7 MB of
-        temporaries of their own. Without a pool, a plain array."""
+        temporaries share bytes. Without a pool, a plain array."""
         pool = self.temporaries
         dtype = np.dtype(dtype)
         if pool is None:
@@ -130,8 +129,7 @@ class BindContext:
         asking with equal keys get the same buffer, so `key` must name everything that
         decides which positions a node writes (its input geometry, pads, padding mode): two
         such nodes write the same positions and leave the same ones alone, and nodes run
-        one after another. DenseNet-121 held 61 of these (23.6 MB) in 7 shapes (6.3 MB).
-        With key None, or without a dict, a buffer of its own."""
+        one after another. With key None, or without a dict, a buffer of its own."""
         dtype = np.dtype(dtype)
         shared = self.persistent if key is not None else None
         full_key = (key, tuple(shape), dtype.str, fill)
