@@ -57,11 +57,12 @@ def infer_shapes(model, input_shapes: dict) -> list:
     shapes = [t.shape for t in model.tensors]
     for i, s in input_shapes.items():
         shapes[i] = tuple(int(d) for d in s)
+    dtypes = [t.dtype for t in model.tensors]
     for node in model.nodes:
-        present = [i for i in node.inputs if i >= 0]
-        in_shapes = [shapes[i] for i in present]
+        # None where an optional input is absent (-1): shape rules read positions
+        in_shapes = [shapes[i] if i >= 0 else None for i in node.inputs]
         try:
-            results = output_shapes(node, in_shapes, [model.tensors[i].dtype for i in present])
+            results = output_shapes(node, in_shapes, [dtypes[i] if i >= 0 else None for i in node.inputs])
             for out, (shape, _dtype) in zip(node.outputs, results):
                 shapes[out] = shape
         except PmxInputError:

@@ -8,8 +8,8 @@ tensor indices); alias chains (no loops, no views of constants) and each view's 
 inside its root; the model's inputs, outputs and kept tensors; per node in stored order
 its op, its tensor indices (each input a constant, a model input or produced earlier,
 each tensor produced once) and its expression (grammar, expanded size); then each node's
-attributes against its op's specs (kernels/attr_specs.py) and its op's shape rule
-against the stored output shapes. It also owns the data section's CRC32, which reads
+attributes against its op's specs (kernels/attr_specs.py) and its op's shape rule, which
+checks the node's operands, against the stored output shapes and dtypes. It also owns the data section's CRC32, which reads
 every weight byte and so runs only when asked (`pmx verify`, verify=True). A failure
 raises PmxFormatError naming the first tensor or node that fails; sizes beyond the
 limits raise PmxResourceError before anything is allocated. It sets model.roots and
@@ -29,6 +29,8 @@ in as arguments.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 from pmx.runtime import fileformat as ff
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
@@ -224,6 +226,7 @@ def _check_nodes(model, parse_expression):
     available = {i for i, t in enumerate(tensors) if t.kind == constant} | set(model.inputs)
     available.add(-1)  # an absent optional input
     writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
+    run_sized = set()
     for j, node in enumerate(model.nodes):
         if node.op not in REGISTRY:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
@@ -231,9 +234,12 @@ def _check_nodes(model, parse_expression):
         if not (
             available.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)
         ):
-            _explain_node(model, j, node, available, writable)
+            _explain_node(model, j, node, available, writable, run_sized)
         writable -= outputs  # each tensor is produced once
-        available |= outputs
+        if node.attrs.get("sized_at_run") is True:
+            run_sized |= outputs  # allocated by its kernel at run: an output of the model only
+        else:
+            available |= outputs
         if not node.expr:
             node.expr = None
             if node.op == "elementwise":
@@ -248,11 +254,11 @@ def _check_nodes(model, parse_expression):
             if size > MAX_EXPANDED_EXPR:
                 _fail(path, f"{_label(j, node)}: expression expands to more than {MAX_EXPANDED_EXPR} terms ({size})")
     for idx in model.outputs + model.kept:
-        if idx == -1 or idx not in available:
+        if idx == -1 or (idx not in available and idx not in run_sized):
             _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
 
 
-def _explain_node(model, j, node, available, writable):
+def _explain_node(model, j, node, available, writable, run_sized):
     """Fail naming the first input or output of node j that _check_nodes refuses."""
     path, tensors, n = model.path, model.tensors, len(model.tensors)
     for idx in node.inputs:
@@ -260,6 +266,11 @@ def _explain_node(model, j, node, available, writable):
             continue
         if not 0 <= idx < n:
             _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
+        if idx in run_sized:
+            _fail(
+                path,
+                f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}), whose size a node sets at run time (a model output only)",
+            )
         if idx not in available:
             _fail(
                 path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it"
@@ -298,7 +309,7 @@ def check_shape_rules(model):
     path, tensors = model.path, model.tensors
     kinds = {}
     sig = [kinds.setdefault((t.shape, t.dtype), len(kinds)) for t in tensors] + [-1]  # [-1]: absent input
-    shape_of = [t.shape for t in tensors]
+    shape_of = [t.shape for t in tensors] + [None]  # [None]: an absent input (index -1)
     seen = {}  # (op, input signatures) -> [[node, its exact key or None, output shapes]]
     attrs_keys = {}  # id(attrs) -> _attrs_key(attrs): nodes of one attribute set share its dict
 
@@ -309,13 +320,13 @@ def check_shape_rules(model):
             key = attrs_keys[id(attrs)] = _attrs_key(attrs)
         return id(node.expr), node.variant, key
 
-    dtype_of = [t.dtype for t in tensors]
+    dtype_of = [t.dtype for t in tensors] + [None]
     rank_of_sig = [len(shape) for shape, _ in kinds] + [None]  # [None]: an absent input (sig -1)
     attrs_passed = set()  # (op, id(attrs), input ranks): attribute sets that met their op's specs
     nodes = model.nodes
     # built by comprehensions, which cost less per node than the statements of the loop
     groups = [(node.op, *map(sig.__getitem__, node.inputs)) for node in nodes]
-    wanted = [list(map(shape_of.__getitem__, node.outputs)) for node in nodes]
+    wanted = [[(shape_of[i], dtype_of[i]) for i in node.outputs] for node in nodes]
     for j, (node, group, want) in enumerate(zip(nodes, groups, wanted)):
         same_inputs = seen.get(group)
         got = None
@@ -335,21 +346,34 @@ def check_shape_rules(model):
             if checked not in attrs_passed:
                 _check_attrs(path, j, node, ranks)
                 attrs_passed.add(checked)
-            present = node.inputs if -1 not in node.inputs else [i for i in node.inputs if i >= 0]
             got = _rule_shapes(
-                path, j, node, list(map(shape_of.__getitem__, present)), list(map(dtype_of.__getitem__, present))
+                path,
+                j,
+                node,
+                list(map(shape_of.__getitem__, node.inputs)),
+                list(map(dtype_of.__getitem__, node.inputs)),
             )
             same_inputs.append([node, None, got])
         if got != want:
-            if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
-                _fail(
-                    path,
-                    f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}",
-                )
-            _fail(
-                path,
-                f"node {j} ({node.op} {node.name[:40]!r}): its attributes and input shapes give output shapes {got}, the file stores {want}",
-            )
+            _output_mismatch(path, j, node, got, want)
+
+
+def _output_mismatch(path, j, node, got, want):
+    """Fails naming what differs between the outputs node j's rule gives and the stored
+    ones: their number, a shape, or a dtype (a kernel writes the dtype its rule gives, and
+    the compiler stores exactly that, so any other is damage)."""
+    label = f"node {j} ({node.op} {node.name[:40]!r})"
+    if len(got) != len(want):  # kernels write (and index) the outputs their rule gives
+        _fail(path, f"{label}: its attributes and input shapes give {len(got)} outputs, the file stores {len(want)}")
+    shapes = [shape for shape, _ in got], [shape for shape, _ in want]
+    if shapes[0] != shapes[1]:
+        _fail(
+            path,
+            f"{label}: its attributes and input shapes give output shapes {shapes[0]}, the file stores {shapes[1]}",
+        )
+    for k, ((_, rule), (_, stored)) in enumerate(zip(got, want)):
+        if rule != stored:
+            _fail(path, f"{label}: its inputs give output {k} dtype {rule.name}, the file stores {stored.name}")
 
 
 def _check_attrs(path, j, node, ranks):
@@ -371,23 +395,24 @@ def _attrs_key(attrs):
 
 
 def _rule_shapes(path, j, node, shapes, dtypes):
-    """The output shapes node j's shape rule gives; any failure names the node. The
-    rule's own result, as tuples: registry.output_shapes would also turn each dim into an
-    int and each dtype into np.dtype (~1.5 us a node), which a comparison with the stored
-    shapes (Python ints, checked non-negative) does not need: what differs fails."""
+    """The (shape, dtype) of each output node j's shape rule gives, which also checks its
+    operands (a conv's weight against its input's channels, its bias against the output
+    channels, an index's dtype, ...); any failure names the node and what does not fit.
+    Each shape is the rule's own tuple: registry.output_shapes would also turn each dim
+    into an int, which a comparison with the stored shapes (Python ints, checked
+    non-negative) does not need: what differs fails."""
+    label = f"node {j} ({node.op} {node.name[:40]!r})"
+    kernel = REGISTRY[node.op]
     try:
-        return [tuple(shape) for shape, _ in REGISTRY[node.op].infer(node, shapes, dtypes)]
+        if kernel.float_input and dtypes and dtypes[0].kind not in "fc":
+            raise ValueError(f"input 0 is {dtypes[0].name}: {node.op} takes floating-point inputs")
+        return [(tuple(shape), np.dtype(dtype)) for shape, dtype in kernel.infer(node, shapes, dtypes)]
     except PmxError as e:
-        _fail(path, f"node {j} ({node.op} {node.name[:40]!r}): {e}")
+        _fail(path, f"{label}: {e}")
     except MemoryError:
-        raise PmxResourceError(
-            f"{path}: node {j} ({node.op} {node.name[:40]!r}): attributes need too much memory"
-        ) from None
-    except Exception as e:  # a rule refusing hostile attributes, whatever it raises
-        _fail(
-            path,
-            f"node {j} ({node.op} {node.name[:40]!r}) has attributes its op cannot use: {type(e).__name__}: {str(e)[:100]}",
-        )
+        raise PmxResourceError(f"{path}: {label}: attributes need too much memory") from None
+    except Exception as e:  # a rule refusing hostile attributes or operands, whatever it raises
+        _fail(path, f"{label}: its attributes and inputs do not fit its op: {type(e).__name__}: {str(e)[:160]}")
 
 
 def check_data_checksum(path, buf, pre):

@@ -4,6 +4,8 @@ import contextlib
 import io
 import os
 import pathlib
+import re
+import struct
 
 import numpy as np
 
@@ -126,8 +128,9 @@ def run_kernel(op, inputs, attrs=None, expr="", variant="", threads=None):
     node = KernelNode(op, attrs, expr, variant)
     kernel = get(op)
     arrays = [np.ascontiguousarray(x) if x is not None else None for x in inputs]
-    present = [x for x in arrays if x is not None]
-    specs = kernel.infer(node, [x.shape for x in present], [x.dtype for x in present])
+    specs = kernel.infer(
+        node, [None if x is None else x.shape for x in arrays], [None if x is None else x.dtype for x in arrays]
+    )
     outputs = [np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0, dtype=dt) for shape, dt in specs]
     if node.attrs.get("sized_at_run"):
         outputs[0] = RunSized()
@@ -158,3 +161,135 @@ def recompute_crcs(data: bytes) -> bytes:
     struct.pack_into("<II", head, 48, header_crc, data_crc)
     struct.pack_into("<I", head, 56, ff.crc32(bytes(head[:56])))
     return bytes(head) + bytes(data[ff.PREAMBLE_SIZE :])
+
+
+# --- walking the FlatBuffer -------------------------------------------------------------
+
+_SCALARS = {
+    "bool": 1,
+    "byte": 1,
+    "ubyte": 1,
+    "short": 2,
+    "ushort": 2,
+    "int": 4,
+    "uint": 4,
+    "float": 4,
+    "long": 8,
+    "ulong": 8,
+    "double": 8,
+}
+
+
+def _schema():
+    """{table: [(field, type)]} and {enum: underlying type} from schema/pmx.fbs."""
+    text = re.sub(r"//[^\n]*", "", (pathlib.Path(__file__).resolve().parents[1] / "schema" / "pmx.fbs").read_text())
+    enums = dict(re.findall(r"enum\s+(\w+)\s*:\s*(\w+)", text))
+    tables = {}
+    for name, body in re.findall(r"table\s+(\w+)\s*\{([^}]*)\}", text):
+        tables[name] = re.findall(r"(\w+)\s*:\s*(\[?\w+\]?)", body)
+    return tables, enums
+
+
+def flatbuffer_sites(data: bytes):
+    """Every integer field of the header: (absolute file offset, width, label)."""
+    from pmx.runtime import fileformat as ff
+
+    tables, enums = _schema()
+    h0 = ff.PREAMBLE_SIZE
+    buf = data[h0 : h0 + ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])["header_size"]]
+    u32 = lambda p: struct.unpack_from("<I", buf, p)[0]
+    sites = []
+    seen = set()
+
+    def site(p, width, label):
+        sites.append((h0 + p, width, label))
+
+    def table(pos, name):
+        if (pos, name) in seen:
+            return
+        seen.add((pos, name))
+        site(pos, 4, f"{name} soffset")
+        vt = pos - struct.unpack_from("<i", buf, pos)[0]
+        vt_len = struct.unpack_from("<H", buf, vt)[0]
+        site(vt, 2, f"{name} vtable length")
+        for k, (field, ftype) in enumerate(tables[name]):
+            slot = 4 + 2 * k
+            if slot >= vt_len:
+                break
+            off = struct.unpack_from("<H", buf, vt + slot)[0]
+            site(vt + slot, 2, f"{name}.{field} vtable entry")
+            if not off:
+                continue
+            p = pos + off
+            ftype = enums.get(ftype, ftype)
+            if ftype in _SCALARS:
+                if ftype not in ("float", "double"):
+                    site(p, _SCALARS[ftype], f"{name}.{field}")
+                continue
+            site(p, 4, f"{name}.{field} uoffset")
+            target = p + u32(p)
+            if ftype == "string":
+                site(target, 4, f"{name}.{field} string length")
+            elif ftype.startswith("["):
+                elem = enums.get(ftype[1:-1], ftype[1:-1])
+                n = u32(target)
+                site(target, 4, f"{name}.{field} vector length")
+                for i in range(n):
+                    q = target + 4 + i * _SCALARS.get(elem, 4)
+                    if elem in tables:
+                        site(q, 4, f"{name}.{field}[] uoffset")
+                        table(q + u32(q), elem)
+                    elif elem == "string":
+                        site(q, 4, f"{name}.{field}[] uoffset")
+                    elif elem not in ("float", "double"):
+                        site(q, _SCALARS[elem], f"{name}.{field}[]")
+            else:
+                table(target, ftype)
+
+    site(0, 4, "root uoffset")
+    table(u32(0), "Model")
+    return sites
+
+
+def write_int(data: bytes, pos: int, width: int, value: int) -> bytes:
+    raw = (value % (1 << (8 * width))).to_bytes(width, "little")
+    return data[:pos] + raw + data[pos + width :]
+
+
+def operand_swaps(data: bytes):
+    """Every way to point one node input of the .pmx `data` at another tensor of a
+    different (shape, dtype) that the verifier's order checks allow there (a constant, a
+    model input, or an output of an earlier node): a list of (node index, node, input
+    slot, tensor index, header position of that input). One tensor stands for each
+    (shape, dtype), so the count stays near nodes x inputs x distinct tensor kinds.
+    with_input(data, position, tensor) makes the changed file."""
+    import tempfile
+
+    from pmx.runtime import load
+
+    with tempfile.TemporaryDirectory() as d:
+        path = pathlib.Path(d) / "m.pmx"
+        path.write_bytes(data)
+        model = load.open_model(str(path))
+        nodes, tensors, inputs = list(model.nodes), list(model.tensors), list(model.inputs)
+    sites = [pos for pos, _w, label in flatbuffer_sites(data) if label == "Nodes.inputs[]"]
+    assert len(sites) == sum(len(n.inputs) for n in nodes), "one Nodes.inputs[] site per node input"
+    available = {i for i, t in enumerate(tensors) if t.kind == 1} | set(inputs)
+    swaps = []
+    flat = 0
+    for j, node in enumerate(nodes):
+        kinds = {}
+        for i in sorted(available):
+            kinds.setdefault((tuple(tensors[i].shape), str(tensors[i].dtype)), i)
+        for slot, current in enumerate(node.inputs):
+            own = (tuple(tensors[current].shape), str(tensors[current].dtype)) if current >= 0 else None
+            swaps += [(j, node, slot, i, sites[flat]) for kind, i in kinds.items() if kind != own]
+            flat += 1
+        available |= set(node.outputs)
+    return swaps
+
+
+def with_input(data: bytes, position: int, tensor: int) -> bytes:
+    """`data` with the node input at header `position` (operand_swaps) reading `tensor`,
+    CRCs recomputed."""
+    return recompute_crcs(write_int(data, position, 4, tensor))

@@ -228,17 +228,15 @@ def test_conv_input_scale_of_the_wrong_shape_names_it():
 
 
 def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
-    """The scale is checked when the binding sizes the node's scratch, before make():
-    that failure names the node too, like one in make(). The verifier's conv shape rule
-    does not check the scale, so the file passes it and the kernel's refusal is pmx's own
-    gap: PmxInternalError, asking for a bug report."""
+    """The conv shape rule checks the scale, so the loader refuses the file before any
+    kernel binds: a damaged file (PmxFormatError) naming the node and the scale."""
     from pmx.compiler.ir import Graph, Node, Value
     from pmx.compiler.passes.order import order
     from pmx.compiler.passes.plan_memory import plan_memory
     from pmx.compiler.plan import PassContext
     from pmx.compiler.write import write
     from pmx.runtime import InferenceSession
-    from pmx.runtime.errors import PmxInternalError
+    from pmx.runtime.errors import PmxFormatError
 
     g = Graph("t")
     x, gate, y = Value("x", (1, 4, 3, 3)), Value("gate", (1, 5, 1, 1)), Value("y", (1, 6, 3, 3))
@@ -257,15 +255,13 @@ def test_conv_input_scale_of_the_wrong_shape_in_a_file_names_the_node(tmp_path):
     order(g, ctx)
     plan_memory(g, ctx)
     write(g, ctx.plan(g), ctx.options, str(tmp_path / "bad.pmx"))
-    sess = InferenceSession(str(tmp_path / "bad.pmx"))
-    feed = {"x": signed_input((1, 4, 3, 3), 1), "gate": signed_input((1, 5, 1, 1), 2)}
     with pytest.raises(
-        PmxInternalError,
-        match=r"node 'gated_conv' \(conv\) failed at bind: ValueError: input scale "
+        PmxFormatError,
+        match=r"node 0 \(conv 'gated_conv'\): .*ValueError: input scale "
         r"\(1, 5, 1, 1\) float32 does not scale the channels of input "
         r"\(1, 4, 3, 3\) float32: expected \(1, 4, 1, 1\)",
     ):
-        sess.run(None, feed)
+        InferenceSession(str(tmp_path / "bad.pmx"))
 
 
 @pytest.fixture

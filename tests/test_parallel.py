@@ -131,18 +131,20 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
 def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
     """A split times its first calls run concurrently and serially (_Chooser), then keeps
     the faster; either way every part runs once per call and errors surface after all
-    parts."""
-    import time
-
+    parts. The forms advance a clock of the test's own, so which is faster does not
+    depend on how busy the host is."""
     for slow in (0, 1):
         ran = [0, 0]
+        now = [0.0]
 
-        def form(k, slow=slow, ran=ran):
+        def form(k, slow=slow, ran=ran, now=now):
             ran[k] += 1
-            if k == slow:
-                time.sleep(0.002)
+            now[0] += 2.0 if k == slow else 1.0
 
-        chooser = parallel._Chooser(lambda: form(0), lambda: form(1), parallel.Pool(2))
+        class Chooser(parallel._Chooser):
+            clock = staticmethod(lambda now=now: now[0])
+
+        chooser = Chooser(lambda: form(0), lambda: form(1), parallel.Pool(2))
         for _ in range(2 * parallel._Chooser.TRIALS + 10):
             chooser()
         assert ran[slow] == parallel._Chooser.TRIALS, f"form {slow} is slower and ran after its trials"

@@ -61,7 +61,12 @@ SMALL_BIN_PLAIN = build_zip(SMALL_WEIGHTS, zip64=False).data
 HUGE = [10**30, 2**63, 2**63 - 1, 2**64, 2**31, 2**32 + 1, 10**9, -1, -(2**63), 0]
 DTYPE_CODES = ["f32", "f64", "f16", "bf16", "i8", "u8", "i16", "i32", "i64", "bool", "c64", "c128", "c32", "null"]
 ALPHABET = "0123456789()[],=@$#%?.-+ejxf_ \t" + "\u0662\u00a0\x00"
-TIME_LIMIT_S = 2.0
+# A case may take this many times what compiling and running the zoo seed takes, measured
+# in the same run (a busy or a slower host scales both), and never less than the floor:
+# the bound catches runaway work, not a slow machine.
+SLOWDOWN_LIMIT = 25
+TIME_LIMIT_FLOOR_S = 2.0
+TIME_LIMIT_S = [TIME_LIMIT_FLOOR_S]  # set by the time_limit fixture
 # A mutated model may ask for any size; running it must stay small.
 RUN_ARENA_LIMIT = 64 << 20
 # PMX_FUZZ_SCALE=20 runs 20x the cases (a longer hunt than the suite's default budget).
@@ -125,6 +130,21 @@ def report():
         print(f"  {n:5d}  {site}")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def time_limit(zoo, tmp_path_factory):
+    """Sets TIME_LIMIT_S from the zoo seed's own compile and run, the fastest of three."""
+    d = tmp_path_factory.mktemp("fuzz_baseline")
+    (d / "m.pnnx.param").write_text(zoo[0])
+    (d / "m.pnnx.bin").write_bytes(zoo[1])
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        compile_model(str(d / "m.pnnx.param"), str(d / "m.pnnx.bin"), str(d / "m.pmx"))
+        run_compiled(d / "m.pmx")
+        times.append(time.perf_counter() - t0)
+    TIME_LIMIT_S[0] = max(TIME_LIMIT_FLOOR_S, SLOWDOWN_LIMIT * min(times))
+
+
 @pytest.fixture(scope="module")
 def workdir():
     with tempfile.TemporaryDirectory(prefix="pmx_fuzz_") as d:
@@ -169,7 +189,7 @@ def run_case(workdir, label, param: bytes, binary: bytes):
             f"{type(e).__name__} escaped compile_model at {where}: {e}\nparam:\n{param[:2000]!r}"
         ) from e
     elapsed = time.perf_counter() - t0
-    assert elapsed < TIME_LIMIT_S, f"case took {elapsed:.2f} s"
+    assert elapsed < TIME_LIMIT_S[0], f"case took {elapsed:.2f} s, over {SLOWDOWN_LIMIT}x the zoo seed's"
 
 
 def run_compiled(path):

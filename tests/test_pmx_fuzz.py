@@ -15,11 +15,11 @@ its node table is empty). Mutations:
     vectors and strings, vtable entries and table soffsets; CRCs recomputed.
 Each case runs InferenceSession(path) and one run() under signal.alarm (5 s) with
 max_arena_bytes = 64 MiB, and must run or raise PmxFormatError or PmxResourceError:
-another PmxError means the verifier let damage through. One gap is left open
-(KNOWN_GAP): a tensor whose stored dtype was changed to another valid one its kernel
-cannot write (float32 into bool) fails when the node runs, as an internal error; the
-verifier does not tie stored dtypes to the shape rules' (the compiler keeps pnnx's dtype
-where it differs in kind, and the kernel casts). The worst cases (extreme values on
+another PmxError means the verifier let damage through. A kernel writes the dtype its
+shape rule gives and the compiler stores exactly that, so a changed stored dtype is refused
+at load like a changed shape. Every node input is also pointed at every other kind of
+tensor (test_every_operand_pointed_elsewhere), which a shape rule must check.
+The worst cases (extreme values on
 every kind of size-like field) also run in a subprocess under RLIMIT_AS with the default
 limits. `pytest -s` prints the number of cases and the distinct error messages.
 """
@@ -39,8 +39,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers import recompute_crcs
-from hypothesis import HealthCheck, given, settings
+from helpers import flatbuffer_sites, operand_swaps, recompute_crcs, with_input, write_int
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pmx.compiler.driver import compile_model
@@ -150,11 +150,6 @@ def _feed(sess):
     return feed
 
 
-# what a kernel raises at run time writing into an output whose stored dtype a damaged
-# file changed (see the module docstring)
-KNOWN_GAP = re.compile(r"internal error: .* failed at run: \w*TypeError: Cannot cast")
-
-
 def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
     """Load and run `data`; None if it ran, else the message of the PmxFormatError or
     PmxResourceError it raised. Anything else (another PmxError, such as an internal
@@ -168,7 +163,7 @@ def _attempt(data, path, verify, max_arena_bytes=ARENA_LIMIT):
         sess.run(None, _feed(sess))
         return None
     except PmxError as e:
-        if not isinstance(e, (PmxFormatError, PmxResourceError)) and not KNOWN_GAP.search(str(e)):
+        if not isinstance(e, (PmxFormatError, PmxResourceError)):
             pytest.fail(f"a damaged file gave {type(e).__name__}, not PmxFormatError or PmxResourceError: {e}")
         msg = str(e)
         return msg[len(str(path)) + 2 :] if msg.startswith(str(path)) else msg
@@ -189,97 +184,6 @@ def _normalize(msg):
     """Numbers -> N and quoted names -> '…', so messages group by kind."""
     msg = re.sub(r"'[^']*'", "'…'", msg)
     return re.sub(r"-?\b(0x[0-9a-f]+|\d+)\b", "N", msg)
-
-
-# --- walking the FlatBuffer -------------------------------------------------------------
-
-_SCALARS = {
-    "bool": 1,
-    "byte": 1,
-    "ubyte": 1,
-    "short": 2,
-    "ushort": 2,
-    "int": 4,
-    "uint": 4,
-    "float": 4,
-    "long": 8,
-    "ulong": 8,
-    "double": 8,
-}
-
-
-def _schema():
-    """{table: [(field, type)]} and {enum: underlying type} from schema/pmx.fbs."""
-    text = re.sub(r"//[^\n]*", "", (ROOT / "schema" / "pmx.fbs").read_text())
-    enums = dict(re.findall(r"enum\s+(\w+)\s*:\s*(\w+)", text))
-    tables = {}
-    for name, body in re.findall(r"table\s+(\w+)\s*\{([^}]*)\}", text):
-        tables[name] = re.findall(r"(\w+)\s*:\s*(\[?\w+\]?)", body)
-    return tables, enums
-
-
-def flatbuffer_sites(data: bytes):
-    """Every integer field of the header: (absolute file offset, width, label)."""
-    tables, enums = _schema()
-    h0 = ff.PREAMBLE_SIZE
-    buf = data[h0 : h0 + ff.unpack_preamble(data[: ff.PREAMBLE_SIZE])["header_size"]]
-    u32 = lambda p: struct.unpack_from("<I", buf, p)[0]
-    sites = []
-    seen = set()
-
-    def site(p, width, label):
-        sites.append((h0 + p, width, label))
-
-    def table(pos, name):
-        if (pos, name) in seen:
-            return
-        seen.add((pos, name))
-        site(pos, 4, f"{name} soffset")
-        vt = pos - struct.unpack_from("<i", buf, pos)[0]
-        vt_len = struct.unpack_from("<H", buf, vt)[0]
-        site(vt, 2, f"{name} vtable length")
-        for k, (field, ftype) in enumerate(tables[name]):
-            slot = 4 + 2 * k
-            if slot >= vt_len:
-                break
-            off = struct.unpack_from("<H", buf, vt + slot)[0]
-            site(vt + slot, 2, f"{name}.{field} vtable entry")
-            if not off:
-                continue
-            p = pos + off
-            ftype = enums.get(ftype, ftype)
-            if ftype in _SCALARS:
-                if ftype not in ("float", "double"):
-                    site(p, _SCALARS[ftype], f"{name}.{field}")
-                continue
-            site(p, 4, f"{name}.{field} uoffset")
-            target = p + u32(p)
-            if ftype == "string":
-                site(target, 4, f"{name}.{field} string length")
-            elif ftype.startswith("["):
-                elem = enums.get(ftype[1:-1], ftype[1:-1])
-                n = u32(target)
-                site(target, 4, f"{name}.{field} vector length")
-                for i in range(n):
-                    q = target + 4 + i * _SCALARS.get(elem, 4)
-                    if elem in tables:
-                        site(q, 4, f"{name}.{field}[] uoffset")
-                        table(q + u32(q), elem)
-                    elif elem == "string":
-                        site(q, 4, f"{name}.{field}[] uoffset")
-                    elif elem not in ("float", "double"):
-                        site(q, _SCALARS[elem], f"{name}.{field}[]")
-            else:
-                table(target, ftype)
-
-    site(0, 4, "root uoffset")
-    table(u32(0), "Model")
-    return sites
-
-
-def write_int(data: bytes, pos: int, width: int, value: int) -> bytes:
-    raw = (value % (1 << (8 * width))).to_bytes(width, "little")
-    return data[:pos] + raw + data[pos + width :]
 
 
 def region_boundaries(data: bytes):
@@ -381,6 +285,15 @@ def sites(valid_files):
     return out
 
 
+def _site(sites, pick):
+    """The site a drawn fraction picks, or by (label, k) the k-th site of that label: the
+    form of the fixed regression cases, which must not move when the file's layout does."""
+    if isinstance(pick, tuple):
+        label, k = pick
+        return [site for site in sites if site[2] == label][k]
+    return sites[int(pick * len(sites))]
+
+
 @fuzz(400)
 @given(
     name=st.sampled_from(NAMES),
@@ -388,9 +301,16 @@ def sites(valid_files):
     value=st.one_of(st.sampled_from(EXTREMES), st.integers(-(2**63), 2**64 - 1), st.integers(-300, 300)),
     verify=st.booleans(),
 )
+# the first conv's bias read from tensor 0, the model input (found by the draw of seeds 28
+# and 31): a bias of another shape failed inside the kernel at bind
+@example(name="cnn", pick=("Nodes.inputs[]", 2), value=0, verify=False)
+@example(name="views", pick=("Nodes.inputs[]", 2), value=0, verify=False)
+# a produced tensor's stored dtype changed to bool: its kernel could not write it
+@example(name="cnn", pick=("Tensors.dtypes[]", -1), value=8, verify=False)
+@example(name="views", pick=("Tensors.dtypes[]", -1), value=8, verify=True)
 def test_overwrite_fields_with_extreme_values(valid_files, sites, tmp_path_factory, name, pick, value, verify):
     data = valid_files[name]
-    pos, width, _label = sites[name][int(pick * len(sites[name]))]
+    pos, width, _label = _site(sites[name], pick)
     bad = recompute_crcs(write_int(data, pos, width, value))
     msg = _attempt(bad, tmp_path_factory.getbasetemp() / "field.pmx", verify=verify)
     _record("field-overwrite", msg)
@@ -409,6 +329,34 @@ def test_overwrite_several_fields(valid_files, sites, tmp_path_factory, name, pi
         data = write_int(data, pos, width, value)
     msg = _attempt(recompute_crcs(data), tmp_path_factory.getbasetemp() / "fields.pmx", verify=False)
     _record("field-overwrite-multi", msg)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "empty"])  # "empty" has no node
+def test_every_operand_pointed_elsewhere(valid_files, name, tmp_path):
+    """Each node input pointed at one tensor of every other (shape, dtype) the stored order
+    allows there: the file runs, or the loader refuses it (its op's shape rule checks the
+    operand) before any kernel binds."""
+    data = valid_files[name]
+    swaps = operand_swaps(data)
+    assert len(swaps) > 100
+    for _j, _node, _slot, tensor, position in swaps:
+        _record("operand", _attempt(with_input(data, position, tensor), tmp_path / "operand.pmx", verify=False))
+
+
+def test_a_conv_bias_of_another_shape_is_refused_naming_the_node(valid_files, tmp_path):
+    data = valid_files["cnn"]
+    model = open_model_bytes(data, tmp_path)
+    j, conv = next((j, n) for j, n in enumerate(model.nodes) if n.op == "conv" and len(n.inputs) > 2)
+    first = sum(len(n.inputs) for n in model.nodes[:j])
+    position = [pos for pos, _w, label in flatbuffer_sites(data) if label == "Nodes.inputs[]"][first + 2]
+    (tmp_path / "bias.pmx").write_bytes(with_input(data, position, conv.inputs[0]))
+    bias = model.tensors[conv.inputs[0]].shape
+    with pytest.raises(
+        PmxFormatError,
+        match=rf"node {j} \(conv '{conv.name}'\): .*bias \(input 2\) has shape {re.escape(str(tuple(bias)))}, "
+        rf"expected \({model.tensors[conv.inputs[1]].shape[0]},\)",
+    ):
+        InferenceSession(str(tmp_path / "bias.pmx"))
 
 
 def test_hostile_structures(valid_files, tmp_path):
@@ -528,7 +476,7 @@ _CHILD = textwrap.dedent("""
                 feed[sess.get_inputs()[k].name] = np.ones(t.shape, t.dtype)
             sess.run(None, feed)
         except PmxError as e:
-            if not isinstance(e, (PmxFormatError, PmxResourceError)) and not re.search({gap!r}, str(e)):
+            if not isinstance(e, (PmxFormatError, PmxResourceError)):
                 failures.append(f"{{name}}: {{type(e).__name__}}: {{str(e)[:200]}}")
             messages[type(e).__name__] += 1
         except BaseException as e:
@@ -567,7 +515,7 @@ def test_worst_cases_under_rlimit_as(valid_files, sites, tmp_path):
             for value in (-1, 2**31 - 1, 2**63 - 1, 1 << 33):
                 (tmp_path / f"{n:06d}.pmx").write_bytes(recompute_crcs(write_int(data, pos, width, value)))
                 n += 1
-    script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S, gap=KNOWN_GAP.pattern)
+    script = _CHILD.format(limit=3 << 30, seconds=TIME_LIMIT_S)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600, env=env
@@ -607,14 +555,30 @@ def _columns_header(b, attr_sets, attrs_of_node=()):
     return bytes(b.Output())
 
 
+# Python memory a hostile header may cost the loader at its peak: far above what a
+# bounded read takes (a few times the header's 0.3-1 MB), far below what amplification
+# would (1.3-4 GB). Memory, not seconds: the same on a busy host.
+AMPLIFIED_BYTES = 64 << 20
+
+
+def _attempt_traced(data, path):
+    """_attempt(data, path, verify=True) and the peak Python memory it took (tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        msg = _attempt(data, path, verify=True)
+        return msg, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     """20000 attribute sets all pointing at one set whose attribute has a 200 kB name:
     reading them naively would decode 4 GB of strings. The loader reads each distinct
-    position once, so the file is refused quickly, with one copy of the name in memory
-    (each set's dict costs the 4 bytes of its pointer: memory stays bounded by the
-    header's size)."""
-    import time
-
+    position once, so the file is refused with one copy of the name in memory (each
+    set's dict costs the 4 bytes of its pointer: memory stays bounded by the header's
+    size)."""
     import flatbuffers
 
     from pmx.runtime import load
@@ -629,11 +593,10 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     fb.AttrSetAddAttrs(b, attrs)
     one = fb.AttrSetEnd(b)
     data = _columns_header(b, [one] * 20000, attrs_of_node=[5])
-    t0 = time.perf_counter()
-    msg = _attempt(forge(data), tmp_path / "amp.pmx", verify=True)
+    msg, peak = _attempt_traced(forge(data), tmp_path / "amp.pmx")
     # refused once the sets are read: the nodes columns disagree (one attr_sets entry, no ops)
     assert msg is not None and "nodes column attr_sets has 1 entries" in msg, msg
-    assert time.perf_counter() - t0 < 2
+    assert peak < AMPLIFIED_BYTES, f"loading took {peak} bytes at its peak"
     _record("hostile", msg)
     r = load._Reader("amp", data)
     m = r.tables(load._MODEL, [load._UOFFSET(data, 0)[0]], "model")
@@ -654,8 +617,6 @@ def test_overlapping_strings_cannot_amplify_reads(tmp_path):
     whose every 4-byte word reads as a 65536-byte length: distinct positions, so reading
     each once does not help, and naively they would decode 1.3 GB. The read budget stops
     it after about twice the header size, before any of it is decoded."""
-    import time
-
     import flatbuffers
 
     from pmx.schema import pmx_generated as fb
@@ -673,8 +634,7 @@ def test_overlapping_strings_cannot_amplify_reads(tmp_path):
     fb.AttrSetStart(b)
     fb.AttrSetAddAttrs(b, attrs)
     data = _columns_header(b, [fb.AttrSetEnd(b)])
-    t0 = time.perf_counter()
-    msg = _attempt(forge(data), tmp_path / "overlap.pmx", verify=True)
+    msg, peak = _attempt_traced(forge(data), tmp_path / "overlap.pmx")
     assert msg is not None and "add up to more than" in msg, msg
-    assert time.perf_counter() - t0 < 2
+    assert peak < AMPLIFIED_BYTES, f"loading took {peak} bytes at its peak"
     _record("hostile", msg)

@@ -50,11 +50,13 @@ def _fill_shapes(node):
     dtypes the ops compute (an integer index read by a gather)."""
     if all(v.shape is not None and None not in v.shape and v.recorded_dtype is not None for v in node.outputs):
         return
-    ins = [v for v in node.inputs if v is not None]
-    if any(v.shape is None or None in v.shape for v in ins):
+    ins = node.inputs  # None where an optional input is absent: shape rules read positions
+    if any(v is not None and (v.shape is None or None in v.shape) for v in ins):
         return
     try:
-        results = output_shapes(node, [v.shape for v in ins], [np.dtype(v.dtype) for v in ins])
+        results = output_shapes(
+            node, [None if v is None else v.shape for v in ins], [None if v is None else np.dtype(v.dtype) for v in ins]
+        )
     except Exception:  # infer_shapes reports the error with context
         return
     for v, (shape, dtype) in zip(node.outputs, results):

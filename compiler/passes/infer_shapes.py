@@ -21,7 +21,7 @@ def infer_shapes(graph, ctx) -> bool:
             )
         dtypes = [np.dtype(v.dtype) if v is not None else None for v in node.inputs]
         try:
-            results = output_shapes(node, [s for s in shapes if s is not None], [d for d in dtypes if d is not None])
+            results = output_shapes(node, shapes, dtypes)
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
             names = [d.name for d in dtypes if d is not None]
             raise PmxCompileError(

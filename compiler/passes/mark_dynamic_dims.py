@@ -255,9 +255,9 @@ def _probe(graph, req):
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
     rewrites = {}
     for node in graph.nodes:
-        ins = [x for x in node.inputs if x is not None]
-        in_probe = [shapes.get(x.uid, x.shape) for x in ins]
-        if all(p == x.shape for p, x in zip(in_probe, ins)):
+        ins = node.inputs  # None where an optional input is absent: shape rules read positions
+        in_probe = [None if x is None else shapes.get(x.uid, x.shape) for x in ins]
+        if all(x is None or p == x.shape for p, x in zip(in_probe, ins)):
             continue  # untouched by the change
         if node.op == "reshape":
             target = node.attrs.get("dyn_shape") or node.attrs.get("pnnx_shape") or node.attrs["shape"]
@@ -272,7 +272,7 @@ def _probe(graph, req):
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
             continue
-        dtypes = [np.dtype(x.dtype) for x in ins]
+        dtypes = [None if x is None else np.dtype(x.dtype) for x in ins]
         try:
             results = output_shapes(node, in_probe, dtypes)
         except Exception as e:  # a rule rejecting the probe fixes the dim
@@ -295,14 +295,16 @@ def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
     """A node reading a constant traced at batch 1 (see _CONSTANT_FOLLOWS) whose other
     inputs now have a larger batch: set the attribute that stretches the constant, if the
     shape rule then accepts the probe. Returns the probe results, or None."""
-    if node.op not in _CONSTANT_FOLLOWS or not any(x.is_constant for x in ins):
+    if node.op not in _CONSTANT_FOLLOWS or not any(x is not None and x.is_constant for x in ins):
         return None
     key, value = _CONSTANT_FOLLOWS[node.op]
     attrs = dict(node.attrs, **{key: value})
     probe_node = _AttrNode(node, attrs)
     try:
         results = output_shapes(probe_node, in_probe, dtypes)
-        if output_shapes(probe_node, [x.shape for x in ins], dtypes)[0][0] != tuple(node.outputs[0].shape):
+        if output_shapes(probe_node, [None if x is None else x.shape for x in ins], dtypes)[0][0] != tuple(
+            node.outputs[0].shape
+        ):
             return None
     except Exception:
         return None

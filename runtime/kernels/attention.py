@@ -56,7 +56,7 @@ from pmx.runtime.kernels.attr_specs import (
     words,
 )
 from pmx.runtime.kernels.bind import scratch_nbytes
-from pmx.runtime.kernels.common import along, chain, view_as
+from pmx.runtime.kernels.common import along, chain, expect_operand, view_as
 from pmx.runtime.kernels.registry import register
 from pmx.runtime.record import Record
 
@@ -118,8 +118,35 @@ def _check_masks(node, masks, scores):
             raise ValueError(f"mask of shape {tuple(m)} does not fit scores {tuple(scores)}")
 
 
+def _check_operands(node, shapes, dtypes, q, k, v):
+    """q, k and v of one float dtype whose sizes meet (q and k one feature size, k and v
+    one sequence length; with heads, [L, N, E] or [N, L, E] with one N); each mask of the
+    dtype its kind takes. A packed input's last axis splits evenly."""
+    a = node.attrs
+    packed = a.get("packed", "")
+    n_tensors = {"qkv": 1, "kv": 2}.get(packed, 3)
+    for j in range(n_tensors):
+        expect_operand(shapes, dtypes, j, "q, k and v", dtype=dtypes[0], kinds="fc")
+    if packed and shapes[n_tensors - 1][-1] % (3 if packed == "qkv" else 2):
+        raise ValueError(
+            f"packed {packed} input {tuple(shapes[n_tensors - 1])} does not split in {len(packed)} equal parts"
+        )
+    if int(a.get("heads", 0)):
+        sa = int(a.get("seq_axis", 0))
+        if not (len(q) == len(k) == len(v) == 3) or not (q[1 - sa] == k[1 - sa] == v[1 - sa]) or k[sa] != v[sa]:
+            raise ValueError(f"q {q}, k {k}, v {v} are not [L, N, E] / [N, L, E] with one N and one key length")
+    elif len(q) < 2 or len(k) < 2 or len(v) < 2 or k[-2] != v[-2]:
+        raise ValueError(f"k {k} and v {v} do not have one sequence length")
+    if q[-1] != k[-1]:
+        raise ValueError(f"q {q} and k {k} do not have one feature size")
+    kinds = {"add": "fc", "keep": "b", "drop": "b"}
+    for j, kind in enumerate(a.get("masks", ()), start=n_tensors):
+        expect_operand(shapes, dtypes, j, f"{kind} mask", kinds=kinds.get(kind, "fcb"))
+
+
 def attention_infer(node, shapes, dtypes):
     q, k, v, masks = _unpack_shapes(node.attrs, shapes)
+    _check_operands(node, shapes, dtypes, q, k, v)
     heads = int(node.attrs.get("heads", 0))
     dtype = dtypes[0]
     if heads:

@@ -13,6 +13,33 @@ from pmx.runtime import blas, parallel
 from pmx.runtime import expr as E
 
 
+def expect_operand(shapes, dtypes, k, name, shape=None, dtype=None, kinds=None, optional=False):
+    """For shape rules: raises ValueError unless input k (`name`) has `shape` (a tuple of
+    ints; None: any), `dtype` (None: any) and a dtype of one of numpy's `kinds` ("iu":
+    an integer). An absent input (None, or past the end) passes when `optional`. The
+    loader runs the rules before any kernel binds, so a file whose operand lies about its
+    shape or dtype is refused naming the node instead of failing inside a kernel."""
+    if k >= len(shapes) or shapes[k] is None:
+        if optional:
+            return
+        raise ValueError(f"{name} (input {k}) is absent")
+    got, got_dtype = tuple(shapes[k]), np.dtype(dtypes[k])
+    if shape is not None and got != tuple(shape):
+        raise ValueError(f"{name} (input {k}) has shape {got}, expected {tuple(shape)}")
+    if dtype is not None and got_dtype != np.dtype(dtype):
+        raise ValueError(f"{name} (input {k}) is {got_dtype.name}, expected {np.dtype(dtype).name}")
+    if kinds is not None and got_dtype.kind not in kinds:
+        raise ValueError(f"{name} (input {k}) is {got_dtype.name}, expected {_KIND_NAMES.get(kinds, kinds)}")
+
+
+_KIND_NAMES = {
+    "iu": "an integer dtype",
+    "b": "bool",
+    "biu": "an integer or bool dtype",
+    "fc": "a float or complex dtype",
+}
+
+
 def view_as(a: np.ndarray, shape) -> np.ndarray:
     """Reshape that never copies: raises if `a` cannot be viewed as `shape`. Kernels write
     through these views, so a silent copy would lose the result."""

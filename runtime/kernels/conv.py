@@ -75,6 +75,7 @@ from pmx.runtime.kernels.common import (
     copy_rows,
     copy_strided,
     epilogue,
+    expect_operand,
     fill_border,
     gemm,
     gemm_node_threads,
@@ -114,6 +115,10 @@ def conv_infer(node, shapes, dtypes):
         raise ValueError(f"input {tuple(x)} does not have the {w[1] * groups} channels weight {tuple(w)} expects")
     if w[0] % groups:
         raise ValueError(f"groups={groups} does not divide the {w[0]} output channels of weight {tuple(w)}")
+    expect_operand(shapes, dtypes, 1, "weight", dtype=dtypes[0])
+    expect_operand(shapes, dtypes, 2, "bias", shape=(w[0],), dtype=dtypes[0], optional=True)
+    if len(shapes) > 3 and shapes[3] is not None:
+        _check_input_scale(tuple(shapes[3]), np.dtype(dtypes[3]), tuple(x), np.dtype(dtypes[0]))
     mode = a.get("padding_mode", "zeros")
     if mode != "zeros":
         check_border_pads(mode, a["pads"], x[2:])
@@ -228,19 +233,25 @@ def _input_scale(inputs):
     if scale is None:
         return None
     x = inputs[0]
+    _check_input_scale(scale.shape, scale.dtype, x.shape, x.dtype)
+    return scale
+
+
+def _check_input_scale(shape, dtype, x, x_dtype):
+    """An input scale of `shape` and `dtype` scales the channels of an input `x`, or a
+    ValueError says what it should be."""
     if (
-        scale.ndim != x.ndim
-        or scale.shape[0] not in (1, x.shape[0])
-        or scale.shape[1] != x.shape[1]
-        or any(d != 1 for d in scale.shape[2:])
-        or scale.dtype != x.dtype
+        len(shape) != len(x)
+        or shape[0] not in (1, x[0])
+        or shape[1] != x[1]
+        or any(d != 1 for d in shape[2:])
+        or dtype != x_dtype
     ):
         raise ValueError(
-            f"input scale {scale.shape} {scale.dtype} does not scale the channels of input "
-            f"{x.shape} {x.dtype}: expected ({'1' if x.shape[0] == 1 else f'{x.shape[0]} or 1'}, "
-            f"{x.shape[1]}{', 1' * (x.ndim - 2)}) {x.dtype}"
+            f"input scale {shape} {dtype} does not scale the channels of input "
+            f"{x} {x_dtype}: expected ({'1' if x[0] == 1 else f'{x[0]} or 1'}, "
+            f"{x[1]}{', 1' * (len(x) - 2)}) {x_dtype}"
         )
-    return scale
 
 
 def _scales_weights(node, x, w, out):

@@ -18,7 +18,7 @@ import numpy as np
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import POSITIVE, ints, optional, twice, weight_spatial
 from pmx.runtime.kernels.bind import scratch_nbytes
-from pmx.runtime.kernels.common import chain, split_activated, split_threads, view_as
+from pmx.runtime.kernels.common import chain, expect_operand, split_activated, split_threads, view_as
 from pmx.runtime.kernels.registry import register
 
 CONV_TRANSPOSE_ATTRS = dict(
@@ -41,6 +41,8 @@ def conv_transpose_infer(node, shapes, dtypes):
     groups = int(a.get("groups", 1))
     if len(x) != nd + 2 or x[1] != w[0] or x[1] % groups:
         raise ValueError(f"input {tuple(x)} does not match weight {tuple(w)} in {groups} groups")
+    expect_operand(shapes, dtypes, 1, "weight", dtype=dtypes[0])
+    expect_operand(shapes, dtypes, 2, "bias", shape=(w[1] * groups,), dtype=dtypes[0], optional=True)
     spatial = tuple(
         conv_transpose_out_size(
             x[2 + i],

@@ -75,7 +75,7 @@ from pmx.runtime.kernels.attr_specs import (
     target_shape,
     widest_input,
 )
-from pmx.runtime.kernels.common import view_as
+from pmx.runtime.kernels.common import expect_operand, view_as
 from pmx.runtime.kernels.registry import register
 
 
@@ -174,19 +174,38 @@ def make_tile(node, inputs, outputs, ctx):
 
 def take_infer(node, shapes, dtypes):
     x, idx = shapes[0], shapes[1]
+    expect_operand(shapes, dtypes, 1, "indices", kinds="iu")
     axis = node.attrs["axis"] % len(x)
     return [(tuple(x[:axis]) + tuple(idx) + tuple(x[axis + 1 :]), dtypes[0])]
+
+
+def index_values_checked(node, run):
+    """`run`, with an index value out of range (IndexError: values come from the inputs at
+    run time) raised as PmxInputError naming the node, as torch refuses it."""
+
+    def checked():
+        try:
+            run()
+        except IndexError as e:
+            raise PmxInputError(f"node {node.name[:40]!r} ({node.op}): {e}") from None
+
+    return checked
 
 
 @register("take", infer=take_infer, attrs=dict(axis=AXIS))
 def make_take(node, inputs, outputs, ctx):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
-    return lambda: np.take(x, idx, axis=axis, out=out, mode="raise")
+    return index_values_checked(node, lambda: np.take(x, idx, axis=axis, out=out, mode="raise"))
 
 
 def gather_infer(node, shapes, dtypes):
-    return [(tuple(shapes[1]), dtypes[0])]
+    x, idx = tuple(shapes[0]), tuple(shapes[1])
+    expect_operand(shapes, dtypes, 1, "index", kinds="iu")
+    axis = node.attrs["axis"] % len(x)
+    if len(idx) != len(x) or any(i > n for d, (i, n) in enumerate(zip(idx, x)) if d != axis):
+        raise ValueError(f"index {idx} does not fit input {x} off dim {axis} (torch.gather)")
+    return [(idx, dtypes[0])]
 
 
 @register("gather", infer=gather_infer, attrs=dict(axis=AXIS))
@@ -195,7 +214,7 @@ def make_gather(node, inputs, outputs, ctx):
     axis = node.attrs["axis"] % x.ndim
     if not x.flags.c_contiguous or not out.flags.c_contiguous:
         sub = x[tuple(slice(None) if i == axis else slice(0, n) for i, n in enumerate(idx.shape))]
-        return lambda: np.copyto(out, np.take_along_axis(sub, idx, axis=axis))
+        return index_values_checked(node, lambda: np.copyto(out, np.take_along_axis(sub, idx, axis=axis)))
     # flat position = offset of the element with index 0 along axis + index * stride
     strides = [s // x.itemsize for s in x.strides]
     base = np.zeros(idx.shape, np.int64)
@@ -212,7 +231,7 @@ def make_gather(node, inputs, outputs, ctx):
 
     def run():
         if idx.size and (idx.min() < -n_axis or idx.max() >= n_axis):
-            raise IndexError(f"gather index out of range for dim {axis} of size {n_axis}")
+            raise PmxInputError(f"node {node.name[:40]!r} (gather): index out of range for dim {axis} of size {n_axis}")
         np.remainder(idx, n_axis, out=pos)
         np.multiply(pos, stride, out=pos)
         np.add(pos, base, out=pos)
@@ -243,11 +262,17 @@ def _index_inputs(attrs, ranks):
     return len(ranks) - 1
 
 
-def index_infer(node, shapes, dtypes):
-    x = tuple(shapes[0])
+def _indexed_shape(x, axes, index_shapes):
+    """The shape of x[key] with integer index tensors of `index_shapes` at `axes`."""
     probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), x, (0,) * len(x))
-    idx = [np.zeros(s, np.intp) for s in shapes[1:]]
-    return [(probe[_index_key(len(x), node.attrs["axes"], idx)].shape, dtypes[0])]
+    idx = [np.zeros(s, np.intp) for s in index_shapes]
+    return probe[_index_key(len(x), axes, idx)].shape
+
+
+def index_infer(node, shapes, dtypes):
+    for k in range(1, len(shapes)):
+        expect_operand(shapes, dtypes, k, "index", kinds="iu")
+    return [(_indexed_shape(tuple(shapes[0]), node.attrs["axes"], shapes[1:]), dtypes[0])]
 
 
 @register("index", infer=index_infer, attrs=dict(axes=distinct_axes(length=_index_inputs)))
@@ -257,7 +282,7 @@ def make_index(node, inputs, outputs, ctx):
     together and their dims replace the indexed ones (in place when adjacent, else first)."""
     x, out = inputs[0], outputs[0]
     key = _index_key(x.ndim, node.attrs["axes"], inputs[1:])
-    return lambda: np.copyto(out, x[key])
+    return index_values_checked(node, lambda: np.copyto(out, x[key]))
 
 
 def _key_with(axes, indices):
@@ -294,6 +319,37 @@ def _value_unless_input(v, attrs, ranks):
 
 
 def index_put_infer(node, shapes, dtypes):
+    """Integer or boolean indices; values of the data's dtype that broadcast to what the
+    integer indices select (a boolean index selects as many as it has True values, known
+    at run time only)."""
+    x = tuple(shapes[0])
+    for k in range(2, len(shapes)):
+        expect_operand(shapes, dtypes, k, "index", kinds="biu")
+    if "value" not in node.attrs:
+        expect_operand(shapes, dtypes, 1, "values", dtype=dtypes[0])
+        if all(np.dtype(d).kind in "iu" for d in dtypes[2:]):
+            target = _indexed_shape(x, node.attrs["axes"], shapes[2:])
+            if np.broadcast_shapes(tuple(shapes[1]), target) != target:
+                raise ValueError(f"values {tuple(shapes[1])} do not broadcast to the {target} they are put into")
+    return [(x, dtypes[0])]
+
+
+def scatter_add_infer(node, shapes, dtypes):
+    x, idx = tuple(shapes[0]), tuple(shapes[1])
+    expect_operand(shapes, dtypes, 1, "index", kinds="iu")
+    expect_operand(shapes, dtypes, 2, "src", dtype=dtypes[0])
+    axis = node.attrs["axis"] % len(x)
+    src = tuple(shapes[2])
+    if len(idx) != len(x) or len(src) != len(x) or any(i > s for i, s in zip(idx, src)):
+        raise ValueError(f"index {idx} does not fit src {src} and input {x} (torch.scatter_add)")
+    if any(i > n for d, (i, n) in enumerate(zip(idx, x)) if d != axis):
+        raise ValueError(f"index {idx} does not fit input {x} off dim {axis} (torch.scatter_add)")
+    return [(x, dtypes[0])]
+
+
+def fill_infer(node, shapes, dtypes):
+    if len(shapes) > 1 and shapes[1] is not None and math.prod(shapes[1]) != 1:
+        raise ValueError(f"the fill value (input 1) has shape {tuple(shapes[1])}, not one element")
     return [(tuple(shapes[0]), dtypes[0])]
 
 
@@ -317,6 +373,7 @@ def make_index_put(node, inputs, outputs, ctx):
         def put():
             out[key] = values
 
+    put = index_values_checked(node, put)
     return put if copy is None else _chain(copy, put)
 
 
@@ -332,7 +389,7 @@ def _chain(first, second):
     return run
 
 
-@register("scatter_add", infer=index_put_infer, inplace=True, attrs=dict(axis=AXIS))
+@register("scatter_add", infer=scatter_add_infer, inplace=True, attrs=dict(axis=AXIS))
 def make_scatter_add(node, inputs, outputs, ctx):
     x, idx, src, out = inputs[0], inputs[1], inputs[2], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -343,14 +400,16 @@ def make_scatter_add(node, inputs, outputs, ctx):
 
     def put():
         if idx.size and (idx.min() < -n_axis or idx.max() >= n_axis):
-            raise IndexError(f"scatter_add index out of range for dim {axis} of size {n_axis}")
+            raise PmxInputError(
+                f"node {node.name[:40]!r} (scatter_add): index out of range for dim {axis} of size {n_axis}"
+            )
         key = tuple(idx if d == axis else g for d, g in enumerate(grids))
         np.add.at(out, key, src)
 
     return put if _same(x, out) else _chain(lambda: np.copyto(out, x), put)
 
 
-@register("fill", infer=index_put_infer, attrs=dict(value=_value_unless_input))
+@register("fill", infer=fill_infer, attrs=dict(value=_value_unless_input))
 def make_fill(node, inputs, outputs, ctx):
     out = outputs[0]
     if len(inputs) > 1 and inputs[1] is not None:
@@ -492,6 +551,7 @@ def _stable_order(key, secondary, axis):
 
 
 def masked_select_infer(node, shapes, dtypes):
+    expect_operand(shapes, dtypes, 1, "mask", kinds="b")
     np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))  # raises when they do not broadcast
     return [((0,), dtypes[0])]
 
@@ -583,6 +643,12 @@ def make_arange(node, inputs, outputs, ctx):
 
 
 def arange_values_infer(node, shapes, dtypes):
+    if len(shapes) != 3:
+        raise ValueError(f"{len(shapes)} inputs: arange_values reads start, end and step")
+    for k, name in enumerate(("start", "end", "step")):
+        expect_operand(shapes, dtypes, k, name, kinds="biuf")
+        if math.prod(shapes[k]) != 1:
+            raise ValueError(f"{name} (input {k}) has shape {tuple(shapes[k])}, not one element")
     return [((0,), np.dtype(node.attrs["dtype"]))]
 
 

@@ -25,11 +25,16 @@ import numpy as np
 from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import STRING
-from pmx.runtime.kernels.common import chain, gemm, view_as
+from pmx.runtime.kernels.common import chain, expect_operand, gemm, view_as
 from pmx.runtime.kernels.registry import register
 
 
 def linear_infer(node, shapes, dtypes):
+    expect_operand(shapes, dtypes, 1, "weight", dtype=dtypes[0])
+    if len(shapes[1]) != 2:
+        raise ValueError(f"weight {tuple(shapes[1])} is not a (features out, features in) matrix")
+    if len(shapes) > 2 and shapes[2] is not None:
+        expect_operand(shapes, dtypes, 2, "bias", dtype=dtypes[0])
     if not shapes[0] or shapes[0][-1] != shapes[1][1]:
         raise ValueError(f"input {tuple(shapes[0])} does not end in the weight's {shapes[1][1]} features")
     features = shapes[1][0]
@@ -319,6 +324,9 @@ def _as_shape(x, shape, dtype):
 
 
 def embedding_infer(node, shapes, dtypes):
+    expect_operand(shapes, dtypes, 0, "ids", kinds="iu")
+    if len(shapes[1]) != 2:
+        raise ValueError(f"weight {tuple(shapes[1])} is not a (rows, features) table")
     return [(tuple(shapes[0]) + (shapes[1][1],), dtypes[1])]
 
 

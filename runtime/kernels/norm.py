@@ -26,7 +26,7 @@ import numpy as np
 
 from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
-from pmx.runtime.kernels.common import chain, split_threads, view_as
+from pmx.runtime.kernels.common import chain, expect_operand, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
 from pmx.runtime.kernels.registry import register
 
@@ -36,9 +36,25 @@ def same_as_input(node, shapes, dtypes):
 
 
 def batch_norm_infer(node, shapes, dtypes):
-    if len(shapes[0]) < 2 or shapes[0][1] != shapes[1][0]:
-        raise ValueError(f"input {tuple(shapes[0])} does not have the {shapes[1][0]} channels on axis 1")
-    return [(tuple(shapes[0]), dtypes[0])]
+    x = tuple(shapes[0])
+    if len(x) < 2:
+        raise ValueError(f"input {x} has no channels axis (axis 1)")
+    expect_operand(shapes, dtypes, 1, "scale", shape=(x[1],), dtype=dtypes[0])
+    expect_operand(shapes, dtypes, 2, "shift", shape=(x[1],), dtype=dtypes[0])
+    return [(x, dtypes[0])]
+
+
+def _affine_operands(shapes, dtypes, shape):
+    """The optional weight (input 1) and bias (input 2) of a normalization: `shape`, and
+    the input's dtype."""
+    expect_operand(shapes, dtypes, 1, "weight", shape=shape, dtype=dtypes[0], optional=True)
+    expect_operand(shapes, dtypes, 2, "bias", shape=shape, dtype=dtypes[0], optional=True)
+
+
+def layer_norm_infer(node, shapes, dtypes):
+    x = tuple(shapes[0])
+    _affine_operands(shapes, dtypes, x[len(x) - int(node.attrs["axes"]) :])
+    return [(x, dtypes[0])]
 
 
 @register("batch_norm", infer=batch_norm_infer, inplace=True, float_input=True)
@@ -116,7 +132,7 @@ def _affine(out, weight, bias, shape):
 # axes: how many trailing dims are normalized
 @register(
     "layer_norm",
-    infer=same_as_input,
+    infer=layer_norm_infer,
     inplace=True,
     attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)),
     float_input=True,
@@ -151,6 +167,7 @@ def group_norm_infer(node, shapes, dtypes):
     x, g = tuple(shapes[0]), node.attrs["groups"]
     if len(x) < 2 or x[1] % g:
         raise ValueError(f"groups={g} must divide the channels (axis 1) of input {x}")
+    _affine_operands(shapes, dtypes, (x[1],))
     return [(x, dtypes[0])]
 
 

@@ -13,8 +13,12 @@ Factories do all the per-node work once (geometry, scratch buffers, weight views
 pool a split runs on) so the callable is a few numpy calls with out=.
 
 A shape rule `infer(node, shapes, dtypes) -> [(shape, dtype), ...]` gives output shapes
-and dtypes from input shapes and attributes; the compiler checks pnnx's declared shapes
-against it and the runtime uses it to re-plan other input shapes.
+and dtypes from input shapes and attributes; shapes[k] and dtypes[k] are None where
+optional input k is absent, so a rule reads its operands by position. It also checks
+every operand it is given (a weight against the input's channels, a bias against the
+output channels, an index's dtype): the loader runs it on each node of a file before any
+kernel binds, so what a kernel reads is what its rule checked. The compiler checks pnnx's
+declared shapes against it and the runtime uses it to re-plan other input shapes.
 
 Attributes: `attrs` at registration declares every attribute the op's rules and factory
 read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it

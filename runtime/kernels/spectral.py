@@ -142,6 +142,8 @@ def fft_infer(node, shapes, dtypes):
     lengths = fft_lengths(kind, shape, axes, tuple(a["lengths"]))
     if min(lengths, default=1) < 1:
         raise ValueError(f"{kind}: invalid signal lengths {lengths} for input {tuple(shapes[0])}")
+    if kind in ("rfft", "ihfft") and np.dtype(dtypes[0]).kind == "c":
+        raise ValueError(f"{kind} needs a real input, got {np.dtype(dtypes[0]).name}")
     for ax, n in zip(axes, lengths):
         shape[ax] = n
     if kind in ("rfft", "ihfft"):
