@@ -115,7 +115,7 @@ def parse_plan_shapes(shape_specs):
     for spec in shape_specs:
         name, _, dims = spec.partition("=")
         plan = []
-        for d in dims.split("x"):
+        for d in dims.split("x") if dims else ():  # NAME= : a 0-d input
             head = d.split("..")[0]
             plan.append(int(head) if head.isdigit() else None)
         out[name] = tuple(plan)
@@ -143,7 +143,7 @@ def parse_dynamic(dynamic_specs, shape_specs):
         name, sep, dims = spec.partition("=")
         if not sep or not name:
             raise PmxCompileError(f"--shape {spec!r}: expected NAME=DIMxDIMx..., e.g. in0=1..16x3x224x224")
-        for i, d in enumerate(dims.split("x")):
+        for i, d in enumerate(dims.split("x") if dims else ()):  # NAME= : a 0-d input, no dims
             try:
                 if d == "?":
                     rng = (1, -1)

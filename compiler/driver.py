@@ -76,7 +76,7 @@ def _plan_dynamic_inputs(graph, options, notes):
             if plan is None or None in plan:
                 raise PmxCompileError(
                     f"{graph.source}: input {v.name} has no recorded shape; give the shape to "
-                    f"compile for, e.g. --shape {v.name}=1x3x224x224"
+                    f"compile for, e.g. --shape {v.name}=1x3x224x224 (--shape {v.name}= for a 0-d input)"
                 )
             v.shape = tuple(plan)
             continue

@@ -487,6 +487,8 @@ def _check_not_ncnn(tokens, where):
     op_type = tokens[0]
     if "." in op_type or "::" in op_type:
         return
+    if any(t.startswith("#") and "=(" in t for t in tokens[4:]):
+        return  # pnnx's operand types: a pnnx file with an op pnnx left as it found it (ONNX's)
     if op_type in _NCNN_LAYERS or any(_NCNN_KEY.match(t) for t in tokens[4:]):
         raise PmxFormatError(
             f"{where}: layer type {op_type[:40]!r} is an ncnn layer: this looks like an ncnn .param "

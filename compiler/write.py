@@ -19,8 +19,8 @@ from pmx.compiler.plan import Plan
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
-from pmx.runtime.errors import PmxCompileError, PmxInternalError
-from pmx.runtime.load import MAX_RANK
+from pmx.runtime.errors import PmxCompileError, PmxFormatError, PmxInternalError
+from pmx.runtime.load import MAX_RANK, open_model
 from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
 
@@ -414,9 +414,11 @@ def _format_version(graph):
     return ff.OLDEST_READABLE_VERSION
 
 
-def write(graph, plan, options, path, _fail_after_bytes=None):
+def write(graph, plan, options, path, _fail_after_bytes=None, check_loads=True):
     """Write `graph` as `plan` (from run_pipeline) places it, with `options`' metadata,
-    atomically. `_fail_after_bytes` is a test hook simulating a crash mid-write."""
+    atomically, once the written bytes pass the loader's checks (_check_loads). Tests that
+    forge damaged files through the writer pass check_loads=False; `_fail_after_bytes` is a
+    test hook simulating a crash mid-write."""
     header, blobs, data_size = build(graph, plan, options)
     data_offset = ff.align(ff.PREAMBLE_SIZE + len(header))
     crc = 0
@@ -459,6 +461,8 @@ def write(graph, plan, options, path, _fail_after_bytes=None):
                 put(memoryview(chunk).cast("B") if isinstance(chunk, np.ndarray) else chunk)
             f.flush()
             os.fsync(f.fileno())
+        if check_loads:
+            _check_loads(graph, tmp, path)
         os.replace(tmp, path)
     except BaseException as e:
         try:
@@ -472,6 +476,20 @@ def write(graph, plan, options, path, _fail_after_bytes=None):
         raise
     _fsync_directory(directory)
     return data_offset + data_size
+
+
+def _check_loads(graph, tmp, path):
+    """The written file passes every structural check of the runtime's loader (the same
+    code), before it replaces `path`: the compiler never leaves a file its runtime refuses.
+    A refusal is pmx's own bug (two halves that disagree), reported as one."""
+    try:
+        open_model(tmp)
+    except PmxFormatError as e:
+        raise PmxInternalError(
+            f"{graph.source}: internal error: the compiled model fails the loader's checks, so "
+            f"{path} was not written: {str(e).replace(tmp, path)}. This is a bug in pmx; please report it "
+            f"with the .pnnx.param and .pnnx.bin and this message"
+        ) from None
 
 
 def _target_mode(path):

@@ -109,3 +109,62 @@ def test_list_ops(capsys):
     assert main(["compile", "--list-ops"]) == 0
     text = capsys.readouterr().out
     assert "nn.Conv2d" in text and "pnnx.Expression" in text
+
+
+def test_a_zero_d_input_takes_an_empty_shape(tmp_path, capsys):
+    """pnnx records no shape for a 0-d input; `--shape NAME=` (no dims) says it is 0-d."""
+    param = tmp_path / "m.pnnx.param"
+    param.write_text(
+        "7767517\n3 2\n"
+        "pnnx.Input in0 0 1 0\n"
+        "pnnx.Expression e 1 1 0 1 expr=mul(@0,2) #1=()f32\n"
+        "pnnx.Output out0 1 0 1\n"
+    )
+    from ziputil import write_bin
+
+    write_bin(tmp_path / "m.pnnx.bin", {})
+    out = tmp_path / "m.pmx"
+    assert main(["compile", str(param), "-o", str(out)]) == 1
+    assert "--shape in0= for a 0-d input" in capsys.readouterr().err
+    assert main(["compile", str(param), "-o", str(out), "--shape", "in0="]) == 0
+    from pmx.runtime import InferenceSession
+
+    sess = InferenceSession(str(out))
+    assert sess.get_inputs()[0].shape == []
+    assert sess.run(None, {"in0": np.array(1.5, np.float32)})[0] == 3.0
+
+
+def test_an_onnx_op_pnnx_left_unconverted_is_named_as_one(tmp_path, capsys):
+    param = tmp_path / "m.pnnx.param"
+    param.write_text(
+        "7767517\n3 2\n"
+        "pnnx.Input in0 0 1 0 #0=(4,6)f32\n"
+        "Slice slice_0 1 1 0 1 #0=(4,6)f32 #1=(2,6)f32\n"
+        "pnnx.Output out0 1 0 1 #1=(2,6)f32\n"
+    )
+    from ziputil import write_bin
+
+    write_bin(tmp_path / "m.pnnx.bin", {})
+    assert main(["compile", str(param), "-o", str(tmp_path / "m.pmx")]) == 1
+    err = capsys.readouterr().err
+    assert "unsupported op Slice" in err and "an ONNX op that pnnx left unconverted" in err
+    assert "ncnn" not in err
+
+
+def test_compile_never_writes_a_file_the_loader_refuses(tmp_path, monkeypatch):
+    """The compiler checks the file it wrote with the loader's own code before it replaces
+    the output: when they disagree (here a loader made stricter than the compiler: no
+    elementwise expression passes), compile fails as pmx's bug and the file that was
+    there stays as it was."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import PmxInternalError, verify
+
+    out = tmp_path / "m.pmx"
+    out.write_bytes(b"the previous file")
+    monkeypatch.setattr(verify, "MAX_EXPANDED_EXPR", 0)
+    with pytest.raises(
+        PmxInternalError, match=r"fails the loader's checks, so .*m.pmx was not written: .*expression expands"
+    ):
+        compile_model(str(EXAMPLE / "cnn.pnnx.param"), str(EXAMPLE / "cnn.pnnx.bin"), str(out))
+    assert out.read_bytes() == b"the previous file"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pmx"], "no temporary file is left behind"

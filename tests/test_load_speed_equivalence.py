@@ -247,7 +247,7 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     options = CompileOptions(disabled=["fuse_elementwise"])
     plan = compile_graph(g, options)
     path = tmp_path / "shared.pmx"
-    write(g, plan, options, str(path))
+    write(g, plan, options, str(path), check_loads=False)  # the verifier refuses it (docstring)
     data = path.read_bytes()
     pre, header = header_of(data)
     model = load._read_header(str(path), header, pre, len(data))

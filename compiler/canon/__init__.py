@@ -11,6 +11,7 @@ Rules validate parameters and raise PmxCompileError naming the node and .param l
 import numpy as np
 
 from pmx.compiler.ir import Node, Value
+from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxCompileError
 
 RULES = {}
@@ -79,15 +80,62 @@ def ints(node, key, n, default=_MISSING):
     return tuple(v)
 
 
+# Other names pnnx gives an op's data operand (torch's argument names): torch.split's `tensor`
+DATA_LABELS = {"input": ("input", "self", "tensor")}
+
+
 def data_input(node, label="input", index=0):
-    """The node's activation input: named $input if pnnx labelled it, else position."""
-    v = node.named_input(label)
+    """The node's tensor operand `label`: the input pnnx labelled $label (or a name torch
+    gives it, DATA_LABELS), else the index-th input pnnx left unlabelled (modules and
+    pnnx.Expression label none). Never another labelled input: where pnnx wrote `label`
+    as a number parameter, that is said, not guessed around."""
+    v = next((x for x in map(node.named_input, DATA_LABELS.get(label, (label,))) if x is not None), None)
     if v is None:
-        unnamed = [x for x, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")]
-        if len(unnamed) <= index:
+        if label in node.attrs:
+            fail(node, f"{label}={node.attrs[label]!r} is a number where pmx reads a tensor")
+        unlabelled = [x for x, n in zip(node.inputs, node.input_names) if n is None]
+        if len(unlabelled) <= index:
             fail(node, f"expected an input #{index} ({label})")
-        v = unnamed[index]
+        v = unlabelled[index]
     return v
+
+
+def operands(node, *labels, numbers=(int, float)):
+    """Each operand in `labels` exactly as pnnx wrote it, in either position: the input
+    labelled $label (a label may be a tuple of spellings: ("other", "exponent")), or a
+    number parameter label=..., else the next input pnnx left unlabelled (modules and
+    pnnx.Expression label none). A list of Values and Python numbers (of `numbers`'
+    types); an operand that is none of these fails naming the line."""
+    unlabelled = [v for v, n in zip(node.inputs, node.input_names) if n is None]
+    found = []
+    for label in labels:
+        names = label if isinstance(label, tuple) else (label,)
+        value = next((v for v in map(node.named_input, names) if v is not None), None)
+        if value is None:
+            name = next((k for k in names if k in node.attrs), None)
+            if name is not None:
+                value = node.attrs[name]
+                if type(value) not in numbers:
+                    fail(node, f"operand {name}={value!r} must be a tensor or a number")
+            elif unlabelled:
+                value = unlabelled.pop(0)
+            else:
+                fail(node, f"missing operand {names[0]!r}: a tensor ${names[0]} or a number {names[0]}=...")
+        found.append(value)
+    return found
+
+
+def as_terms(values):
+    """(expression arguments, tensors) for operands from operands(): each tensor an
+    E.at(k) of the node's k-th input, each number itself."""
+    args, tensors = [], []
+    for v in values:
+        if isinstance(v, Value):
+            args.append(E.at(len(tensors)))
+            tensors.append(v)
+        else:
+            args.append(v)
+    return args, tensors
 
 
 def weight(node, key, required=True):

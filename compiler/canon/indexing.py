@@ -11,16 +11,19 @@ import numpy as np
 
 from pmx.compiler.canon import (
     Forward,
+    as_terms,
     data_input,
     elementwise,
     fail,
     in_shape,
     make,
+    operands,
     out_shape,
     param,
     rule,
 )
 from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
+from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
 
@@ -320,44 +323,27 @@ def index(node, ctx):
     return [make(node, "index", [x] + indices, dict(axes=tuple(d for d, _ in used)))]
 
 
-def _operand(node, label, what):
-    """(value or None, literal or None) for an operand given as tensor ($label) or scalar."""
-    v = node.named_input(label)
-    if v is not None:
-        return v, None
-    lit = param(node, label, None)
-    if lit is None or not isinstance(lit, (int, float, bool)):
-        fail(node, f"{what} {label}={lit!r} must be a tensor or a number")
-    return None, lit
+NUMBERS = (int, float, bool)
 
 
 @rule("torch.where", "Tensor.where")
 def where(node, ctx):
-    cond = node.named_input("condition")
-    if cond is None:
+    if node.named_input("condition") is None:
         fail(node, "torch.where(condition) with one argument has a data-dependent shape")
-    tensors, args = [cond], []
-    for label in ("input", "other"):
-        v, lit = _operand(node, label, "branch")
-        if v is not None:
-            tensors.append(v)
-            args.append(E.at(len(tensors) - 1))
-        else:
-            args.append(lit)
+    args, tensors = as_terms(operands(node, "condition", "input", "other", numbers=NUMBERS))
+    cond = tensors[0]
     c = E.at(0) if np.dtype(cond.dtype).kind == "b" else E.call("ne", E.at(0), 0)
-    return [elementwise(node, E.call("where", c, *args), tensors)]
+    return [elementwise(node, E.call("where", c, *args[1:]), tensors)]
 
 
 @rule("Tensor.masked_fill", "torch.masked_fill")
 def masked_fill(node, ctx):
-    x = data_input(node)
-    mask = node.named_input("mask")
-    if mask is None:
-        fail(node, "missing mask")
-    v, lit = _operand(node, "value", "fill")
-    if v is not None:
+    x, mask, v = operands(node, "input", "mask", "value", numbers=NUMBERS)
+    if not isinstance(x, Value) or not isinstance(mask, Value):
+        fail(node, "the input and the mask must be tensors")
+    if isinstance(v, Value):
         return [elementwise(node, E.call("where", E.at(1), E.at(2), E.at(0)), [x, mask, v])]
-    return [elementwise(node, E.call("where", E.at(1), lit, E.at(0)), [x, mask])]
+    return [elementwise(node, E.call("where", E.at(1), v, E.at(0)), [x, mask])]
 
 
 _TORCH_DTYPES = {
@@ -414,9 +400,23 @@ def cast(node, ctx):
 
 
 def _filled(node, ctx, fill):
-    shape = out_shape(node)
+    """A tensor full of `fill`: of the shape pnnx recorded for a *_like op or a size
+    written as numbers; of the values of a size tensor ($size, ONNX's ConstantOfShape),
+    which a constant gives now and an input only when the model runs."""
     dtype = node.outputs[0].dtype
-    return Forward(ctx.const(node.outputs[0].name, np.full(shape, fill, dtype=dtype)))
+    size = node.named_input("size")
+    if size is None:
+        return Forward(ctx.const(node.outputs[0].name, np.full(out_shape(node), fill, dtype=dtype)))
+    shape = in_shape(node, size)
+    if len(shape) != 1 or np.dtype(size.dtype).kind not in "iu":
+        fail(node, f"size {size.name} is {list(shape)} {size.dtype}; a 1-d integer tensor expected")
+    if size.is_constant:
+        dims = tuple(int(n) for n in size.data)
+        if min(dims, default=0) < 0:
+            fail(node, f"size {list(dims)} has a negative dim")
+        return Forward(ctx.const(node.outputs[0].name, np.full(dims, fill, dtype=dtype)))
+    _refuse_readers(node, f"its size is read from the values of {size.name}")
+    return _sized_at_run(node, "full_values", [size], dict(value=fill, dtype=str(np.dtype(dtype))), rank=shape[0])
 
 
 @rule("torch.zeros_like", "torch.zeros", "Tensor.new_zeros", "aten::zero")  # aten::zero: zero_()'s functional form
@@ -589,10 +589,10 @@ def _refuse_readers(node, why):
         )
 
 
-def _sized_at_run(node, op, inputs, attrs):
+def _sized_at_run(node, op, inputs, attrs, rank=1):
     """The node as `op` whose kernel allocates its output when it runs (attrs sized_at_run,
-    runtime/session.py): planned empty, read by no other node (_refuse_readers)."""
-    node.outputs[0].shape = (0,)
+    runtime/session.py): planned empty, of its rank, read by no other node (_refuse_readers)."""
+    node.outputs[0].shape = (0,) * rank
     return [make(node, op, inputs, dict(attrs, sized_at_run=True))]
 
 
@@ -685,10 +685,7 @@ def diag(node, ctx):
 def cross(node, ctx):
     """torch.cross without dim takes the first dim of size 3 (its old default);
     torch.linalg.cross defaults to the last dim."""
-    a = data_input(node, "input", 0)
-    b = node.named_input("other")
-    if b is None:
-        b = data_input(node, "other", 1)
+    a, b = operands(node, "input", "other", numbers=())
     shape = np.broadcast_shapes(tuple(in_shape(node, a)), tuple(in_shape(node, b)))
     if node.op == "aten::linalg_cross" and len(node.inputs) > 2:
         dim = _number(node, node.inputs[2], "dim")

@@ -4,7 +4,7 @@ torch.einsum -> einsum; nn.Embedding / F.embedding -> embedding."""
 
 import numpy as np
 
-from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, out_shape, param, rule, weight
+from pmx.compiler.canon import data_input, elementwise, fail, in_shape, make, operands, out_shape, param, rule, weight
 from pmx.runtime import expr as E
 
 
@@ -18,27 +18,30 @@ def linear(node, ctx):
             node,
             f"input {x.shape} does not match weight {w.shape} (expected input [..., {w.shape[1] if w.shape else '?'}])",
         )
-    return [make(node, "linear", [x, w] + ([b] if b is not None else []))]
+    if b is None:
+        return [make(node, "linear", [x, w])]
+    b, steps = _bias_as_vector(node, ctx, b, w.shape[0], len(x.shape))
+    return [*steps, make(node, "linear", [x, w, b])]
 
 
-def _operands(node, *labels):
-    """The operands labelled with the first matching name of each group in `labels`,
-    falling back to unlabelled inputs in order."""
-    unnamed = [v for v, n in zip(node.inputs, node.input_names) if n is None]
-    found = []
-    for group in labels:
-        v = next((node.named_input(name) for name in group if node.named_input(name) is not None), None)
-        if v is None:
-            if not unnamed:
-                fail(node, f"missing operand ${group[0]}")
-            v = unnamed.pop(0)
-        found.append(v)
-    return found
+def _bias_as_vector(node, ctx, b, features, rank):
+    """torch's linear adds its bias by broadcasting: one of (1, ..., 1, N) or (1, ..., 1, 1)
+    (ONNX Gemm's C of (1, N)), no longer than the output's rank, is the vector (N,) or
+    (1,). Returns (bias, nodes that make it); any other shape fails naming the node."""
+    shape = tuple(in_shape(node, b))
+    if len(shape) <= 1:
+        return b, []
+    if any(d != 1 for d in shape[:-1]) or shape[-1] not in (1, features) or len(shape) > rank:
+        fail(node, f"bias {b.name} of shape {list(shape)} does not broadcast over the output's {features} features")
+    if b.is_constant:
+        return ctx.const(f"{node.name}.bias", b.data.reshape(shape[-1:])), []
+    vector = ctx.temp(node, shape[-1:], b.dtype, "bias")
+    return vector, [make(node, "reshape", [b], dict(shape=shape[-1:]), outputs=[vector], name=f"{node.name}.bias")]
 
 
 @rule("torch.matmul", "torch.mm", "torch.bmm", "Tensor.matmul", "Tensor.mm", "Tensor.bmm", "torch.mv", "Tensor.mv")
 def matmul(node, ctx):
-    a, b = _operands(node, ("input", "self"), ("other", "mat2", "vec"))
+    a, b = operands(node, ("input", "self"), ("other", "mat2", "vec"), numbers=())
     for v in (a, b):
         if len(in_shape(node, v)) == 0:
             fail(node, f"{v.name} is 0-d; matmul needs at least 1-d operands")
@@ -56,7 +59,7 @@ def _number(node, key, default):
 def addmm(node, ctx):
     second = ("mat1", "batch1", "mat") if "mv" not in node.op else ("mat",)
     third = ("mat2", "batch2") if "mv" not in node.op else ("vec",)
-    c, a, b = _operands(node, ("input", "self"), second, third)
+    c, a, b = operands(node, ("input", "self"), second, third, numbers=())
     beta, alpha = _number(node, "beta", 1), _number(node, "alpha", 1)
     shape = out_shape(node)
     product = ctx.temp(node, shape, node.outputs[0].dtype, suffix="mm")
@@ -73,7 +76,7 @@ def _scaled(x, factor):
 @rule("torch.einsum")
 def einsum(node, ctx):
     equation = param(node, "equation")
-    if not isinstance(equation, str) or not equation:
+    if not isinstance(equation, str):  # "" is one: the equation of 0-d operands (torch.einsum("", x))
         fail(node, f"equation={equation!r} must be a string")
     operands = [v for v in node.inputs if v is not None]
     for v in operands:

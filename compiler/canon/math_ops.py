@@ -2,7 +2,7 @@
 
 import re
 
-from pmx.compiler.canon import Forward, data_input, elementwise, fail, make, param, rule
+from pmx.compiler.canon import Forward, as_terms, data_input, elementwise, fail, make, operands, param, rule
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
 
@@ -206,29 +206,17 @@ _BINARY = {
 
 
 def _binary(fn_name):
+    """torch.<fn>(input, other): either operand a tensor or a number, as pnnx wrote it
+    (pnnx's ONNX import writes the number first: `torch.lt input=2.0 $other=x`)."""
+
     def fn(node, ctx):
-        a = data_input(node, "input", 0)
-        b = node.named_input("other")
-        tensors = [a]
-        if b is None:
-            unnamed = [
-                v
-                for v, n in zip(node.inputs, node.input_names)
-                if v is not a and (n is None or n in ("other", "exponent"))
-            ]
-            b = unnamed[0] if unnamed else None
-        if b is not None:
-            tensors.append(b)
-            rhs = E.at(1)
-        else:
-            other = param(node, "other", param(node, "exponent", None))
-            if not isinstance(other, (int, float)) or isinstance(other, bool):
-                fail(node, f"second operand {other!r} must be a tensor or a number")
-            rhs = other
+        (lhs, rhs), tensors = as_terms(operands(node, "input", ("other", "exponent")))
+        if not tensors:
+            fail(node, "both operands are numbers (pnnx folds such nodes; the file was edited?)")
         alpha = param(node, "alpha", 1)
         if alpha != 1 and fn_name in ("add", "sub"):
             rhs = E.call("mul", rhs, alpha)
-        return [elementwise(node, E.call(fn_name, E.at(0), rhs), tensors)]
+        return [elementwise(node, E.call(fn_name, lhs, rhs), tensors)]
 
     return fn
 
@@ -339,10 +327,7 @@ def bitwise_not(node, ctx):
 
 def _logical(fn_name):
     def fn(node, ctx):
-        a = data_input(node, "input", 0)
-        b = node.named_input("other")
-        if b is None:
-            fail(node, "second operand must be a tensor")
+        a, b = operands(node, "input", "other", numbers=())
         return [elementwise(node, E.call(fn_name, _truth(a, 0), _truth(b, 1)), [a, b])]
 
     return fn

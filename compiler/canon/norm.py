@@ -124,7 +124,34 @@ def layer_norm(node, ctx):
     affine = _affine_inputs(node, ctx, shape, x.dtype)
     if rms and len(affine) > 1:
         fail(node, "RMSNorm has no bias")
-    return [make(node, "layer_norm", [x] + affine, dict(axes=k, eps=float(eps), rms=int(rms)))]
+    if len(node.outputs) > 3 or (rms and len(node.outputs) > 1):
+        fail(node, f"{len(node.outputs)} outputs: layer_norm gives the result, the mean and the inverse std")
+    attrs = dict(axes=k, eps=float(eps), rms=int(rms))
+    normalized = make(node, "layer_norm", [x] + affine, attrs, outputs=node.outputs[:1])
+    return [normalized, *_layer_norm_statistics(node, ctx, x, k, float(eps))]
+
+
+def _layer_norm_statistics(node, ctx, x, k, eps):
+    """The mean and inverse standard deviation over the last k dims, kept as size-1 dims,
+    for the outputs past the first (torch's native_layer_norm; ONNX LayerNormalization's
+    Mean and InvStdDev): the population variance, as the normalization uses."""
+    if len(node.outputs) < 2:
+        return []
+    axes = tuple(range(len(x.shape) - k, len(x.shape)))
+    kept = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+    mean = node.outputs[1]
+    square = ctx.temp(node, tuple(x.shape), x.dtype, "centered_square")
+    variance = ctx.temp(node, kept, x.dtype, "variance")
+    rstd = node.outputs[2] if len(node.outputs) > 2 else ctx.temp(node, kept, x.dtype, "rstd")
+    centered = E.call("sub", E.at(0), E.at(1))
+    return [
+        make(node, "reduce_mean", [x], dict(axes=axes, keepdim=True), outputs=[mean], name=f"{node.name}.mean"),
+        elementwise(node, E.call("mul", centered, centered), [x, mean], outputs=[square], name=f"{node.name}.sq"),
+        make(node, "reduce_mean", [square], dict(axes=axes, keepdim=True), outputs=[variance], name=f"{node.name}.var"),
+        elementwise(
+            node, E.call("rsqrt", E.call("add", E.at(0), eps)), [variance], outputs=[rstd], name=f"{node.name}.rstd"
+        ),
+    ]
 
 
 @rule("nn.GroupNorm", "F.group_norm")

@@ -92,6 +92,8 @@ def split(node, ctx):
     x = data_input(node)
     dim = param(node, "dim", 0)
     rank = len(in_shape(node, x))
+    if type(dim) is not int:  # pnnx writes dim=None for ONNX's Split without an axis
+        fail(node, f"dim={dim!r}: {node.op} needs one int dim")
     if not -rank <= dim < rank:
         fail(node, f"dim={dim} out of range for input of rank {rank}")
     sizes = tuple(out_shape(node, i)[dim] for i in range(len(node.outputs)))

@@ -7,6 +7,12 @@ from pmx.runtime.errors import PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes
 
 
+def _foreign(op):
+    """An op name in none of pnnx's namespaces (nn., F., torch., Tensor., pnnx., aten::,
+    prim::): what pnnx's ONNX import leaves of an ONNX op it did not convert (Slice)."""
+    return "." not in op and "::" not in op
+
+
 def canonicalize(graph, ctx) -> bool:
     unknown = [n for n in graph.nodes if n.op not in REGISTRY and n.op not in RULES]
     if unknown:
@@ -15,7 +21,13 @@ def canonicalize(graph, ctx) -> bool:
         more = f"; also unsupported: {', '.join(others)}" if others else ""
         raise PmxUnsupportedOpError(
             f"{graph.source}: line {first.line}: unsupported op {first.op} (node '{first.name}'){more}. "
-            f"`pmx compile --list-ops` prints the supported op types"
+            + (
+                f"{first.op} is an ONNX op that pnnx left unconverted: pnnx's own Python cannot run it "
+                f"either. Export the model from torch with pnnx, or simplify the ONNX model first. "
+                if _foreign(first.op)
+                else ""
+            )
+            + "`pmx compile --list-ops` prints the supported op types"
             + (
                 " (Tensor.size appears in exports with dynamic dims: export with a fixed shape and "
                 "declare dynamic dims with --dynamic / --shape)"

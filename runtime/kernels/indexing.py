@@ -46,6 +46,10 @@
           runtime/session.py): planned empty, allocated by the kernel, a model output
           read by no node. Bounds inconsistent with the step's sign raise PmxInputError,
           as torch raises.
+`full_values` input size (a 1-d integer tensor); attrs value, dtype, sized_at_run:
+          torch.full/zeros/ones (ONNX ConstantOfShape) of the size's values, sized at
+          run time like arange_values. An output sized at run over RUN_SIZED_MAX_BYTES
+          is PmxResourceError.
 """
 
 import itertools
@@ -53,7 +57,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime.errors import PmxInputError
+from pmx.runtime.errors import PmxInputError, PmxResourceError
 from pmx.runtime.kernels.attr_specs import (
     AXES,
     AXIS,
@@ -668,6 +672,48 @@ def make_arange_values(node, inputs, outputs, ctx):
                 f"the inputs are not finite or inconsistent with the step's sign (torch raises too)"
             )
         n = math.ceil(float(end - start) / float(step))
+        check_run_sized(node, (n,), dtype)
         out.value = (start + np.arange(n, dtype=acc) * step).astype(dtype)
+
+    return run
+
+
+# What one output sized at run time may take: the default arena limit (load.py), since the
+# size comes from input values, which may ask for anything.
+RUN_SIZED_MAX_BYTES = 8 << 30
+
+
+def check_run_sized(node, shape, dtype):
+    """Refuses a run-sized output of `shape` beyond RUN_SIZED_MAX_BYTES before it is allocated."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > RUN_SIZED_MAX_BYTES:
+        raise PmxResourceError(
+            f"node {node.name[:40]!r} ({node.op}): the inputs' values ask for an output of {list(shape)} "
+            f"({nbytes} bytes), over the limit of {RUN_SIZED_MAX_BYTES}"
+        )
+
+
+def full_values_infer(node, shapes, dtypes):
+    expect_operand(shapes, dtypes, 0, "size", kinds="iu")
+    if len(shapes[0]) != 1:
+        raise ValueError(f"size {tuple(shapes[0])} is not a 1-d tensor of dims")
+    return [((0,) * shapes[0][0], np.dtype(node.attrs["dtype"]))]
+
+
+@register("full_values", infer=full_values_infer, attrs=dict(value=NUMBER, dtype=DTYPE, sized_at_run=TRUE))
+def make_full_values(node, inputs, outputs, ctx):
+    """torch.full(size, value) (zeros, ones; ONNX ConstantOfShape) with the size read from
+    a tensor's values when the node runs."""
+    size_t, out = inputs[0], outputs[0]
+    dtype, value = np.dtype(node.attrs["dtype"]), node.attrs["value"]
+
+    def run():
+        shape = tuple(int(n) for n in size_t)
+        if min(shape, default=0) < 0:
+            raise PmxInputError(
+                f"node {node.name[:40]!r} (full): size {list(shape)} read from the inputs has a negative dim"
+            )
+        check_run_sized(node, shape, dtype)
+        out.value = np.full(shape, value, dtype)
 
     return run

@@ -17,9 +17,27 @@ from pmx.runtime.kernels.registry import register
 REDUCE_ATTRS = dict(axes=optional(AXES), keepdim=optional(FLAG))
 
 
+# Reductions torch refuses over no elements ("Expected reduction dim to have non-zero
+# size"): they have no identity. The others give one: sum 0, prod 1, mean and the
+# statistics nan, logsumexp -inf.
+NO_IDENTITY = ("reduce_max", "reduce_min", "argmax", "argmin")
+
+
+def check_not_empty(node, x, axes):
+    """Raises ValueError (as torch does) when `node` reduces over no elements and its op
+    has no identity (NO_IDENTITY, and norms with p = +-inf)."""
+    empty = any(x[a] == 0 for a in axes)
+    no_identity = node.op in NO_IDENTITY or (node.op == "reduce_norm" and abs(node.attrs.get("p", 2.0)) == math.inf)
+    if empty and no_identity:
+        raise ValueError(
+            f"{node.op} over dims {list(axes)} of input {tuple(x)}: no elements to reduce (torch raises too)"
+        )
+
+
 def reduce_infer(node, shapes, dtypes):
     x = shapes[0]
     axes = _axes(node.attrs.get("axes"), len(x))
+    check_not_empty(node, x, axes)
     keep = node.attrs.get("keepdim", False)
     shape = tuple((1 if i in axes else d) for i, d in enumerate(x) if keep or i not in axes)
     dtype = dtypes[0]
@@ -104,6 +122,11 @@ def reduction(kind, x, out, axes):
     (_trailing_reduction), else np.mean & co, with float16/32 sums and means accumulated
     in float64. The reduce ops and global adaptive pooling use it."""
     fn = REDUCERS[kind]
+    if math.prod(x.shape[a] for a in axes) == 0:  # each output reduces no element
+        if kind in ("max", "min"):
+            raise ValueError(f"{kind} over no elements (the reduce ops' shape rule refuses it, as torch does)")
+        identity = {"mean": np.nan, "sum": 0, "prod": 1}[kind]
+        return lambda: out.fill(identity)
     lead = x.ndim - len(axes)
     if kind != "prod" and axes == tuple(range(lead, x.ndim)):
         fast = _trailing_reduction(kind, x, out, lead)
@@ -207,6 +230,7 @@ def _log_softmax(x, out, axis):
 def arg_infer(node, shapes, dtypes):
     x = shapes[0]
     axis = node.attrs["axis"] % len(x)
+    check_not_empty(node, x, (axis,))
     keep = node.attrs.get("keepdim", False)
     shape = tuple(1 if i == axis else d for i, d in enumerate(x) if keep or i != axis)
     return [(shape, np.dtype("int64"))]
@@ -298,6 +322,8 @@ def make_reduce_logsumexp(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)
     target = _keepdims_target(x, out, axes)
+    if math.prod(x.shape[a] for a in axes) == 0:  # log of an empty sum, as torch gives
+        return lambda: target.fill(-np.inf)
     peak = np.empty(target.shape, out.dtype)
     finite = np.empty(target.shape, bool)
     scratch = np.empty(x.shape, out.dtype)
