@@ -8,6 +8,7 @@ Imports only numpy and numexpr (never torch, flatbuffers or the compiler: the he
 reader takes the schema's layouts from pmx.schema.layout).
 """
 
+from pmx.runtime.batching import BatchingSession
 from pmx.runtime.compat import (
     IOBinding,
     ModelMetadata,
@@ -33,6 +34,7 @@ from pmx.runtime.session import InferenceSession, NodeArg
 from pmx.runtime.version import __version__
 
 __all__ = [
+    "BatchingSession",
     "ExecutionMode",
     "ExecutionOrder",
     "GraphOptimizationLevel",

@@ -625,23 +625,28 @@ class InferenceSession:
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
-        if output_names is None or (not isinstance(output_names, str) and len(output_names) == 0):
-            wanted = list(self._model.outputs)  # None or [] (onnxruntime): every output
-        else:
-            if isinstance(output_names, str):
-                raise PmxInputError("output_names must be a list of names or None, not a string")
-            wanted = []
-            for name in output_names:
-                if name not in self._fetchable:
-                    raise PmxInputError(
-                        f"unknown output {name!r}; available: {list(self._fetchable)} "
-                        f"(compile with --keep NAME to fetch an intermediate tensor)"
-                    )
-                wanted.append(self._fetchable[name])
+        wanted = self._wanted_outputs(output_names)
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
         return binding, wanted
+
+    def _wanted_outputs(self, output_names):
+        """The tensor indices run() returns for `output_names` (None or []: every output,
+        as onnxruntime)."""
+        if output_names is None or (not isinstance(output_names, str) and len(output_names) == 0):
+            return list(self._model.outputs)
+        if isinstance(output_names, str):
+            raise PmxInputError("output_names must be a list of names or None, not a string")
+        wanted = []
+        for name in output_names:
+            if name not in self._fetchable:
+                raise PmxInputError(
+                    f"unknown output {name!r}; available: {list(self._fetchable)} "
+                    f"(compile with --keep NAME to fetch an intermediate tensor)"
+                )
+            wanted.append(self._fetchable[name])
+        return wanted
 
     def _outputs_of(self, binding, wanted):
         if self._run_sized:
