@@ -8,6 +8,7 @@ from pmx.compiler.ir import Node
 from pmx.compiler.options import CompileOptions
 from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
+from pmx.compiler.shape_specs import dynamic_option, merge_dynamic, shape_option
 from pmx.compiler.write import write
 from pmx.runtime.errors import PmxCompileError, PmxError
 from pmx.runtime.record import Record, set_fields
@@ -333,10 +334,29 @@ def compile_model(
     plan_shapes=None,
     tune=False,
     metadata=None,
+    shape=None,
     _fail_after_bytes=None,
 ):
-    """metadata: {key: value} strings stored in the file (pmx compile --meta KEY=VALUE),
-    read back as InferenceSession.get_modelmeta().custom_metadata_map."""
+    """Compile param_path (+ bin_path, default beside it) into `output` (default: the
+    .param's name with .pmx, beside it); returns a CompileResult. The keywords are
+    `pmx compile`'s flags:
+
+    keep        tensor names to keep readable after a run (--keep)
+    verify      check the graph after every pass (--verify)
+    disabled    optional passes not to run (--disable); no_opt: none of them (--no-opt)
+    dynamic     input dims that may change at run time (--dynamic): "in0:0,2", a list of
+                such strings, {"in0": [0, 2]}, or {"in0": {0: (1, 16)}} (max None: unbounded)
+    shape       sizes per dim (--shape): "in0=1..16x3x224x224" (N, A..B, A.. or ?; "in0="
+                for a 0-d input), a list of such strings, {"in0": "1..16x3x224x224"}, or
+                {"in0": (1, 3, 224, 224)} (None: '?')
+    auto_batch  make dim 0 of every input dynamic where the model allows it (False: --static)
+    tune        choose kernels by timing them on this machine (--tune)
+    metadata    {key: value} strings stored in the file (--meta KEY=VALUE), read back as
+                InferenceSession.get_modelmeta().custom_metadata_map
+    plan_shapes {input name: shape} to plan memory at, for '?' dims (what shape= sets)
+
+    A value of another form is a PmxInputError naming the keyword and the forms it takes
+    (compiler/shape_specs.py)."""
     t0 = time.perf_counter()
     param_path = os.fspath(param_path)
     bin_path = None if bin_path is None else os.fspath(bin_path)
@@ -349,6 +369,9 @@ def compile_model(
             raise PmxCompileError(
                 f"refusing to overwrite the input file {src} with the compiled model; choose another -o"
             )
+    shape_dynamic, shape_plan = shape_option(shape)
+    dynamic = merge_dynamic(dynamic_option(dynamic), shape_dynamic)
+    plan_shapes = {**(plan_shapes or {}), **shape_plan}
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
     try:
