@@ -63,7 +63,7 @@ def _compile(args):
     )
     print(f"  file       {r.file_bytes / 1e6:.2f} MB")
     print(f"  time       {r.seconds * 1e3:.0f} ms")
-    from pmx.runtime.replan import format_ranges
+    from pmx.runtime.dim_ranges import format_ranges
 
     for name, ranges in r.dynamic.items():
         print(f"  input      {name} takes {format_ranges(ranges)}")

@@ -10,6 +10,7 @@ from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
 from pmx.compiler.shape_specs import dynamic_option, merge_dynamic, shape_option
 from pmx.compiler.write import write
+from pmx.runtime.dim_ranges import UNBOUNDED, in_range, range_text
 from pmx.runtime.errors import PmxCompileError, PmxError
 from pmx.runtime.record import Record, set_fields
 
@@ -49,7 +50,6 @@ def default_output(param_path):
     return base + ".pmx"
 
 
-UNBOUNDED = -1
 # Sizes tried, in order, for '?' dims given no size (the leading dim of an input of rank
 # >= 2 tries 1 first: a batch): memory is planned at the first at which every shape rule
 # of the graph accepts the inputs. Moderate sizes first, so convolutions and pools fit and
@@ -92,10 +92,10 @@ def _plan_dynamic_inputs(graph, options, notes):
                 plan[d] = lo
             elif plan[d] is None:
                 unplanned[(v, d)] = (lo, hi)
-            elif not _in_range(plan[d], lo, hi):
+            elif not in_range(plan[d], lo, hi):
                 raise PmxCompileError(
                     f"{graph.source}: input {v.name}: the size {plan[d]} to plan dim {d} for is "
-                    f"outside its range {_range_text(lo, hi)}"
+                    f"outside its range {range_text(lo, hi)}"
                 )
         v.shape = tuple(plan)
     if unplanned:
@@ -235,22 +235,14 @@ def _check_one_input(source, v, plan, dims):
             lo, hi = dims[d]
             if lo == hi and lo != recorded:
                 refuse(f"fixes dim {d} at {lo}: only its '?' dims can take another fixed size")
-            if not _in_range(recorded, lo, hi):
+            if not in_range(recorded, lo, hi):
                 refuse(
-                    f"allows {_range_text(lo, hi)} in dim {d}, without its exported size {recorded}: the model "
+                    f"allows {range_text(lo, hi)} in dim {d}, without its exported size {recorded}: the model "
                     f"is compiled at that size, so a range must include it (e.g. "
-                    f"{_range_text(min(lo, recorded), hi if hi == UNBOUNDED else max(hi, recorded))})"
+                    f"{range_text(min(lo, recorded), hi if hi == UNBOUNDED else max(hi, recorded))})"
                 )
         elif plan is not None and plan[d] is not None and plan[d] != recorded:
             refuse(f"plans dim {d} at {plan[d]}: only its '?' dims can take another size")
-
-
-def _in_range(size, lo, hi):
-    return lo <= size and (hi == UNBOUNDED or size <= hi)
-
-
-def _range_text(lo, hi):
-    return str(lo) if lo == hi else f"{lo}..{'' if hi == UNBOUNDED else hi}"
 
 
 def _request_text(plan, dims, rank):
@@ -259,7 +251,7 @@ def _request_text(plan, dims, rank):
     parts = []
     for d in range(rank):
         if d in dims:
-            parts.append("?" if dims[d] == (1, UNBOUNDED) else _range_text(*dims[d]))
+            parts.append("?" if dims[d] == (1, UNBOUNDED) else range_text(*dims[d]))
         else:
             size = plan[d] if plan is not None else None
             parts.append("?" if size is None else str(size))

@@ -17,9 +17,8 @@ Accepted spellings (the CLI's flag takes the strings; the keywords take all of t
     shape={"in0": (1, 3, 224, 224)}                   fixed sizes (None: '?')
 """
 
+from pmx.runtime.dim_ranges import UNBOUNDED
 from pmx.runtime.errors import PmxInputError
-
-UNBOUNDED = -1
 
 DYNAMIC_FORMS = (
     'dynamic="in0:0,2", a list of such strings, {"in0": [0, 2]}, or {"in0": {0: (1, 16)}} (max None: unbounded)'

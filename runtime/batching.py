@@ -28,20 +28,21 @@ from concurrent.futures import Future
 import numpy as np
 
 from pmx.runtime import compat
+from pmx.runtime.dim_ranges import UNBOUNDED, tensor_ranges
 from pmx.runtime.errors import PmxError, PmxInputError
-from pmx.runtime.session import InferenceSession, _ranges, _terminated
+from pmx.runtime.session import InferenceSession, _terminated
 
 
 def _batch_top(t):
     """The largest dim 0 tensor `t` takes (1 << 30: unbounded), or None when dim 0 cannot
     grow from 1."""
-    ranges = _ranges(t)
+    ranges = tensor_ranges(t)
     if not ranges:
         return None
     lo, hi = ranges[0]
-    if lo > 1 or (hi != -1 and hi <= 1):
+    if lo > 1 or (hi != UNBOUNDED and hi <= 1):
         return None
-    return 1 << 30 if hi == -1 else hi
+    return 1 << 30 if hi == UNBOUNDED else hi
 
 
 class _Request:

@@ -578,11 +578,11 @@ def _declared_shape(t):
 
 
 def _io_entry(t):
-    from pmx.runtime.replan import format_ranges
+    from pmx.runtime.dim_ranges import format_ranges, tensor_ranges
 
     entry = dict(name=t.name, declared_shape=_declared_shape(t), dtype=t.dtype.name, planned_shape=list(t.shape))
     if t.dim_min is not None:
-        entry["allowed"] = format_ranges(list(zip(t.dim_min, t.dim_max)))
+        entry["allowed"] = format_ranges(tensor_ranges(t))
     return entry
 
 

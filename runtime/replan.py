@@ -117,11 +117,5 @@ def plan_layout(model, shapes) -> Layout:
     return Layout(list(shapes), dict(zip(roots, offsets)), views, arena)
 
 
-def format_ranges(ranges):
-    """[(1, -1), (3, 3), (8, 512)] -> '[1.., 3, 8..512]' for messages."""
-    parts = [str(lo) if lo == hi else f"{lo}..{'' if hi == -1 else hi}" for lo, hi in ranges]
-    return "[" + ", ".join(parts) + "]"
-
-
 def _nbytes(shape, dtype):
     return math.prod(shape) * np.dtype(dtype).itemsize

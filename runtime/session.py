@@ -34,6 +34,7 @@ import weakref
 import numpy as np
 
 from pmx.runtime import blas, compat, parallel
+from pmx.runtime.dim_ranges import format_ranges, shape_allowed, tensor_ranges
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
     PmxError,
@@ -48,7 +49,7 @@ from pmx.runtime.kernels.registry import RunSized, get, node_scratch_nbytes
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
-from pmx.runtime.replan import compiled_layout, format_ranges, infer_shapes, plan_layout
+from pmx.runtime.replan import compiled_layout, infer_shapes, plan_layout
 from pmx.schema import layout as schema
 
 
@@ -191,20 +192,9 @@ def _model_source(path_or_bytes):
     )
 
 
-def _ranges(t):
-    """[(min, max) per dim] of a tensor (max -1 = unbounded); fixed dims are (d, d)."""
-    if t.dim_min is None:
-        return [(d, d) for d in t.shape]
-    return list(zip(t.dim_min, t.dim_max))
-
-
-def _shape_allowed(shape, ranges):
-    return len(shape) == len(ranges) and all(lo <= d and (hi == -1 or d <= hi) for d, (lo, hi) in zip(shape, ranges))
-
-
 def _node_arg(t, run_sized=False):
     """onnxruntime-style NodeArg: dims that may change are None."""
-    shape = [d if lo == hi and not run_sized else None for d, (lo, hi) in zip(t.shape, _ranges(t))]
+    shape = [d if lo == hi and not run_sized else None for d, (lo, hi) in zip(t.shape, tensor_ranges(t))]
     return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
 
 
@@ -272,7 +262,7 @@ class InferenceSession:
         self._run_sized = _run_sized_outputs(m)
         self._outputs = [_node_arg(m.tensors[i], i in self._run_sized) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
-        self._input_ranges = {i: _ranges(m.tensors[i]) for i in m.inputs}
+        self._input_ranges = {i: tensor_ranges(m.tensors[i]) for i in m.inputs}
         self._fetchable = {m.tensors[i].name: i for i in m.outputs + m.kept}
         self._local = threading.local()
         self._max_arena_bytes = max_arena_bytes
@@ -469,7 +459,7 @@ class InferenceSession:
                         f"input {name!r}: cannot convert {type(value).__name__} to {t.dtype.name}: {e}"
                     ) from None
             ranges = self._input_ranges[self._input_index[name]]
-            if not _shape_allowed(arr.shape, ranges):
+            if not shape_allowed(arr.shape, ranges):
                 raise PmxInputError(f"input {name!r}: expected shape {format_ranges(ranges)}, got {list(arr.shape)}")
             arrays[self._input_index[name]] = arr
         return arrays

@@ -22,11 +22,10 @@ ctx.fixed_reasons = [text, ...] for the compile summary.
 
 import numpy as np
 
+from pmx.runtime.dim_ranges import UNBOUNDED
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 from pmx.runtime.kernels.shape import resolve_dyn_shape
-
-UNBOUNDED = -1
 
 
 def copy_dim(k):
