@@ -30,7 +30,7 @@ import numpy as np
 from pmx.runtime import compat
 from pmx.runtime.dim_ranges import UNBOUNDED, tensor_ranges
 from pmx.runtime.errors import PmxError, PmxInputError
-from pmx.runtime.session import InferenceSession, _terminated
+from pmx.runtime.session import InferenceSession, _terminated, callback_or_future
 
 
 def _batch_top(t):
@@ -146,16 +146,7 @@ class BatchingSession:
     def run_async(self, output_names, input_feed, callback=None, user_data=None, run_options=None):
         """InferenceSession.run_async: callback(outputs, user_data, error) when the request's
         batch has run ("" on success), or a concurrent.futures.Future without a callback."""
-        future = self.submit(output_names, input_feed, run_options)
-        if callback is None:
-            return future
-
-        def report(done):
-            error = done.exception()
-            callback(None if error else done.result(), user_data, "" if error is None else f"{error}")
-
-        future.add_done_callback(report)
-        return None
+        return callback_or_future(self.submit(output_names, input_feed, run_options), callback, user_data)
 
     def submit(self, output_names, input_feed, run_options=None):
         """Queue one request; a Future of its outputs. A request the model cannot take

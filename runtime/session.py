@@ -535,16 +535,9 @@ class InferenceSession:
         takes no callback: then it returns a concurrent.futures.Future of the outputs
         (`await asyncio.wrap_future(sess.run_async(None, feed))` in asyncio)."""
         compat.check_run_options(run_options)
-        future = self._executor().submit(self.run, output_names, input_feed, run_options)
-        if callback is None:
-            return future
-
-        def report(done):
-            error = done.exception()
-            callback(None if error else done.result(), user_data, "" if error is None else f"{error}")
-
-        future.add_done_callback(report)
-        return None
+        return callback_or_future(
+            self._executor().submit(self.run, output_names, input_feed, run_options), callback, user_data
+        )
 
     def _executor(self):
         with self._async_lock:
@@ -707,6 +700,21 @@ class InferenceSession:
             )
         rows.sort(key=lambda r: -r["ms"])
         return rows
+
+
+def callback_or_future(future, callback, user_data):
+    """run_async's two ways to answer: the Future itself without a callback; else None,
+    and callback(outputs, user_data, error) once it is done (error "" on success, the
+    message otherwise, outputs None), as onnxruntime calls it."""
+    if callback is None:
+        return future
+
+    def report(done):
+        error = done.exception()
+        callback(None if error else done.result(), user_data, "" if error is None else f"{error}")
+
+    future.add_done_callback(report)
+    return None
 
 
 def _terminated(run_options):
