@@ -14,7 +14,8 @@ outcome named by --show (e.g. --show wrong --show internal):
                   a contradiction in the graph, ...)
   run-error       the compiled model refused its inputs when run (PmxError)
   internal        a PmxInternalError or another exception: a bug of pmx's
-  wrong           pmx's outputs differ from ONNX's and pnnx's Python matches ONNX's
+  wrong           pmx's outputs differ from ONNX's and pnnx's Python matches ONNX's, or
+                  pnnx's Python cannot run the graph (then nothing clears pmx)
   graph-wrong     pmx's outputs differ from ONNX's, and so do pnnx's Python's
   right           pmx's outputs match ONNX's
 """
@@ -148,12 +149,11 @@ def run_case(case, directory):
     if all_close(got, expected):
         return "right", ""
     reference = pnnx_python(directory, inputs)
-    if reference is not None and all_close(reference, expected):
+    if reference is None:
+        return "wrong", "pnnx's Python did not run"
+    if all_close(reference, expected):
         return "wrong", "pnnx's Python matches ONNX"
-    return (
-        "graph-wrong",
-        "pnnx's Python differs from ONNX too" if reference is not None else "pnnx's Python did not run",
-    )
+    return "graph-wrong", "pnnx's Python differs from ONNX too"
 
 
 def main():
