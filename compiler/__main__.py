@@ -6,7 +6,20 @@ import sys
 
 from pmx.compiler.cli import main
 
-_COMMANDS = {"compile", "run", "inspect", "verify", "-V", "--version", "-h", "--help", "--debug", "-q", "--quiet"}
+_COMMANDS = {
+    "compile",
+    "run",
+    "inspect",
+    "verify",
+    "serve",
+    "-V",
+    "--version",
+    "-h",
+    "--help",
+    "--debug",
+    "-q",
+    "--quiet",
+}
 
 if __name__ == "__main__":
     argv = sys.argv[1:]

@@ -27,6 +27,7 @@ from pmx.runtime.cli import (
     dispatch_runtime,
     guarded,
 )
+from pmx.runtime.serve.cli import add_serve_command
 
 
 def _version():
@@ -183,7 +184,7 @@ def build_parser():
     p.add_argument("-V", "--version", action="version", version=f"pmx {_version()}")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors (and --json output)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{compile,run,inspect,verify}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{compile,run,inspect,verify,serve}")
 
     c = sub.add_parser(
         "compile",
@@ -195,6 +196,7 @@ def build_parser():
     _common(c)
 
     add_runtime_commands(sub)
+    add_serve_command(sub)  # its module imports argparse only; the server loads when it runs
     return p
 
 
@@ -280,6 +282,10 @@ def _dispatch(args):
         _check_compile_options(args, parser)
         _check_model_arg(args.param, "compile")
         return _compile(args)
+    if args.command == "serve":
+        from pmx.runtime.serve.cli import serve_command
+
+        return serve_command(args)
     return dispatch_runtime(args)
 
 
