@@ -22,11 +22,12 @@ from pmx.runtime.cli import (
     _check_model_arg,
     _common,
     _key_value,
-    _planned_shapes,
     add_runtime_commands,
     dispatch_runtime,
     guarded,
+    random_inputs,
 )
+from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.serve.cli import add_serve_command
 
 
@@ -39,6 +40,7 @@ def _version():
 def _compile(args):
     from pmx.compiler.driver import compile_model
 
+    dynamic, plan_shapes = shape_flags(args)
     r = compile_model(
         args.param,
         args.bin,
@@ -47,14 +49,20 @@ def _compile(args):
         verify=args.verify,
         disabled=args.disable or (),
         no_opt=args.no_opt,
-        dynamic=parse_dynamic(args.dynamic or (), args.shape or ()),
+        dynamic=dynamic,
         auto_batch=not args.static,
-        plan_shapes=parse_plan_shapes(args.shape or ()),
+        plan_shapes=plan_shapes,
         tune=args.tune,
         metadata=dict(args.meta or ()),
     )
-    if args.quiet:
-        return 0
+    if not args.quiet:
+        _print_summary(args, r)
+    if args.check:  # -q too: a check asked for is made (and fails loudly), whatever is printed
+        _check_against_trace(args.param, r.output, args.quiet)
+    return 0
+
+
+def _print_summary(args, r):
     print(f"compiled {args.param} -> {r.output}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
@@ -80,87 +88,48 @@ def _compile(args):
         print(f"  tuned      {len(r.tuned)} nodes timed, {changed} changed from the rule's choice (ms per candidate):")
         for line in format_report(r.tuned, limit=None if args.verbose else 10):
             print(line)
-    if args.check:
-        _check_against_trace(args.param, r.output)
-    return 0
 
 
-def _check_against_trace(param, output):
+def _check_against_trace(param, output, quiet=False):
     """pmx compile --check: the compiled model against the traced model.pt pnnx wrote
-    beside the .param, on random inputs of the compiled shapes (compiler/from_torch.py);
-    says so, and does not check, where torch or the model.pt is missing."""
+    beside the .param (compiler/from_torch.py), on random inputs of each input's dtype and
+    planned shape, as `pmx run --random` draws them, and again at batch 2 where the batch
+    dim may change. Where it cannot check (no model.pt, no torch) it fails: a check asked
+    for and not made must not pass."""
     pt = param[: -len(".pnnx.param")] + ".pt" if param.endswith(".pnnx.param") else None
+    skip = f"{output} was written unchecked; compile without --check to skip the check"
     if pt is None or not os.path.exists(pt):
-        print(f"  check      not done: no traced model.pt beside {param} (pnnx writes one)", file=sys.stderr)
-        return
+        raise PmxCompileError(f"--check: no traced model.pt beside {param} to check against (pnnx writes one); {skip}")
     try:
         import torch
     except ImportError:
-        print("  check      not done: torch is not installed here (pip install torch)", file=sys.stderr)
-        return
+        raise PmxCompileError(f"--check needs torch, which is not installed here (pip install torch); {skip}") from None
+    import numpy as np
+
     from pmx.compiler.from_torch import check_against_torch
     from pmx.runtime import InferenceSession
 
     module = torch.jit.load(pt).eval()
-    generator = torch.Generator().manual_seed(1)
-    inputs = tuple(torch.rand(shape, generator=generator) for shape in _planned_shapes(InferenceSession(output)))
-    check_against_torch(module, inputs, output)
-    print(f"  check      matches {pt} on two random inputs")
+    sess = InferenceSession(output)
+    batches = [None, 2] if sess.get_inputs() and sess.get_inputs()[0].shape[:1] == [None] else [None]
+    for batch in batches:
+        feed = random_inputs(sess, np.random.default_rng(1), batch)
+        check_against_torch(module, tuple(torch.from_numpy(a) for a in feed.values()), output)
+    if not quiet:
+        at = " and at batch 2" if len(batches) > 1 else ""
+        print(f"  check      matches {pt} on two random inputs{at}")
 
 
-def parse_plan_shapes(shape_specs):
-    """--shape in0=1..16x3x224x224 -> {in0: (1, 3, 224, 224)}: the size memory is planned
-    for (a range's lower end; None for '?', left to the compiler's placeholder), used for
-    inputs pnnx wrote with '?' dims; its length is the rank checked against the input's."""
-    out = {}
-    for spec in shape_specs:
-        name, _, dims = spec.partition("=")
-        plan = []
-        for d in dims.split("x") if dims else ():  # NAME= : a 0-d input
-            head = d.split("..")[0]
-            plan.append(int(head) if head.isdigit() else None)
-        out[name] = tuple(plan)
-    return out
+def shape_flags(args):
+    """--dynamic and --shape as given -> (dynamic, plan_shapes), by compile_model's own
+    parser (compiler/shape_specs.py). Each --shape dim is N (fixed), A..B, A.. or ? (any
+    size); the compile checks them against the export: N must equal a dim pnnx recorded
+    with a fixed size and a range must contain it; only '?' dims take any N or range."""
+    from pmx.compiler.shape_specs import DYNAMIC_TEXT, SHAPE_TEXT, dynamic_option, merge_dynamic, shape_option
 
-
-def parse_dynamic(dynamic_specs, shape_specs):
-    """--dynamic in0:0,2  and  --shape in0=1..16x3x224x224 -> {name: {dim: (min, max)}}.
-    In --shape, each dim is N (fixed: (N, N)), A..B (range), A.. (from A up) or ? (any
-    size). The compile checks them against the export: N must equal a dim pnnx recorded
-    with a fixed size and a range must contain it (the model is compiled at that size);
-    only '?' dims take any N or range."""
-    from pmx.runtime.errors import PmxCompileError
-
-    out = {}
-    for spec in dynamic_specs:
-        name, sep, dims = spec.partition(":")
-        try:
-            assert sep and name
-            for d in dims.split(","):
-                out.setdefault(name, {})[int(d)] = (1, -1)
-        except (AssertionError, ValueError):
-            raise PmxCompileError(f"--dynamic {spec!r}: expected NAME:DIM[,DIM...], e.g. in0:0") from None
-    for spec in shape_specs:
-        name, sep, dims = spec.partition("=")
-        if not sep or not name:
-            raise PmxCompileError(f"--shape {spec!r}: expected NAME=DIMxDIMx..., e.g. in0=1..16x3x224x224")
-        for i, d in enumerate(dims.split("x") if dims else ()):  # NAME= : a 0-d input, no dims
-            try:
-                if d == "?":
-                    rng = (1, -1)
-                elif ".." in d:
-                    lo, hi = d.split("..")
-                    rng = (int(lo), int(hi) if hi else -1)
-                    if rng[0] < 1 or (rng[1] != -1 and rng[1] < rng[0]):
-                        raise ValueError
-                elif int(d) >= 1:
-                    rng = (int(d), int(d))
-                else:
-                    raise ValueError
-            except ValueError:
-                raise PmxCompileError(f"--shape {spec!r}: dim {i} {d!r} is not N, A..B, A.. or ?") from None
-            out.setdefault(name, {})[i] = rng
-    return out
+    dynamic = dynamic_option(list(args.dynamic or ()), "--dynamic", DYNAMIC_TEXT)
+    shaped, plan_shapes = shape_option(list(args.shape or ()), "--shape", SHAPE_TEXT)
+    return merge_dynamic(dynamic, shaped), plan_shapes
 
 
 def _list_ops(args):
@@ -255,11 +224,11 @@ def _check_compile_options(args, parser):
     """Malformed --dynamic, --shape and --disable values are usage errors (exit 2): what
     the model allows is checked when it compiles."""
     from pmx.compiler.passes import PIPELINE
-    from pmx.runtime.errors import PmxCompileError
+    from pmx.runtime.errors import PmxInputError
 
     try:
-        parse_dynamic(args.dynamic or (), args.shape or ())
-    except PmxCompileError as e:
+        shape_flags(args)
+    except PmxInputError as e:
         parser.error(str(e))
     passes = [p.name for p in PIPELINE]
     for name in args.disable or ():

@@ -80,8 +80,9 @@ def _dim_range(d):
         return None
 
 
-def dynamic_option(value, keyword="dynamic"):
-    """compile_model's dynamic= in any DYNAMIC_FORMS spelling -> {name: {dim: (min, max)}}."""
+def dynamic_option(value, keyword="dynamic", forms=DYNAMIC_FORMS):
+    """compile_model's dynamic= in any DYNAMIC_FORMS spelling -> {name: {dim: (min, max)}}
+    (the CLI's --dynamic strings too, whose errors then show `forms`)."""
     if value is None:
         return {}
     if isinstance(value, str):
@@ -89,7 +90,7 @@ def dynamic_option(value, keyword="dynamic"):
     if isinstance(value, (list, tuple)):
         out = {}
         for spec in value:
-            name, dims = parse_dynamic_text(spec, keyword, DYNAMIC_FORMS)
+            name, dims = parse_dynamic_text(spec, keyword, forms)
             out.setdefault(name, {}).update(dims)
         return out
     if not isinstance(value, dict):
@@ -120,8 +121,9 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def shape_option(value, keyword="shape"):
-    """compile_model's shape= in any SHAPE_FORMS spelling -> (dynamic, plan_shapes)."""
+def shape_option(value, keyword="shape", forms=SHAPE_FORMS):
+    """compile_model's shape= in any SHAPE_FORMS spelling -> (dynamic, plan_shapes) (the
+    CLI's --shape strings too, whose errors then show `forms`)."""
     if value is None:
         return {}, {}
     if isinstance(value, str):
@@ -132,7 +134,7 @@ def shape_option(value, keyword="shape"):
         raise _bad(keyword, value, SHAPE_FORMS)
     dynamic, plan_shapes = {}, {}
     for spec in value:
-        name, ranges, plan = parse_shape_text(spec, keyword, SHAPE_FORMS)
+        name, ranges, plan = parse_shape_text(spec, keyword, forms)
         dynamic.setdefault(name, {}).update(ranges)
         plan_shapes[name] = plan
     return dynamic, plan_shapes

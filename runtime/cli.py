@@ -224,18 +224,26 @@ def _feed(sess, inputs, random, parser):
         listed = ", ".join(f"{a.name} {_shape_text(a.shape)} {_np_type(a.type)}" for a in missing)
         example = " ".join(f"--input {a.name}={a.name}.npy" for a in missing)
         parser.error(f"no value for input(s) {listed}: pass {example}, or --random for random values")
-    rng = np.random.default_rng(0)
-    planned = dict(zip([a.name for a in sess.get_inputs()], _planned_shapes(sess)))
-    for arg in missing:
-        shape = planned[arg.name]
+    drawn = random_inputs(sess, np.random.default_rng(0))
+    return {**{a.name: drawn[a.name] for a in missing}, **given}
+
+
+def random_inputs(sess, rng, batch=None):
+    """{input name: random array} of each input's planned shape (dim 0 `batch` if given)
+    and dtype, in ranges models take: normal floats, bools, and integers 0..9 (small
+    enough for token ids and indices)."""
+    feed = {}
+    for arg, shape in zip(sess.get_inputs(), _planned_shapes(sess)):
+        if batch is not None and shape:
+            shape = [batch, *shape[1:]]
         dtype = np.dtype(_np_type(arg.type))
-        if dtype.kind == "f":
-            given[arg.name] = rng.standard_normal(shape).astype(dtype)
+        if dtype.kind in "fc":
+            feed[arg.name] = rng.standard_normal(shape).astype(dtype)
         elif dtype.kind == "b":
-            given[arg.name] = rng.integers(0, 2, shape).astype(bool)
+            feed[arg.name] = rng.integers(0, 2, shape).astype(bool)
         else:
-            given[arg.name] = rng.integers(0, 10, shape).astype(dtype)
-    return given
+            feed[arg.name] = rng.integers(0, 10, shape).astype(dtype)
+    return feed
 
 
 def _planned_shapes(sess):

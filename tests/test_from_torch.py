@@ -89,11 +89,35 @@ def test_compile_check_catches_a_param_edited_to_differ_from_its_model_pt(export
     assert "differs from the torch module" in capsys.readouterr().err
 
 
-def test_compile_check_says_when_it_cannot_check(tmp_path, capsys):
+@pytest.mark.parametrize("quiet", [[], ["-q"]])
+def test_compile_check_fails_when_it_cannot_check(tmp_path, capsys, quiet):
+    """A check asked for and not made must not pass: exit 1, saying why and how to skip it."""
     shutil.copy(EXAMPLE / "cnn.pnnx.param", tmp_path / "cnn.pnnx.param")
     shutil.copy(EXAMPLE / "cnn.pnnx.bin", tmp_path / "cnn.pnnx.bin")
-    assert main(["compile", str(tmp_path / "cnn.pnnx.param"), "--check"]) == 0
-    assert "check      not done: no traced model.pt" in capsys.readouterr().err
+    assert main(["compile", str(tmp_path / "cnn.pnnx.param"), "--check", *quiet]) == 1
+    err = capsys.readouterr().err
+    assert "--check: no traced model.pt beside" in err and "compile without --check to skip the check" in err
+
+
+class TokenClassifier(torch.nn.Module):
+    """Token ids in (int64, as pnnx writes them: #0=(1,8)i64), an embedding, a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 6)
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.fc(self.embed(ids).mean(1))
+
+
+def test_compile_check_feeds_integer_inputs_as_integers(exporter, tmp_path, capsys):
+    prefix = pathlib.Path(exporter("from_torch_tokens", TokenClassifier(), (torch.randint(0, 16, (1, 8)),)))
+    for suffix in (".pnnx.param", ".pnnx.bin", ".pt"):
+        shutil.copy(str(prefix) + suffix, tmp_path / ("model" + suffix))
+    assert "i64" in (tmp_path / "model.pnnx.param").read_text()
+    assert main(["compile", str(tmp_path / "model.pnnx.param"), "-o", str(tmp_path / "m.pmx"), "--check"]) == 0
+    assert "matches" in capsys.readouterr().out
 
 
 def test_compile_model_takes_path_objects(tmp_path):
