@@ -5,23 +5,32 @@ input_scale[N or 1, Cin, 1, ...]?), attrs stride, pads (begins then ends per spa
 dilation, groups, padding_mode ("zeros", "reflect", "replicate", "circular"). node.expr is
 an optional fused activation. `input_scale` multiplies each input channel first (a
 squeeze-and-excitation gate folded in by compilers before the fold was dropped: format
-version 3 files hold it, and they still load): a 1x1 conv with one group scales its (Cout, Cin) weights per image instead of the
-(Cin, H, W) input; any other conv multiplies its input into scratch.
+version 3 files hold it, and they still load): a 1x1 conv with one group scales its
+(Cout, Cin) weights per gate instead of the (Cin, H, W) input; any other conv multiplies
+its input into scratch.
+
+A batch is one computation: where images can be GEMM columns or the batch dim of one
+call, no lowering loops over them in Python, since each call's fixed cost is then paid
+once per batch rather than once per image.
 
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
-  gemm      per image: the im2col copy, made by one np.copyto from a strided view of the
-            padded input into shared scratch (split over the cores when large), then one
-            GEMM per group (onto the bias, runtime/blas.py); the activation follows on the
-            image's output while it is still in cache. 1x1 stride-1 unpadded convs are a
-            plain GEMM on the input.
+  gemm      the im2col copy, made by one np.copyto from a strided view of the padded
+            input into shared scratch, then one GEMM per group (onto the bias,
+            runtime/blas.py); the activation follows on the output while it is still in
+            cache. On small maps (FOLD_MAX_POSITIONS) the batch is folded into the GEMM
+            columns, each thread taking whole images (_folded); on larger maps per image,
+            the copy and GEMM split over the cores. 1x1 stride-1 unpadded convs are a
+            plain GEMM on the input, one batched GEMM for a batch (folded on 7x7 maps).
   depthwise (groups == Cin == Cout) im2col + batched GEMV over "flat" views: the padded
             input is stored split into stride phases (one phase when stride is 1), each
             flattened per channel, so every tap is one contiguous slice at a fixed offset
             and the taps reading one phase form a regular grid: one strided np.copyto per
             grid builds a block of channels' im2col columns (C, taps, L) with copies that
             run over whole channels, then one batched GEMM (C, 1, taps) @ (C, taps, L) runs
-            the C GEMVs. The output is computed "wide" (rows as long as the phase rows, the
-            extra columns discarded when it is copied out with the bias). Channels are
+            the C GEMVs. On small maps a batch's images are side by side in the columns,
+            (C, taps, N x L), so a GEMV covers several images (DEPTHWISE_FOLD_COLUMNS).
+            The output is computed "wide" (rows as long as the phase rows, the extra
+            columns discarded when it is copied out with the bias). Channels are
             split over the cores, and within a core taken in blocks of
             DEPTHWISE_BLOCK_BYTES of columns, so the columns are still in L2 when the GEMVs
             read them (blocks of 256 KiB to 4 MiB measured alike within noise alone, but
@@ -194,7 +203,7 @@ def conv_scratch(node, inputs, outputs, ctx):
     x, w, out = inputs[0], inputs[1], outputs[0]
     scale = _input_scale(inputs)
     if scale is not None and _scales_weights(node, x, w, out):
-        return scratch_nbytes(((w.shape[0], w.shape[1]), w.dtype))
+        return scratch_nbytes(((scale.shape[0], w.shape[0], w.shape[1]), w.dtype))
     scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
         g = _depthwise_geometry(x, w, out, node.attrs)
@@ -202,6 +211,9 @@ def conv_scratch(node, inputs, outputs, ctx):
             g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape, node.attrs.get("padding_mode", "zeros")
         )
         return scratch_nbytes(*scaled, *padded, *rest)
+    parts = _fold_parts(ctx, node, x, w, out)
+    if parts:
+        return scratch_nbytes(*scaled, *_fold_scratch(x, w, out, parts) * len(parts))
     if _is_pointwise(x, w, node.attrs):
         return scratch_nbytes(*scaled)
     return scratch_nbytes(*scaled, (_cols_shape(x, w, out), x.dtype))
@@ -266,27 +278,30 @@ def _scales_weights(node, x, w, out):
 
 
 def _scaled_pointwise(ctx, node, x, w, b, scale, out):
-    """A 1x1 conv of x * scale as (W * scale) @ x per image: the scaled (Cout, Cin)
-    weights go into scratch, then the usual GEMM (split, bias, activation) reads x as it
-    is. The compiler folds a gate in only where the weights are smaller than the input
-    (Cout < H x W), so this replaces a pass over the input with a smaller one."""
+    """A 1x1 conv of x * scale as (W * scale) @ x: the scaled (Cout, Cin) weights of
+    every gate (one per image, or one for the batch) go into scratch in one multiply,
+    then one GEMM (split, bias, activation) over the batch reads x as it is. The compiler
+    folds a gate in only where the weights are smaller than the input (Cout < H x W), so
+    this replaces a pass over the input with a smaller one."""
     n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
-    scaled = ctx.scratch_array((cout, cin), w.dtype)
+    gates = scale.shape[0]
+    scaled = ctx.scratch_array((gates, cout, cin), w.dtype)
     w2 = w.reshape(cout, cin)
     rows = scale[(slice(None), slice(None)) + (0,) * (scale.ndim - 2)][
         :, None, :
-    ]  # (images, 1, Cin): a view at any strides
+    ]  # (gates, 1, Cin): a view at any strides
     x2 = view_as(x, (n, cin, -1))
     out2 = view_as(out, (n, cout, -1))
     bias = None if b is None else b.reshape(cout, 1)
     threads = gemm_node_threads(ctx, node)
     multiply = np.multiply
-    steps = []
-    for i in range(n):
-        if i < rows.shape[0]:  # one gate for the whole batch: scaled once
-            steps.append(lambda r=rows[i]: multiply(w2, r, out=scaled))
-        steps.append(gemm(ctx, scaled, x2[i], out2[i], threads, node, rows_first=True, bias=bias))
-    return chain(*steps)
+    weights = scaled if gates > 1 else scaled[0]
+    if n == 1:
+        x2, out2 = x2[0], out2[0]
+    return chain(
+        lambda: multiply(w2, rows, out=scaled),
+        gemm(ctx, weights, x2, out2, threads, node, rows_first=True, bias=bias),
+    )
 
 
 # --- gemm ----------------------------------------------------------------------------
@@ -313,14 +328,14 @@ def _gemm(ctx, node, x, w, b, out):
     # one group: plain 2-D GEMMs, which gemm() may also split by rows
     squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)
     bias = None if b is None else b.reshape(squeeze(out_g[0]).shape[:-1] + (1,))
+    parts = _fold_parts(ctx, node, x, w, out)
+    if parts:
+        return _folded(ctx, node, x, w, b, out, parts)
     if _is_pointwise(x, w, a):
         x_g = view_as(x, (n, groups, cg, o))
-        return chain(
-            *(
-                gemm(ctx, squeeze(wg), squeeze(x_g[i]), squeeze(out_g[i]), threads, node, rows_first=True, bias=bias)
-                for i in range(n)
-            )
-        )
+        if n > 1:
+            return _batched_pointwise(ctx, node, squeeze(wg), x_g, out_g, bias, threads, groups)
+        return gemm(ctx, squeeze(wg), squeeze(x_g[0]), squeeze(out_g[0]), threads, node, rows_first=True, bias=bias)
     pad_step, xp = _padded_input(ctx, x, a, nd)
     owner = root_array(xp)  # the windows below are as_strided views, which lose their bases
     cols = ctx.scratch_array(_cols_shape(x, w, out), x.dtype)
@@ -358,6 +373,124 @@ def _gemm(ctx, node, x, w, b, out):
             )
         )
     return chain(*steps)
+
+
+def _batched_pointwise(ctx, node, w, x_g, out_g, bias, threads, groups):
+    """A 1x1 conv of a batch as one batched GEMM (the images its batch dim, one
+    ?gemm_batch_strided call), split over the threads by output channels as gemm() splits
+    one image's: the kernels after a conv split by channels too, so each core then reads
+    what it just wrote."""
+    if groups > 1:
+        return gemm(ctx, w, x_g, out_g, threads, node, rows_first=True, bias=bias)
+    x_b, out_b = x_g[:, 0], out_g[:, 0]
+    macs = out_b.size * w.shape[-1]
+    if threads < 2 or macs < gemm_split_minimum(False) or w.shape[0] < threads:
+        return split_activated(ctx, node, out_b, [(product(w, x_b, out_b, bias), out_b)])
+    parts = []
+    for lo, hi in parallel.ranges(w.shape[0], threads):
+        part = out_b[:, lo:hi]
+        parts.append((product(w[lo:hi], x_b, part, None if bias is None else bias[lo:hi]), part))
+    return split_activated(ctx, node, out_b, parts)
+
+
+# The batch is folded into the GEMM columns of an im2col conv whose images have fewer
+# output positions than this (see _folded); a 1x1 conv, which needs a copy of its input
+# for it, only on 7x7 and 8x8 maps: from 14x14 up one batched GEMM over the images as
+# they lie (gemm_batch_strided) was faster.
+FOLD_MAX_POSITIONS = 256
+FOLD_POINTWISE_MAX_POSITIONS = 65
+# ...in GEMMs of as many images as keep their im2col columns within this many bytes
+FOLD_COLUMNS_BYTES = 4 << 20
+
+
+def _fold_parts(ctx, node, x, w, out):
+    """The image ranges a folded im2col conv gives its threads, one each ([(0, N)] on one
+    thread); [] where images run one after another (_folded says when)."""
+    n, o = x.shape[0], math.prod(out.shape[2:])
+    limit = FOLD_POINTWISE_MAX_POSITIONS if _is_pointwise(x, w, node.attrs) else FOLD_MAX_POSITIONS
+    if n < 2 or o >= limit:
+        return []
+    threads = gemm_node_threads(ctx, node)
+    macs = n * w.shape[0] * math.prod(w.shape[1:]) * o
+    if threads < 2 or macs < gemm_split_minimum(False):
+        return [(0, n)]
+    return parallel.ranges(n, threads) if n >= threads else []
+
+
+def _fold_images(x, w, out, parts):
+    """Images per folded GEMM: as many of a part's as keep their columns within
+    FOLD_COLUMNS_BYTES, at least one."""
+    per_image = math.prod(_cols_shape(x, w, out)) * x.itemsize
+    return max(1, min(max(hi - lo for lo, hi in parts), FOLD_COLUMNS_BYTES // per_image))
+
+
+def _fold_scratch(x, w, out, parts):
+    """One thread's scratch of a folded conv: its im2col columns and the GEMM's output,
+    (groups, rows, images x positions) each, as (shape, dtype) pairs."""
+    m = _fold_images(x, w, out, parts)
+    groups, kk, o = _cols_shape(x, w, out)
+    return [((groups, kk, m * o), x.dtype), ((groups, w.shape[0] // groups, m * o), x.dtype)]
+
+
+def _folded(ctx, node, x, w, b, out, parts):
+    """An im2col conv on small maps with the batch as GEMM columns: for a few images at a
+    time, one strided copy builds their columns (groups, Cin/groups x taps, images x
+    positions), one GEMM (onto the bias) multiplies them, the activation runs on its
+    output, and a row copy puts that back in NCHW order. Per-image GEMMs on 7x7 maps are
+    49 columns wide, which BLAS runs well below its speed on wider ones; from 16x16 maps
+    up the extra copy costs what the wider GEMM saves. With several threads each takes
+    whole images (`parts`), so the conv is one dispatch."""
+    a = node.attrs
+    n, nd = x.shape[0], w.ndim - 2
+    groups = x.shape[1] // w.shape[1]
+    cout, k = w.shape[0], w.shape[2:]
+    rows = cout // groups
+    o = math.prod(out.shape[2:])
+    m = _fold_images(x, w, out, parts)
+    wg = view_as(w, (groups, rows, -1)) if w.flags.c_contiguous else w.reshape(groups, rows, -1)
+    squeeze = (lambda t: t[0]) if groups == 1 else (lambda t: t)
+    bias = None if b is None else squeeze(b.reshape(groups, rows, 1))
+    out_g = view_as(out, (n, groups, rows, o))
+    xp, interior = x, None
+    if any(a["pads"]):
+        mode = a.get("padding_mode", "zeros")
+        xp, interior = padded_buffer(ctx, x.shape, tuple(a["pads"]), x.dtype, 0, shared_as=("conv input", mode))
+    owner = root_array(xp)  # the windows below are as_strided views, which lose their bases
+    works = []
+    for lo, hi in parts:
+        cols_buf, y_buf = (ctx.scratch_array((math.prod(s),), dt) for s, dt in _fold_scratch(x, w, out, parts))
+        steps = []
+        if interior is not None:  # each thread pads its own images
+            steps += [copy_rows(interior[lo:hi], x[lo:hi]), _border_step(xp[lo:hi], a, x.shape[-nd:])]
+        activations = {}
+        for i0 in range(lo, hi, m):
+            count = min(hi, i0 + m) - i0
+            cols = view_as(cols_buf[: groups * w[0].size * count * o], (groups, -1, count * o))
+            y = view_as(y_buf[: cout * count * o], (groups, rows, count * o))
+            dst = view_as(cols, (groups, w.shape[1]) + tuple(k) + (count,) + tuple(out.shape[2:]))
+            steps.append(copy_strided(dst, _batch_windows(xp[i0 : i0 + count], k, a, out.shape[2:], groups), owner))
+            steps.append(product(squeeze(wg), squeeze(cols), squeeze(y), bias))
+            if count not in activations:  # chunks of one size share y, so its activation
+                activations[count] = epilogue(ctx, node, y, threads=1)
+            steps.append(activations[count])
+            steps.append(copy_rows(out_g[i0 : i0 + count], view_as(y, (groups, rows, count, o)).transpose(2, 0, 1, 3)))
+        works.append(chain(*steps))
+    return ctx.split(works)
+
+
+def _batch_windows(xp, k, a, out_spatial, groups):
+    """Strided view (G, Cg, *k, N, *out) of padded images xp (N, C, *spatial): no copy."""
+    nd = len(k)
+    s = xp.strides
+    cg = xp.shape[1] // groups
+    shape = (groups, cg) + tuple(k) + (xp.shape[0],) + tuple(out_spatial)
+    strides = (
+        (cg * s[1], s[1])
+        + tuple(a["dilation"][i] * s[2 + i] for i in range(nd))
+        + (s[0],)
+        + tuple(a["stride"][i] * s[2 + i] for i in range(nd))
+    )
+    return np.lib.stride_tricks.as_strided(xp, shape, strides, writeable=False)
 
 
 def _split_by_channels(threads, groups, cout, positions):
@@ -420,6 +553,11 @@ DEPTHWISE_BLOCK_BYTES = 1 << 20
 # 0.143 -> 0.108; MobileNetV3-small 16x112x112 3x3 s2 0.268 -> 0.171, 288x14x14 5x5 s2
 # 0.297 -> 0.202. The module docstring's table (0.8M-7M elements): 1.0-1.8x on two.
 DEPTHWISE_SPLIT_MIN_ELEMENTS = 1 << 17  # was 1 << 19
+# A batch's images are folded into the columns of each channel's GEMV, up to this many
+# columns, where one image gives at most a quarter of them: numpy's matmul makes one BLAS
+# call per GEMV, and on 7x7 maps that call's cost is most of the GEMV. On 14x14 maps the
+# copy out of the folded columns cost what the wider GEMVs saved.
+DEPTHWISE_FOLD_COLUMNS = 512
 
 
 def _phases(x, w, out, a):
@@ -435,24 +573,30 @@ def _phases(x, w, out, a):
 
 
 def _depthwise_plan(ctx, node, g, dtype):
-    """(channel range per thread, channels per im2col block), as make() and the scratch
-    sizing both need them."""
+    """(channel range per thread, (images, channels) per im2col block), as make() and the
+    scratch sizing both need them. A block takes images (folded into its GEMV columns)
+    until its GEMVs are DEPTHWISE_FOLD_COLUMNS wide, then channels up to
+    DEPTHWISE_BLOCK_BYTES of columns."""
     elements = g.n * g.c * g.length * len(g.taps)
     split = ctx.worth_splitting(elements) and elements >= DEPTHWISE_SPLIT_MIN_ELEMENTS
     threads = node_threads(ctx, node) if split else 1
     parts = parallel.ranges(g.c, threads)
     per_channel = max(1, len(g.taps) * g.length * np.dtype(dtype).itemsize)
-    block = max(1, min(max(hi - lo for lo, hi in parts), DEPTHWISE_BLOCK_BYTES // per_channel))
-    return parts, block
+    images = min(g.n, DEPTHWISE_FOLD_COLUMNS // g.length) if 4 * g.length <= DEPTHWISE_FOLD_COLUMNS else 1
+    block = max(1, min(max(hi - lo for lo, hi in parts), DEPTHWISE_BLOCK_BYTES // (per_channel * images)))
+    return parts, (images, block)
 
 
 def _depthwise_scratch(g, parts, block, dtype, x_shape, mode):
     """(the padded input's arrays: the flat buffer or phase_buffer's; then the wide output
-    unless flat and one block of im2col columns per thread), as (shape, dtype) pairs."""
-    cols = ((len(parts), block, len(g.taps), g.length), dtype)
+    (channel-major when images are folded; none when flat and not folded) and one block
+    of im2col columns per thread), as (shape, dtype) pairs."""
+    images, channels = block
+    cols = ((len(parts), images * channels, len(g.taps), g.length), dtype)
+    wide = [((g.c, g.n, g.length), dtype)] if images > 1 else []
     if isinstance(g, _Flat):
-        return [((g.n, g.c, g.per_channel), dtype)], [cols]
-    return phase_scratch(g, x_shape, dtype, mode), [((g.n, g.c, 1, g.length), dtype), cols]
+        return [((g.n, g.c, g.per_channel), dtype)], wide + [cols]
+    return phase_scratch(g, x_shape, dtype, mode), (wide or [((g.n, g.c, 1, g.length), dtype)]) + [cols]
 
 
 class _Flat:
@@ -521,6 +665,7 @@ def _depthwise(ctx, node, x, w, b, out):
     mode = a.get("padding_mode", "zeros")
     g = _depthwise_geometry(x, w, out, a)
     parts, block = _depthwise_plan(ctx, node, g, out.dtype)
+    images, channels = block
     # weights as (C, 1, taps) GEMV rows: a view of the mmap for contiguous weights
     weights = w.reshape(g.c, 1, -1)
     # scratch: the padded input first (as _depthwise_scratch lists it), then the rest
@@ -529,22 +674,35 @@ def _depthwise(ctx, node, x, w, b, out):
         ctx.scratch_array(shape, dtype)
         for shape, dtype in _depthwise_scratch(g, parts, block, out.dtype, x.shape, mode)[1]
     )
-    if isinstance(g, _Flat):
+    bias = (lambda ch: None) if b is None else (lambda ch: b[ch])
+    if images > 1:
+        # (C, N, length): each channel's images side by side, the GEMVs' columns
+        target = wide[0]
+        if isinstance(g, _Flat):  # the output is the whole of each channel's columns
+            dst, valid_t = view_as(out, (g.n, g.c, g.length)), target.swapaxes(0, 1)
+        else:
+            valid = (slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial)
+            dst, valid_t = out, view_as(target, (g.c, g.n) + g.wide)[valid].swapaxes(0, 1)
+        finish = lambda ch: chain(_add_bias(target[ch].swapaxes(0, 1), bias(ch)), copy_rows(dst[:, ch], valid_t[:, ch]))
+    elif isinstance(g, _Flat):
         # the GEMVs write the output itself
         target = view_as(out, (g.n, g.c, 1, g.length))
-        finish = lambda ch: _add_bias(out[:, ch], b[ch] if b is not None else None)
+        finish = lambda ch: _add_bias(out[:, ch], bias(ch))
     else:
         target = wide[0]
         valid = (slice(None), slice(None), slice(None)) + tuple(slice(0, o) for o in g.out_spatial[1:])
         wide_valid = view_as(target, (g.n, g.c) + g.wide)[valid]
-        finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch], b[ch] if b is not None else None)
+        finish = lambda ch: _copy_out(target[:, ch], wide_valid[:, ch], out[:, ch], bias(ch))
     steps = []
     for (lo, hi), part_cols in zip(parts, cols):
         ch = slice(lo, hi)
-        blocks = [(c0, min(hi, c0 + block)) for c0 in range(lo, hi, block)]
-        steps.append(
-            (chain(fill(ch), _im2col_gemv(buf, g, weights, part_cols, target, blocks), finish(ch)), out[:, ch])
-        )
+        blocks = [
+            (i0, min(g.n, i0 + images), c0, min(hi, c0 + channels))
+            for i0 in range(0, g.n, images)
+            for c0 in range(lo, hi, channels)
+        ]
+        gemv = _im2col_gemv(buf, g, weights, part_cols, target, blocks, images > 1)
+        steps.append((chain(fill(ch), gemv, finish(ch)), out[:, ch]))
     return split_activated(ctx, node, out, steps)
 
 
@@ -563,33 +721,39 @@ def _flat_buffer(ctx, x, g):
     )
 
 
-def _im2col_gemv(buf, g, weights, cols, target, blocks):
-    """Per block of channels and per image: the block's im2col columns (C, taps, length),
-    one strided copy per tap grid (on the flat path, the columns that read across a row's
-    end then zeroed), then C GEMVs (1, taps) @ (taps, length) as one batched GEMM
-    into `target` (the wide output, or on the flat path the output)."""
+def _im2col_gemv(buf, g, weights, cols, target, blocks, folded):
+    """Per block of (images, channels): the block's im2col columns, one strided copy per
+    tap grid (on the flat path, the columns that read across a row's end then zeroed),
+    then one GEMV (1, taps) @ (taps, columns) per channel, all in one batched GEMM into
+    `target`. `folded`: the columns are (C, taps, N x length), the images side by side
+    in each channel's GEMV, and target is (C, N, length); else the blocks are of one
+    image, the columns (C, taps, length) and target (N, C, 1, length) (the wide output,
+    or on the flat path the output)."""
     item = buf.itemsize
-    cols_k = view_as(cols, cols.shape[:1] + g.k + cols.shape[-1:])
     work = []
-    for c0, c1 in blocks:
-        n_ch = c1 - c0
-        zeros = _wrapped_columns(cols_k[:n_ch], g) if isinstance(g, _Flat) else ()
-        for i in range(g.n):
-            copies = []
-            for offset, steps, first, tap_step, counts in g.grids:
-                src = np.lib.stride_tricks.as_strided(
-                    buf[i, c0:c1, offset:],
-                    (n_ch,) + counts + (g.length,),
-                    (buf.strides[1],) + tuple(s * item for s in steps) + (item,),
-                    writeable=False,
-                )
-                dst = cols_k[
-                    (slice(0, n_ch),)
-                    + tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in zip(first, tap_step, counts))
-                    + (slice(None),)
-                ]
-                copies.append(copy_rows(dst, src))
-            work.append((tuple(copies), zeros, blas.matmul(weights[c0:c1], cols[:n_ch], target[i, c0:c1])))
+    for i0, i1, c0, c1 in blocks:
+        n_im, n_ch = i1 - i0, c1 - c0
+        block = cols[: n_im * n_ch]
+        if folded:
+            tail, tail_strides = (n_im, g.length), (buf.strides[0], item)
+            gemv_cols = view_as(block, (n_ch, len(g.taps), n_im * g.length))
+            gemv_out = view_as(target[c0:c1, i0:i1], (n_ch, 1, n_im * g.length))
+        else:  # one image
+            tail, tail_strides = (g.length,), (item,)
+            gemv_cols, gemv_out = block, target[i0, c0:c1]
+        block_k = view_as(block, (n_ch,) + g.k + tail)
+        zeros = _wrapped_columns(view_as(block, (n_ch,) + g.k + (n_im * g.length,)), g) if isinstance(g, _Flat) else ()
+        copies = []
+        for offset, steps, first, tap_step, counts in g.grids:
+            src = np.lib.stride_tricks.as_strided(
+                buf[i0, c0:c1, offset:],
+                (n_ch,) + counts + tail,
+                (buf.strides[1],) + tuple(s * item for s in steps) + tail_strides,
+                writeable=False,
+            )
+            taps = tuple(slice(f, f + (n - 1) * t + 1, t) for f, t, n in zip(first, tap_step, counts))
+            copies.append(copy_rows(block_k[(slice(None),) + taps], src))
+        work.append((tuple(copies), zeros, blas.matmul(weights[c0:c1], gemv_cols, gemv_out)))
 
     def run():
         for copies, zeros, multiply in work:
@@ -621,20 +785,20 @@ def _add_bias(out, b):
 
 
 def _wrapped_columns(rows, g):
-    """Views of the im2col columns `rows` (C, kh, kw, length) that read across a row's end
+    """Views of the im2col columns `rows` (C, kh, kw, columns: a multiple of the row width) that read across a row's end
     and must be zero. Two spans of one width (3 wide, padding 1 each side) are one strided
     view: each fill() costs ~1.5 us, a fifth of a small part's time (ShuffleNetV2's
     116x14x14 on two threads)."""
-    n_ch, kh = rows.shape[:2]
+    n_ch, kh, _, length = rows.shape
     spans = [(kx, lo, hi) for kx, span in enumerate(g.wrapped) if span for lo, hi in [span]]
     if len(spans) == 2 and spans[0][2] - spans[0][1] == spans[1][2] - spans[1][1]:
         (k0, lo0, hi0), (k1, lo1, _) = spans
         item = rows.itemsize
-        step = ((k1 - k0) * g.length + lo1 - lo0) * item
+        step = (k1 - k0) * rows.strides[2] + (lo1 - lo0) * item
         return (
             np.lib.stride_tricks.as_strided(
                 rows[:, :, k0, lo0:],
-                (n_ch, kh, 2, g.length // g.width, hi0 - lo0),
+                (n_ch, kh, 2, length // g.width, hi0 - lo0),
                 rows.strides[:2] + (step, g.width * item, item),
             ),
         )
