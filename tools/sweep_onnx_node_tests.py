@@ -64,9 +64,9 @@ def all_close(got, want):
 def input_shapes(inputs):
     specs = []
     for a in inputs:
-        if not isinstance(a, np.ndarray):  # a sequence or an optional: no pnnx input type
+        if not isinstance(a, (np.ndarray, np.generic)):  # a sequence or an optional: no pnnx input type
             return None
-        code = PNNX_TYPES.get(a.dtype.name)
+        code = PNNX_TYPES.get(np.asarray(a).dtype.name)
         if code is None:
             return None
         specs.append("[" + ",".join(map(str, np.shape(a))) + "]" + code)
