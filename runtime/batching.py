@@ -46,10 +46,14 @@ def _batch_top(t):
 
 
 class _Request:
-    __slots__ = ("arrays", "future", "key", "names", "rows", "run_options")
+    """One caller's run: its checked inputs ({tensor index: array}), the output tensor
+    indices it wants, its rows along dim 0, its kind (what a batch must share) and its
+    Future."""
 
-    def __init__(self, arrays, names, rows, key, run_options):
-        self.arrays, self.names, self.rows, self.key = arrays, names, rows, key
+    __slots__ = ("arrays", "future", "key", "rows", "run_options", "wanted")
+
+    def __init__(self, arrays, wanted, rows, key, run_options):
+        self.arrays, self.wanted, self.rows, self.key = arrays, wanted, rows, key
         self.run_options = run_options
         self.future = Future()
 
@@ -63,6 +67,8 @@ class BatchingSession:
         request with more rows runs alone.
     max_wait_ms: how long the dispatcher waits after the oldest waiting request for others
         to join its batch (0: run whatever is waiting at once).
+    on_batch: called with the rows of each run the dispatcher makes (a batch, or one
+        request run alone), before it runs, on the dispatcher's thread: for metrics.
 
     The model's batch dim (dim 0 of every input and output) must be able to grow, else
     PmxInputError at construction naming the input and how to compile it with a dynamic
@@ -72,7 +78,7 @@ class BatchingSession:
     taking requests, runs the ones queued, and stops the dispatcher.
     """
 
-    def __init__(self, model_or_session, max_batch_size=32, max_wait_ms=2.0, sess_options=None):
+    def __init__(self, model_or_session, max_batch_size=32, max_wait_ms=2.0, sess_options=None, on_batch=None):
         if isinstance(model_or_session, InferenceSession):
             if sess_options is not None:
                 raise PmxInputError("sess_options apply to a model path; this InferenceSession is already open")
@@ -90,6 +96,7 @@ class BatchingSession:
         self._closed = False
         self._async = None
         self.batches_run = 0  # runs made, each of one or more requests
+        self._on_batch = on_batch or (lambda rows: None)
         self._dispatcher = threading.Thread(target=self._dispatch, name="pmx-batching", daemon=True)
         self._dispatcher.start()
 
@@ -178,13 +185,13 @@ class BatchingSession:
     def _request(self, output_names, input_feed, run_options):
         session = self._session
         arrays = session._check_feed({} if input_feed is None else input_feed)
-        names = tuple(session.model.tensors[i].name for i in session._wanted_outputs(output_names))
+        wanted = tuple(session._wanted_outputs(output_names))
         rows = {arr.shape[0] if arr.ndim else None for arr in arrays.values()}
         if len(rows) != 1 or None in rows:
             shapes = {session.model.tensors[i].name: list(a.shape) for i, a in arrays.items()}
             raise PmxInputError(f"the inputs of one request must share their batch dim (dim 0), got {shapes}")
         key = tuple((i, a.shape[1:], a.dtype) for i, a in sorted(arrays.items()))
-        return _Request(arrays, names, rows.pop(), key, run_options)
+        return _Request(arrays, wanted, rows.pop(), key, run_options)
 
     # --- the dispatcher -----------------------------------------------------------------
 
@@ -236,11 +243,14 @@ class BatchingSession:
         if len(batch) == 1:
             self._run_alone(batch[0])
             return
-        session, model = self._session, self._session.model
-        feed = {model.tensors[i].name: np.concatenate([r.arrays[i] for r in batch]) for i in batch[0].arrays}
-        fetched = list(dict.fromkeys(name for r in batch for name in r.names))
+        # the requests were checked when queued; joined, they keep dtypes and non-batch
+        # dims, and their rows stay within max_batch_size, which the model's range caps
+        arrays = {i: np.concatenate([r.arrays[i] for r in batch]) for i in batch[0].arrays}
+        fetched = list(dict.fromkeys(i for r in batch for i in r.wanted))
+        total = sum(r.rows for r in batch)
+        self._on_batch(total)
         try:
-            outputs = dict(zip(fetched, session.run(fetched, feed)))
+            outputs = dict(zip(fetched, self._session._run_checked(arrays, fetched)))
         except PmxError:
             for request in batch:  # each alone: only the requests that fail by themselves fail
                 self._run_alone(request)
@@ -249,7 +259,6 @@ class BatchingSession:
             for request in batch:
                 request.future.set_exception(e)
             return
-        total = sum(r.rows for r in batch)
         if any(out.ndim == 0 or out.shape[0] != total for out in outputs.values()):
             for request in batch:  # an output that does not follow the batch: run each alone
                 self._run_alone(request)
@@ -257,7 +266,7 @@ class BatchingSession:
         start = 0
         for request in batch:
             rows = slice(start, start + request.rows)
-            request.future.set_result([outputs[name][rows] for name in request.names])
+            request.future.set_result([outputs[i][rows] for i in request.wanted])
             start += request.rows
 
     def _still_wanted(self, request):
@@ -272,10 +281,9 @@ class BatchingSession:
         return True
 
     def _run_alone(self, request):
-        session = self._session
-        feed = {session.model.tensors[i].name: a for i, a in request.arrays.items()}
+        self._on_batch(request.rows)
         try:
-            outputs = session.run(list(request.names), feed, request.run_options)
+            outputs = self._session._run_checked(request.arrays, list(request.wanted), request.run_options)
         except BaseException as e:  # the caller's error, raised by its run() or its Future
             request.future.set_exception(e)
         else:

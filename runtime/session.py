@@ -608,11 +608,22 @@ class InferenceSession:
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
-        wanted = self._wanted_outputs(output_names)
+        return self._bind_checked(arrays), self._wanted_outputs(output_names)
+
+    def _bind_checked(self, arrays):
+        """The calling thread's binding for these inputs ({tensor index: array}, already
+        checked by _check_feed), with the inputs copied in."""
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
-        return binding, wanted
+        return binding
+
+    def _run_checked(self, arrays, wanted, run_options=None):
+        """run() for inputs _check_feed passed and output indices _wanted_outputs gave:
+        what BatchingSession runs, having checked each request when it was queued."""
+        binding = self._bind_checked(arrays)
+        self._run_steps(binding, wanted, run_options)
+        return self._outputs_of(binding, wanted)
 
     def _wanted_outputs(self, output_names):
         """The tensor indices run() returns for `output_names` (None or []: every output,

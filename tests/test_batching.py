@@ -76,11 +76,13 @@ def test_each_caller_gets_its_own_rows(session, rows, max_batch, wait_ms):
 
 def test_requests_are_batched_and_bounded_by_max_batch_size(session):
     feeds = [{"in0": images(1, seed)} for seed in range(12)]
-    with BatchingSession(session, max_batch_size=4, max_wait_ms=200) as batching:
+    runs = []
+    with BatchingSession(session, max_batch_size=4, max_wait_ms=200, on_batch=runs.append) as batching:
         run_concurrently(batching, feeds)
         # twelve requests of one row in batches of at most four rows: at least three runs,
         # and fewer than twelve unless no two requests ever met in the queue
         assert 3 <= batching.batches_run <= 12
+    assert sum(runs) == 12 and max(runs) <= 4 and len(runs) == batching.batches_run
 
 
 def test_a_bad_request_fails_alone_with_the_sessions_error(session):

@@ -15,9 +15,9 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
 class _ObservedSession(InferenceSession):
-    """An InferenceSession that tells `on_run` the rows (dim 0) of each run it makes: the
-    batch-size metric. BatchingSession runs every batch through run(), so this sees the
-    batches it forms."""
+    """An InferenceSession that tells `on_run` the rows (dim 0) of each run() call: the
+    batch-size metric of a model served one request at a time (a BatchingSession tells
+    its own runs through on_batch, and does not call run())."""
 
     def __init__(self, path, sess_options, on_run):
         super().__init__(path, sess_options=sess_options)
@@ -90,7 +90,9 @@ def open_model(name, path, threads=1, max_batch_size=32, max_wait_ms=2.0, on_run
     options.intra_op_num_threads = threads
     session = _ObservedSession(path, options, on_run or (lambda rows: None))
     try:
-        batching = BatchingSession(session, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+        batching = BatchingSession(
+            session, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, on_batch=on_run or (lambda rows: None)
+        )
     except PmxInputError:  # the batch dim cannot grow (the arguments were checked by the CLI)
         batching = None
     return ServedModel(name, path, session, batching)
