@@ -46,17 +46,26 @@ def _int_at_least(low):
     return parse
 
 
-def _tolerance(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+def number_above(low, inclusive=True, finite=True):
+    """argparse type: a number >= low (> low unless inclusive), never nan, and finite
+    unless finite=False."""
+    word = ">=" if inclusive else ">"
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {word} {low}, got {text!r}") from None
+        ok = value >= low if inclusive else value > low  # False for nan
+        if not ok or (finite and value == float("inf")):
+            raise argparse.ArgumentTypeError(f"expected a number {word} {low}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
-_tolerance.__name__ = "tolerance"
+_tolerance = number_above(0, finite=False)
 
 
 def _name_equals(what):

@@ -6,7 +6,7 @@ commands work without them; the command says how to install them when they are m
 import argparse
 import importlib.util
 
-from pmx.runtime.cli import EPILOG, _common, _int_at_least
+from pmx.runtime.cli import EPILOG, _common, _int_at_least, number_above
 
 DESCRIPTION = """Serve .pmx models over HTTP with the Open Inference Protocol (KServe V2, as Triton's
 HTTP/REST API, with the binary tensor data extension): tritonclient and KServe clients call
@@ -20,24 +20,8 @@ POST /v2/models/NAME/infer (each model path also as /v2/models/NAME/versions/1/.
 EXTRA_MODULES = ("starlette", "uvicorn", "prometheus_client")
 
 
-def _positive_number(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
-def _non_negative_number(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
+_positive_number = number_above(0, inclusive=False)
+_non_negative_number = number_above(0)
 
 
 def _port(text):
