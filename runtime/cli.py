@@ -82,7 +82,9 @@ def _name_equals(what):
 def _key_value(text):
     key, eq, value = text.partition("=")
     if not eq or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+        # --meta takes one or more pairs, so a model path after it reads as one more
+        hint = " (a file: give it before --meta, or end the pairs with --)" if os.path.exists(text) else ""
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}{hint}")
     return key, value
 
 

@@ -275,9 +275,10 @@ def _read(path: str) -> str | None:
 
 
 def resolve_thread_count(sess_options, num_threads) -> int:
-    """The thread count an InferenceSession runs with: num_threads= if given, else the options'
-    intra_op_num_threads if non-zero, else default_thread_count()."""
-    n = num_threads
+    """The thread count an InferenceSession runs with: num_threads= if given and non-zero,
+    else the options' intra_op_num_threads if non-zero, else default_thread_count().
+    num_threads= is a shortcut for intra_op_num_threads, so 0 means the default in both."""
+    n = None if type(num_threads) is int and num_threads == 0 else num_threads
     if n is None and sess_options is not None:
         n = getattr(sess_options, "intra_op_num_threads", 0) or None
     if n is None:

@@ -168,3 +168,16 @@ def test_compile_never_writes_a_file_the_loader_refuses(tmp_path, monkeypatch):
         compile_model(str(EXAMPLE / "cnn.pnnx.param"), str(EXAMPLE / "cnn.pnnx.bin"), str(out))
     assert out.read_bytes() == b"the previous file"
     assert [p.name for p in tmp_path.iterdir()] == ["m.pmx"], "no temporary file is left behind"
+
+
+def test_a_model_path_after_meta_is_told_where_to_go(tmp_path, capsys):
+    """--meta takes one or more pairs, so the model path after it reads as a pair: the
+    message says so and how to write it; both fixes it names work."""
+    param = str(EXAMPLE / "cnn.pnnx.param")
+    out = str(tmp_path / "m.pmx")
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", "-o", out, "--meta", "a=b", param])
+    assert exit_.value.code == 2
+    assert "give it before --meta, or end the pairs with --" in capsys.readouterr().err
+    assert main(["compile", "-o", out, "--meta", "a=b", "--", param]) == 0
+    assert main(["compile", param, "-o", out, "--meta", "a=b"]) == 0
