@@ -880,6 +880,12 @@ def test_sigterm_under_load_answers_every_accepted_request(models, sessions, tmp
     answered (its count of received and answered requests agree, and add up to the
     answers the clients got), every answer is right, and the server exits 0."""
     server = start_server(serve_module_command(), [models["cnn"], "--workers", "2"], tmp_path / "server.log")
+    # both workers serving before the load: one still starting when SIGTERM comes stops
+    # before it serves, takes no request and says nothing of requests (as it should)
+    deadline = time.monotonic() + START_TIMEOUT
+    while server.log().count("Application startup complete.") < 2:
+        assert time.monotonic() < deadline, f"two workers did not start serving:\n{server.log()}"
+        time.sleep(0.05)
     x = images(2, 11)
     [want] = sessions["cnn"].run(None, {"in0": x})
     body, headers = binary_infer(x)
