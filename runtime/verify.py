@@ -35,7 +35,7 @@ import numpy as np
 from pmx.runtime import fileformat as ff
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels.attr_specs import problem as attr_problem
-from pmx.runtime.kernels.registry import REGISTRY
+from pmx.runtime.kernels.registry import REGISTRY, checked_infer
 from pmx.schema import layout as schema
 
 # Nodes of the expression after desugaring, counting repeated subtrees each time: the
@@ -402,11 +402,10 @@ def _rule_shapes(path, j, node, shapes, dtypes):
     into an int, which a comparison with the stored shapes (Python ints, checked
     non-negative) does not need: what differs fails."""
     label = f"node {j} ({node.op} {node.name[:40]!r})"
-    kernel = REGISTRY[node.op]
     try:
-        if kernel.float_input and dtypes and dtypes[0].kind not in "fc":
-            raise ValueError(f"input 0 is {dtypes[0].name}: {node.op} takes floating-point inputs")
-        return [(tuple(shape), np.dtype(dtype)) for shape, dtype in kernel.infer(node, shapes, dtypes)]
+        return [
+            (tuple(shape), np.dtype(dtype)) for shape, dtype in checked_infer(REGISTRY[node.op], node, shapes, dtypes)
+        ]
     except PmxError as e:
         _fail(path, f"{label}: {e}")
     except MemoryError:

@@ -100,16 +100,21 @@ def node_scratch_nbytes(node, inputs, outputs, ctx) -> int:
     return int(k.scratch(node, inputs, outputs, ctx)) if k.scratch is not None else 0
 
 
+def checked_infer(kernel, node, shapes, dtypes):
+    """kernel.infer after the check float_input asks for: the rule's own results."""
+    if kernel.float_input and dtypes and np.dtype(dtypes[0]).kind not in "fc":
+        raise ValueError(f"input of dtype {np.dtype(dtypes[0]).name}: {node.op} takes floating-point inputs")
+    return kernel.infer(node, shapes, dtypes)
+
+
 def output_shapes(node, shapes, dtypes):
     """The op's shape rule, normalized: [(shape as a tuple of ints, np.dtype)] per output.
     Whatever the rule raises when the inputs do not fit propagates (callers add context);
     a negative dim is a ValueError too. Used by the compiler's checks, the loader's
     verifier and run-time re-planning alike."""
     kernel = get(node.op)
-    if kernel.float_input and dtypes and np.dtype(dtypes[0]).kind not in "fc":
-        raise ValueError(f"input of dtype {np.dtype(dtypes[0]).name}: {node.op} takes floating-point inputs")
     result = []
-    for shape, dtype in kernel.infer(node, shapes, dtypes):
+    for shape, dtype in checked_infer(kernel, node, shapes, dtypes):
         shape = tuple(map(int, shape))
         if shape and min(shape) < 0:
             raise ValueError(f"negative output shape {shape}")
