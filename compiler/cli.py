@@ -63,7 +63,8 @@ def _compile(args):
 
 
 def _print_summary(args, r):
-    print(f"compiled {args.param} -> {r.output}")
+    replaced = " (replaced the file that was there)" if r.replaced else ""
+    print(f"compiled {args.param} -> {r.output}{replaced}")
     print(f"  ops        {r.ops_in} pnnx ops -> {r.ops_out} nodes")
     print(f"  constants  {r.constants} ({r.constant_bytes / 1e6:.2f} MB)")
     print(
@@ -172,7 +173,12 @@ def build_parser():
 def add_compile_args(c):
     c.add_argument("param", nargs="?", help="model.pnnx.param")
     c.add_argument("bin", nargs="?", help="model.pnnx.bin (default: beside the .param)")
-    c.add_argument("-o", "--output", help="output .pmx (default: beside the .param)")
+    c.add_argument(
+        "-o",
+        "--output",
+        help="output .pmx (default: the .param's name with .pmx, beside it); a file there is replaced, "
+        "and the summary says so",
+    )
     c.add_argument("--keep", action="append", metavar="NAME", help="keep this intermediate tensor fetchable by name")
     c.add_argument("--verify", action="store_true", help="check the graph after every pass")
     c.add_argument("--no-opt", action="store_true", help="skip the optimizing passes")
@@ -193,7 +199,12 @@ def add_compile_args(c):
         "takes that N or a range containing it, a '?' dim any (memory is planned at N or "
         "A; for '?' at a placeholder, and again at the first run's shape)",
     )
-    c.add_argument("--static", action="store_true", help="do not make the batch dim dynamic by default")
+    c.add_argument(
+        "--static",
+        action="store_true",
+        help="every dim keeps the size it is compiled for (no dynamic batch); cannot be combined with "
+        "--dynamic or a --shape range",
+    )
     c.add_argument(
         "--tune", action="store_true", help="time each node's candidate kernels on this machine and store the fastest"
     )
@@ -227,9 +238,15 @@ def _check_compile_options(args, parser):
     from pmx.runtime.errors import PmxInputError
 
     try:
-        shape_flags(args)
+        dynamic, _ = shape_flags(args)
     except PmxInputError as e:
         parser.error(str(e))
+    if args.static and any(lo != hi for dims in dynamic.values() for lo, hi in dims.values()):
+        given = "--dynamic" if args.dynamic else "a --shape range"
+        parser.error(
+            f"--static keeps every dim at the size it is compiled for, and {given} asks for dims that "
+            f"change: give one or the other"
+        )
     passes = [p.name for p in PIPELINE]
     for name in args.disable or ():
         if name not in passes:

@@ -20,6 +20,7 @@ class CompileResult(Record):
 
     __slots__ = (
         "output",
+        "replaced",  # True where `output` existed and the compile replaced it
         "ops_in",
         "ops_out",
         "constants",
@@ -39,6 +40,21 @@ class CompileResult(Record):
 
     def __init__(self, **fields):
         set_fields(self, fields)
+
+    def __repr__(self):
+        """One line a person reads (the fields are attributes: result.arena_bytes, ...)."""
+        from pmx.runtime.dim_ranges import format_ranges
+
+        takes = "; ".join(f"{n} takes {format_ranges(r)}" for n, r in self.dynamic.items())
+        return (
+            f"<CompileResult {self.output}: {self.ops_in} pnnx ops -> {self.ops_out} nodes, "
+            f"file {_size_text(self.file_bytes)}, arena {_size_text(self.arena_bytes)}, "
+            f"{self.seconds * 1e3:.0f} ms{'; ' + takes if takes else ''}>"
+        )
+
+
+def _size_text(nbytes):
+    return f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
 
 
 def default_output(param_path):
@@ -383,10 +399,12 @@ def compile_model(
         raise
     except Exception as e:  # a malformed model must not escape as a bare crash
         raise _internal_error(e, param_path) from e
+    replaced = os.path.exists(output)
     size = write(graph, plan, options, output, _fail_after_bytes=_fail_after_bytes)
     consts = [v for v in graph.values() if v.is_constant]
     return CompileResult(
         output=output,
+        replaced=replaced,
         ops_in=ops_in,
         ops_out=len(graph.nodes),
         constants=len(consts),

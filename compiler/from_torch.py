@@ -12,15 +12,14 @@ here only, never by the runtime.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
+import subprocess
 import tempfile
 
 import numpy as np
 
 from pmx.compiler.driver import compile_model
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 # |pmx - torch| <= atol + rtol * max |torch| per output, as the tests compare
 DEFAULT_RTOL, DEFAULT_ATOL = 1e-4, 1e-5
@@ -35,30 +34,74 @@ def from_torch(
     rtol=DEFAULT_RTOL,
     atol=DEFAULT_ATOL,
     export_options=None,
+    verbose=False,
     **compile_options,
 ):
     """Export `module` (traced on `example_inputs`, a tensor or a tuple of them) with
     pnnx, compile it to `output` (str or os.PathLike) with `compile_options` (those of
-    compile_model: dynamic=, keep=, tune=, metadata=, ...) and, with `check`, compare the
-    .pmx with the module (check_against_torch). `export_options` go to pnnx.export
-    (e.g. check_trace=False for nn.MultiheadAttention). Returns compile_model's result."""
+    compile_model: dynamic=, shape=, keep=, tune=, metadata=, ...) and, with `check`,
+    compare the .pmx with the module (check_against_torch). Returns compile_model's
+    result (its repr is a one-line summary).
+
+    `export_options` are pnnx.export's: check_trace (False for nn.MultiheadAttention),
+    inputs2 (a second set of example inputs of other sizes: pnnx's dynamic-shape
+    export), customop, moduleop, optlevel, fp16, device. pnnx's converter prints a long
+    log; it is kept quiet unless `verbose`, and its last lines are part of the error when
+    it writes no graph."""
     torch, pnnx = _torch_and_pnnx()
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     module = module.eval()
     with tempfile.TemporaryDirectory(prefix="pmx-from-torch-") as d:
-        pt = os.path.join(d, "model.pt")
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                pnnx.export(module, pt, inputs, **(export_options or {}))
-            except SyntaxError:
-                pass  # pnnx's generated model_pnnx.py is invalid for names like `0` (nn.Sequential); not used
-        param = os.path.join(d, "model.pnnx.param")
-        if not os.path.exists(param):
-            raise PmxCompileError(f"pnnx did not export {type(module).__name__} (no model.pnnx.param was written)")
+        param = _export(torch, pnnx, module, inputs, d, dict(export_options or {}), verbose)
         result = compile_model(param, os.path.join(d, "model.pnnx.bin"), os.fspath(output), **compile_options)
     if check:
         check_against_torch(module, inputs, result.output, rtol=rtol, atol=atol)
     return result
+
+
+_EXPORT_OPTIONS = ("check_trace", "inputs2", "customop", "moduleop", "optlevel", "fp16", "device")
+
+
+def _export(torch, pnnx, module, inputs, directory, options, verbose):
+    """pnnx.export's two steps, done here so pnnx's log can be kept: the trace saved as
+    model.pt (torch.jit.trace, as pnnx.export traces), then pnnx's converter on it.
+    Returns the path of the model.pnnx.param it wrote."""
+    from pnnx.utils.utils import generate_inputs_arg, get_shape_from_inputs, get_type_from_inputs
+
+    unknown = sorted(set(options) - set(_EXPORT_OPTIONS))
+    if unknown:
+        raise PmxInputError(
+            f"from_torch: export_options {unknown} are not pnnx.export's; it takes {list(_EXPORT_OPTIONS)}"
+        )
+
+    def shapes_arg(tensors):
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        return generate_inputs_arg(get_shape_from_inputs(tensors), get_type_from_inputs(tensors))
+
+    pt = os.path.join(directory, "model.pt")
+    with torch.no_grad():
+        torch.jit.trace(module, inputs, check_trace=options.get("check_trace", True)).save(pt)
+    command = [pnnx.EXEC_PATH, pt, "inputshape=" + shapes_arg(inputs)]
+    command += [f"device={options.get('device', 'cpu')}", f"optlevel={options.get('optlevel', 2)}"]
+    if options.get("inputs2") is not None:
+        command.append("inputshape2=" + shapes_arg(options["inputs2"]))
+    for key in ("customop", "moduleop"):
+        names = options.get(key)
+        if names:
+            command.append(f"{key}=" + ",".join([names] if isinstance(names, str) else names))
+    if options.get("fp16", True) is not True:
+        command.append("fp16=0")
+    log = subprocess.run(
+        command, cwd=directory, text=True, errors="replace", **({} if verbose else dict(capture_output=True))
+    )
+    param = os.path.join(directory, "model.pnnx.param")
+    if not os.path.exists(param):
+        tail = " | ".join((log.stderr or log.stdout or "").strip().splitlines()[-5:]) if not verbose else ""
+        raise PmxCompileError(
+            f"pnnx did not export {type(module).__name__} (no model.pnnx.param was written; exit status "
+            f"{log.returncode}){': ' + tail if tail else ''}"
+        )
+    return param
 
 
 def check_against_torch(module, example_inputs, pmx_path, *, rtol=DEFAULT_RTOL, atol=DEFAULT_ATOL, draws=2):

@@ -148,7 +148,7 @@ def _unique_names(values):
 
 def _dim_ranges(graph, plan):
     """{value uid: [(min, max) per dim]} for graph inputs with dynamic dims (from
-    mark_dynamic_dims) and for outputs whose dims follow them ((0, -1) = varies)."""
+    mark_dynamic_dims) and for outputs whose dims follow them (their ranges, from the same pass)."""
     out = {}
     dynamic = plan.dynamic
     for v in graph.inputs:
@@ -157,7 +157,7 @@ def _dim_ranges(graph, plan):
     for v in graph.outputs:
         dims = plan.dynamic_outputs.get(v.uid)
         if dims and v.uid not in out:
-            out[v.uid] = [(0, -1) if i in dims else (d, d) for i, d in enumerate(v.shape)]
+            out[v.uid] = [dims.get(i, (d, d)) for i, d in enumerate(v.shape)]
     return out
 
 
@@ -403,12 +403,14 @@ def _metadata(b, metadata):
 
 def _format_version(graph):
     """The oldest format version that carries the graph's meaning (runtime/fileformat.py):
-    3 for a conv with an input scale or a channel shuffle writing split parts, which a
-    version-2 runtime would misread without noticing; else 2, which every runtime since
-    reads."""
+    3 for a conv with an input scale, a channel shuffle writing split parts or a reshape
+    following its like inputs, which a version-2 runtime would misread without noticing;
+    else 2, which every runtime since reads."""
     for n in graph.nodes:
-        if (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None) or (
-            n.op == "channel_shuffle" and "sizes" in n.attrs
+        if (
+            (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None)
+            or (n.op == "channel_shuffle" and "sizes" in n.attrs)
+            or (n.op == "reshape" and "like_shape" in n.attrs)
         ):
             return 3
     return ff.OLDEST_READABLE_VERSION

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from pmx.runtime.errors import PmxInputError
+from pmx.runtime.options import DEFAULT_THREADS_TEXT
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -79,6 +80,18 @@ def _name_equals(what):
     return parse
 
 
+def _fixed_shape(text):
+    """NAME=8x3x64x64 (NAME= for a 0-d input) -> (NAME, (8, 3, 64, 64))."""
+    name, eq, dims = text.partition("=")
+    try:
+        shape = tuple(int(d) for d in dims.split("x")) if dims else ()
+    except ValueError:
+        shape = None
+    if not name or not eq or shape is None or any(d < 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"expected NAME=8x3x64x64 (sizes, x between them), got {text!r}")
+    return name, shape
+
+
 def _key_value(text):
     key, eq, value = text.partition("=")
     if not eq or not key:
@@ -124,12 +137,20 @@ def add_runtime_commands(sub):
         help="an input's value (repeat for each input)",
     )
     r.add_argument("--random", action="store_true", help="random values for the inputs not given with --input")
+    r.add_argument(
+        "--shape",
+        action="append",
+        metavar="NAME=8x3x64x64",
+        type=_fixed_shape,
+        help="with --random: the shape of that input's random values (a dynamic dim takes any size "
+        "its range allows; default: the shape the model was compiled for)",
+    )
     r.add_argument("--repeat", type=_int_at_least(0), default=10, help="timed runs after the first (default 10)")
     r.add_argument(
         "--threads",
         type=_int_at_least(1),
         default=None,
-        help="threads of this run's kernel splits (default: OMP_NUM_THREADS, else all cores)",
+        help=f"threads of this run's kernel splits (default: {DEFAULT_THREADS_TEXT})",
     )
     r.add_argument("--profile", action="store_true", help="print per-node times")
     r.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -185,11 +206,14 @@ def dispatch_runtime(args):
                     ("--random", args.random),
                     ("--expect", args.expect),
                     ("--profile", args.profile),
+                    ("--shape", args.shape),
                 )
                 if v
             ]
             if clash:
                 parser.error(f"--batch-dir takes its inputs from the directory; it cannot be combined with {clash[0]}")
+        elif args.shape and not args.random:
+            parser.error("--shape sets the shape of --random inputs; give --random too")
         elif args.expect is None and (args.rtol != 1e-4 or args.atol != 1e-5):
             parser.error("--rtol/--atol apply to --expect")
     return {"run": _run, "inspect": _inspect, "verify": _verify}[args.command](args)
@@ -215,14 +239,33 @@ def _read_array(spec, what):
 
     name, _, path = spec.partition("=")
     try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_NPY_MAGIC))
+        if magic != _NPY_MAGIC:
+            raise PmxInputError(
+                f"{what} {name}: {path} is not a .npy file (no .npy header); save the array with numpy.save"
+            )
         return name, np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except PmxInputError:
+        raise
+    except OSError as e:
+        raise PmxInputError(f"{what} {name}: cannot read {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        if "allow_pickle" in str(e):  # numpy's advice to unpickle is not ours to give
+            raise PmxInputError(
+                f"{what} {name}: {path} holds Python objects, not numbers (pmx never unpickles); "
+                f"save a numeric array with numpy.save"
+            ) from None
         raise PmxInputError(f"{what} {name}: cannot read {path}: {e}") from None
 
 
-def _feed(sess, inputs, random, parser):
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _feed(sess, inputs, random, parser, shapes=None):
     """The inputs of one run: those given with --input, random values for the others
-    with --random; without --random a missing input is a usage error naming it."""
+    with --random (of the --shape given, else the planned one); without --random a
+    missing input is a usage error naming it."""
     from pmx.runtime.errors import PmxInputError
 
     given = dict(_read_array(item, "--input") for item in inputs or ())
@@ -232,21 +275,27 @@ def _feed(sess, inputs, random, parser):
         raise PmxInputError(f"--input {unknown[0]}: the model has no such input; its inputs are {names}")
     missing = [a for a in sess.get_inputs() if a.name not in given]
     if missing and not random:
-        listed = ", ".join(f"{a.name} {_shape_text(a.shape)} {_np_type(a.type)}" for a in missing)
+        listed = ", ".join(f"{a.name} {_allowed_text(sess, a.name)} {_np_type(a.type)}" for a in missing)
         example = " ".join(f"--input {a.name}={a.name}.npy" for a in missing)
         parser.error(f"no value for input(s) {listed}: pass {example}, or --random for random values")
-    drawn = random_inputs(sess, np.random.default_rng(0))
+    shapes = dict(shapes or ())
+    unknown = [n for n in shapes if n not in names] or [n for n in shapes if n in given]
+    if unknown:
+        why = "is given with --input" if unknown[0] in given else f"is no input of the model; its inputs are {names}"
+        raise PmxInputError(f"--shape {unknown[0]}: {unknown[0]} {why} (--shape sets random inputs' shapes)")
+    drawn = random_inputs(sess, np.random.default_rng(0), shapes=shapes)
     return {**{a.name: drawn[a.name] for a in missing}, **given}
 
 
-def random_inputs(sess, rng, batch=None):
-    """{input name: random array} of each input's planned shape (dim 0 `batch` if given)
-    and dtype, in ranges models take: normal floats, bools, and integers 0..9 (small
-    enough for token ids and indices)."""
+def random_inputs(sess, rng, batch=None, shapes=None):
+    """{input name: random array} of each input's planned shape (dim 0 `batch` if given;
+    `shapes[name]` where given) and dtype, in ranges models take: normal floats, bools,
+    and integers 0..9 (small enough for token ids and indices)."""
     feed = {}
     for arg, shape in zip(sess.get_inputs(), _planned_shapes(sess)):
         if batch is not None and shape:
             shape = [batch, *shape[1:]]
+        shape = (shapes or {}).get(arg.name, shape)
         dtype = np.dtype(_np_type(arg.type))
         if dtype.kind in "fc":
             feed[arg.name] = rng.standard_normal(shape).astype(dtype)
@@ -264,8 +313,13 @@ def _planned_shapes(sess):
     return [list(model.tensors[i].shape) for i in model.inputs]
 
 
-def _shape_text(shape):
-    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+def _allowed_text(sess, name):
+    """The shapes an input takes, spelled as every message and `inspect` spell them: [1.., 3, 64, 64]."""
+    from pmx.runtime.dim_ranges import format_ranges, tensor_ranges
+
+    model = sess.model
+    (t,) = (model.tensors[i] for i in model.inputs if model.tensors[i].name == name)
+    return format_ranges(tensor_ranges(t))
 
 
 def _np_type(ort_type):
@@ -356,16 +410,18 @@ def _run(args):
     t0 = time.perf_counter()
     sess = InferenceSession(args.model, num_threads=args.threads)
     load_ms = (time.perf_counter() - t0) * 1e3
-    feed = _feed(sess, args.input, args.random, parser)
+    feed = _feed(sess, args.input, args.random, parser, args.shape)
     expect = _expectations(sess, args.expect)
     t0 = time.perf_counter()
     outputs = sess.run(None, feed)
     first_ms = (time.perf_counter() - t0) * 1e3
+    warmup = _settle(sess, feed) if args.repeat else 0
     times = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
         sess.run(None, feed)
         times.append((time.perf_counter() - t0) * 1e3)
+    threads, settled = sess.thread_choice(feed)
     names = [a.name for a in sess.get_outputs()]
     by_name = dict(zip(names, outputs))
     checks = [_compare(name, by_name[name], path, want, args.rtol, args.atol) for name, path, want in expect]
@@ -381,6 +437,9 @@ def _run(args):
                     first_run_ms=first_ms,
                     repeat=args.repeat,
                     median_ms=float(np.median(times)) if times else None,
+                    warmup_runs=warmup,
+                    threads=threads,
+                    threads_settled=settled,
                     inputs=[
                         dict(
                             name=a.name,
@@ -417,6 +476,8 @@ def _run(args):
             )
         steady = f", median of {args.repeat} runs {np.median(times):.2f} ms" if times else ""
         print(f"load {load_ms:.2f} ms, first run {first_ms:.2f} ms{steady}")
+        if times:
+            print(_timing_note(warmup, threads, settled))
         for path in saved:
             print(f"saved {path}")
         for c in checks:
@@ -426,15 +487,37 @@ def _run(args):
                     f"max rel error {c['max_rel_error']:.3g})"
                 )
         if profile is not None:
-            _print_profile(profile)
-            print(
-                f"framework overhead {100 * overhead.overhead:.1f}% of run() (run {overhead.wall_ms:.3f} ms, "
-                f"kernels {overhead.kernel_ms:.3f} ms: the rest is feed checks, copies in and out, the loop)"
-            )
+            _print_profile(profile, overhead)
     failed = [c for c in checks if not c["ok"]]
     if failed:
         raise _Failure("; ".join(_mismatch_text(c) for c in failed))
     return 0
+
+
+SETTLE_SECONDS = 3.0  # at most this long warming up before the timed runs
+
+
+def _settle(sess, feed):
+    """Run until the session has chosen how to use its threads for these inputs (it
+    times whole runs both ways after about ten: parallel.RunChooser), so the timed
+    runs measure the way it keeps; at most SETTLE_SECONDS. Returns the runs made."""
+    runs, start = 0, time.perf_counter()
+    while not sess.thread_choice(feed)[1] and time.perf_counter() - start < SETTLE_SECONDS:
+        sess.run(None, feed)
+        runs += 1
+    return runs
+
+
+def _timing_note(warmup, threads, settled):
+    way = f"on {threads} thread{'s' if threads > 1 else ''}"
+    if not settled:
+        return (
+            f"timed {way} after {warmup} warm-up runs, before the session had chosen how to use its threads "
+            f"(a slow model: more --repeat runs show the steady state)"
+        )
+    if warmup == 0:  # one thread: nothing to choose
+        return f"timed {way}"
+    return f"timed {way}, after {warmup} warm-up runs in which the session chose how to use its threads"
 
 
 def _dumps(obj):
@@ -574,15 +657,36 @@ def _overhead(sess, feed, repeat):
     return framework_overhead(sess, feed, repeat=max(repeat, 5))
 
 
-def _print_profile(rows):
-    total = sum(r["ms"] for r in rows)  # 0 for a model with no node
-    print(f"\n{'op':<18} {'variant':<10} {'name':<28} {'input shapes':<30} {'ms':>8} {'%':>6}")
-    for r in rows:
-        shapes = " ".join("x".join(map(str, s)) for s in r["in_shapes"])[:30]
-        print(
-            f"{r['op']:<18} {r['variant']:<10} {r['name'][:28]:<28} {shapes:<30} {r['ms']:>8.3f} {100 * r['ms'] / (total or 1.0):>5.1f}%"
+def _print_profile(rows, overhead):
+    """The profile table, names and shapes in full, then the run's time split from the
+    same runs' pairing (runtime/overhead.py), so the parts never exceed the whole."""
+    table = [
+        (
+            r["op"],
+            r["variant"],
+            r["name"],
+            r["fused"],
+            " ".join("x".join(map(str, s)) for s in r["in_shapes"]),
+            f"{r['ms']:.3f}",
+            f"{100 * r['ms'] / (sum(x['ms'] for x in rows) or 1.0):.1f}%",
         )
-    print(f"{'total':<88} {total:>8.3f}")
+        for r in rows
+    ]
+    print()
+    _print_table(("op", "variant", "name", "fused", "input shapes", "ms", "%"), table, right=(5, 6))
+    print(
+        f"run {overhead.wall_ms:.3f} ms (median of runs), of which kernels {overhead.kernel_ms:.3f} ms; "
+        f"framework overhead {100 * overhead.overhead:.1f}% (feed checks, copies in and out, the loop). "
+        f"Node times are each node's median over the runs."
+    )
+
+
+def _print_table(header, rows, right=()):
+    """Columns as wide as their widest cell: nothing is cut."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        cells = [str(c).rjust(w) if k in right else str(c).ljust(w) for k, (c, w) in enumerate(zip(row, widths))]
+        print("  ".join(cells).rstrip())
 
 
 # --- pmx inspect, pmx verify -----------------------------------------------------------------
@@ -642,6 +746,7 @@ def inspect_dict(model):
                 outputs=[t[i].name for i in nd.outputs],
                 planned_shapes=[list(t[i].shape) for i in nd.outputs],
                 expr=E.to_text(nd.expr) if nd.expr else "",
+                fused=E.describe_node_expr(nd.op, nd.expr),
             )
             for nd in model.nodes
         ],
@@ -671,10 +776,19 @@ def _inspect(args):
         f"memory: arena {info['arena_bytes']} B, lower bound {info['lower_bound_bytes']} B, "
         f"unplanned sum {info['naive_bytes']} B"
     )
-    print(f"\n{'#':>4} {'op':<18} {'variant':<10} {'name':<32} output shapes")
-    for j, nd in enumerate(info["node_table"]):
-        shapes = ", ".join("x".join(map(str, s)) for s in nd["planned_shapes"])
-        print(f"{j:>4} {nd['op']:<18} {nd['variant']:<10} {nd['name'][:32]:<32} {shapes}")
+    print()
+    rows = [
+        (
+            j,
+            nd["op"],
+            nd["variant"],
+            nd["name"],
+            nd["fused"],
+            ", ".join("x".join(map(str, s)) for s in nd["planned_shapes"]),
+        )
+        for j, nd in enumerate(info["node_table"])
+    ]
+    _print_table(("#", "op", "variant", "name", "fused", "output shapes"), rows, right=(0,))
     return 0
 
 

@@ -203,6 +203,31 @@ def to_text(tree) -> str:
     return kind + "(" + ",".join(to_text(a) for a in tree[1:]) + ")"
 
 
+# Activations a conv/linear/matmul epilogue commonly holds, by the tree fuse_activation
+# leaves (x = the GEMM's output, @0), for people reading profiles and `pmx inspect`.
+_NAMED_EPILOGUES = {
+    "maximum(@0,0)": "relu",
+    "minimum(maximum(@0,0),6)": "relu6",
+    "sigmoid(@0)": "sigmoid",
+    "tanh(@0)": "tanh",
+    "mul(@0,sigmoid(@0))": "silu",
+    "mul(@0,div(minimum(maximum(add(@0,3),0),6),6))": "hardswish",
+    "div(minimum(maximum(add(@0,3),0),6),6)": "hardsigmoid",
+}
+
+
+def describe_node_expr(op, tree) -> str:
+    """What a node's expression does, for people: an elementwise node's whole
+    expression; on other ops the fused epilogue after the kernel, by name where it is a
+    common activation (relu, relu6, hardswish, ...), else as an expression of @0."""
+    if tree is None:
+        return ""
+    text = to_text(tree)
+    if op == "elementwise":
+        return text
+    return "+" + _NAMED_EPILOGUES.get(text, text)
+
+
 def inputs_used(tree) -> set:
     if tree[0] == "@":
         return {tree[1]}

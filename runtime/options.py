@@ -178,6 +178,10 @@ class SessionOptions:
         raise PmxInputError(f"register_custom_ops_library({library_path!r}): pmx runs no native custom operators")
 
 
+# default_thread_count() in a help line's words
+DEFAULT_THREADS_TEXT = "OMP_NUM_THREADS when set, else the cores this process may use, capped by a cgroup CPU quota"
+
+
 def default_thread_count() -> int:
     """Threads an InferenceSession runs with when none are asked for.
 

@@ -179,6 +179,16 @@ class RunChooser:
         self._chosen = True
         self.concurrent = True  # this run's way
 
+    @property
+    def splits(self) -> bool:
+        """The way runs take outside trials: True hands split parts to the workers."""
+        return self._chosen
+
+    @property
+    def settled(self) -> bool:
+        """True once the first trials have decided the way (always, when inactive)."""
+        return not self._active or self._decisions > 0
+
     def before_run(self) -> bool:
         """Set `concurrent` for this run; True when the run is a trial to time (after_run)."""
         if not self._active:

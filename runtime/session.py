@@ -34,6 +34,7 @@ import weakref
 import numpy as np
 
 from pmx.runtime import blas, compat, parallel
+from pmx.runtime import expr as E
 from pmx.runtime.dim_ranges import format_ranges, shape_allowed, tensor_ranges
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
@@ -675,9 +676,21 @@ class InferenceSession:
                 return self._model.nodes[j]
         return None
 
+    def thread_choice(self, input_feed):
+        """How runs of input_feed's shapes on the calling thread use the session's
+        threads, as (threads, settled): the threads the next run's kernels split over (1
+        where the session has one, or where it found, timing whole runs both ways, that
+        one is faster on this host), and whether it has made that choice yet (it times
+        both ways after about ten runs, and again from time to time). For benchmarks:
+        time runs once it is settled, and report the threads."""
+        arrays = self._check_feed(input_feed)
+        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
+        return (binding.pool.threads if binding.gate.splits else 1), binding.gate.settled
+
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
-        shapes, ms, sorted by time."""
+        variant, fused (the epilogue run after the kernel, or an elementwise node's
+        expression), in_shapes, out_shapes, ms; sorted by time."""
         arrays = self._check_feed(input_feed)
         binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
         for i, arr in arrays.items():
@@ -704,6 +717,7 @@ class InferenceSession:
                     op=node.op,
                     name=node.name,
                     variant=node.variant,
+                    fused=E.describe_node_expr(node.op, node.expr),
                     in_shapes=in_shapes,
                     out_shapes=[list(shapes[i]) for i in node.outputs],
                     ms=ms,

@@ -55,6 +55,38 @@ def test_from_torch_gives_a_pmx_that_matches_the_module(tmp_path, module, inputs
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_from_torch_is_quiet_and_its_result_reads_in_one_line(tmp_path, capfd):
+    """pnnx's converter logs ~30 lines to the process's stderr; from_torch keeps them
+    unless verbose=True, and the result prints as a one-line summary."""
+    result = from_torch(Block(), torch.rand(1, 3, 12, 12), tmp_path / "m.pmx")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    text = repr(result)
+    assert "\n" not in text and text.startswith("<CompileResult ") and "in0 takes [1.., 3, 12, 12]" in text
+    from_torch(Block(), torch.rand(1, 3, 12, 12), tmp_path / "v.pmx", verbose=True)
+    assert "pnnxparam" in "".join(capfd.readouterr())
+
+
+def test_from_torch_passes_a_dynamic_shape_export_to_pnnx(tmp_path):
+    """export_options' inputs2 is pnnx's second trace: the '?' dims it finds become dynamic."""
+    result = from_torch(
+        Block(), torch.rand(1, 3, 12, 12), tmp_path / "m.pmx", export_options=dict(inputs2=torch.rand(2, 3, 16, 16))
+    )
+    assert result.dynamic["in0"][2] == (1, -1)
+    sess = InferenceSession(tmp_path / "m.pmx")
+    x = torch.rand(3, 3, 20, 20)
+    with torch.no_grad():
+        want = Block().eval()(x)  # another module's weights: compare shapes only here
+    assert sess.run(None, {"in0": x.numpy()})[0].shape == tuple(want.shape)
+
+
+def test_an_unknown_export_option_is_named(tmp_path):
+    from pmx.runtime import PmxInputError
+
+    with pytest.raises(PmxInputError, match=r"export_options \['check_trase'\]"):
+        from_torch(Block(), torch.rand(1, 3, 12, 12), tmp_path / "m.pmx", export_options=dict(check_trase=False))
+
+
 def test_a_pmx_that_differs_from_the_module_is_refused(tmp_path):
     """The check is what catches pnnx writing another graph than the module's: here the
     module is changed after export, as pnnx's rewrites change a graph."""

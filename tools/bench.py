@@ -699,8 +699,9 @@ def main():
         type=int,
         default=None,
         metavar="N",
-        help="BLAS's thread count in pmx's processes (default: --threads, as for the others; "
-        "1 is what the README recommends: pmx then splits GEMMs itself)",
+        help="OPENBLAS_NUM_THREADS in pmx's processes (default: --threads, as for the others). "
+        "It sets numpy's BLAS only: pmx's own BLAS runs at one thread whatever it is, and pmx "
+        "splits GEMMs over the session's threads itself",
     )
     p.add_argument(
         "--baseline",

@@ -16,7 +16,7 @@ then probes the graph with those dims changed, running every node's shape rule:
   honoured fails the compile, naming the node and its .param line).
 
 Results, in the compile's context: ctx.dynamic = {input name: [(min, max) per dim]} (max
--1 = unbounded), ctx.dynamic_outputs = {output uid: [dims that follow the inputs]} and
+-1 = unbounded), ctx.dynamic_outputs = {output uid: {dim that follows the inputs: (min, max)}} and
 ctx.fixed_reasons = [text, ...] for the compile summary.
 """
 
@@ -225,14 +225,25 @@ def mark_dynamic_dims(graph, ctx) -> bool:
                 ranges[d] = rng
             ctx.dynamic[v.name] = ranges
     # outputs whose dims moved in the probe are reported as dynamic (get_outputs: None)
-    ctx.dynamic_outputs.update(
-        {
-            v.uid: [i for i, (a, b) in enumerate(zip(v.shape, shapes[v.uid])) if a != b]
-            for v in graph.outputs
-            if v.uid in shapes and shapes[v.uid] != v.shape
-        }
-    )
+    for v in graph.outputs:
+        if v.uid in shapes and shapes[v.uid] != v.shape:
+            ctx.dynamic_outputs[v.uid] = _output_ranges(graph, req, shapes, v)
     return False
+
+
+def _output_ranges(graph, req, shapes, out):
+    """{dim: (min, max)} of the output dims that moved in the probe. A dim that moved as
+    a requested input dim did (same size compiled, same size probed: the batch passing
+    through) takes that dim's range; any other may be any size, 0 included."""
+    moved = {}
+    for v in graph.inputs:
+        for d, rng in req.get(v.uid, {}).items():
+            moved.setdefault((v.shape[d], shapes[v.uid][d]), rng)
+    return {
+        i: moved.get((a, b), (0, UNBOUNDED))
+        for i, (a, b) in enumerate(zip(out.shape, shapes[out.uid]))
+        if a != b
+    }
 
 
 def _probe(graph, req):
