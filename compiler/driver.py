@@ -126,13 +126,9 @@ def _static_needs_shapes(graph, unplanned):
     shown = "x".join("?" if d is None else str(d) for d in v.shape)
     return (
         f"{graph.source}: input {v.name} has dynamic dims ({shown}) and --static keeps the shapes the "
-        f"model is compiled for: give them, e.g. --shape {v.name}={_example_shape(v)} (or drop --static: "
+        f"model is compiled for: give them, --shape {v.name}={_shape_template(v)} with each <n> a size (or drop --static: "
         f"the dims then take any size)"
     )
-
-
-def _example_shape(v):
-    return "x".join(str(d) if d is not None else ("1" if i == 0 else "224") for i, d in enumerate(v.shape))
 
 
 def _plan_at_placeholder(graph, unplanned, options, notes):
@@ -169,12 +165,19 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
         ", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
         for t in tried[:3]
     )
-    v = next(iter(unplanned))[0]
+    inputs = {v.uid: v for v, _ in unplanned}.values()
+    templates = " ".join(f"--shape {v.name}={_shape_template(v)}" for v in inputs)
     raise PmxCompileError(
         f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
-        f"sizes tried fits ({shown}, ...): {first_error}. Give one with --shape, e.g. "
-        f"--shape {v.name}={_example_shape(v)}"
+        f"sizes tried fits ({shown}, ...): {first_error}. Give sizes the model runs at, such as "
+        f"those of the input you exported with: {templates}, each <n> a size (fixed), or <n>.. "
+        f"to allow any size from <n> (memory is planned at <n>)"
     ) from None
+
+
+def _shape_template(v):
+    """--shape's value for v with its '?' dims left to fill in: 1x<n>x64."""
+    return "x".join("<n>" if d is None else str(d) for d in v.shape)
 
 
 def _placeholder_candidates(unplanned):

@@ -10,9 +10,10 @@ import struct
 import numpy as np
 
 
-def export_pnnx(directory, module, inputs):
+def export_pnnx(directory, module, inputs, inputs2=None):
     """Export `module` traced on `inputs` with pnnx into `directory`; returns the path
-    prefix (prefix + '.pnnx.param' / '.pnnx.bin')."""
+    prefix (prefix + '.pnnx.param' / '.pnnx.bin'). With `inputs2` (other sizes), pnnx's
+    dynamic-shape export: the dims that differ are written '?'."""
     import pnnx
     import torch
 
@@ -25,7 +26,7 @@ def export_pnnx(directory, module, inputs):
     try:
         os.chdir(directory)  # pnnx writes some side files into the working directory
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            pnnx.export(module, str(pt), inputs)
+            pnnx.export(module, str(pt), inputs, None if inputs2 is None else tuple(inputs2))
     finally:
         os.chdir(cwd)
     prefix = str(directory / "model")

@@ -213,3 +213,60 @@ def test_run_help_states_the_thread_default_the_session_uses(capsys, monkeypatch
     assert "OMP_NUM_THREADS when set, else the cores this process may use" in help_text
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert default_thread_count() == 3
+
+
+# --- advice that works when followed ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_kernel_export(tmp_path_factory):
+    """A Conv1d with a 600-tap kernel exported with '?' length: every placeholder size the
+    compiler tries (up to 512) is too short for it."""
+    import torch
+    from helpers import export_pnnx
+
+    torch.manual_seed(0)
+    module = torch.nn.Conv1d(1, 4, kernel_size=600).eval()
+    d = tmp_path_factory.mktemp("long_kernel")
+    prefix = export_pnnx(d, module, (torch.rand(1, 1, 1000),), (torch.rand(1, 1, 1200),))
+    return prefix + ".pnnx.param", module
+
+
+def _advised_shape(err):
+    match = re.search(r"--shape (in0=\S+?<n>)", err)
+    assert match, err
+    return match[1]
+
+
+@pytest.mark.parametrize("fill, run_length", [("1000", 1000), ("600..", 700)])
+def test_the_advice_for_dims_no_placeholder_fits_works_when_followed(
+    long_kernel_export, tmp_path, capsys, fill, run_length
+):
+    import torch
+
+    from pmx.runtime import InferenceSession
+
+    param, module = long_kernel_export
+    out = str(tmp_path / "m.pmx")
+    assert main(["compile", param, "-o", out]) == 1
+    advised = _advised_shape(capsys.readouterr().err)
+    assert main(["compile", param, "-o", out, "--shape", advised.replace("<n>", fill)]) == 0
+    x = torch.rand(1, 1, run_length)
+    with torch.no_grad():
+        want = module(x).numpy()
+    (got,) = InferenceSession(out).run(None, {"in0": x.numpy()})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_advice_for_static_with_open_dims_works_when_followed(long_kernel_export, tmp_path, capsys):
+    param, _ = long_kernel_export
+    out = str(tmp_path / "m.pmx")
+    assert main(["compile", param, "-o", out, "--static"]) == 1
+    advised = _advised_shape(capsys.readouterr().err)
+    assert main(["compile", param, "-o", out, "--static", "--shape", advised.replace("<n>", "1000")]) == 0
+
+
+def test_the_advice_for_a_missing_input_works_when_followed(example_pmx, capsys):
+    assert _exit_code(["run", str(example_pmx)]) == 2
+    assert "or --random for random values" in capsys.readouterr().err
+    assert main(["run", str(example_pmx), "--random", "--repeat", "0"]) == 0

@@ -512,20 +512,8 @@ class ArangeOfSize(nn.Module):
 
 def _export_dynamic(tmp_path, module, inputs, inputs2):
     """pnnx export with a second example input, so dims that differ are written '?'."""
-    import contextlib
-    import io
-    import os
-
-    import pnnx
-
-    cwd = os.getcwd()
-    try:
-        os.chdir(tmp_path)
-        with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            pnnx.export(module.eval(), "m.pt", inputs, inputs2)
-    finally:
-        os.chdir(cwd)
-    return str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin")
+    prefix = export_pnnx(tmp_path, module, inputs, inputs2)
+    return prefix + ".pnnx.param", prefix + ".pnnx.bin"
 
 
 def test_arange_of_a_dynamic_size_follows_the_input_shape(tmp_path):
