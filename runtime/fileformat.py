@@ -29,9 +29,10 @@ MAGIC = b"PMXMODEL"
 FILE_IDENTIFIER = b"PMX2"
 # Newest version this code writes and reads. Version 3 is version 2's layout plus node
 # semantics a version-2 runtime would get wrong without noticing (a conv's input scale,
-# a channel shuffle's split parts: it would ignore the extra input or attribute), so the
-# writer stamps 3 only on files that use them (compiler/write.py `_format_version`), and version-2
-# runtimes refuse those with "upgrade pnnx-pmx" while reading every other new file.
+# a channel shuffle's split parts, a reshape following its like inputs: it would ignore
+# the extra input or attribute), so the writer stamps 3 only on files that use them
+# (compiler/write.py `_format_version`), and version-2 runtimes refuse those with
+# "upgrade pnnx-pmx" while reading every other new file.
 FORMAT_VERSION = 3
 OLDEST_READABLE_VERSION = 2
 PREAMBLE_SIZE = 64

@@ -148,8 +148,8 @@ def _subtrees(tree):
 @rule("pnnx.Expression")
 def expression(node, ctx):
     """An elementwise expression, or a list or size its consumers read as parameters
-    (index lists, expand's sizes, arange's end; canon/indexing.py moves the tree onto
-    them). Other shape arithmetic is refused."""
+    (index lists, expand's sizes, arange's end, reshape's target; canon/indexing.py and
+    canon/shape_ops.py move the tree onto them). Other shape arithmetic is refused."""
     text = param(node, "expr")
     if not isinstance(text, str):
         fail(node, f"expr={text!r} is not an expression string")
@@ -170,11 +170,17 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_expand_sizes
 
         return attach_expand_sizes(node, ctx, tree)
+    if tree[0] == LIST and readers and readers <= {"Tensor.reshape", "Tensor.view", "torch.reshape"}:
+        from pmx.compiler.canon.shape_ops import attach_reshape_sizes  # x.reshape(B, N, 4, 16)
+
+        return attach_reshape_sizes(node, ctx, tree)
     parts = list(_subtrees(tree))
     if any(t[0] == LIST or t[0] in SHAPE_FUNCTIONS for t in parts):
+        read_by = f" for {', '.join(sorted(readers))}" if readers else ""
         fail(
             node,
-            f"expression {text!r} computes on tensor shapes (dynamic-shape export); export with a fixed input shape",
+            f"expression {text!r} computes on tensor shapes (dynamic-shape export){read_by}, which pmx follows "
+            f"at run time only into reshape/view, expand, index and arange; export with a fixed input shape",
         )
     if NONE in parts:
         fail(node, f"expression {text!r}: None is no value to compute with")

@@ -3,7 +3,10 @@ slice assignment (slice_copy, slice_scatter), permute/transpose/t, channel shuff
 identities (Dropout, Identity, contiguous) which are removed.
 
 Reshape-like ops keep the concrete output shape pnnx recorded (`shape`) and, for later
-re-planning at other input shapes, the shape argument as written (`pnnx_shape`).
+re-planning at other input shapes, the shape argument as written (`pnnx_shape`). A
+reshape whose target is a size list of a dynamic-shape export (`[size(@0,0),size(@0,1),
+4,16]`) reads the tensors the sizes come from as extra inputs and follows them exactly
+(`like_shape`), so mark_dynamic_dims has nothing to guess there.
 """
 
 import numpy as np
@@ -18,7 +21,11 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
-from pmx.runtime.kernels.shape import slice_infer
+from pmx.compiler.canon.math_ops import pnnx_text
+from pmx.runtime.kernels.shape import like_dims, resolve_dyn_shape, slice_infer
+
+# the input names a size list's tensors take on a reshape: size(@k, d) reads "like@k"
+LIKE = "like@"
 
 
 @rule(
@@ -62,6 +69,8 @@ def identity(node, ctx):
 )
 def reshape(node, ctx):
     x = data_input(node)
+    if "size_list" in node.attrs:
+        return [_reshape_like(node, x, _like_inputs(node))]
     shape = out_shape(node)
     n_in = 1
     for d in in_shape(node, x):
@@ -75,6 +84,116 @@ def reshape(node, ctx):
     if "shape" in node.attrs:
         attrs["pnnx_shape"] = node.attrs["shape"]
     return [make(node, "reshape", [x], attrs)]
+
+
+def attach_reshape_sizes(node, ctx, sizes):
+    """A pnnx.Expression listing a reshape's target (the tree of `[size(@0,0),size(@0,1),
+    4,16]`, a dynamic-shape export of x.reshape(B, N, 4, 16)) that only reshapes read:
+    the list moves onto each reader, and the tensors it reads become the reader's inputs
+    "like@k" (size(@k, d) reads like@k), so the target follows their dims at run time."""
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        ctx.graph.set_input(c, i, None)
+        for k, v in enumerate(node.inputs):
+            at = i if k == 0 else len(c.inputs)
+            ctx.graph.set_input(c, at, v)
+            c.input_names[at] = f"{LIKE}{k}"
+        c.attrs["size_list"] = sizes
+    return []
+
+
+def _like_inputs(node):
+    """The tensors a reshape's size list reads, in the list's @k order."""
+    named = {n: v for n, v in zip(node.input_names, node.inputs) if n and n.startswith(LIKE)}
+    return [named[f"{LIKE}{k}"] for k in range(len(named))]
+
+
+def _reshape_like(node, x, likes):
+    """reshape with attr like_shape: one code per entry of the size list, over the dims
+    of `likes` (runtime/kernels/shape.py); `shape` is the target at the compiled sizes."""
+    codes = _size_list_codes(node, node.attrs["size_list"], likes)
+    try:
+        shape = resolve_dyn_shape(codes, in_shape(node, x), like_dims([x.shape, *(v.shape for v in likes)]))
+    except ValueError as e:
+        fail(node, f"size list {pnnx_text(node.attrs['size_list'])!r}: {e}")
+    recorded = node.outputs[0].shape
+    if recorded is not None and (
+        len(recorded) != len(shape) or any(r is not None and r != d for r, d in zip(recorded, shape))
+    ):
+        fail(node, f"size list {pnnx_text(node.attrs['size_list'])!r} gives shape {shape}, pnnx recorded {recorded}")
+    return make(node, "reshape", [x, *likes], dict(shape=shape, like_shape=codes))
+
+
+# a size pnnx wraps in int() or an integer cast stays that size
+_INT_CASTS = {"int", "torch.int", "torch.int32", "torch.long", "torch.int64", "torch.short", "torch.int16"}
+# arithmetic a computed entry may do on sizes (mul(size(@0,1),64) for x.reshape(B, N * D))
+_SIZE_ARITHMETIC = _INT_CASTS | {"add", "sub", "mul", "div", "floor_divide"}
+
+
+def _size_list_codes(node, sizes, likes):
+    """like_shape's codes for the entries of `sizes`: an int as itself (-1 inferred),
+    size(@k, d) as -2 - (dim d of likes[k], counting the dims of likes one after
+    another). One entry computed from sizes (mul(size(@0,1),64)) becomes -1: inferred
+    from the element count, it is that product wherever torch's reshape succeeds."""
+    ranks = [len(in_shape(node, v)) for v in likes]
+    offsets = [sum(ranks[:k]) for k in range(len(ranks))]
+    codes, inferred = [], []
+    for item in sizes[1:]:
+        code = _size_code(node, sizes, item, ranks, offsets)
+        if code is None:
+            if not _is_size_arithmetic(item):
+                fail(
+                    node,
+                    f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} is not an int, size(@k,dim) "
+                    f"or arithmetic on those",
+                )
+            code = -1
+        if code == -1:
+            inferred.append(repr(pnnx_text(item)))
+        codes.append(code)
+    if len(inferred) > 1:
+        fail(
+            node,
+            f"size list {pnnx_text(sizes)!r}: entries {', '.join(inferred)} all need inferring from the "
+            f"element count (a -1 or arithmetic on sizes); pmx infers one",
+        )
+    return tuple(codes)
+
+
+def _size_code(node, sizes, item, ranks, offsets):
+    """The code of an int or a (cast) size(@k, d) entry; None for anything else."""
+    while item[0] in _INT_CASTS:
+        item = item[1]
+    if item[0] == "#":
+        n = item[1]
+        if type(n) is not int or n < -1:
+            fail(node, f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} is not a size")
+        return n
+    ref = _size_ref(item, ranks)
+    if ref is None:
+        return None
+    k, d = ref
+    if not -ranks[k] <= d < ranks[k]:
+        fail(
+            node, f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} reads dim {d} of a rank-{ranks[k]} tensor"
+        )
+    return -2 - (offsets[k] + d % ranks[k])
+
+
+def _size_ref(item, ranks):
+    """(k, d) when item is size(@k, d) with d an int literal and k a tensor of the list."""
+    if item[0] != "size" or item[1][0] != "@" or not 0 <= item[1][1] < len(ranks):
+        return None
+    d = item[2]
+    return (item[1][1], d[1]) if d[0] == "#" and type(d[1]) is int else None
+
+
+def _is_size_arithmetic(item):
+    if item[0] == "#":
+        return type(item[1]) in (int, float)
+    if item[0] == "size":
+        return item[1][0] == "@" and item[2][0] == "#"
+    return item[0] in _SIZE_ARITHMETIC and all(_is_size_arithmetic(a) for a in item[1:])
 
 
 @rule("torch.cat", "torch.concat", "torch.concatenate")

@@ -11,6 +11,8 @@ then probes the graph with those dims changed, running every node's shape rule:
   1 that equals the batch) or from the back (trailing spatial dims), becomes "copy input
   dim k"; a remaining single literal dim becomes -1 (inferred) when needed. The rewrite is
   stored as attr `dyn_shape` (ints: >= 0 literal, -1 inferred, -2-k copy input dim k).
+  A reshape whose target came from a size list (attr `like_shape`, over the tensors the
+  sizes read) already follows them exactly: it is probed by its shape rule, not guessed.
 - any node whose shape rule rejects the probe fixes those dims; the compile reports which
   input dims are fixed and by which node (an explicit --dynamic request that cannot be
   honoured fails the compile, naming the node and its .param line).
@@ -239,11 +241,7 @@ def _output_ranges(graph, req, shapes, out):
     for v in graph.inputs:
         for d, rng in req.get(v.uid, {}).items():
             moved.setdefault((v.shape[d], shapes[v.uid][d]), rng)
-    return {
-        i: moved.get((a, b), (0, UNBOUNDED))
-        for i, (a, b) in enumerate(zip(out.shape, shapes[out.uid]))
-        if a != b
-    }
+    return {i: moved.get((a, b), (0, UNBOUNDED)) for i, (a, b) in enumerate(zip(out.shape, shapes[out.uid])) if a != b}
 
 
 def _probe(graph, req):
@@ -269,7 +267,7 @@ def _probe(graph, req):
         in_probe = [None if x is None else shapes.get(x.uid, x.shape) for x in ins]
         if all(x is None or p == x.shape for p, x in zip(in_probe, ins)):
             continue  # untouched by the change
-        if node.op == "reshape":
+        if node.op == "reshape" and "like_shape" not in node.attrs:  # like_shape is exact: its rule runs
             target = node.attrs.get("dyn_shape") or node.attrs.get("pnnx_shape") or node.attrs["shape"]
             if not isinstance(target, tuple) or not all(isinstance(d, int) for d in target):
                 target = node.attrs["shape"]

@@ -81,6 +81,17 @@ def input_rank(i):
 FIRST_INPUT_RANK = input_rank(0)
 
 
+def ranks_from(i):
+    """The ranks of inputs i.. added up (None when one is absent): the dims of operands
+    read for their shapes only, counted one input after another (reshape's like inputs)."""
+
+    def rank(attrs, ranks):
+        rest = ranks[i:]
+        return None if None in rest else sum(rest)
+
+    return rank
+
+
 def widest_input(attrs, ranks):
     """The highest rank among the inputs (concat's and cross's operands)."""
     return max((r for r in ranks if r is not None), default=None)
@@ -253,11 +264,13 @@ def ints(length=None, lo=None, hi=None, min_length=0, max_length=None):
 
 def target_shape(copies_dims_of=None, min_length=0):
     """A target shape: each entry a size >= 0, -1 (inferred from the element count, or
-    the input's own size), or -2-k: dim k of input `copies_dims_of` (the compiler writes
-    these so the shape follows dims that change at run time)."""
+    the input's own size), or -2-k: dim k of input `copies_dims_of` (an index, or a rank
+    rule such as ranks_from(1): of the dims it counts) (the compiler writes these so the
+    shape follows dims that change at run time)."""
+    rank_of = input_rank(copies_dims_of) if isinstance(copies_dims_of, int) else copies_dims_of
 
     def lowest(attrs, ranks):
-        rank = None if copies_dims_of is None else input_rank(copies_dims_of)(attrs, ranks)
+        rank = None if rank_of is None else rank_of(attrs, ranks)
         return -1 - (rank or 0)
 
     return ints(lo=lowest, min_length=min_length)

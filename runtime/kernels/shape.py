@@ -1,6 +1,10 @@
 """Shape and data-movement ops.
 
 `reshape`  attrs shape (concrete); a view of its input when the planner aliased it.
+           Optional dyn_shape, the target re-planning follows (-2-k: dim k of input 0),
+           or like_shape with inputs 1.. read for their shapes only (a dynamic export's
+           x.reshape(y.size(0), y.size(1), 4, 16)): -2-k copies dim k of those inputs'
+           dims counted one input after another, so the target follows them exactly.
 `concat`   attrs axis; no work when the planner made each input a slice of the output.
 `split`    attrs axis, sizes; outputs may be aliased slices of the input.
 `slice`    attrs axes, starts, ends, steps (Python slice semantics, so negative and
@@ -33,6 +37,7 @@ from pmx.runtime.kernels.attr_specs import (
     length_of,
     optional,
     permutation,
+    ranks_from,
     target_shape,
     widest_input,
 )
@@ -49,11 +54,13 @@ def _resolve_shape(shape, numel):
     return tuple(shape)
 
 
-def resolve_dyn_shape(dyn_shape, in_shape):
+def resolve_dyn_shape(dyn_shape, in_shape, copied=None):
     """A symbolic reshape target -> concrete shape for this input shape. Entries: >= 0
-    literal, -1 inferred from the element count, -2-k copy input dim k (written by the
-    compiler's mark_dynamic_dims pass so frozen targets follow dynamic dims)."""
-    out = [in_shape[-2 - d] if d <= -2 else d for d in dyn_shape]
+    literal, -1 inferred from the element count, -2-k copy dim k of `copied` (default
+    the input's own dims: the compiler's mark_dynamic_dims pass writes those so frozen
+    targets follow dynamic dims; like_shape copies the like inputs' dims)."""
+    copied = in_shape if copied is None else copied
+    out = [copied[-2 - d] if d <= -2 else d for d in dyn_shape]
     total = math.prod(in_shape)
     if -1 in out:
         i = out.index(-1)
@@ -66,7 +73,15 @@ def resolve_dyn_shape(dyn_shape, in_shape):
     return tuple(out)
 
 
+def like_dims(shapes):
+    """The dims like_shape's -2-k codes copy: those of inputs 1.., one input after
+    another (input 1's dims are 0..r1-1, input 2's follow)."""
+    return tuple(d for s in shapes[1:] for d in s)
+
+
 def reshape_infer(node, shapes, dtypes):
+    if "like_shape" in node.attrs:
+        return [(resolve_dyn_shape(node.attrs["like_shape"], shapes[0], like_dims(shapes)), dtypes[0])]
     if "dyn_shape" in node.attrs:
         return [(resolve_dyn_shape(node.attrs["dyn_shape"], shapes[0]), dtypes[0])]
     numel = math.prod(shapes[0])
@@ -81,12 +96,18 @@ def _same_memory(a, b):
 
 
 # shape: the target at the compiled shape; dyn_shape: the one re-planning follows;
+# like_shape: the exact target of a size list, over inputs 1.. (read for their shapes);
 # pnnx_shape: the shape argument as written, which only the compiler reads
 @register(
     "reshape",
     infer=reshape_infer,
     view=True,
-    attrs=dict(shape=target_shape(), dyn_shape=optional(target_shape(copies_dims_of=0)), pnnx_shape=UNREAD),
+    attrs=dict(
+        shape=target_shape(),
+        dyn_shape=optional(target_shape(copies_dims_of=0)),
+        like_shape=optional(target_shape(copies_dims_of=ranks_from(1))),
+        pnnx_shape=UNREAD,
+    ),
 )
 def make_reshape(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
