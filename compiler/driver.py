@@ -137,7 +137,7 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
     from pmx.compiler.passes.canonicalize import canonicalize
     from pmx.compiler.passes.infer_shapes import infer_shapes
 
-    tried, first_error = [], None
+    tried, errors = [], []
     ctx = PassContext(options)  # the trial's; its findings are dropped
     for sizes in _placeholder_candidates(unplanned):
         shapes = _with_sizes(graph, sizes)
@@ -149,7 +149,7 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
             infer_shapes(trial, ctx)
         except PmxError as e:
             tried.append(shapes)
-            first_error = first_error or e
+            errors.append(e)
             continue
         for v in graph.inputs:
             v.shape = shapes[v.name]
@@ -161,6 +161,8 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
                 f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape"
             )
         return
+    if len({str(e) for e in errors}) == 1:  # no size would do: --shape advice would fail too
+        raise errors[0]
     shown = "; ".join(
         ", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
         for t in tried[:3]
@@ -169,7 +171,7 @@ def _plan_at_placeholder(graph, unplanned, options, notes):
     templates = " ".join(f"--shape {v.name}={_shape_template(v)}" for v in inputs)
     raise PmxCompileError(
         f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
-        f"sizes tried fits ({shown}, ...): {first_error}. Give sizes the model runs at, such as "
+        f"sizes tried fits ({shown}, ...): {errors[0]}. Give sizes the model runs at, such as "
         f"those of the input you exported with: {templates}, each <n> a size (fixed), or <n>.. "
         f"to allow any size from <n> (memory is planned at <n>)"
     ) from None

@@ -270,3 +270,21 @@ def test_the_advice_for_a_missing_input_works_when_followed(example_pmx, capsys)
     assert _exit_code(["run", str(example_pmx)]) == 2
     assert "or --random for random values" in capsys.readouterr().err
     assert main(["run", str(example_pmx), "--random", "--repeat", "0"]) == 0
+
+
+def test_no_shape_advice_where_no_size_would_do(tmp_path, capsys):
+    """Shape arithmetic pmx cannot follow fails the same at every size: the error says
+    so, without advice to give a --shape that would fail the same way."""
+    import torch
+    from helpers import export_pnnx
+
+    class NewZeros(torch.nn.Module):
+        def forward(self, x):
+            b, n, _ = x.shape
+            return x.new_zeros(b, n, 2) + x[..., :2]
+
+    prefix = export_pnnx(tmp_path, NewZeros(), (torch.rand(1, 8, 64),), (torch.rand(2, 5, 64),))
+    assert main(["compile", prefix + ".pnnx.param", "-o", str(tmp_path / "m.pmx")]) == 1
+    err = capsys.readouterr().err
+    assert "computes on tensor shapes" in err and "export with a fixed input shape" in err
+    assert "--shape" not in err

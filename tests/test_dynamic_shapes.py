@@ -618,7 +618,7 @@ def test_no_placeholder_fitting_says_to_give_a_shape(tmp_path):
     torch.manual_seed(0)
     m = TallPool().eval()
     prefix = _export_at_two_shapes(tmp_path, m, torch.rand(1, 1, 600, 6), torch.rand(1, 1, 610, 9))
-    with pytest.raises(PmxCompileError, match=r"none of the sizes tried fits.*--shape in0=1x1x224x224"):
+    with pytest.raises(PmxCompileError, match=r"none of the sizes tried fits.*--shape in0=1x1x<n>x<n>"):
         _compile_without_shape(prefix, tmp_path / "p.pmx")
     _compile_without_shape(prefix, tmp_path / "p.pmx", plan_shapes={"in0": (1, 1, 600, 6)})
     _check(InferenceSession(str(tmp_path / "p.pmx")), m, torch.rand(1, 1, 612, 7))
