@@ -153,6 +153,26 @@ def test_conv_matches_torch(c):
         assert_close(got, want, pre)
 
 
+@FAST
+@given(conv_case(), st.sampled_from([1, 200, 5000]))
+def test_conv_in_tiles_of_output_rows_matches_torch(c, tile_bytes):
+    """The im2col GEMM a few output rows at a time (IM2COL_TILE_BYTES made small: one row
+    per tile, a few, a last tile shorter than the others), as large maps run."""
+    from unittest import mock
+
+    from pmx.runtime.kernels import conv
+
+    assume(_valid_case(c))
+    x = signed_input((c["batch"], c["cin"]) + c["size"], c["seed"])
+    w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], c["seed"] + 1)
+    b = signed_input((c["cout"],), c["seed"] + 2) if c["bias"] else None
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"], padding_mode=c["mode"])
+    want, pre = torch_conv(x, w, b, c)
+    with mock.patch.object(conv, "IM2COL_TILE_BYTES", tile_bytes):
+        (got,) = run_kernel("conv", [x, w] + ([b] if b is not None else []), attrs, expr=c["act"], variant="gemm")
+    assert_close(got, want, pre)
+
+
 def test_conv_pointwise_and_1x1_strided():
     """The 1x1 stride-1 fast path (no im2col) and a 1x1 stride-2 conv."""
     x = signed_input((2, 6, 5, 7), 0)
