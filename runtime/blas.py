@@ -117,7 +117,7 @@ def private_library() -> Library | None:
     when the wheel is not installed, cannot be loaded, or was already loaded by
     something else in the process (then its thread count is not pmx's to set)."""
     path = _private_library_path()
-    if path is None or os.path.realpath(path) in _mapped_files():
+    if path is None or _is_mapped(path):
         return None
     try:
         handle = ctypes.CDLL(path)  # RTLD_LOCAL: its symbols stay out of the global namespace
@@ -152,7 +152,8 @@ def _private_library_path():
 @functools.cache
 def shared_library() -> Library | None:
     """The first BLAS among the libraries already loaded (numpy's), or None."""
-    for path in sorted(p for p in _mapped_files() if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS)):
+    candidates = {p for p in _mapped_files() if any(h in os.path.basename(p).lower() for h in _BLAS_LIB_HINTS)}
+    for path in sorted({os.path.realpath(p) for p in candidates}):
         try:
             handle = ctypes.CDLL(path)
         except OSError:
@@ -164,14 +165,23 @@ def shared_library() -> Library | None:
 
 
 def _mapped_files():
-    """Real paths of the files mapped into this process (empty where /proc is missing)."""
+    """Paths of the files mapped into this process, as the kernel names them (empty where
+    /proc is missing). Callers resolve only the ones they look at: resolving all of them
+    (a few hundred lstat calls) cost a first run milliseconds."""
     try:
         with open("/proc/self/maps", "rb") as f:
             text = f.read().decode(errors="surrogateescape")
     except OSError:
         return set()
     fields = (line.split(None, 5) for line in text.splitlines())
-    return {os.path.realpath(f[5].strip()) for f in fields if len(f) == 6 and f[5].startswith("/")}
+    return {f[5].strip() for f in fields if len(f) == 6 and f[5].startswith("/")}
+
+
+def _is_mapped(path):
+    """Whether the file at `path` is mapped into this process (under any name of it)."""
+    real = os.path.realpath(path)
+    names = {os.path.basename(path), os.path.basename(real)}
+    return any(os.path.realpath(p) == real for p in _mapped_files() if os.path.basename(p) in names)
 
 
 def threads():

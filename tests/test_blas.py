@@ -276,3 +276,17 @@ def test_a_library_someone_else_loaded_is_not_pmxs_to_set():
         print(lib.private, host.scipy_openblas_get_num_threads())
     """)
     assert out == ["False", "2"]
+
+
+def test_a_library_someone_else_loaded_through_a_symlink_is_seen(tmp_path):
+    """/proc/self/maps names the file the host opened by its real path: pmx compares real
+    paths, so a host that loaded the wheel's library through a link still keeps it."""
+    out = _run_python(f"""
+        import ctypes, os
+        from pmx.runtime import blas
+        link = os.path.join({str(tmp_path)!r}, "libblas_link.so")
+        os.symlink(blas._private_library_path(), link)
+        ctypes.CDLL(link)
+        print(blas.library().private)
+    """)
+    assert out == ["False"]
