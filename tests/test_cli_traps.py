@@ -288,3 +288,19 @@ def test_no_shape_advice_where_no_size_would_do(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "computes on tensor shapes" in err and "export with a fixed input shape" in err
     assert "--shape" not in err
+
+
+def test_the_advice_for_an_intermediate_output_works_when_followed(example_pmx, tmp_path):
+    """Asking a session for an intermediate tensor names --keep; compiled with it, the
+    tensor (here the residual block's relu, pnnx operand 7) is fetchable."""
+    from pmx.runtime import InferenceSession, PmxInputError
+
+    feed = {"in0": np.load(EXAMPLE / "cnn_input.npy")}
+    with pytest.raises(PmxInputError, match=r"compile with --keep NAME"):
+        InferenceSession(str(example_pmx)).run(["7"], feed)
+    kept = tmp_path / "kept.pmx"
+    assert main(["compile", str(EXAMPLE / "cnn.pnnx.param"), "-o", str(kept), "--keep", "7", "-q"]) == 0
+    sess = InferenceSession(str(kept))
+    relu, out = sess.run(["7", "out0"], feed)
+    assert relu.shape == (1, 16, 32, 32) and relu.min() >= 0 and relu.max() > 0
+    np.testing.assert_allclose(out, InferenceSession(str(example_pmx)).run(None, feed)[0], rtol=1e-5, atol=1e-6)
