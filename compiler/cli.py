@@ -275,7 +275,7 @@ def _dispatch(args):
     return dispatch_runtime(args)
 
 
-def main(argv=None, prog_args=None):
+def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "_parser"):

@@ -404,3 +404,22 @@ def test_help_documents_exit_codes():
     assert r.returncode == 0
     for line in ("0  success", "1  failure", "2  usage error", "3  internal error", "closed output pipe"):
         assert line in r.stdout
+
+
+def test_pmx_run_imports_neither_the_compiler_nor_flatbuffers(tmp_path):
+    """`pmx run` starts in the compiler package's CLI module, but loads only the runtime:
+    the compiler's passes and flatbuffers cost a command-line run tens of milliseconds."""
+    example = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example"
+    out = tmp_path / "m.pmx"
+    subprocess.run(
+        [sys.executable, "-m", "pmx.compiler", "compile", str(example / "cnn.pnnx.param"), "-o", str(out), "-q"],
+        check=True,
+    )
+    code = (
+        "import sys\n"
+        "from pmx.compiler.cli import main\n"
+        f"assert main(['run', {str(out)!r}, '--random', '--repeat', '0', '-q']) == 0\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'flatbuffers' or m.startswith('pmx.compiler.')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "['pmx.compiler.cli']"
