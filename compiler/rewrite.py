@@ -81,7 +81,7 @@ class Rule(NamedTuple):
     rewrite: Callable
 
 
-def rule(pattern):
+def rewrite_rule(pattern):
     """Decorator: the function is the rewrite of a rule matching `pattern`."""
     return lambda fn: Rule(fn.__name__, pattern, fn)
 

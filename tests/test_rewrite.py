@@ -15,7 +15,7 @@ from pmx.compiler.passes.fuse_elementwise import fuse_elementwise
 from pmx.compiler.passes.negate_silu_weights import NEGATED_SILU, negate_silu_weights
 from pmx.compiler.passes.pool_before_pointwise import pool_before_pointwise
 from pmx.compiler.plan import PassContext
-from pmx.compiler.rewrite import Any, In, Lit, N, V, apply_rules, match, rule
+from pmx.compiler.rewrite import Any, In, Lit, N, V, apply_rules, match, rewrite_rule
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxInternalError
 
@@ -109,7 +109,7 @@ def _chain(length):
     return build([x], nodes, [vs[-1]])
 
 
-@rule(
+@rewrite_rule(
     N(
         "elementwise",
         V(of=N("elementwise", name="p", expr=E.call("neg", X0)), sole=True),
@@ -125,14 +125,14 @@ def cancel_double_negation(graph, m):
     return True
 
 
-@rule(N("elementwise", expr=E.call("exp", X0), name="n"))
+@rewrite_rule(N("elementwise", expr=E.call("exp", X0), name="n"))
 def exp_to_log(graph, m):
     """Undone by log_to_exp: together they never end."""
     m.n.expr = E.call("log", X0)
     return True
 
 
-@rule(N("elementwise", expr=E.call("log", X0), name="n"))
+@rewrite_rule(N("elementwise", expr=E.call("log", X0), name="n"))
 def log_to_exp(graph, m):
     m.n.expr = E.call("exp", X0)
     return True
@@ -157,7 +157,7 @@ def test_driver_stops_a_rule_set_that_never_ends():
 def test_declined_rewrite_tries_the_next_match():
     seen = []
 
-    @rule(N("elementwise", expr=E.call("add", In("a"), In("b"))))
+    @rewrite_rule(N("elementwise", expr=E.call("add", In("a"), In("b"))))
     def record(graph, m):
         seen.append((m.a.name, m.b.name))  # and declines
 

@@ -6,13 +6,13 @@ same: the kernel computed x * scale + shift in the input's dtype too."""
 import numpy as np
 
 from pmx.compiler.ir import Value
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 from pmx.runtime import expr as E
 
 EXPR = E.call("add", E.call("mul", E.at(0), E.at(1)), E.at(2))
 
 
-@rule(
+@rewrite_rule(
     N(
         "batch_norm",
         V("x", kind="f"),

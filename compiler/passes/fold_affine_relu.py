@@ -15,7 +15,7 @@ is clipped |s| t and b cancel to within an ulp of b rather than exactly."""
 import numpy as np
 
 from pmx.compiler.ir import Value
-from pmx.compiler.rewrite import In, Lit, N, V, rule, rule_pass
+from pmx.compiler.rewrite import In, Lit, N, V, rewrite_rule, rule_pass
 from pmx.runtime import expr as E
 
 FOLDED = E.call("maximum", E.at(0), E.at(1))
@@ -103,7 +103,7 @@ def _threshold(scale, shift, dtype):
     return t if np.all(np.abs(t) <= np.finfo(dtype).max) else None
 
 
-@rule(
+@rewrite_rule(
     N(
         "elementwise",
         arity=3,

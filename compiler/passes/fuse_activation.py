@@ -4,13 +4,13 @@ epilogue expression (node.expr over @0) runs in place on the GEMM output while i
 cache (runtime/kernels/common.py). Chains fold in turn: conv -> mul(@0,2) -> relu gives
 maximum(mul(@0,2),0)."""
 
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 from pmx.runtime import expr as E
 
 GEMM_OPS = ("conv", "linear", "matmul")
 
 
-@rule(
+@rewrite_rule(
     N(
         "elementwise",
         V("x", N(GEMM_OPS, name="gemm"), sole=True, kind="f"),

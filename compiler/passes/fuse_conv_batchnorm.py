@@ -5,7 +5,7 @@ stored in the weight's dtype (new constants: the old weight may be shared)."""
 import numpy as np
 
 from pmx.compiler.ir import Value
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 
 # a conv or linear with constant weights and no epilogue yet
 GEMM = N(
@@ -18,7 +18,7 @@ GEMM = N(
 )
 
 
-@rule(
+@rewrite_rule(
     N(
         "batch_norm",
         V("x", GEMM, sole=True),

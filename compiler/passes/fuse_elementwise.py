@@ -4,7 +4,7 @@ once; a region stays within numexpr's operand limit and the parser's depth limit
 
 import numpy as np
 
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 from pmx.runtime import expr as E
 
 MAX_INPUTS = 16
@@ -47,7 +47,7 @@ def _merge(node, v):
     return inputs, tree
 
 
-@rule(N("elementwise", some=V("v", N("elementwise", name="p"), sole=True), name="node"))
+@rewrite_rule(N("elementwise", some=V("v", N("elementwise", name="p"), sole=True), name="node"))
 def merge_producer(graph, m):
     """Only where the producer's output has as many elements as the node's (a broadcast
     operand such as a squeeze-excite gate would be recomputed per element) and neither

@@ -6,14 +6,14 @@ weight and the bias negates each product and sum exactly (rounding is symmetric)
 import numpy as np
 
 from pmx.compiler.ir import Value
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 from pmx.runtime import expr as E
 
 SILU = E.call("mul", E.at(0), E.call("sigmoid", E.at(0)))
 NEGATED_SILU = E.call("div", E.at(0), E.call("sub", -1, E.call("exp", E.at(0))))
 
 
-@rule(
+@rewrite_rule(
     N(
         ("conv", "linear"),
         None,

@@ -5,7 +5,7 @@ pool a per-channel average with weights summing to 1 (ceil mode's partial window
 so they commute and the bias stays."""
 
 from pmx.compiler.ir import Value
-from pmx.compiler.rewrite import N, V, rule, rule_pass
+from pmx.compiler.rewrite import N, V, rewrite_rule, rule_pass
 
 
 def _pointwise(conv, m):
@@ -38,7 +38,7 @@ def _averaging(pool, m):
 CONV = N("conv", V("x"), V("w"), name="conv", where=_pointwise)
 
 
-@rule(N("avg_pool", V("y", CONV, sole=True), arity=1, name="pool", where=_averaging))
+@rewrite_rule(N("avg_pool", V("y", CONV, sole=True), arity=1, name="pool", where=_averaging))
 def pool_first(graph, m):
     """The conv's output has no other reader."""
     pool, conv, x, z = m.pool, m.conv, m.x, m.pool.outputs[0]
