@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.errors import PmxCompileError, PmxInternalError
 
 _ids = itertools.count()
 
@@ -132,6 +132,12 @@ class Graph:
     def keep(self, values):
         """`values` are the graph's kept tensors."""
         self.kept = list(values)
+
+    def set_order(self, nodes):
+        """The nodes run in the order of `nodes`, which must hold exactly the graph's nodes."""
+        if sorted(n.uid for n in nodes) != sorted(n.uid for n in self.nodes):
+            raise PmxInternalError("set_order: the new order does not hold exactly the graph's nodes")
+        self.nodes = list(nodes)
 
     def move_before(self, node: Node, other: Node):
         """node runs right before `other` (a rewrite that swapped their order)."""

@@ -735,11 +735,7 @@ def _drop_unused_packs(graph):
     if not removed:
         return
     for node in removed:
-        for v in node.inputs:
-            v.consumers = [c for c in v.consumers if c not in removed]
-        for v in node.outputs:
-            v.producer = None
-    graph.nodes = [n for n in graph.nodes if n not in removed]
+        graph.remove_node(node)
 
 
 def _load_weight(zf, op_name, wname, spec, where):

@@ -852,3 +852,21 @@ def test_numexpr_variant_runs_in_float32(check_model, exporter):
     variants = {n.variant for n in sess.model.nodes if n.op == "elementwise"}
     assert variants == {"numexpr"}
     assert all(g.dtype == np.float32 for g in got)
+
+
+def test_graph_edits_go_through_graph_methods():
+    """Producer and consumer links change only in compiler/ir.py (Graph's methods), so
+    they cannot disagree with the node list a pass or the rewrite engine reads."""
+    import pathlib
+    import re
+
+    compiler = pathlib.Path(__file__).resolve().parents[1] / "compiler"
+    direct = re.compile(r"\.nodes = |\.producer = |\.consumers\.(append|remove|insert)\(|\.consumers = ")
+    found = [
+        f"{path.relative_to(compiler)}:{n}"
+        for path in compiler.rglob("*.py")
+        if path.name != "ir.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if direct.search(line)
+    ]
+    assert found == []

@@ -259,9 +259,9 @@ def attach_index_expression(node, ctx, indices):
         c.input_names[i] = None
         c.attrs["index_list"] = indices
         for k, v in enumerate(node.inputs):
-            c.inputs.append(v)
-            c.input_names.append(f"expr@{k}")
-            v.consumers.append(c)
+            at = len(c.inputs)
+            ctx.graph.set_input(c, at, v)
+            c.input_names[at] = f"expr@{k}"
     return []
 
 

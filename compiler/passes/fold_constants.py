@@ -34,6 +34,5 @@ def fold_constants(graph, ctx) -> bool:
         graph.remove_node(node)
         for v, data in zip(node.outputs, outputs):
             v.data = data
-            v.producer = None
         changed = True
     return changed

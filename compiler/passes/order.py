@@ -33,5 +33,5 @@ def order(graph, ctx) -> bool:
         stuck = [n for n in graph.nodes if indegree[n.uid] > 0][:3]
         raise PmxCompileError(f"the graph has a cycle through {', '.join(n.where() for n in stuck)}")
     changed = [n.uid for n in result] != [n.uid for n in graph.nodes]
-    graph.nodes = result
+    graph.set_order(result)
     return changed
