@@ -660,16 +660,9 @@ def _overhead(sess, feed, repeat):
 def _print_profile(rows, overhead):
     """The profile table, names and shapes in full, then the run's time split from the
     same runs' pairing (runtime/overhead.py), so the parts never exceed the whole."""
+    total = sum(r["ms"] for r in rows) or 1.0
     table = [
-        (
-            r["op"],
-            r["variant"],
-            r["name"],
-            r["fused"],
-            " ".join("x".join(map(str, s)) for s in r["in_shapes"]),
-            f"{r['ms']:.3f}",
-            f"{100 * r['ms'] / (sum(x['ms'] for x in rows) or 1.0):.1f}%",
-        )
+        (*_node_cells(r), _shapes_text(r["in_shapes"], " "), f"{r['ms']:.3f}", f"{100 * r['ms'] / total:.1f}%")
         for r in rows
     ]
     print()
@@ -679,6 +672,15 @@ def _print_profile(rows, overhead):
         f"framework overhead {100 * overhead.overhead:.1f}% (feed checks, copies in and out, the loop). "
         f"Node times are each node's median over the runs."
     )
+
+
+def _node_cells(entry):
+    """A profile row's or node table entry's op, kernel variant, name and fused epilogue."""
+    return entry["op"], entry["variant"], entry["name"], entry["fused"]
+
+
+def _shapes_text(shapes, separator):
+    return separator.join("x".join(map(str, s)) for s in shapes)
 
 
 def _print_table(header, rows, right=()):
@@ -777,17 +779,7 @@ def _inspect(args):
         f"unplanned sum {info['naive_bytes']} B"
     )
     print()
-    rows = [
-        (
-            j,
-            nd["op"],
-            nd["variant"],
-            nd["name"],
-            nd["fused"],
-            ", ".join("x".join(map(str, s)) for s in nd["planned_shapes"]),
-        )
-        for j, nd in enumerate(info["node_table"])
-    ]
+    rows = [(j, *_node_cells(nd), _shapes_text(nd["planned_shapes"], ", ")) for j, nd in enumerate(info["node_table"])]
     _print_table(("#", "op", "variant", "name", "fused", "output shapes"), rows, right=(0,))
     return 0
 
