@@ -43,28 +43,8 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             padded rows: see _Flat ("flat": the input flattened per channel, taps reading
             across a row's end zeroed in the columns, the GEMVs writing the output directly).
             This replaced a per-tap multiply-add (two ufunc passes per tap over the wide
-            output): a GEMV reads each column once and accumulates in registers. ms per
-            call, float32, one image, bias, no activation, interleaved medians of 9
-            (2-core AMD EPYC VM shared with other jobs, load ~1):
-
-                                     1 thread                 2 threads
-            C x H x W    k  s   per-tap  gemv   gemm     per-tap  gemv   gemm
-            240x14x14    5  1    0.90    0.37   0.78      0.94    0.37   0.79
-            576x7x7      5  1    0.78    0.43   0.89      0.86    0.37   0.91
-            1152x7x7     5  1    1.63    0.87   1.80      1.44    0.69   1.95
-            672x14x14    5  1    2.83    1.09   2.88      1.69    0.75   3.24
-            240x28x28    5  2    1.00    0.53   0.94      0.90    0.44   0.89
-            144x56x56    5  2    2.13    1.07   1.80      1.34    0.67   1.89
-            384x14x14    3  1    0.59    0.31   0.51      0.36    0.20   0.51
-            960x7x7      3  1    0.49    0.34   0.61      0.48    0.31   0.61
-            192x28x28    3  1    0.97    0.50   0.69      0.87    0.44   0.70
-            144x56x56    3  1    1.39    1.18   1.86      0.86    0.67   1.90
-            32x112x112   3  1    1.12    1.03   1.31      0.65    0.54   1.34
-            16x112x112   3  1    0.55    0.50   0.50      0.49    0.41   0.50
-            96x112x112   3  2    1.54    1.46   2.17      0.88    0.82   2.30
-
-            Large maps gain least: there the input and column copies run at memory
-            speed (96x112x112 stride 2: ~40% of the time is the phase split).
+            output): a GEMV reads each column once and accumulates in registers
+            (docs/performance.md, "Kernel choice: the tables").
 """
 
 import math
