@@ -83,3 +83,30 @@ def rel_error(a, b):
     b = np.asarray(b, np.float64)
     scale = max(np.abs(b).max(), 1e-12) if b.size else 1.0
     return float(np.abs(a - b).max() / scale) if b.size else 0.0
+
+
+# The slow tier: modules whose tests export whole torch modules through pnnx, start Ray or
+# Dask clusters, servers or worker processes, or build wheels. `pytest -m "not slow"` runs
+# the rest (kernels, IR, rules, loader, CLI on small files); `pytest` runs both.
+SLOW_MODULES = {
+    "test_batch_engines",  # Ray and Dask clusters
+    "test_concurrency",  # worker processes
+    "test_dynamic_reshape",
+    "test_dynamic_shapes",
+    "test_e2e_cnn_blocks",
+    "test_e2e_indexing",
+    "test_e2e_seq_dense",
+    "test_e2e_transformers",
+    "test_from_torch",
+    "test_graph_forms",
+    "test_onnx_through_pnnx",
+    "test_packaging",  # wheels
+    "test_serve",  # servers
+    "test_threads_host",  # busy-host subprocesses
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
