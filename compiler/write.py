@@ -20,7 +20,8 @@ from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError, PmxFormatError, PmxInternalError
-from pmx.runtime.load import MAX_RANK, open_model
+from pmx.runtime.header import MAX_RANK
+from pmx.runtime.load import open_model
 from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
 

@@ -50,7 +50,7 @@ def _fail(path, msg):
 
 
 def verify_structure(model, pre, max_arena_bytes, parse_expression):
-    """Every structural check of `model` (a load.Model) in the order the module docstring
+    """Every structural check of `model` (a header.Model) in the order the module docstring
     gives; `pre` is its preamble, parse_expression(text, num_inputs) -> (tree, expanded
     size) the reader's."""
     if model.arena_size > max_arena_bytes:

@@ -25,9 +25,10 @@ from pmx.compiler.driver import compile_graph, compile_model
 from pmx.compiler.ir import Graph, Node, Value
 from pmx.compiler.options import CompileOptions
 from pmx.compiler.write import write
-from pmx.runtime import InferenceSession, PmxError, PmxFormatError, load, verify
+from pmx.runtime import InferenceSession, PmxError, PmxFormatError, flatbuffer_reader, load, verify
 from pmx.runtime import expr as E
 from pmx.runtime import fileformat as ff
+from pmx.runtime import header as pmx_header
 from pmx.runtime.dtypes import ENUM_TO_NUMPY
 from pmx.schema import pmx_generated as fb
 
@@ -131,7 +132,7 @@ def reference(header):
     ):
         dim_min[i], dim_max[i] = lo, hi
     tensors = [
-        load.TensorInfo(
+        pmx_header.TensorInfo(
             text[(ends[i - 1] if i else 0) : ends[i]],
             T.Kinds(i),
             ENUM_TO_NUMPY[T.Dtypes(i)],
@@ -158,7 +159,7 @@ def reference(header):
     inputs = _take(_vector(N, "Inputs"), [e - (input_ends[j - 1] if j else 0) for j, e in enumerate(input_ends)])
     outputs = _take(_vector(N, "Outputs"), [e - (output_ends[j - 1] if j else 0) for j, e in enumerate(output_ends)])
     nodes = [
-        load.NodeInfo(
+        pmx_header.NodeInfo(
             strings[N.Ops(j)],
             text[(ends[j - 1] if j else 0) : ends[j]],
             inputs[j],
@@ -197,7 +198,7 @@ def assert_same(model, ref):
         got = getattr(model, key)
         assert got == want, key
     for got, want in zip(model.tensors, ref["tensors"]):
-        for f in load.TensorInfo.__slots__:
+        for f in pmx_header.TensorInfo.__slots__:
             assert type(getattr(got, f)) is type(getattr(want, f)), (f, got, want)
     for got, want in zip(model.nodes, ref["nodes"]):
         # 1 == 1.0 == True: compare the types too (a shape rule may not treat them alike)
@@ -212,7 +213,7 @@ def assert_same(model, ref):
 def test_reader_matches_generated_accessors(files, name):
     data = files[name]
     pre, header = header_of(data)
-    model = load._read_header(
+    model = pmx_header.read_header(
         "x.pmx", memoryview(data)[ff.PREAMBLE_SIZE : ff.PREAMBLE_SIZE + pre["header_size"]], pre, len(data)
     )
     ref = reference(header)
@@ -250,7 +251,7 @@ def test_equal_parts_are_written_once_and_read_back_exactly(tmp_path):
     write(g, plan, options, str(path), check_loads=False)  # the verifier refuses it (docstring)
     data = path.read_bytes()
     pre, header = header_of(data)
-    model = load._read_header(str(path), header, pre, len(data))
+    model = pmx_header.read_header(str(path), header, pre, len(data))
     assert_same(model, reference(header))
     got = {n.name: n.attrs for n in model.nodes}
     for i, v in enumerate(SHARED_ATTR_VALUES):
@@ -281,12 +282,15 @@ def test_overlapping_fields_read_like_the_generated_code(files):
     data = bytearray(files["cnn"])
     header, pos = _tensors_table(bytes(data))
     vt = ff.PREAMBLE_SIZE + _table_vtable(header, pos)
-    slot_of = {name: load._TENSORS.fields[getattr(load._TENSORS, name)].slot for name in ("data_offsets", "data_sizes")}
+    slot_of = {
+        name: pmx_header._TENSORS.fields[getattr(pmx_header._TENSORS, name)].slot
+        for name in ("data_offsets", "data_sizes")
+    }
     entry = struct.unpack_from("<H", data, vt + slot_of["data_offsets"])[0]
     struct.pack_into("<H", data, vt + slot_of["data_sizes"], entry)  # data_sizes now reads data_offsets' vector
     data = bytes(data)
     pre, header = header_of(data)
-    model = load._read_header("x.pmx", header, pre, len(data))
+    model = pmx_header.read_header("x.pmx", header, pre, len(data))
     assert_same(model, reference(header))
     assert all(t.data_size == t.data_offset for t in model.tensors)
     assert any(t.data_offset > 0 for t in model.tensors)
@@ -299,14 +303,15 @@ def test_overlapping_fields_read_like_the_generated_code(files):
     assert m.PassStatsLength() > 1
     vt = ff.PREAMBLE_SIZE + _table_vtable(header, m.PassStats(0)._tab.Pos)
     slot_of = {
-        name: load._PASS_STAT.fields[getattr(load._PASS_STAT, name)].slot for name in ("nodes_before", "nodes_after")
+        name: pmx_header._PASS_STAT.fields[getattr(pmx_header._PASS_STAT, name)].slot
+        for name in ("nodes_before", "nodes_after")
     }
     entry = struct.unpack_from("<H", data, vt + slot_of["nodes_before"])[0]
     struct.pack_into("<H", data, vt + slot_of["nodes_after"], entry)
     data = bytes(data)
     pre, header = header_of(data)
-    load._READERS.clear()
-    model = load._read_header("x.pmx", header, pre, len(data))
+    flatbuffer_reader.READERS.clear()
+    model = pmx_header.read_header("x.pmx", header, pre, len(data))
     assert_same(model, reference(header))
     assert any(before == after for _, before, after in model.pass_stats)
 
@@ -350,7 +355,7 @@ def test_damaged_headers_name_what_is_wrong(files, tmp_path):
     data = files["cnn"]
     header, pos = _tensors_table(data)
     size = len(header)
-    T, N = load._TENSORS, load._NODES
+    T, N = pmx_header._TENSORS, pmx_header._NODES
     name_at, dims_at = _field_target(header, pos, T, "names"), _field_target(header, pos, T, "dims")
     ends_at = _field_target(header, pos, T, "name_ends")
     alias_of_at = _field_target(header, pos, T, "alias_of")
@@ -438,10 +443,10 @@ def test_ranks_above_max_rank_are_refused(files, tmp_path):
     """A rank above MAX_RANK names the tensor and its rank, before the dims are cut."""
     data = files["cnn"]
     header, pos = _tensors_table(data)
-    ranks_at = _field_target(header, pos, load._TENSORS, "ranks")
-    too_long = load.MAX_RANK + 1
+    ranks_at = _field_target(header, pos, pmx_header._TENSORS, "ranks")
+    too_long = pmx_header.MAX_RANK + 1
     bad = _patch(data, ranks_at + 4 + 3, "<B", too_long)
-    with pytest.raises(PmxFormatError, match=f"tensor 3 has rank {too_long}, more than {load.MAX_RANK}"):
+    with pytest.raises(PmxFormatError, match=f"tensor 3 has rank {too_long}, more than {pmx_header.MAX_RANK}"):
         InferenceSession(str(_write(tmp_path, bad)))
 
 
@@ -557,14 +562,14 @@ def test_shape_rule_cache_checks_nodes_that_differ_only_in_attributes(cnn_model)
     m = cnn_model
     j = next(j for j, node in enumerate(m.nodes) if node.op == "conv")
     conv = m.nodes[j]
-    load.check_shape_rules(_with_nodes(m, m.nodes + [conv]))  # the same node twice: fine
+    verify.check_shape_rules(_with_nodes(m, m.nodes + [conv]))  # the same node twice: fine
     stride = tuple(s + 1 for s in conv.attrs["stride"])
     other = conv.replace(attrs={**conv.attrs, "stride": stride}, name="other")
     with pytest.raises(PmxFormatError, match=r"'other'.*give output shapes"):
-        load.check_shape_rules(_with_nodes(m, m.nodes + [other]))
+        verify.check_shape_rules(_with_nodes(m, m.nodes + [other]))
     # and the other order: the damaged node first, the good one reusing nothing of it
     with pytest.raises(PmxFormatError, match=r"'other'.*give output shapes"):
-        load.check_shape_rules(_with_nodes(m, m.nodes[:j] + [other] + m.nodes[j:]))
+        verify.check_shape_rules(_with_nodes(m, m.nodes[:j] + [other] + m.nodes[j:]))
 
 
 def test_loaded_constants_are_read_only_views_of_the_map(cnn_model):
@@ -620,7 +625,7 @@ def _with_conv_stride(data, stride):
             a = attrs.Attrs(k)
             if a.Name() == b"stride":
                 pos = a._tab.Pos
-                slot = load._ATTR.fields[load._ATTR.ints].slot
+                slot = pmx_header._ATTR.fields[pmx_header._ATTR.ints].slot
                 at = pos + struct.unpack_from("<H", header, _table_vtable(header, pos) + slot)[0]
                 first = at + struct.unpack_from("<I", header, at)[0] + 4
                 return _patch(data, first, "<q", stride), names[(ends[j - 1] if j else 0) : ends[j]]

@@ -18,8 +18,10 @@ from pmx.runtime import (
     PmxInputError,
     PmxInternalError,
     SessionOptions,
+    flatbuffer_reader,
 )
 from pmx.runtime import fileformat as ff
+from pmx.runtime import header as pmx_header
 from pmx.schema import pmx_generated as fb
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -119,15 +121,14 @@ def test_file_without_metadata_loads_with_an_empty_map(models):
 def test_a_runtime_that_predates_metadata_reads_a_file_with_it(models, monkeypatch):
     """A reader that knows no metadata field (the loader's Model layout without it, as it
     was) loads and runs a file that has one: the field is optional and last."""
-    from pmx.runtime import load
 
     plain, meta = models
     pre, header = _header(meta.read_bytes())
     assert fb.Model.GetRootAs(header, 0).MetadataLength() == len(META)
     assert pre["version"] == _header(plain.read_bytes())[0]["version"]  # no format version bump
-    old = load._Layout("Model", **{k: v for k, v in load.MODEL_ACCESSORS.items() if k != "metadata"})
-    monkeypatch.setattr(load, "_MODEL", old)
-    monkeypatch.setattr(load, "_read_metadata", lambda r, m: {})
+    old = flatbuffer_reader.Layout("Model", **{k: v for k, v in pmx_header.MODEL_ACCESSORS.items() if k != "metadata"})
+    monkeypatch.setattr(pmx_header, "_MODEL", old)
+    monkeypatch.setattr(pmx_header, "_read_metadata", lambda r, m: {})
     [y] = InferenceSession(str(meta)).run(None, {"in0": X})
     assert _close_to_torch(y)
 

@@ -44,8 +44,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pmx.compiler.driver import compile_model
-from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError
+from pmx.runtime import InferenceSession, PmxError, PmxFormatError, PmxResourceError, flatbuffer_reader
 from pmx.runtime import fileformat as ff
+from pmx.runtime import header as pmx_header
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "tools" / "example" / "cnn"
@@ -192,7 +193,7 @@ def region_boundaries(data: bytes):
     d0 = pre["data_offset"]
     points = {0, 8, ff.PREAMBLE_SIZE, ff.PREAMBLE_SIZE + pre["header_size"], d0, len(data)}
     path = "/dev/null"
-    from pmx.runtime.load import _read_header
+    from pmx.runtime.header import read_header as _read_header
 
     header = memoryview(data)[ff.PREAMBLE_SIZE : ff.PREAMBLE_SIZE + pre["header_size"]]
     model = _read_header(path, header, pre, len(data))
@@ -581,7 +582,6 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     size)."""
     import flatbuffers
 
-    from pmx.runtime import load
     from pmx.schema import pmx_generated as fb
 
     b = flatbuffers.Builder(1 << 20)
@@ -598,10 +598,10 @@ def test_repeated_pointers_cannot_amplify_reads(tmp_path):
     assert msg is not None and "nodes column attr_sets has 1 entries" in msg, msg
     assert peak < AMPLIFIED_BYTES, f"loading took {peak} bytes at its peak"
     _record("hostile", msg)
-    r = load._Reader("amp", data)
-    m = r.tables(load._MODEL, [load._UOFFSET(data, 0)[0]], "model")
-    [positions] = r.targets(m, load._MODEL.attr_sets, "attribute sets")
-    sets = load._read_attr_sets(r, positions)
+    r = flatbuffer_reader.Reader("amp", data)
+    m = r.tables(pmx_header._MODEL, [flatbuffer_reader.UOFFSET(data, 0)[0]], "model")
+    [positions] = r.targets(m, pmx_header._MODEL.attr_sets, "attribute sets")
+    sets = pmx_header._read_attr_sets(r, positions)
     assert len(sets) == 20000 and len({id(name) for d in sets for name in d}) == 1  # one 200 kB string
 
 
