@@ -5,7 +5,7 @@ PatternMatcher and graph_rewrite, and pnnx's GraphRewriterPass).
 A node pattern `N` gives the op (or ops), patterns for the node's inputs, output and
 expression tree, and a guard. A value pattern `V` carries the guards every rule needs as
 flags (constant, dtype kind, sole reader, not a graph output or kept) and optionally the
-pattern of the value's producer. An expression pattern is a tree (runtime/expr.py) whose
+pattern of the value's producer. An expression pattern is a tree (runtime/expr/tree.py) whose
 leaves may capture an input (`In`), any subtree (`Any`) or a literal of given types
 (`Lit`); a plain literal matches by type and value (1, 1.0 and True are different
 literals), and calls of commutative functions are tried with their operands both ways.

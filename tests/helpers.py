@@ -88,7 +88,7 @@ def compare_with_torch(prefix, module, inputs, out_path, tol=1e-4, **compile_kwa
 
 class KernelNode:
     """Stand-in for a node when calling a kernel directly (kernel property tests). `expr`
-    may be given as text (the grammar of runtime/expr.py) for readability: nodes hold trees."""
+    may be given as text (the grammar of runtime/expr/tree.py) for readability: nodes hold trees."""
 
     def __init__(self, op, attrs=None, expr="", variant="", name="test"):
         from pmx.runtime import expr as E

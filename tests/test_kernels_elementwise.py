@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 from pmx.compiler.canon import RULES, Context
 from pmx.compiler.ir import Node, Value
 from pmx.runtime import expr as E
+from pmx.runtime.expr.dtypes import _keeps_float_dtype, _result_dtype
+from pmx.runtime.expr.gelu import _gelu_operand
+from pmx.runtime.expr.numpy_backend import _numpy_plan
 
 VARIANTS = ("numexpr", "numpy")
 TOL = 1e-5
@@ -431,7 +434,7 @@ def test_special_forms_are_reached_from_canonical_spelling(op, kind, fn):
     expr, _ = canon(op, {}, x)
     tree = expr
     if kind == "gelu":
-        assert E._gelu_operand(tree, [x]) is x
+        assert _gelu_operand(tree, [x]) is x
     else:
         assert E.desugar(tree) == ("div", ("@", 0), ("add", ("exp", ("neg", ("@", 0))), ("#", 1.0)))
 
@@ -574,12 +577,12 @@ def test_numpy_plan_is_shared_but_temporaries_are_not(monkeypatch):
     xs = [x.copy() for x in originals]
     outs = xs
     tree = E.parse("mul(@0,sigmoid(@0))", 1)
-    E._numpy_plan.cache_clear()
+    _numpy_plan.cache_clear()
     made, empty = [], np.empty
     monkeypatch.setattr(np, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
     runs = [E.compile_numpy(tree, [x], out) for x, out in zip(xs, outs)]
     monkeypatch.undo()
-    assert E._numpy_plan.cache_info().hits == 1, "the second callable did not reuse the plan"
+    assert _numpy_plan.cache_info().hits == 1, "the second callable did not reuse the plan"
     temporaries = [a for a in made if len(a) == 2 and tuple(np.atleast_1d(a[0])) == xs[0].shape]
     assert len(temporaries) == 2, f"{len(temporaries)} temporaries for two callables"
     steps = [next(c.cell_contents for c in run.__closure__ if isinstance(c.cell_contents, list)) for run in runs]
@@ -626,9 +629,9 @@ def test_result_dtype_without_evaluation_agrees_with_evaluation(data, num_inputs
     tree = data.draw(_trees(num_inputs))
     dtypes = [np.dtype(dtypes[0])] * num_inputs if same else [np.dtype(d) for d in dtypes[:num_inputs]]
     try:
-        want = E._result_dtype(tree, tuple(dtypes))
+        want = _result_dtype(tree, tuple(dtypes))
     except Exception:  # trees numpy refuses (logic on floats, overflowing ints)
-        assert not (dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and E._keeps_float_dtype(tree))
+        assert not (dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and _keeps_float_dtype(tree))
         return
     assert E.result_dtype(tree, dtypes) == want, (tree, dtypes)
 

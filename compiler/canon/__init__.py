@@ -150,7 +150,7 @@ def weight(node, key, required=True):
 
 def make(node, op, inputs, attrs=None, outputs=None, expr=None, name=None):
     """A node replacing `node` (its outputs unless given); expr: an expression tree
-    (runtime/expr.py at() and call()) or None."""
+    (runtime/expr/tree.py at() and call()) or None."""
     return Node(
         op,
         name or node.name,

@@ -1,4 +1,4 @@
-"""Activations -> elementwise expressions over @0 (runtime/expr.py grammar).
+"""Activations -> elementwise expressions over @0 (runtime/expr/tree.py grammar).
 
 Every activation becomes an `elementwise` node, so fuse_elementwise and fuse_activation
 treat them uniformly; torch's exact formulas are kept (GELU uses erfc, hardswish is

@@ -1,7 +1,7 @@
 """Elementwise expressions (every activation and arithmetic op canonicalizes to one).
 
 Canonical op `elementwise`: any number of inputs (broadcast), node.expr holds the
-expression (runtime/expr.py grammar), node.variant "numexpr" or "numpy" says which
+expression (runtime/expr/tree.py grammar), node.variant "numexpr" or "numpy" says which
 backend runs it; the compiler chooses per node. Either backend splits big tensors into
 one slab per thread along the first axis long enough (each slab is the same expression
 over slices of the output and of every input that is not broadcast along that axis; a
