@@ -18,7 +18,6 @@ import tempfile
 
 import numpy as np
 
-from pmx.compiler.driver import compile_model
 from pmx.runtime.errors import PmxCompileError, PmxInputError
 
 # |pmx - torch| <= atol + rtol * max |torch| per output, as the tests compare
@@ -48,6 +47,8 @@ def from_torch(
     export), customop, moduleop, optlevel, fp16, device. pnnx's converter prints a long
     log; it is kept quiet unless `verbose`, and its last lines are part of the error when
     it writes no graph."""
+    from pmx.compiler.driver import compile_model  # here: `import pmx.compiler` stays light
+
     torch, pnnx = _torch_and_pnnx()
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     module = module.eval()

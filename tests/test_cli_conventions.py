@@ -3,6 +3,7 @@ interpreter under test (or `python -m pmx.compiler`, the same command) in a subp
 Exit status 0 ok, 1 failure, 2 usage, 3 internal error; --version; a closed pipe ends
 quietly; --json parses; --expect, --save, --batch-dir; errors that say what to do."""
 
+import ast
 import json
 import os
 import pathlib
@@ -422,4 +423,5 @@ def test_pmx_run_imports_neither_the_compiler_nor_flatbuffers(tmp_path):
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'flatbuffers' or m.startswith('pmx.compiler.')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "['pmx.compiler.cli']"
+    light = {"pmx.compiler.cli", "pmx.compiler.from_torch"}  # no driver, passes or writer
+    assert set(ast.literal_eval(result.stdout)) <= light
