@@ -622,3 +622,25 @@ def test_no_placeholder_fitting_says_to_give_a_shape(tmp_path):
         _compile_without_shape(prefix, tmp_path / "p.pmx")
     _compile_without_shape(prefix, tmp_path / "p.pmx", plan_shapes={"in0": (1, 1, 600, 6)})
     _check(InferenceSession(str(tmp_path / "p.pmx")), m, torch.rand(1, 1, 612, 7))
+
+
+def test_a_requested_dim_a_node_cannot_follow_names_the_node(tmp_path):
+    """--dynamic in0:1 on a linear layer's features: the compile fails naming the layer and
+    its .param line, and without the request the batch alone stays dynamic."""
+    from ziputil import write_bin
+
+    param = tmp_path / "m.pnnx.param"
+    param.write_text(
+        "7767517\n3 2\n"
+        "pnnx.Input               pnnx_input_0             0 1 0 #0=(1,8)f32\n"
+        "nn.Linear                fc                       1 1 0 1 bias=True in_features=8 out_features=4 "
+        "@bias=(4)f32 @weight=(4,8)f32 #0=(1,8)f32 #1=(1,4)f32\n"
+        "pnnx.Output              pnnx_output_0            1 0 1 #1=(1,4)f32\n"
+    )
+    write_bin(
+        str(tmp_path / "m.pnnx.bin"), {"fc.weight": np.ones((4, 8), np.float32), "fc.bias": np.zeros(4, np.float32)}
+    )
+    with pytest.raises(PmxCompileError, match=r"dynamic dims in0:1 cannot change: .*'fc' \(line 4\)"):
+        compile_model(str(param), output=str(tmp_path / "m.pmx"), dynamic="in0:1")
+    result = compile_model(str(param), output=str(tmp_path / "m.pmx"))
+    assert result.dynamic == {"in0": [(1, -1), (8, 8)]}

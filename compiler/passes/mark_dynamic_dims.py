@@ -22,6 +22,8 @@ Results, in the compile's context: ctx.dynamic = {input name: [(min, max) per di
 ctx.fixed_reasons = [text, ...] for the compile summary.
 """
 
+import copy
+
 import numpy as np
 
 from pmx.runtime.dim_ranges import UNBOUNDED
@@ -207,18 +209,18 @@ def mark_dynamic_dims(graph, ctx) -> bool:
     failure, shapes = _probe(graph, req)
     if failure is not None and auto and explicit_req:
         # the batch the user did not ask for may be what cannot change: try without it
-        node, why = failure
+        where, why = failure
         names = ", ".join(f"{v.name} dim 0" for v in graph.inputs if v.uid in auto)
-        ctx.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
+        ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         req = explicit_req
         failure, shapes = _probe(graph, req)
     if failure is not None:
-        node, why = failure
+        where, why = failure
         if explicit:
             names = ", ".join(f"{v.name}:{d}" for v in graph.inputs for d in req.get(v.uid, {}))
-            raise PmxCompileError(f"dynamic dims {names} cannot change: {node.where()} {why}")
+            raise PmxCompileError(f"dynamic dims {names} cannot change: {where} {why}")
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
-        ctx.fixed_reasons.append(f"{names} fixed: {node.where()} {why}")
+        ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         return False
     for v in graph.inputs:
         if v.uid in req:
@@ -246,8 +248,8 @@ def _output_ranges(graph, req, shapes, out):
 
 def _probe(graph, req):
     """Run shape rules with the requested dims changed; rewrite reshapes on the way.
-    Returns (None, probe shapes by value uid), or ((node, reason), None) for the first
-    node that rejects the change."""
+    Returns (None, probe shapes by value uid), or ((where, reason), None) for the first
+    node (or input range) that rejects the change."""
     shapes = {}
     for v in graph.inputs:
         dims = req.get(v.uid)
@@ -257,7 +259,7 @@ def _probe(graph, req):
         for d, rng in dims.items():
             p = _probe_value(v.shape[d], rng)
             if p is None:
-                return (_FakeNode(v.name), f"range {rng} of dim {d} leaves no other size to allow"), None
+                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None
             probe[d] = p
         shapes[v.uid] = tuple(probe)
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
@@ -274,7 +276,7 @@ def _probe(graph, req):
             new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
             if new is None:
                 return (
-                    node,
+                    node.where(),
                     f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}",
                 ), None
             rewrites[node.uid] = (node, {"dyn_shape": new})
@@ -286,7 +288,7 @@ def _probe(graph, req):
         except Exception as e:  # a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
-                return (node, f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
+                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
         for out, (shape, _) in zip(node.outputs, results):
             shapes[out.uid] = shape
     for node, attrs in rewrites.values():
@@ -307,7 +309,8 @@ def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
         return None
     key, value = _CONSTANT_FOLLOWS[node.op]
     attrs = dict(node.attrs, **{key: value})
-    probe_node = _AttrNode(node, attrs)
+    probe_node = copy.copy(node)  # detached: the graph's links stay with `node`
+    probe_node.attrs = attrs
     try:
         results = output_shapes(probe_node, in_probe, dtypes)
         if output_shapes(probe_node, [None if x is None else x.shape for x in ins], dtypes)[0][0] != tuple(
@@ -318,16 +321,3 @@ def _broadcast_constants(node, ins, in_probe, dtypes, rewrites):
         return None
     rewrites[node.uid] = (node, {key: value})
     return results
-
-
-class _AttrNode:
-    def __init__(self, node, attrs):
-        self.op, self.name, self.attrs, self.expr, self.variant = node.op, node.name, attrs, node.expr, node.variant
-
-
-class _FakeNode:
-    def __init__(self, name):
-        self.name = name
-
-    def where(self):
-        return f"input {self.name}"
