@@ -644,3 +644,59 @@ def test_a_requested_dim_a_node_cannot_follow_names_the_node(tmp_path):
         compile_model(str(param), output=str(tmp_path / "m.pmx"), dynamic="in0:1")
     result = compile_model(str(param), output=str(tmp_path / "m.pmx"))
     assert result.dynamic == {"in0": [(1, -1), (8, 8)]}
+
+
+def test_a_map_smaller_than_a_conv_kernel_is_refused_naming_the_conv(tmp_path):
+    """'?' spatial dims take any size 1..; a size leaving a conv no output position (torch
+    refuses it too) is a PmxInputError naming the conv, not an internal error at bind."""
+    from ziputil import write_bin
+
+    param = tmp_path / "m.pnnx.param"
+    param.write_text(
+        "7767517\n3 2\n"
+        "pnnx.Input               pnnx_input_0             0 1 0 #0=(1,3,?,?)f32\n"
+        "nn.Conv2d                conv                     1 1 0 1 bias=True dilation=(1,1) groups=1 "
+        "in_channels=3 kernel_size=(3,3) out_channels=8 padding=(0,0) padding_mode=zeros stride=(1,1) "
+        "@bias=(8)f32 @weight=(8,3,3,3)f32 #0=(1,3,?,?)f32 #1=(1,8,?,?)f32\n"
+        "pnnx.Output              pnnx_output_0            1 0 1 #1=(1,8,?,?)f32\n"
+    )
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((8, 3, 3, 3)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    write_bin(str(tmp_path / "m.pnnx.bin"), {"conv.weight": w, "conv.bias": b})
+    compile_model(str(param), output=str(tmp_path / "m.pmx"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    x = rng.standard_normal((1, 3, 5, 4)).astype(np.float32)
+    (got,) = sess.run(None, {"in0": x})
+    want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(PmxInputError, match=r"'conv'.*too small for kernel \(3, 3\)"):
+        sess.run(None, {"in0": np.zeros((1, 3, 2, 5), np.float32)})
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "nn.MaxPool2d             pool                     1 1 0 1 ceil_mode=False dilation=(1,1) kernel_size=(3,3) "
+        "padding=(0,0) return_indices=False stride=(2,2) #0=(1,3,?,?)f32 #1=(1,3,?,?)f32",
+        "nn.AvgPool2d             pool                     1 1 0 1 ceil_mode=False count_include_pad=True "
+        "divisor_override=None kernel_size=(3,3) padding=(0,0) stride=(2,2) #0=(1,3,?,?)f32 #1=(1,3,?,?)f32",
+    ],
+)
+def test_a_map_smaller_than_a_pool_window_is_refused_as_torch_refuses_it(tmp_path, line):
+    """torch raises "Output size is too small" where a pool has no output position; pmx
+    returned an empty array."""
+    from ziputil import write_bin
+
+    (tmp_path / "m.pnnx.param").write_text(
+        "7767517\n3 2\npnnx.Input               pnnx_input_0             0 1 0 #0=(1,3,?,?)f32\n"
+        f"{line}\npnnx.Output              pnnx_output_0            1 0 1 #1=(1,3,?,?)f32\n"
+    )
+    write_bin(str(tmp_path / "m.pnnx.bin"), {})
+    compile_model(str(tmp_path / "m.pnnx.param"), output=str(tmp_path / "m.pmx"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    x = torch.rand(1, 3, 2, 2)
+    with pytest.raises(RuntimeError):
+        (F.max_pool2d if "Max" in line else F.avg_pool2d)(x, 3, 2)
+    with pytest.raises(PmxInputError, match=r"'pool'.*too small for window \(3, 3\)"):
+        sess.run(None, {"in0": x.numpy()})
+    assert sess.run(None, {"in0": np.zeros((1, 3, 3, 3), np.float32)})[0].shape == (1, 3, 1, 1)

@@ -503,6 +503,14 @@ def conv_out_size(n, k, s, d, pb, pe):
     return (n + pb + pe - d * (k - 1) - 1) // s + 1
 
 
+def expect_output_positions(x, spatial, window):
+    """Raise ValueError where a window op (conv or pool over input shape `x`) would have no
+    output position along some spatial dim, as torch refuses it. (conv_transpose is left
+    out: torch gives some of its empty outputs and refuses others.)"""
+    if min(spatial, default=1) < 1:
+        raise ValueError(f"input {tuple(x)} is too small for {window}: output positions {tuple(spatial)}")
+
+
 # --- phase-split padded input ----------------------------------------------------------
 
 

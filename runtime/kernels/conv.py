@@ -65,6 +65,7 @@ from pmx.runtime.kernels.common import (
     copy_strided,
     epilogue,
     expect_operand,
+    expect_output_positions,
     fill_border,
     gemm,
     gemm_node_threads,
@@ -114,6 +115,9 @@ def conv_infer(node, shapes, dtypes):
     spatial = tuple(
         conv_out_size(x[2 + i], w[2 + i], a["stride"][i], a["dilation"][i], a["pads"][i], a["pads"][nd + i])
         for i in range(nd)
+    )
+    expect_output_positions(
+        x, spatial, f"kernel {tuple(w[2:])} (dilation {tuple(a['dilation'])}, pads {tuple(a['pads'])})"
     )
     return [((x[0], w[0]) + spatial, dtypes[0])]
 

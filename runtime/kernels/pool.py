@@ -17,6 +17,7 @@ from pmx.runtime.kernels.common import (
     chain,
     copy_rows,
     copy_strided,
+    expect_output_positions,
     padded_buffer,
     pairs_castable,
     phase_buffer,
@@ -72,6 +73,7 @@ def pool_infer(node, shapes, dtypes):
     )
     if np.dtype(dtypes[0]).kind == "b":
         raise ValueError(f"input of dtype bool: {node.op} takes numbers (torch refuses bool too)")
+    expect_output_positions(x, spatial, f"window {tuple(a['kernel'])} (pads {tuple(a['pads'])})")
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
 
 
