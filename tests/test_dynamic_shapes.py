@@ -700,3 +700,27 @@ def test_a_map_smaller_than_a_pool_window_is_refused_as_torch_refuses_it(tmp_pat
     with pytest.raises(PmxInputError, match=r"'pool'.*too small for window \(3, 3\)"):
         sess.run(None, {"in0": x.numpy()})
     assert sess.run(None, {"in0": np.zeros((1, 3, 3, 3), np.float32)})[0].shape == (1, 3, 1, 1)
+
+
+class FilledFromSizes(nn.Module):
+    """Tensors made from the input's sizes (a mask, a buffer), as a dynamic-shape export
+    writes them: zeros/ones/full with `[size(@0,0),size(@0,1),...]`."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        return x.new_zeros(b, n, 2) + x[..., :2], torch.ones(b, n) * 3, torch.full((b, 4), 2.5)
+
+
+def test_tensors_made_from_dynamic_sizes_follow_them(tmp_path):
+    from helpers import export_pnnx
+
+    m = FilledFromSizes().eval()
+    prefix = export_pnnx(tmp_path, m, (torch.rand(1, 8, 64),), (torch.rand(2, 5, 64),))
+    compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(1, 8, 64), (3, 5, 64), (2, 1, 64)]:
+        x = torch.rand(*shape)
+        got = sess.run(None, {"in0": x.numpy()})
+        for g, w in zip(got, torch_outputs(m, (x,))):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

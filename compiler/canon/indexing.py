@@ -105,8 +105,9 @@ def flipud(node, ctx):
 
 def attach_expand_sizes(node, ctx, sizes):
     """A pnnx.Expression listing sizes (the tree of `[size(@0,0),-1,3]`, a dynamic-shape
-    export of x.expand(y.size())) that only feeds Tensor.expand: the list and its one
-    tensor move onto each consumer, which reads the sizes from that tensor at run time."""
+    export of x.expand(y.size()) or x.new_zeros(B, N, 2)) that only feeds Tensor.expand
+    and the zeros/ones/full ops: the list and its one tensor move onto each consumer,
+    which reads the sizes from that tensor at run time."""
     if len(node.inputs) != 1:
         fail(node, f"size list {pnnx_text(sizes)!r} must read one tensor")
     for c in list(node.outputs[0].consumers):
@@ -141,7 +142,11 @@ def _like_sizes(node, x, like):
         elif n is not None and n >= -1:
             codes.append(n)
         else:
-            fail(node, f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} is not an int or size(@0, dim)")
+            fail(
+                node,
+                f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} is not an int or size(@0, dim) "
+                f"(pmx follows sizes read from a tensor, not arithmetic on them; export with a fixed input shape)",
+            )
     return tuple(codes)
 
 
@@ -404,6 +409,8 @@ def _filled(node, ctx, fill):
     written as numbers; of the values of a size tensor ($size, ONNX's ConstantOfShape),
     which a constant gives now and an input only when the model runs."""
     dtype = node.outputs[0].dtype
+    if "size_list" in node.attrs:  # a dynamic export's [size(@0,0),size(@0,1),2]
+        return _filled_like(node, ctx, fill, dtype)
     size = node.named_input("size")
     if size is None:
         return Forward(ctx.const(node.outputs[0].name, np.full(out_shape(node), fill, dtype=dtype)))
@@ -417,6 +424,17 @@ def _filled(node, ctx, fill):
         return Forward(ctx.const(node.outputs[0].name, np.full(dims, fill, dtype=dtype)))
     _refuse_readers(node, f"its size is read from the values of {size.name}")
     return _sized_at_run(node, "full_values", [size], dict(value=fill, dtype=str(np.dtype(dtype))), rank=shape[0])
+
+
+def _filled_like(node, ctx, fill, dtype):
+    """The fill value expanded to sizes read from another tensor's dims at run time (the
+    size list attach_expand_sizes moved here): an `expand` of a one-element constant."""
+    like = node.named_input("like")
+    codes = _like_sizes(node, None, like)
+    if -1 in codes:
+        fail(node, f"size list {pnnx_text(node.attrs['size_list'])!r}: -1 is no size for a new tensor")
+    value = ctx.const(f"{node.name}.value", np.array(fill, dtype=dtype))
+    return [make(node, "expand", [value, like], dict(shape=codes))]
 
 
 @rule("torch.zeros_like", "torch.zeros", "Tensor.new_zeros", "aten::zero")  # aten::zero: zero_()'s functional form

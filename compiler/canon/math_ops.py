@@ -145,6 +145,12 @@ def _subtrees(tree):
             todo.extend(t[1:])
 
 
+# ops making a tensor of one value whose size a dynamic export may give as a size list
+FILLED_OPS = frozenset(
+    {"torch.zeros", "Tensor.new_zeros", "torch.ones", "Tensor.new_ones", "torch.full", "Tensor.new_full"}
+)
+
+
 @rule("pnnx.Expression")
 def expression(node, ctx):
     """An elementwise expression, or a list or size its consumers read as parameters
@@ -166,7 +172,9 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_arange_size
 
         return attach_arange_size(node, ctx, tree)
-    if tree[0] == LIST and readers == {"Tensor.expand"}:  # x.expand(y.size())
+    if (
+        tree[0] == LIST and readers and readers <= {"Tensor.expand", *FILLED_OPS}
+    ):  # x.expand(y.size()), x.new_zeros(B, N)
         from pmx.compiler.canon.indexing import attach_expand_sizes
 
         return attach_expand_sizes(node, ctx, tree)
@@ -180,7 +188,8 @@ def expression(node, ctx):
         fail(
             node,
             f"expression {text!r} computes on tensor shapes (dynamic-shape export){read_by}, which pmx follows "
-            f"at run time only into reshape/view, expand, index and arange; export with a fixed input shape",
+            f"at run time only into reshape/view, expand, zeros/ones/full, index and arange; export with a "
+            f"fixed input shape",
         )
     if NONE in parts:
         fail(node, f"expression {text!r}: None is no value to compute with")
