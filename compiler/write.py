@@ -404,14 +404,15 @@ def _metadata(b, metadata):
 
 def _format_version(graph):
     """The oldest format version that carries the graph's meaning (runtime/fileformat.py):
-    3 for a conv with an input scale, a channel shuffle writing split parts or a reshape
-    following its like inputs, which a version-2 runtime would misread without noticing;
+    3 for a conv with an input scale, a channel shuffle writing split parts, a reshape
+    following its like inputs or a slice whose end follows one, which a version-2 runtime would misread without noticing;
     else 2, which every runtime since reads."""
     for n in graph.nodes:
         if (
             (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None)
             or (n.op == "channel_shuffle" and "sizes" in n.attrs)
             or (n.op == "reshape" and "like_shape" in n.attrs)
+            or (n.op == "slice" and "end_dims" in n.attrs)
         ):
             return 3
     return ff.OLDEST_READABLE_VERSION

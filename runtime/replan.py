@@ -96,11 +96,18 @@ def plan_layout(model, shapes) -> Layout:
     """Plan the arena for `shapes` (from infer_shapes), keeping shape-independent views."""
 
     def keepable(i):
-        # Whole-buffer views (reshape-like, in-place) stay valid at any shape; a view of
-        # part of its target (a concat slice, even the first one) does not.
+        # Whole-buffer views (reshape-like, in-place) stay valid while they cover their
+        # target at these shapes; a view of part of its target (a concat slice, even the
+        # first one) does not. An alias of the same shape (an in-place output) must keep
+        # it: an elementwise output that broadcasts over its input at these shapes (a
+        # batch against a slice of a batch-1 constant) needs its own buffer.
         t = model.tensors[i]
         target = model.tensors[t.alias_of]
-        return t.alias_offset == 0 and t.alias_strides is None and t.nbytes == target.nbytes
+        if t.alias_offset != 0 or t.alias_strides is not None or t.nbytes != target.nbytes:
+            return False
+        if tuple(t.shape) == tuple(target.shape):
+            return tuple(shapes[i]) == tuple(shapes[t.alias_of])
+        return _nbytes(shapes[i], t.dtype) == _nbytes(shapes[t.alias_of], target.dtype)
 
     views = {}
     for i, t in enumerate(model.tensors):

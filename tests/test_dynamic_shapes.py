@@ -724,3 +724,42 @@ def test_tensors_made_from_dynamic_sizes_follow_them(tmp_path):
         for g, w in zip(got, torch_outputs(m, (x,))):
             assert g.shape == w.shape and g.dtype == w.dtype
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+class PositionsSlicedToLength(nn.Module):
+    """A learned position table cut to the sequence length (ViT, GPT-2): pnnx's
+    dynamic-shape export writes the slice's end as size(@0,1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.rand(1, 32, 16))
+
+    def forward(self, x):
+        return x + self.pos[:, : x.size(1)]
+
+
+def test_a_slice_ending_at_a_dynamic_size_follows_it(tmp_path):
+    from helpers import export_pnnx
+
+    m = PositionsSlicedToLength().eval()
+    prefix = export_pnnx(tmp_path, m, (torch.rand(1, 8, 16),), (torch.rand(2, 5, 16),))
+    compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"), shape="in0=1..x1..32x16")
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(1, 8, 16), (3, 5, 16), (2, 32, 16), (1, 1, 16)]:  # batch 3: the add broadcasts over the slice
+        x = torch.rand(*shape)
+        (got,) = sess.run(None, {"in0": x.numpy()})
+        np.testing.assert_allclose(got, torch_outputs(m, (x,))[0], rtol=1e-6, atol=1e-6)
+    with pytest.raises(PmxInputError, match=r"1\.\.32"):
+        sess.run(None, {"in0": np.zeros((1, 40, 16), np.float32)})
+
+
+def test_a_slice_end_following_a_dim_past_its_like_input_is_refused():
+    from pmx.compiler.ir import Node
+    from pmx.runtime.kernels.shape import slice_infer
+
+    attrs = dict(axes=(1,), starts=(0,), ends=(2**31 - 1,), steps=(1,), end_dims=(3,))
+    node = Node("slice", "s", attrs=attrs)
+    with pytest.raises(ValueError, match=r"end_dims \(3,\) name a dim past input 1"):
+        slice_infer(node, [(1, 32, 16), (1, 8, 16)], [np.float32, np.float32])
+    node.attrs["end_dims"] = (1,)
+    assert slice_infer(node, [(1, 32, 16), (1, 8, 16)], [np.float32, np.float32])[0][0] == (1, 8, 16)

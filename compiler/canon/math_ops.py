@@ -168,6 +168,10 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_index_expression  # x[:, ids]: [None,@0]
 
         return attach_index_expression(node, ctx, tree)
+    if tree[0] == "size" and readers == {"Tensor.slice"}:  # pos[:, : x.size(1)], dynamic export
+        from pmx.compiler.canon.shape_ops import attach_slice_end
+
+        return attach_slice_end(node, ctx, tree)
     if tree[0] == "size" and readers == {"torch.arange"}:  # arange(x.size(1)), dynamic export
         from pmx.compiler.canon.indexing import attach_arange_size
 
@@ -188,7 +192,8 @@ def expression(node, ctx):
         fail(
             node,
             f"expression {text!r} computes on tensor shapes (dynamic-shape export){read_by}, which pmx follows "
-            f"at run time only into reshape/view, expand, zeros/ones/full, index and arange; export with a "
+            f"at run time only into reshape/view, expand, zeros/ones/full, index, arange and a slice's end; "
+            f"export with a "
             f"fixed input shape",
         )
     if NONE in parts:

@@ -22,6 +22,7 @@ from pmx.compiler.canon import (
     rule,
 )
 from pmx.compiler.canon.math_ops import pnnx_text
+from pmx.runtime import expr as E
 from pmx.runtime.kernels.shape import like_dims, resolve_dyn_shape, slice_infer
 
 # the input names a size list's tensors take on a reshape: size(@k, d) reads "like@k"
@@ -284,7 +285,34 @@ def _slice_attrs(node, rank):
 @rule("Tensor.slice")
 def slice_(node, ctx):
     x = data_input(node)
-    return [make(node, "slice", [x], _slice_attrs(node, len(in_shape(node, x))))]
+    attrs = _slice_attrs(node, len(in_shape(node, x)))
+    like = node.named_input("like")
+    if like is None:
+        return [make(node, "slice", [x], attrs)]
+    if "dims" in node.attrs:
+        fail(node, "a slice of several dims whose end is a size read from a tensor is not supported")
+    attrs["end_dims"] = (node.attrs["end_dim"] % len(in_shape(node, like)),)
+    return [make(node, "slice", [x, like], attrs)]
+
+
+def attach_slice_end(node, ctx, tree):
+    """A size(@0, d) that only Tensor.slice reads as its end (pos[:, : x.size(1)], a
+    dynamic-shape export): the tensor moves onto the slice as input "like", and the
+    slice's end follows its dim d at run time (attr end_dims of the IR slice)."""
+    d = tree[2][1] if tree[1] == E.at(0) and tree[2][0] == "#" and type(tree[2][1]) is int else None
+    if d is None or len(node.inputs) != 1:
+        fail(node, f"size expression {pnnx_text(tree)!r}: size(@0, dim) of one tensor expected")
+    for c in list(node.outputs[0].consumers):
+        i = c.inputs.index(node.outputs[0])
+        if c.input_names[i] != "end":
+            fail(
+                c,
+                f"its {c.input_names[i] or 'input'} is a size read from a tensor; pmx follows one as a slice's end only",
+            )
+        ctx.graph.set_input(c, i, node.inputs[0])
+        c.input_names[i] = "like"
+        c.attrs["end_dim"] = d
+    return []
 
 
 def _slice_assign(node, x, src, attrs):

@@ -259,6 +259,23 @@ SLICE_ATTRS = dict(
     steps=ints(length_of("axes"), lo=1),
     squeeze=optional(_squeezed),
 )
+# end_dims: per axis, -1 for the literal end, else the dim of input 1 (read for its shape
+# only) the end follows: a dynamic export's pos[:, : x.size(1)]
+SLICE_END_DIMS = optional(ints(length_of("axes"), lo=-1))
+
+
+def _with_followed_ends(attrs, shapes):
+    """attrs with each end that follows a dim of input 1 (end_dims) set to that dim's size."""
+    dims = attrs.get("end_dims")
+    if not dims:
+        return attrs
+    like = shapes[1] if len(shapes) > 1 else None
+    if like is None:
+        raise ValueError("end_dims names dims of input 1, which is absent")
+    if max(dims) >= len(like):
+        raise ValueError(f"end_dims {tuple(dims)} name a dim past input 1 of shape {tuple(like)}")
+    ends = tuple(like[k] if k >= 0 else e for k, e in zip(dims, attrs["ends"]))
+    return {**attrs, "ends": ends}
 
 
 def _slice_shape(shape, attrs):
@@ -267,13 +284,14 @@ def _slice_shape(shape, attrs):
 
 
 def slice_infer(node, shapes, dtypes):
-    return [(_slice_shape(shapes[0], node.attrs), dtypes[0])]
+    return [(_slice_shape(shapes[0], _with_followed_ends(node.attrs, shapes)), dtypes[0])]
 
 
-@register("slice", infer=slice_infer, attrs=SLICE_ATTRS)
+@register("slice", infer=slice_infer, attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS))
 def make_slice(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
-    src = x[_slice_index(node.attrs, x.ndim)]
+    attrs = _with_followed_ends(node.attrs, [None if v is None else v.shape for v in inputs])
+    src = x[_slice_index(attrs, x.ndim)]
     if _same_view(src, out):
         return None
     dst = view_as(out, src.shape) if out.flags.c_contiguous else out
