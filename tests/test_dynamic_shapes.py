@@ -763,3 +763,29 @@ def test_a_slice_end_following_a_dim_past_its_like_input_is_refused():
         slice_infer(node, [(1, 32, 16), (1, 8, 16)], [np.float32, np.float32])
     node.attrs["end_dims"] = (1,)
     assert slice_infer(node, [(1, 32, 16), (1, 8, 16)], [np.float32, np.float32])[0][0] == (1, 8, 16)
+
+
+class SumReshapedAndHalved(nn.Module):
+    """pnnx's own test_pnnx_input_npy 'input2' case: two '?'-dim inputs, a reshape to
+    [size(@0,0), -1] and a slice ending at size(@0,2) // 2."""
+
+    def forward(self, x, y):
+        z = x + y
+        return z.reshape(z.size(0), -1), z[:, :, : z.size(2) // 2] * 2
+
+
+def test_pnnx_input2_case_compiles_without_shape_and_matches_torch(tmp_path):
+    from helpers import export_pnnx
+
+    m = SumReshapedAndHalved().eval()
+    prefix = export_pnnx(
+        tmp_path, m, (torch.rand(1, 2, 6), torch.rand(1, 2, 6)), (torch.rand(1, 3, 8), torch.rand(1, 3, 8))
+    )
+    compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(1, 2, 6), (1, 3, 8), (1, 5, 7), (2, 4, 3)]:
+        x, y = torch.rand(*shape), torch.rand(*shape)
+        got = sess.run(None, {"in0": x.numpy(), "in1": y.numpy()})
+        for g, w in zip(got, torch_outputs(m, (x, y))):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

@@ -168,7 +168,7 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_index_expression  # x[:, ids]: [None,@0]
 
         return attach_index_expression(node, ctx, tree)
-    if tree[0] == "size" and readers == {"Tensor.slice"}:  # pos[:, : x.size(1)], dynamic export
+    if tree[0] in ("size", "floor_divide") and readers == {"Tensor.slice"}:  # pos[:, : x.size(1)], dynamic export
         from pmx.compiler.canon.shape_ops import attach_slice_end
 
         return attach_slice_end(node, ctx, tree)

@@ -292,16 +292,22 @@ def slice_(node, ctx):
     if "dims" in node.attrs:
         fail(node, "a slice of several dims whose end is a size read from a tensor is not supported")
     attrs["end_dims"] = (node.attrs["end_dim"] % len(in_shape(node, like)),)
+    if node.attrs["end_div"] != 1:
+        attrs["end_divs"] = (node.attrs["end_div"],)
     return [make(node, "slice", [x, like], attrs)]
 
 
 def attach_slice_end(node, ctx, tree):
-    """A size(@0, d) that only Tensor.slice reads as its end (pos[:, : x.size(1)], a
-    dynamic-shape export): the tensor moves onto the slice as input "like", and the
-    slice's end follows its dim d at run time (attr end_dims of the IR slice)."""
-    d = tree[2][1] if tree[1] == E.at(0) and tree[2][0] == "#" and type(tree[2][1]) is int else None
+    """A size(@0, d), or size(@0, d) // q, that only Tensor.slice reads as its end
+    (pos[:, : x.size(1)], z[..., : z.size(2) // 2], a dynamic-shape export): the tensor
+    moves onto the slice as input "like", and the slice's end follows its dim d at run
+    time (attrs end_dims and end_divs of the IR slice)."""
+    div = 1
+    if tree[0] == "floor_divide" and tree[2][0] == "#" and type(tree[2][1]) is int and tree[2][1] > 0:
+        tree, div = tree[1], tree[2][1]
+    d = _size_dim(tree)
     if d is None or len(node.inputs) != 1:
-        fail(node, f"size expression {pnnx_text(tree)!r}: size(@0, dim) of one tensor expected")
+        fail(node, f"size expression {pnnx_text(tree)!r}: size(@0, dim) or size(@0, dim) // n of one tensor expected")
     for c in list(node.outputs[0].consumers):
         i = c.inputs.index(node.outputs[0])
         if c.input_names[i] != "end":
@@ -311,8 +317,15 @@ def attach_slice_end(node, ctx, tree):
             )
         ctx.graph.set_input(c, i, node.inputs[0])
         c.input_names[i] = "like"
-        c.attrs["end_dim"] = d
+        c.attrs["end_dim"], c.attrs["end_div"] = d, div
     return []
+
+
+def _size_dim(tree):
+    """d when tree is size(@0, d) with d an int literal, else None."""
+    if tree[0] != "size" or tree[1] != E.at(0) or tree[2][0] != "#" or type(tree[2][1]) is not int:
+        return None
+    return tree[2][1]
 
 
 def _slice_assign(node, x, src, attrs):

@@ -260,12 +260,15 @@ SLICE_ATTRS = dict(
     squeeze=optional(_squeezed),
 )
 # end_dims: per axis, -1 for the literal end, else the dim of input 1 (read for its shape
-# only) the end follows: a dynamic export's pos[:, : x.size(1)]
+# only) the end follows, divided (floor) by end_divs: a dynamic export's pos[:, : x.size(1)]
+# or z[..., : z.size(2) // 2]
 SLICE_END_DIMS = optional(ints(length_of("axes"), lo=-1))
+SLICE_END_DIVS = optional(ints(length_of("axes"), lo=1))
 
 
 def _with_followed_ends(attrs, shapes):
-    """attrs with each end that follows a dim of input 1 (end_dims) set to that dim's size."""
+    """attrs with each end that follows a dim of input 1 (end_dims) set to that dim's size
+    floor-divided by its end_divs entry."""
     dims = attrs.get("end_dims")
     if not dims:
         return attrs
@@ -274,7 +277,8 @@ def _with_followed_ends(attrs, shapes):
         raise ValueError("end_dims names dims of input 1, which is absent")
     if max(dims) >= len(like):
         raise ValueError(f"end_dims {tuple(dims)} name a dim past input 1 of shape {tuple(like)}")
-    ends = tuple(like[k] if k >= 0 else e for k, e in zip(dims, attrs["ends"]))
+    divs = attrs.get("end_divs") or (1,) * len(dims)
+    ends = tuple(like[k] // q if k >= 0 else e for k, q, e in zip(dims, divs, attrs["ends"]))
     return {**attrs, "ends": ends}
 
 
@@ -287,7 +291,7 @@ def slice_infer(node, shapes, dtypes):
     return [(_slice_shape(shapes[0], _with_followed_ends(node.attrs, shapes)), dtypes[0])]
 
 
-@register("slice", infer=slice_infer, attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS))
+@register("slice", infer=slice_infer, attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS, end_divs=SLICE_END_DIVS))
 def make_slice(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     attrs = _with_followed_ends(node.attrs, [None if v is None else v.shape for v in inputs])
