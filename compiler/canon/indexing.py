@@ -22,7 +22,7 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
-from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
+from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text, size_dim
 from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
@@ -123,11 +123,6 @@ def _int(tree):
     return tree[1] if tree[0] == "#" and type(tree[1]) is int else None
 
 
-def _size_dim(tree):
-    """d when tree is size(@0, d) with d an int literal, else None."""
-    return _int(tree[2]) if tree[0] == "size" and tree[1] == E.at(0) else None
-
-
 def _like_sizes(node, x, like):
     """expand's sizes as expand_infer codes, from expand_as's other tensor or a size list."""
     rank = len(in_shape(node, like))
@@ -136,7 +131,7 @@ def _like_sizes(node, x, like):
     sizes = node.attrs["size_list"]
     codes = []
     for item in sizes[1:]:
-        d, n = _size_dim(item), _int(item)
+        d, n = size_dim(item), _int(item)
         if d is not None and -rank <= d < rank:
             codes.append(-2 - d % rank)
         elif n is not None and n >= -1:
@@ -496,7 +491,7 @@ def attach_arange_size(node, ctx, size):
     """The tree of `size(@0,d)` feeding torch.arange (pnnx's dynamic-shape spelling of
     arange(x.size(d))): each arange reads the tensor and dim directly, so its length is
     a shape rule of that tensor's shape (re-planned like any other), not a value."""
-    d = _size_dim(size)
+    d = size_dim(size)
     if d is None or len(node.inputs) != 1:
         fail(node, f"expression {pnnx_text(size)!r} feeding arange must be size(@0,dim)")
     for c in list(node.outputs[0].consumers):

@@ -126,6 +126,13 @@ def _grown(text, head, operands):
     return (head, *(a for a, _ in operands)), depth
 
 
+def size_dim(tree):
+    """d when tree is size(@0, d) with d an int literal (not a bool), else None."""
+    if tree[0] != "size" or tree[1] != E.at(0) or tree[2][0] != "#" or type(tree[2][1]) is not int:
+        return None
+    return tree[2][1]
+
+
 def pnnx_text(tree):
     """pnnx's spelling of a tree pnnx_expression_tree read, for messages."""
     if tree == NONE:

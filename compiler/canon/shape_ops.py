@@ -21,8 +21,7 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
-from pmx.compiler.canon.math_ops import pnnx_text
-from pmx.runtime import expr as E
+from pmx.compiler.canon.math_ops import pnnx_text, size_dim
 from pmx.runtime.kernels.shape import like_dims, resolve_dyn_shape, slice_infer
 
 # the input names a size list's tensors take on a reshape: size(@k, d) reads "like@k"
@@ -305,7 +304,7 @@ def attach_slice_end(node, ctx, tree):
     div = 1
     if tree[0] == "floor_divide" and tree[2][0] == "#" and type(tree[2][1]) is int and tree[2][1] > 0:
         tree, div = tree[1], tree[2][1]
-    d = _size_dim(tree)
+    d = size_dim(tree)
     if d is None or len(node.inputs) != 1:
         fail(node, f"size expression {pnnx_text(tree)!r}: size(@0, dim) or size(@0, dim) // n of one tensor expected")
     for c in list(node.outputs[0].consumers):
@@ -319,13 +318,6 @@ def attach_slice_end(node, ctx, tree):
         c.input_names[i] = "like"
         c.attrs["end_dim"], c.attrs["end_div"] = d, div
     return []
-
-
-def _size_dim(tree):
-    """d when tree is size(@0, d) with d an int literal, else None."""
-    if tree[0] != "size" or tree[1] != E.at(0) or tree[2][0] != "#" or type(tree[2][1]) is not int:
-        return None
-    return tree[2][1]
 
 
 def _slice_assign(node, x, src, attrs):
