@@ -26,7 +26,10 @@ def export_pnnx(directory, module, inputs, inputs2=None):
     try:
         os.chdir(directory)  # pnnx writes some side files into the working directory
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            pnnx.export(module, str(pt), inputs, None if inputs2 is None else tuple(inputs2))
+            try:
+                pnnx.export(module, str(pt), inputs, None if inputs2 is None else tuple(inputs2))
+            except SyntaxError:
+                pass  # pnnx's generated model_pnnx.py cannot spell aten:: ops; the .param is written
     finally:
         os.chdir(cwd)
     prefix = str(directory / "model")

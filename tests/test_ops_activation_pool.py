@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import run_kernel
-from hypothesis import assume, given, reject
+from hypothesis import assume, given, reject, settings
 from hypothesis import strategies as st
 
 from pmx.compiler.canon import RULES, Context, Forward
@@ -653,3 +653,32 @@ def test_end_to_end_pools_and_windows(check_model):
     ops = {n.op for n in sess.model.nodes}
     assert {"max_pool_indices", "adaptive_max_pool_indices", "unfold", "fold"} <= ops, ops
     assert got[1].dtype == np.int64 and got[3].dtype == np.int64
+
+
+@pytest.mark.parametrize("op", ["aten::exp2", "torch.exp2", "aten::frac", "torch.frac"])
+@given(data=st.data())
+@settings(max_examples=25, deadline=None)
+def test_exp2_and_frac_match_torch(op, data):
+    """exp2 and frac, which pnnx leaves as aten:: ops: 2 ** x and x - trunc(x)."""
+    from paramgraph import run_one_op
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    x = torch.from_numpy((np.random.default_rng(seed).standard_normal(shape) * 8).astype(np.float32))
+    want = torch.exp2(x) if "exp2" in op else torch.frac(x)
+    labels = None if op.startswith("aten::") else ["input"]
+    (got,) = run_one_op(op, "", [x.numpy()], [want.numpy()], labels)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=0)
+
+
+class Exp2AndFrac(nn.Module):
+    def forward(self, x):
+        return torch.exp2(x), torch.frac(x * 3)
+
+
+def test_exp2_and_frac_through_pnnx(tmp_path):
+    from helpers import compare_with_torch, export_pnnx
+
+    x = torch.randn(2, 3, 5) * 4
+    prefix = export_pnnx(tmp_path, Exp2AndFrac(), (x,))
+    compare_with_torch(prefix, Exp2AndFrac(), (x,), tmp_path / "m.pmx", tol=1e-6)

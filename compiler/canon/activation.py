@@ -149,6 +149,9 @@ _SIMPLE = {
     ("F.softshrink", "nn.Softshrink"): lambda n: softshrink_expr(_shrink_lambda(n)),
     ("F.threshold", "nn.Threshold"): lambda n: threshold_expr(_number(n, "threshold", None), _number(n, "value", None)),
     ("F.rrelu", "nn.RReLU"): lambda n: rrelu_expr(_number(n, "lower", 1 / 8), _number(n, "upper", 1 / 3)),
+    # pnnx leaves these as aten:: ops (positional operands)
+    ("torch.exp2", "Tensor.exp2", "torch.special.exp2", "aten::exp2"): lambda n: call("pow", 2.0, X),
+    ("torch.frac", "Tensor.frac", "aten::frac"): lambda n: call("sub", X, call("trunc", X)),
 }
 
 # torch.<fn> / Tensor.<fn> unary math that maps one-to-one onto the expression grammar
