@@ -181,3 +181,13 @@ def test_a_model_path_after_meta_is_told_where_to_go(tmp_path, capsys):
     assert "give it before --meta, or end the pairs with --" in capsys.readouterr().err
     assert main(["compile", "-o", out, "--meta", "a=b", "--", param]) == 0
     assert main(["compile", param, "-o", out, "--meta", "a=b"]) == 0
+
+
+def test_the_readme_states_the_current_op_count(capsys):
+    """The README's count of supported op types is --list-ops' (a recipe's new rule updates it)."""
+    import re
+
+    assert main(["compile", "--list-ops", "--json"]) == 0
+    count = len(json.loads(capsys.readouterr().out))
+    readme = (ROOT / "README.md").read_text()
+    assert set(re.findall(r"(\d+) (?:supported )?PNNX\s+op types", readme)) == {str(count)}
