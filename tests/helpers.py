@@ -38,6 +38,18 @@ def export_pnnx(directory, module, inputs, inputs2=None):
     return prefix
 
 
+def signed_input(shape, seed):
+    """Uniform in [-1, 1) with about a tenth of the entries exactly zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, shape).astype(np.float32)
+    x[rng.random(shape) < 0.1] = 0
+    return x
+
+
+# F.pad's mode for each conv padding_mode
+TORCH_PAD_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
+
+
 def torch_outputs(module, inputs):
     import torch
 

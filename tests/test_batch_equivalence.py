@@ -14,20 +14,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kernel_pool, rel_error, run_kernel
+from helpers import TORCH_PAD_MODE, kernel_pool, rel_error, run_kernel, signed_input
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 TOL = 1e-5
 FEW = settings(max_examples=20, deadline=None)
-
-
-def signed_input(shape, seed):
-    """Uniform in [-1, 1) with about a tenth of the entries exactly zero."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(-1, 1, shape).astype(np.float32)
-    x[rng.random(shape) < 0.1] = 0
-    return x
 
 
 def assert_batch_equivalent(run, x, want):
@@ -58,9 +50,6 @@ def budgets(small):
         yield
     finally:
         conv.FOLD_COLUMNS_BYTES, winograd.CHUNK_SCRATCH_BYTES, conv.DEPTHWISE_BLOCK_BYTES = saved
-
-
-TORCH_PAD_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
 
 @st.composite

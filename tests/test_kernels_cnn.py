@@ -12,21 +12,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import bind_context, kernel_pool, rel_error, run_kernel
+from helpers import TORCH_PAD_MODE, bind_context, kernel_pool, rel_error, run_kernel, signed_input
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 TOL = 1e-5
 # PMX_KERNEL_EXAMPLES=1000 for a long soak run
 FAST = settings(max_examples=int(os.environ.get("PMX_KERNEL_EXAMPLES", "30")), deadline=None)
-
-
-def signed_input(shape, seed):
-    """Uniform in [-1, 1) with about a tenth of the entries exactly zero."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(-1, 1, shape).astype(np.float32)
-    x[rng.random(shape) < 0.1] = 0
-    return x
 
 
 def _np(t):
@@ -50,8 +42,6 @@ def assert_close(got, want, pre_activation=None):
 
 
 # --- convolution ----------------------------------------------------------------------------
-
-TORCH_PAD_MODE = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}
 
 
 @st.composite
@@ -110,7 +100,7 @@ def torch_conv(x, w, b, c):
     pad = []
     for i in reversed(range(nd)):
         pad += [begins[i], ends[i]]
-    mode = "constant" if c["mode"] == "zeros" else TORCH_PAD_MODE[c["mode"]]
+    mode = TORCH_PAD_MODE[c["mode"]]
     xt = F.pad(torch.from_numpy(x), pad, mode=mode)
     conv = F.conv1d if nd == 1 else F.conv2d
     y = conv(
@@ -133,20 +123,27 @@ def _valid_case(c):
     return True
 
 
+def _conv_operands(c):
+    """A drawn case's operands as run_kernel takes them (x, weight, bias?, input scale?),
+    its attributes, and torch's output with its pre-activation."""
+    seed = c["seed"]
+    x = signed_input((c["batch"], c["cin"]) + c["size"], seed)
+    w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], seed + 1)
+    b = signed_input((c["cout"],), seed + 2) if c["bias"] else None
+    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"], padding_mode=c["mode"])
+    scale = None
+    if c["scale"]:
+        scale = signed_input((c["batch"] if c["scale"] == "per image" else 1, c["cin"]) + (1,) * c["nd"], seed + 3)
+    want, pre = torch_conv(x if scale is None else x * scale, w, b, c)
+    inputs = [x, w] + ([b] if b is not None else []) + ([] if scale is None else [None] * (b is None) + [scale])
+    return inputs, attrs, want, pre
+
+
 @FAST
 @given(conv_case())
 def test_conv_matches_torch(c):
     assume(_valid_case(c))
-    rng_seed = c["seed"]
-    x = signed_input((c["batch"], c["cin"]) + c["size"], rng_seed)
-    w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], rng_seed + 1)
-    b = signed_input((c["cout"],), rng_seed + 2) if c["bias"] else None
-    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"], padding_mode=c["mode"])
-    scale = None
-    if c["scale"]:
-        scale = signed_input((c["batch"] if c["scale"] == "per image" else 1, c["cin"]) + (1,) * c["nd"], rng_seed + 3)
-    want, pre = torch_conv(x if scale is None else x * scale, w, b, c)
-    inputs = [x, w] + ([b] if b is not None else []) + ([] if scale is None else [None] * (b is None) + [scale])
+    inputs, attrs, want, pre = _conv_operands(c)
     is_dw = c["groups"] == c["cin"] == c["cout"] and c["groups"] > 1
     for variant in ["gemm", "depthwise"] if is_dw else ["gemm", ""]:
         (got,) = run_kernel("conv", inputs, attrs, expr=c["act"], variant=variant)
@@ -163,13 +160,9 @@ def test_conv_in_tiles_of_output_rows_matches_torch(c, tile_bytes):
     from pmx.runtime.kernels import conv
 
     assume(_valid_case(c))
-    x = signed_input((c["batch"], c["cin"]) + c["size"], c["seed"])
-    w = signed_input((c["cout"], c["cin"] // c["groups"]) + c["k"], c["seed"] + 1)
-    b = signed_input((c["cout"],), c["seed"] + 2) if c["bias"] else None
-    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["groups"], padding_mode=c["mode"])
-    want, pre = torch_conv(x, w, b, c)
+    inputs, attrs, want, pre = _conv_operands(c)
     with mock.patch.object(conv, "IM2COL_TILE_BYTES", tile_bytes):
-        (got,) = run_kernel("conv", [x, w] + ([b] if b is not None else []), attrs, expr=c["act"], variant="gemm")
+        (got,) = run_kernel("conv", inputs, attrs, expr=c["act"], variant="gemm")
     assert_close(got, want, pre)
 
 
