@@ -614,10 +614,14 @@ class InferenceSession:
     def _bind_checked(self, arrays):
         """The calling thread's binding for these inputs ({tensor index: array}, already
         checked by _check_feed), with the inputs copied in."""
-        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
+        binding = self._binding_of(arrays)
         for i, arr in arrays.items():
             np.copyto(binding.views[i], arr)
         return binding
+
+    def _binding_of(self, arrays):
+        """The calling thread's binding for the shapes of these checked inputs."""
+        return self._binding(tuple(arrays[i].shape for i in self._model.inputs))
 
     def _run_checked(self, arrays, wanted, run_options=None):
         """run() for inputs _check_feed passed and output indices _wanted_outputs gave:
@@ -683,18 +687,14 @@ class InferenceSession:
         one is faster on this host), and whether it has made that choice yet (it times
         both ways after about ten runs, and again from time to time). For benchmarks:
         time runs once it is settled, and report the threads."""
-        arrays = self._check_feed(input_feed)
-        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
+        binding = self._binding_of(self._check_feed(input_feed))
         return (binding.pool.threads if binding.gate.splits else 1), binding.gate.settled
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
         variant, fused (the epilogue run after the kernel, or an elementwise node's
         expression), in_shapes, out_shapes, ms; sorted by time."""
-        arrays = self._check_feed(input_feed)
-        binding = self._binding(tuple(arrays[i].shape for i in self._model.inputs))
-        for i, arr in arrays.items():
-            np.copyto(binding.views[i], arr)
+        binding = self._bind_checked(self._check_feed(input_feed))
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
