@@ -240,14 +240,8 @@ def _read_array(spec, what):
     name, _, path = spec.partition("=")
     try:
         with open(path, "rb") as f:
-            magic = f.read(len(_NPY_MAGIC))
-        if magic != _NPY_MAGIC:
-            raise PmxInputError(
-                f"{what} {name}: {path} is not a .npy file (no .npy header); save the array with numpy.save"
-            )
-        return name, np.load(path, allow_pickle=False)
-    except PmxInputError:
-        raise
+            is_npy = f.read(len(_NPY_MAGIC)) == _NPY_MAGIC
+        array = np.load(path, allow_pickle=False) if is_npy else None
     except OSError as e:
         raise PmxInputError(f"{what} {name}: cannot read {path}: {e.strerror or e}") from None
     except ValueError as e:
@@ -257,6 +251,11 @@ def _read_array(spec, what):
                 f"save a numeric array with numpy.save"
             ) from None
         raise PmxInputError(f"{what} {name}: cannot read {path}: {e}") from None
+    if array is None:
+        raise PmxInputError(
+            f"{what} {name}: {path} is not a .npy file (no .npy header); save the array with numpy.save"
+        )
+    return name, array
 
 
 _NPY_MAGIC = b"\x93NUMPY"
