@@ -123,7 +123,7 @@ def _int(tree):
     return tree[1] if tree[0] == "#" and type(tree[1]) is int else None
 
 
-def _like_sizes(node, x, like):
+def _like_sizes(node, like):
     """expand's sizes as expand_infer codes, from expand_as's other tensor or a size list."""
     rank = len(in_shape(node, like))
     if node.op == "Tensor.expand_as":
@@ -150,7 +150,7 @@ def expand(node, ctx):
     x = data_input(node)
     like = node.named_input("other") if node.op == "Tensor.expand_as" else node.named_input("like")
     if like is not None:  # sizes that follow another tensor at run time
-        return [make(node, "expand", [x, like], dict(shape=_like_sizes(node, x, like)))]
+        return [make(node, "expand", [x, like], dict(shape=_like_sizes(node, like)))]
     shape = out_shape(node)
     if tuple(in_shape(node, x)) == tuple(shape):
         return Forward(x)
@@ -425,7 +425,7 @@ def _filled_like(node, ctx, fill, dtype):
     """The fill value expanded to sizes read from another tensor's dims at run time (the
     size list attach_expand_sizes moved here): an `expand` of a one-element constant."""
     like = node.named_input("like")
-    codes = _like_sizes(node, None, like)
+    codes = _like_sizes(node, like)
     if -1 in codes:
         fail(node, f"size list {pnnx_text(node.attrs['size_list'])!r}: -1 is no size for a new tensor")
     value = ctx.const(f"{node.name}.value", np.array(fill, dtype=dtype))

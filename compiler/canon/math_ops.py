@@ -183,9 +183,8 @@ def expression(node, ctx):
         from pmx.compiler.canon.indexing import attach_arange_size
 
         return attach_arange_size(node, ctx, tree)
-    if (
-        tree[0] == LIST and readers and readers <= {"Tensor.expand", *FILLED_OPS}
-    ):  # x.expand(y.size()), x.new_zeros(B, N)
+    # x.expand(y.size()), x.new_zeros(B, N)
+    if tree[0] == LIST and readers and readers <= {"Tensor.expand", *FILLED_OPS}:
         from pmx.compiler.canon.indexing import attach_expand_sizes
 
         return attach_expand_sizes(node, ctx, tree)
@@ -200,8 +199,7 @@ def expression(node, ctx):
             node,
             f"expression {text!r} computes on tensor shapes (dynamic-shape export){read_by}, which pmx follows "
             f"at run time only into reshape/view, expand, zeros/ones/full, index, arange and a slice's end; "
-            f"export with a "
-            f"fixed input shape",
+            f"export with a fixed input shape",
         )
     if NONE in parts:
         fail(node, f"expression {text!r}: None is no value to compute with")
