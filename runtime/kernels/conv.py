@@ -351,7 +351,8 @@ def _gemm(ctx, node, x, w, b, out):
                 copy = copy_strided(
                     tile_windows[first_axis + (slice(0, r1 - r0),)], windows[first_axis + (slice(r0, r1),)], owner
                 )
-                work.append(_im2col_gemm(copy, squeeze(wg), used, squeeze(out_g[i][..., r0 * row : r1 * row]), bias)[0])
+                # the tile's copy, then its GEMM onto the bias, while the columns are in cache
+                work += [copy, product(squeeze(wg), used, squeeze(out_g[i][..., r0 * row : r1 * row]), bias)]
             parts.append((chain(*work), squeeze(out_g[i][..., lo * row : hi * row])))
         steps.append(split_activated(ctx, node, out_g[i], parts))
     return chain(*steps)
@@ -538,13 +539,6 @@ def _gemv(ctx, node, x, w, b, out):
             add(o, b, out=o)
 
     return chain(product, epilogue(ctx, node, out, threads=1))
-
-
-def _im2col_gemm(copy, w, cols, out, bias):
-    """(work, out) for one band of output rows: `copy` of its im2col columns, then their
-    GEMM with the bias (split_activated adds the activation). Bands are independent, so a
-    conv is one dispatch to the threads, not three."""
-    return chain(copy, product(w, cols, out, bias)), out
 
 
 # --- depthwise -----------------------------------------------------------------------
