@@ -40,8 +40,7 @@ def _version():
 def _compile(args):
     from pmx.compiler.driver import compile_model
 
-    dynamic, plan_shapes = shape_flags(args)
-    r = compile_model(
+    r = compile_model(  # --dynamic and --shape as given: compile_model takes the CLI's strings
         args.param,
         args.bin,
         args.output,
@@ -49,9 +48,9 @@ def _compile(args):
         verify=args.verify,
         disabled=args.disable or (),
         no_opt=args.no_opt,
-        dynamic=dynamic,
+        dynamic=list(args.dynamic or ()),
+        shape=list(args.shape or ()),
         auto_batch=not args.static,
-        plan_shapes=plan_shapes,
         tune=args.tune,
         metadata=dict(args.meta or ()),
     )
@@ -123,9 +122,10 @@ def _check_against_trace(param, output, quiet=False):
 
 def shape_flags(args):
     """--dynamic and --shape as given -> (dynamic, plan_shapes), by compile_model's own
-    parser (compiler/shape_specs.py). Each --shape dim is N (fixed), A..B, A.. or ? (any
-    size); the compile checks them against the export: N must equal a dim pnnx recorded
-    with a fixed size and a range must contain it; only '?' dims take any N or range."""
+    parser (compiler/shape_specs.py), for the usage checks: a malformed value is exit 2
+    naming the flag. Each --shape dim is N (fixed), A..B, A.. or ? (any size); the compile
+    checks them against the export: N must equal a dim pnnx recorded with a fixed size
+    and a range must contain it; only '?' dims take any N or range."""
     from pmx.compiler.shape_specs import DYNAMIC_TEXT, SHAPE_TEXT, dynamic_option, merge_dynamic, shape_option
 
     dynamic = dynamic_option(list(args.dynamic or ()), "--dynamic", DYNAMIC_TEXT)
