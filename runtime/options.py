@@ -16,10 +16,16 @@ import os
 from pmx.runtime.errors import PmxInputError
 
 ALLOW_SPINNING = "session.intra_op.allow_spinning"
+# rows per chunk when a large batch runs in chunks (runtime/batch_chunks.py); "0": the
+# whole batch in one run
+BATCH_CHUNK_ROWS = "pmx.batch_chunk_rows"
 
-# config entries pmx understands (onnxruntime's keys); others are stored and ignored, as
-# onnxruntime stores keys it does not know
-_KNOWN_ENTRIES = {ALLOW_SPINNING: ("0", "1")}
+# config entries pmx understands (onnxruntime's key, and pmx's own) with what each takes;
+# others are stored and ignored, as onnxruntime stores keys it does not know
+_KNOWN_ENTRIES = {
+    ALLOW_SPINNING: ("one of ['0', '1']", lambda v: v in ("0", "1")),
+    BATCH_CHUNK_ROWS: ("a whole number (0: no chunks)", lambda v: v.isascii() and v.isdigit()),
+}
 
 
 class GraphOptimizationLevel(enum.IntEnum):
@@ -134,9 +140,9 @@ class SessionOptions:
             object.__setattr__(self, name, value)
 
     def add_session_config_entry(self, key: str, value: str) -> None:
-        allowed = _KNOWN_ENTRIES.get(key)
-        if allowed is not None and str(value) not in allowed:
-            raise PmxInputError(f"config entry {key!r}: expected one of {list(allowed)}, got {value!r}")
+        known = _KNOWN_ENTRIES.get(key)
+        if known is not None and not known[1](str(value)):
+            raise PmxInputError(f"config entry {key!r}: expected {known[0]}, got {value!r}")
         self._config[str(key)] = str(value)
 
     def get_session_config_entry(self, key: str) -> str:

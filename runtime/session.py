@@ -33,7 +33,7 @@ import weakref
 
 import numpy as np
 
-from pmx.runtime import blas, compat, parallel
+from pmx.runtime import batch_chunks, blas, compat, parallel
 from pmx.runtime import expr as E
 from pmx.runtime.dim_ranges import format_ranges, shape_allowed, tensor_ranges
 from pmx.runtime.dtypes import ORT_TYPE
@@ -280,6 +280,8 @@ class InferenceSession:
         self._layouts_lock = threading.Lock()
         self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
         self._profiler = compat.Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
+        self._batch_chunk_rows = batch_chunks.chunk_rows_option(self._options)
+        self._rows_apart = {}  # (inner input shapes, wanted outputs) -> whether rows stay apart
         self._async = None  # run_async's executor, made on first use
         self._async_lock = threading.Lock()
 
@@ -502,32 +504,15 @@ class InferenceSession:
         (all graph outputs when output_names is None; kept tensors may be requested by
         name). With run_options (a RunOptions), the run checks run_options.terminate
         before each node and raises PmxRunTerminated once it is set."""
-        binding, wanted = self._prepare(output_names, input_feed)
-        self._run_steps(binding, wanted, compat.check_run_options(run_options))
-        return self._outputs_of(binding, wanted)
+        arrays, wanted = self._prepare(output_names, input_feed)
+        return self._run_checked(arrays, wanted, compat.check_run_options(run_options))
 
     def run_into(self, output_names, input_feed, outputs=None, run_options=None):
         """run(), writing each output into the array given for it in `outputs` (None
         entries, or outputs None: new arrays): what IOBinding's bound outputs use, saving
         the copy out. Returns the arrays written."""
-        binding, wanted = self._prepare(output_names, input_feed)
-        self._run_steps(binding, wanted, compat.check_run_options(run_options))
-        if outputs is None or all(dest is None for dest in outputs):
-            return self._outputs_of(binding, wanted)
-        written = []
-        for i, dest in zip(wanted, outputs):
-            value = binding.views[i].value if i in self._run_sized else binding.views[i]
-            if dest is None:
-                written.append(np.array(value, copy=True))
-                continue
-            if dest.shape != value.shape or dest.dtype != value.dtype:
-                raise PmxInputError(
-                    f"bound output {self._model.tensors[i].name!r}: expected "
-                    f"{value.dtype.name} {list(value.shape)}, got {dest.dtype.name} {list(dest.shape)}"
-                )
-            np.copyto(dest, value)
-            written.append(dest)
-        return written
+        arrays, wanted = self._prepare(output_names, input_feed)
+        return self._run_checked(arrays, wanted, compat.check_run_options(run_options), outputs)
 
     def run_async(self, output_names, input_feed, callback=None, user_data=None, run_options=None):
         """onnxruntime's run_async: the run happens on a thread of this InferenceSession's
@@ -549,13 +534,15 @@ class InferenceSession:
                 weakref.finalize(self, self._async.shutdown, wait=False)
             return self._async
 
-    def _run_steps(self, binding, wanted, run_options):
-        """A run of the steps `wanted` needs: the run loop, with the session's profiler
-        watching when profiling is on, and the whole run timed for the thread chooser."""
+    def _run_steps(self, binding, wanted, run_options, watch=None):
+        """A run of the steps `wanted` needs: the run loop, with `watch` (or the session's
+        profiler, when profiling is on) watching, and the whole run timed for the thread
+        chooser."""
         timed = binding.before_run()
         start = time.perf_counter() if timed else 0.0
-        profiler = self._profiler
-        watch = None if profiler is None else self._profiling_watch(binding, profiler)
+        profiler = self._profiler if watch is None else None
+        if profiler is not None:
+            watch = self._profiling_watch(binding, profiler)
         self._loop(binding, self._steps_for(binding, wanted), run_options, watch)
         if profiler is not None:
             profiler.run(watch.start, time.perf_counter())
@@ -605,11 +592,11 @@ class InferenceSession:
         return watch
 
     def _prepare(self, output_names, input_feed):
-        """(binding, wanted output tensors) for a run, with the feed checked and copied in."""
+        """(checked inputs {tensor index: array}, wanted output tensors) for a run."""
         if input_feed is None:
             input_feed = {}
         arrays = self._check_feed(input_feed)
-        return self._bind_checked(arrays), self._wanted_outputs(output_names)
+        return arrays, self._wanted_outputs(output_names)
 
     def _bind_checked(self, arrays):
         """The calling thread's binding for these inputs ({tensor index: array}, already
@@ -623,12 +610,80 @@ class InferenceSession:
         """The calling thread's binding for the shapes of these checked inputs."""
         return self._binding(tuple(arrays[i].shape for i in self._model.inputs))
 
-    def _run_checked(self, arrays, wanted, run_options=None):
-        """run() for inputs _check_feed passed and output indices _wanted_outputs gave:
-        what BatchingSession runs, having checked each request when it was queued."""
+    def _run_checked(self, arrays, wanted, run_options=None, outputs=None, watch=None):
+        """run() for inputs _check_feed passed and output indices _wanted_outputs gave
+        (what BatchingSession runs, having checked each request when it was queued),
+        writing into `outputs` as run_into does. A batch larger than a chunk runs in
+        chunks of rows where the graph keeps rows apart (runtime/batch_chunks.py)."""
+        chunk_rows = self._chunk_rows(arrays, wanted)
+        if chunk_rows:
+            return self._run_in_chunks(arrays, wanted, run_options, chunk_rows, outputs, watch)
         binding = self._bind_checked(arrays)
-        self._run_steps(binding, wanted, run_options)
-        return self._outputs_of(binding, wanted)
+        self._run_steps(binding, wanted, run_options, watch)
+        if outputs is None or all(dest is None for dest in outputs):
+            return self._outputs_of(binding, wanted)
+        return [self._written(i, self._value_of(binding, i), dest) for i, dest in zip(wanted, outputs)]
+
+    def _value_of(self, binding, i):
+        return binding.views[i].value if i in self._run_sized else binding.views[i]
+
+    def _written(self, i, value, dest):
+        """`value` copied into `dest` (a new array when dest is None), checked to fit."""
+        if dest is None:
+            return np.array(value, copy=True)
+        np.copyto(self._output_array(i, value.shape, value.dtype, dest), value)
+        return dest
+
+    def _output_array(self, i, shape, dtype, dest):
+        """`dest`, checked to fit output `i` of this shape and dtype, or a new array."""
+        if dest is None:
+            return np.empty(shape, dtype)
+        if dest.shape != tuple(shape) or dest.dtype != dtype:
+            raise PmxInputError(
+                f"bound output {self._model.tensors[i].name!r}: expected "
+                f"{dtype.name} {list(shape)}, got {dest.dtype.name} {list(dest.shape)}"
+            )
+        return dest
+
+    def _chunk_rows(self, arrays, wanted):
+        """Rows per chunk for a run of these checked inputs, or None to run them whole: a
+        batch over the chunk size, of a graph that keeps rows apart at these shapes."""
+        chunk_rows = self._batch_chunk_rows
+        rows = batch_chunks.batch_rows(self._model, arrays)
+        if not chunk_rows or rows is None or rows <= chunk_rows:
+            return None
+        key = (tuple(arrays[i].shape[1:] for i in self._model.inputs), tuple(wanted))
+        apart = self._rows_apart.get(key)
+        if apart is None:
+            inner = {i: arrays[i].shape[1:] for i in self._model.inputs}
+            apart = batch_chunks.rows_apart(self._model, inner, wanted, self._run_sized) is None
+            self._rows_apart[key] = apart
+        return chunk_rows if apart else None
+
+    def _as_run(self, arrays):
+        """The inputs of the first binding a run of `arrays` uses: the first chunk when
+        the batch runs in chunks."""
+        chunk_rows = self._chunk_rows(arrays, self._model.outputs)
+        return {i: arr[:chunk_rows] for i, arr in arrays.items()} if chunk_rows else arrays
+
+    def _run_in_chunks(self, arrays, wanted, run_options, chunk_rows, outputs, watch=None):
+        """The run of a batch as chunks of `chunk_rows` rows (the last one shorter), each
+        through the binding for its shapes, each writing its rows of every output."""
+        rows = batch_chunks.batch_rows(self._model, arrays)
+        least = max(self._input_ranges[i][0][0] for i in self._model.inputs)
+        results = None
+        for start, stop in batch_chunks.chunks(rows, chunk_rows, least):
+            binding = self._bind_checked({i: arr[start:stop] for i, arr in arrays.items()})
+            self._run_steps(binding, wanted, run_options, watch)
+            if results is None:
+                dests = outputs or [None] * len(wanted)
+                results = [
+                    self._output_array(i, (rows, *binding.views[i].shape[1:]), binding.views[i].dtype, dest)
+                    for i, dest in zip(wanted, dests)
+                ]
+            for result, i in zip(results, wanted):
+                result[start:stop] = binding.views[i]
+        return results
 
     def _wanted_outputs(self, output_names):
         """The tensor indices run() returns for `output_names` (None or []: every output,
@@ -658,14 +713,13 @@ class InferenceSession:
     def _run_timing_kernels(self, input_feed):
         """run(None, input_feed) that also returns the seconds spent inside the nodes'
         kernel callables (runtime/overhead.py): (outputs, seconds)."""
-        binding, wanted = self._prepare(None, input_feed)
+        arrays, wanted = self._prepare(None, input_feed)
         inside = [0.0]
 
         def watch(step, t0, t1):
             inside[0] += t1 - t0
 
-        self._loop(binding, self._steps_for(binding, wanted), watch=watch)
-        return self._outputs_of(binding, wanted), inside[0]
+        return self._run_checked(arrays, wanted, watch=watch), inside[0]
 
     def _describe(self, binding, step):
         """'node NAME (op)' for the step that raised (found only after an error, so the
@@ -687,14 +741,15 @@ class InferenceSession:
         one is faster on this host), and whether it has made that choice yet (it times
         both ways after about ten runs, and again from time to time). For benchmarks:
         time runs once it is settled, and report the threads."""
-        binding = self._binding_of(self._check_feed(input_feed))
+        binding = self._binding_of(self._as_run(self._check_feed(input_feed)))
         return (binding.pool.threads if binding.gate.splits else 1), binding.gate.settled
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
         variant, fused (the epilogue run after the kernel, or an elementwise node's
-        expression), in_shapes, out_shapes, ms; sorted by time."""
-        binding = self._bind_checked(self._check_feed(input_feed))
+        expression), in_shapes, out_shapes, ms; sorted by time. A batch that runs in
+        chunks of rows is profiled on its first chunk (the shapes say so)."""
+        binding = self._bind_checked(self._as_run(self._check_feed(input_feed)))
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]

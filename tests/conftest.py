@@ -89,6 +89,7 @@ def rel_error(a, b):
 # Dask clusters, servers or worker processes, or build wheels. `pytest -m "not slow"` runs
 # the rest (kernels, IR, rules, loader, CLI on small files); `pytest` runs both.
 SLOW_MODULES = {
+    "test_batch_chunks",
     "test_batch_engines",  # Ray and Dask clusters
     "test_concurrency",  # worker processes
     "test_dynamic_reshape",

@@ -436,7 +436,21 @@ def attention_scratch(node, inputs, outputs, ctx):
     return scratch_nbytes(*_scratch_requests(views[0].shape, slab, outputs[0].dtype, scale))
 
 
-@register("attention", infer=attention_infer, scratch=attention_scratch, attrs=ATTENTION_ATTRS, float_input=True)
+def _attention_rows(node, ranks, batched):
+    """Batch first: [N, L, E] with heads, or a batch dim before [L, E] without."""
+    if int(node.attrs.get("heads", 0)):
+        return int(node.attrs.get("seq_axis", 0)) == 1
+    return ranks[0] >= 3
+
+
+@register(
+    "attention",
+    infer=attention_infer,
+    scratch=attention_scratch,
+    attrs=ATTENTION_ATTRS,
+    float_input=True,
+    rows=_attention_rows,
+)
 def make_attention(node, inputs, outputs, ctx):
     attrs = node.attrs
     out = outputs[0]

@@ -208,7 +208,7 @@ def conv_scratch(node, inputs, outputs, ctx):
     return scratch_nbytes(*scaled, *tiles)
 
 
-@register("conv", infer=conv_infer, scratch=conv_scratch, attrs=CONV_ATTRS, float_input=True)
+@register("conv", infer=conv_infer, scratch=conv_scratch, attrs=CONV_ATTRS, float_input=True, rows=True)
 def make_conv(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -84,6 +84,7 @@ def conv_transpose_scratch(node, inputs, outputs, ctx):
     scratch=conv_transpose_scratch,
     attrs=CONV_TRANSPOSE_ATTRS,
     float_input=True,
+    rows=True,
 )
 def make_conv_transpose(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]

@@ -32,7 +32,7 @@ def elementwise_infer(node, shapes, dtypes):
     return [(shape, E.result_dtype(tree, dtypes))]
 
 
-@register("elementwise", infer=elementwise_infer, inplace=True)
+@register("elementwise", infer=elementwise_infer, inplace=True, rows=True)
 def make_elementwise(node, inputs, outputs, ctx):
     tree = node.expr
     out = outputs[0]

@@ -80,7 +80,7 @@ from pmx.runtime.kernels.attr_specs import (
     widest_input,
 )
 from pmx.runtime.kernels.common import expect_operand, view_as
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_off_axis
 
 
 def same_shape(node, shapes, dtypes):
@@ -100,7 +100,7 @@ def _copies(pairs):
     return run
 
 
-@register("roll", infer=same_shape, attrs=dict(axes=AXES, shifts=ints(length_of("axes"))))
+@register("roll", infer=same_shape, attrs=dict(axes=AXES, shifts=ints(length_of("axes"))), rows=rows_off_axis("axes"))
 def make_roll(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     # A roll along k axes is 2^k block copies: along each axis the tail moves to the front.
@@ -121,7 +121,7 @@ def make_roll(node, inputs, outputs, ctx):
     return _copies(pairs)
 
 
-@register("flip", infer=same_shape, attrs=dict(axes=AXES))
+@register("flip", infer=same_shape, attrs=dict(axes=AXES), rows=rows_off_axis("axes"))
 def make_flip(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     index = [slice(None)] * x.ndim
@@ -141,7 +141,9 @@ def expand_infer(node, shapes, dtypes):
     return [(tuple(np.broadcast_shapes(x, target)), dtypes[0])]
 
 
-@register("expand", infer=expand_infer, attrs=dict(shape=target_shape(copies_dims_of=1, min_length=input_rank(0))))
+@register(
+    "expand", infer=expand_infer, attrs=dict(shape=target_shape(copies_dims_of=1, min_length=input_rank(0))), rows=True
+)
 def make_expand(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x)
@@ -160,7 +162,7 @@ def tile_infer(node, shapes, dtypes):
     return [(tuple(s * r for s, r in zip(shape, reps)), dtypes[0])]
 
 
-@register("tile", infer=tile_infer, attrs=dict(reps=ints(lo=0)))
+@register("tile", infer=tile_infer, attrs=dict(reps=ints(lo=0)), rows=True)
 def make_tile(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     reps = tuple(node.attrs["reps"])
@@ -196,7 +198,13 @@ def index_values_checked(node, run):
     return checked
 
 
-@register("take", infer=take_infer, attrs=dict(axis=AXIS))
+def _take_rows(node, ranks, batched):
+    """Rows stay apart when the indices pick along another axis, or pick rows of a table
+    that is not the batch (an embedding)."""
+    return not batched[0] or node.attrs["axis"] % ranks[0] != 0
+
+
+@register("take", infer=take_infer, attrs=dict(axis=AXIS), rows=_take_rows)
 def make_take(node, inputs, outputs, ctx):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -212,7 +220,13 @@ def gather_infer(node, shapes, dtypes):
     return [(idx, dtypes[0])]
 
 
-@register("gather", infer=gather_infer, attrs=dict(axis=AXIS))
+def _gather_rows(node, ranks, batched):
+    """out[i][j] = x[i][index[i][j]] off axis 0 (x must be the batch), and
+    x[index[i][j]][j] along it (x must not be)."""
+    return (node.attrs["axis"] % ranks[0] != 0) == bool(batched[0])
+
+
+@register("gather", infer=gather_infer, attrs=dict(axis=AXIS), rows=_gather_rows)
 def make_gather(node, inputs, outputs, ctx):
     x, idx, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -248,7 +262,7 @@ def cast_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), np.dtype(node.attrs["dtype"]))]
 
 
-@register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE))
+@register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE), rows=True)
 def make_cast(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
@@ -279,7 +293,7 @@ def index_infer(node, shapes, dtypes):
     return [(_indexed_shape(tuple(shapes[0]), node.attrs["axes"], shapes[1:]), dtypes[0])]
 
 
-@register("index", infer=index_infer, attrs=dict(axes=distinct_axes(length=_index_inputs)))
+@register("index", infer=index_infer, attrs=dict(axes=distinct_axes(length=_index_inputs)), rows=rows_off_axis("axes"))
 def make_index(node, inputs, outputs, ctx):
     """x[i0, :, i1] with several integer index tensors (attrs axes: the dims they index),
     numpy's advanced indexing rules, which are torch's: the index tensors broadcast
@@ -413,7 +427,7 @@ def make_scatter_add(node, inputs, outputs, ctx):
     return put if _same(x, out) else _chain(lambda: np.copyto(out, x), put)
 
 
-@register("fill", infer=fill_infer, attrs=dict(value=_value_unless_input))
+@register("fill", infer=fill_infer, attrs=dict(value=_value_unless_input), rows=True)
 def make_fill(node, inputs, outputs, ctx):
     out = outputs[0]
     if len(inputs) > 1 and inputs[1] is not None:
@@ -460,7 +474,7 @@ def cross_infer(node, shapes, dtypes):
     return [(shape, np.result_type(dtypes[0], dtypes[1]))]
 
 
-@register("cross", infer=cross_infer, attrs=dict(axis=axis(widest_input)))
+@register("cross", infer=cross_infer, attrs=dict(axis=axis(widest_input)), rows=rows_off_axis("axis"))
 def make_cross(node, inputs, outputs, ctx):
     a, b, out = inputs[0], inputs[1], outputs[0]
     axis = node.attrs["axis"] % out.ndim
@@ -498,8 +512,12 @@ def _cumulative(accumulate):
 
 
 CUMULATIVE_ATTRS = dict(axis=axis(at_least_1d), dtype=optional(DTYPE))
-make_cumsum = register("cumsum", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS)(_cumulative(np.cumsum))
-make_cumprod = register("cumprod", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS)(_cumulative(np.cumprod))
+make_cumsum = register("cumsum", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS, rows=rows_off_axis("axis"))(
+    _cumulative(np.cumsum)
+)
+make_cumprod = register("cumprod", infer=cumulative_infer, attrs=CUMULATIVE_ATTRS, rows=rows_off_axis("axis"))(
+    _cumulative(np.cumprod)
+)
 
 
 def topk_infer(node, shapes, dtypes):
@@ -514,7 +532,10 @@ def topk_infer(node, shapes, dtypes):
 
 # sorted: written by the compiler; the values come out sorted either way
 @register(
-    "topk", infer=topk_infer, attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG))
+    "topk",
+    infer=topk_infer,
+    attrs=dict(axis=axis(at_least_1d), k=NON_NEGATIVE, largest=FLAG, sorted=optional(FLAG)),
+    rows=rows_off_axis("axis"),
 )
 def make_topk(node, inputs, outputs, ctx):
     x, values, indices = inputs[0], outputs[0], outputs[1]
@@ -613,7 +634,12 @@ def repeat_interleave_infer(node, shapes, dtypes):
     return [(tuple(shape), dtypes[0])]
 
 
-@register("repeat_interleave", infer=repeat_interleave_infer, attrs=dict(axis=AXIS, repeats=NON_NEGATIVE))
+@register(
+    "repeat_interleave",
+    infer=repeat_interleave_infer,
+    attrs=dict(axis=AXIS, repeats=NON_NEGATIVE),
+    rows=rows_off_axis("axis"),
+)
 def make_repeat_interleave(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axis, r = node.attrs["axis"] % x.ndim, node.attrs["repeats"]

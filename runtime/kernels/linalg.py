@@ -45,7 +45,7 @@ def linear_infer(node, shapes, dtypes):
     return [(tuple(shapes[0][:-1]) + (features,), dtypes[0])]
 
 
-@register("linear", infer=linear_infer, float_input=True)
+@register("linear", infer=linear_infer, float_input=True, rows=True)
 def make_linear(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None
@@ -77,7 +77,7 @@ def matmul_infer(node, shapes, dtypes):
     return [(shape, np.result_type(dtypes[0], dtypes[1]))]
 
 
-@register("matmul", infer=matmul_infer)
+@register("matmul", infer=matmul_infer, rows=True)
 def make_matmul(node, inputs, outputs, ctx):
     a, b = inputs
     out = outputs[0]
@@ -330,7 +330,7 @@ def embedding_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]) + (shapes[1][1],), dtypes[1])]
 
 
-@register("embedding", infer=embedding_infer)
+@register("embedding", infer=embedding_infer, rows=True)
 def make_embedding(node, inputs, outputs, ctx):
     ids, weight = inputs
     out = outputs[0]

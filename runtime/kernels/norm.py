@@ -28,7 +28,7 @@ from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, expect_operand, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_off_axis
 
 
 def same_as_input(node, shapes, dtypes):
@@ -57,7 +57,7 @@ def layer_norm_infer(node, shapes, dtypes):
     return [(x, dtypes[0])]
 
 
-@register("batch_norm", infer=batch_norm_infer, inplace=True, float_input=True)
+@register("batch_norm", infer=batch_norm_infer, inplace=True, float_input=True, rows=True)
 def make_batch_norm(node, inputs, outputs, ctx):
     x, scale, shift = inputs
     out = outputs[0]
@@ -130,12 +130,18 @@ def _affine(out, weight, bias, shape):
 
 
 # axes: how many trailing dims are normalized
+def _layer_norm_rows(node, ranks, batched):
+    """layer_norm normalizes over its last `axes` dims."""
+    return int(node.attrs["axes"]) < ranks[0]
+
+
 @register(
     "layer_norm",
     infer=layer_norm_infer,
     inplace=True,
     attrs=dict(axes=integer(1, input_rank(0)), eps=optional(NUMBER), rms=optional(FLAG)),
     float_input=True,
+    rows=_layer_norm_rows,
 )
 def make_layer_norm(node, inputs, outputs, ctx):
     x = inputs[0]
@@ -177,6 +183,7 @@ def group_norm_infer(node, shapes, dtypes):
     inplace=True,
     attrs=dict(groups=POSITIVE, eps=optional(NUMBER)),
     float_input=True,
+    rows=True,
 )
 def make_group_norm(node, inputs, outputs, ctx):
     x = inputs[0]
@@ -218,6 +225,7 @@ def make_group_norm(node, inputs, outputs, ctx):
     inplace=True,
     attrs=dict(axis=AXIS, p=optional(NUMBER), eps=optional(NUMBER)),
     float_input=True,
+    rows=rows_off_axis("axis"),
 )
 def make_lp_normalize(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]

@@ -137,7 +137,7 @@ def _lowest(dtype):
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-@register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS)
+@register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS, rows=True)
 def make_max_pool(node, inputs, outputs, ctx):
     """Maxima over the taps of whole channels (_whole_channel_pool)."""
     x, out = inputs[0], outputs[0]
@@ -538,7 +538,7 @@ def _avg_divisor(x, out, a):
     return (1.0 / div).astype(out.dtype)
 
 
-@register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS)
+@register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS, rows=True)
 def make_avg_pool(node, inputs, outputs, ctx):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
     max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
@@ -621,11 +621,11 @@ def _make_adaptive(kind, node, inputs, outputs):
     return run
 
 
-@register("adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
+@register("adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True)
 def make_adaptive_avg_pool(node, inputs, outputs, ctx):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
-@register("adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS)
+@register("adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True)
 def make_adaptive_max_pool(node, inputs, outputs, ctx):
     return _make_adaptive("max", node, inputs, outputs)

@@ -11,7 +11,7 @@ import numpy as np
 from pmx.runtime import blas, parallel
 from pmx.runtime.kernels.attr_specs import AXES, AXIS, FLAG, NUMBER, optional
 from pmx.runtime.kernels.common import split_threads, view_as
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_off_axis
 
 # axes absent or (): all of them
 REDUCE_ATTRS = dict(axes=optional(AXES), keepdim=optional(FLAG))
@@ -155,19 +155,28 @@ def _make_reduce(kind):
 
 
 for _kind in REDUCERS:
-    register(f"reduce_{_kind}", infer=reduce_infer, attrs=REDUCE_ATTRS)(_make_reduce(_kind))
+    register(f"reduce_{_kind}", infer=reduce_infer, attrs=REDUCE_ATTRS, rows=rows_off_axis("axes"))(_make_reduce(_kind))
 
 
 def same_as_input(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
+@register(
+    "softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True, rows=rows_off_axis("axis")
+)
 def make_softmax(node, inputs, outputs, ctx):
     return _softmax_parts(ctx, node, inputs[0], outputs[0], log=False)
 
 
-@register("log_softmax", infer=same_as_input, inplace=True, attrs=dict(axis=AXIS), float_input=True)
+@register(
+    "log_softmax",
+    infer=same_as_input,
+    inplace=True,
+    attrs=dict(axis=AXIS),
+    float_input=True,
+    rows=rows_off_axis("axis"),
+)
 def make_log_softmax(node, inputs, outputs, ctx):
     return _softmax_parts(ctx, node, inputs[0], outputs[0], log=True)
 
@@ -247,8 +256,8 @@ def _make_arg(fn):
 
 
 ARG_ATTRS = dict(axis=AXIS, keepdim=optional(FLAG))
-register("argmax", infer=arg_infer, attrs=ARG_ATTRS)(_make_arg(np.argmax))
-register("argmin", infer=arg_infer, attrs=ARG_ATTRS)(_make_arg(np.argmin))
+register("argmax", infer=arg_infer, attrs=ARG_ATTRS, rows=rows_off_axis("axis"))(_make_arg(np.argmax))
+register("argmin", infer=arg_infer, attrs=ARG_ATTRS, rows=rows_off_axis("axis"))(_make_arg(np.argmin))
 
 
 def float_reduce_infer(node, shapes, dtypes):
@@ -287,11 +296,13 @@ def _statistic(sqrt):
 
 
 STATISTIC_ATTRS = dict(REDUCE_ATTRS, correction=optional(NUMBER))
-register("reduce_var", infer=float_reduce_infer, attrs=STATISTIC_ATTRS)(_statistic(False))
-register("reduce_std", infer=float_reduce_infer, attrs=STATISTIC_ATTRS)(_statistic(True))
+register("reduce_var", infer=float_reduce_infer, attrs=STATISTIC_ATTRS, rows=rows_off_axis("axes"))(_statistic(False))
+register("reduce_std", infer=float_reduce_infer, attrs=STATISTIC_ATTRS, rows=rows_off_axis("axes"))(_statistic(True))
 
 
-@register("reduce_norm", infer=float_reduce_infer, attrs=dict(REDUCE_ATTRS, p=optional(NUMBER)))
+@register(
+    "reduce_norm", infer=float_reduce_infer, attrs=dict(REDUCE_ATTRS, p=optional(NUMBER)), rows=rows_off_axis("axes")
+)
 def make_reduce_norm(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)
@@ -317,7 +328,7 @@ def make_reduce_norm(node, inputs, outputs, ctx):
     )
 
 
-@register("reduce_logsumexp", infer=float_reduce_infer, attrs=REDUCE_ATTRS)
+@register("reduce_logsumexp", infer=float_reduce_infer, attrs=REDUCE_ATTRS, rows=rows_off_axis("axes"))
 def make_reduce_logsumexp(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     axes = _axes(node.attrs.get("axes"), x.ndim)

@@ -20,6 +20,16 @@ output channels, an index's dtype): the loader runs it on each node of a file be
 kernel binds, so what a kernel reads is what its rule checked. The compiler checks pnnx's
 declared shapes against it and the runtime uses it to re-plan other input shapes.
 
+Rows: `rows` at registration says whether the op keeps the images of a batch apart:
+each output row (index along dim 0) computed from the same row of every input whose dim 0
+is the batch, whatever the other inputs (weights, broadcast constants) are. True for
+every node of the op, a predicate `rows(node, ranks, batched)` (the inputs' ranks and
+which of them carry the batch; None where absent) where it depends on the axes, and
+False (the default) where the op mixes rows or its rule is not worth stating. The
+session runs a large batch in chunks of rows only when every node of the graph between
+the inputs and the outputs keeps rows apart (runtime/batch_chunks.py); shapes are checked
+there, so a rule only states what shapes cannot show (an axis 0 softmax keeps its shape).
+
 Attributes: `attrs` at registration declares every attribute the op's rules and factory
 read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
 before anything reads them, and refuses attributes the op does not declare.
@@ -44,9 +54,11 @@ from pmx.runtime.record import Record
 
 
 class Kernel(Record):
-    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs", "float_input")
+    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs", "float_input", "rows")
 
-    def __init__(self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
+    def __init__(
+        self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False, rows=False
+    ):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
         self.inplace = inplace
@@ -60,6 +72,13 @@ class Kernel(Record):
         # an integer or bool output (the dtype of input 0) cannot take; torch refuses
         # such inputs to these ops too
         self.float_input = float_input
+        # True, False or rows(node, ranks, batched) -> bool: whether the op keeps a batch's
+        # rows apart (module docstring, "Rows")
+        self.rows = rows
+
+    def keeps_rows(self, node, ranks, batched):
+        rows = self.rows
+        return bool(rows(node, ranks, batched)) if callable(rows) else rows
 
 
 REGISTRY: dict[str, Kernel] = {}
@@ -76,14 +95,32 @@ class RunSized(Record):
         self.value = None
 
 
-def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False):
+def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False, rows=False):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs, float_input)
+        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs, float_input, rows)
         return make
 
     return deco
+
+
+def _axes_of(value, rank):
+    """The axes an attribute names, normalized to [0, rank) (None: every axis)."""
+    if value is None:
+        return range(rank)
+    return [int(a) % rank for a in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def rows_off_axis(*names):
+    """rows= for an op that mixes elements only along the axes its attributes `names`
+    give (of input 0; absent or None: every axis): it keeps rows apart unless axis 0 is
+    among them."""
+
+    def rows(node, ranks, batched):
+        return ranks[0] > 0 and all(0 not in _axes_of(node.attrs.get(n), ranks[0]) for n in names)
+
+    return rows
 
 
 def get(op: str) -> Kernel:

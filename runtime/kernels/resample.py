@@ -131,7 +131,7 @@ RESIZE_ATTRS = dict(
 )
 
 
-@register("resize", infer=resize_infer, attrs=RESIZE_ATTRS)
+@register("resize", infer=resize_infer, attrs=RESIZE_ATTRS, rows=True)
 def make_resize(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     a = node.attrs
@@ -304,6 +304,7 @@ def pad_infer(node, shapes, dtypes):
         mode=optional(one_of("constant", "reflect", "replicate", "circular")),
         value=optional(number(none=True)),
     ),
+    rows=True,
 )
 def make_pad(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
@@ -382,7 +383,7 @@ def _split_view(a, shape):
     return v
 
 
-@register("pixel_shuffle", infer=pixel_shuffle_infer, attrs=dict(factor=POSITIVE, inverse=optional(FLAG)))
+@register("pixel_shuffle", infer=pixel_shuffle_infer, attrs=dict(factor=POSITIVE, inverse=optional(FLAG)), rows=True)
 def make_pixel_shuffle(node, inputs, outputs, ctx):
     """`pixel_shuffle`: attrs factor, inverse (pixel_unshuffle). One strided copy between
     (..., C, r, r, H, W) and (..., C, H, r, W, r) views of input and output."""

@@ -112,6 +112,7 @@ def grid_sample_infer(node, shapes, dtypes):
         align_corners=optional(FLAG),
     ),
     float_input=True,
+    rows=True,
 )
 def make_grid_sample(node, inputs, outputs, ctx):
     x, grid, out = inputs[0], inputs[1], outputs[0]
@@ -170,6 +171,7 @@ def affine_grid_infer(node, shapes, dtypes):
     "affine_grid",
     infer=affine_grid_infer,
     attrs=dict(size=ints(min_length=4, max_length=5, lo=0), align_corners=optional(FLAG)),
+    rows=True,
 )
 def make_affine_grid(node, inputs, outputs, ctx):
     theta, out = inputs[0], outputs[0]
@@ -296,6 +298,7 @@ def deform_conv_infer(node, shapes, dtypes):
         has_bias=optional(FLAG),
     ),
     float_input=True,
+    rows=True,
 )
 def make_deform_conv(node, inputs, outputs, ctx):
     a = node.attrs

@@ -42,7 +42,7 @@ from pmx.runtime.kernels.attr_specs import (
     widest_input,
 )
 from pmx.runtime.kernels.common import chain, split_copy, split_threads, view_as
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_off_axis
 
 
 def _resolve_shape(shape, numel):
@@ -108,6 +108,7 @@ def _same_memory(a, b):
         like_shape=optional(target_shape(copies_dims_of=ranks_from(1))),
         pnnx_shape=UNREAD,
     ),
+    rows=True,
 )
 def make_reshape(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
@@ -116,7 +117,7 @@ def make_reshape(node, inputs, outputs, ctx):
     return lambda: np.copyto(out, x.reshape(out.shape))
 
 
-@register("copy", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])])
+@register("copy", infer=lambda node, shapes, dtypes: [(tuple(shapes[0]), dtypes[0])], rows=True)
 def make_copy(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
@@ -165,7 +166,14 @@ def _skipped_by_cat(shape):
     return len(shape) == 1 and shape[0] == 0
 
 
-@register("concat", infer=concat_infer, attrs=dict(axis=axis(widest_input), broadcast=optional(FLAG)))
+def _concat_rows(node, ranks, batched):
+    rank = max(r for r in ranks if r is not None)
+    return rank > 0 and node.attrs["axis"] % rank != 0
+
+
+@register(
+    "concat", infer=concat_infer, attrs=dict(axis=axis(widest_input), broadcast=optional(FLAG)), rows=_concat_rows
+)
 def make_concat(node, inputs, outputs, ctx):
     out = outputs[0]
     axis = node.attrs["axis"] % out.ndim
@@ -205,7 +213,7 @@ def split_infer(node, shapes, dtypes):
     return result
 
 
-@register("split", infer=split_infer, attrs=dict(axis=AXIS, sizes=ints(lo=0, min_length=1)))
+@register("split", infer=split_infer, attrs=dict(axis=AXIS, sizes=ints(lo=0, min_length=1)), rows=rows_off_axis("axis"))
 def make_split(node, inputs, outputs, ctx):
     x = inputs[0]
     axis = node.attrs["axis"] % x.ndim
@@ -291,7 +299,12 @@ def slice_infer(node, shapes, dtypes):
     return [(_slice_shape(shapes[0], _with_followed_ends(node.attrs, shapes)), dtypes[0])]
 
 
-@register("slice", infer=slice_infer, attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS, end_divs=SLICE_END_DIVS))
+@register(
+    "slice",
+    infer=slice_infer,
+    attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS, end_divs=SLICE_END_DIVS),
+    rows=rows_off_axis("axes"),
+)
 def make_slice(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     attrs = _with_followed_ends(node.attrs, [None if v is None else v.shape for v in inputs])
@@ -333,7 +346,11 @@ def _blas_transposes(ctx, x, out, swap, threads):
     return ctx.split(parts)
 
 
-@register("transpose", infer=transpose_infer, attrs=dict(perm=permutation()))
+def _keeps_dim0(node, ranks, batched):
+    return ranks[0] > 0 and node.attrs["perm"][0] % ranks[0] == 0
+
+
+@register("transpose", infer=transpose_infer, attrs=dict(perm=permutation()), rows=_keeps_dim0)
 def make_transpose(node, inputs, outputs, ctx):
     """A batch of matrix transposes (NCHW <-> NHWC) by BLAS's blocked transpose where it
     has one (runtime/blas.py), split over the threads by output rows: ConvNeXt-tiny's 46
@@ -368,7 +385,9 @@ def channel_shuffle_infer(node, shapes, dtypes):
     return [(shape[:1] + (k,) + shape[2:], dtypes[0]) for k in sizes]
 
 
-@register("channel_shuffle", infer=channel_shuffle_infer, attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))))
+@register(
+    "channel_shuffle", infer=channel_shuffle_infer, attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))), rows=True
+)
 def make_channel_shuffle(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     g = node.attrs["groups"]
@@ -420,7 +439,7 @@ def slice_assign_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS)
+@register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS, rows=rows_off_axis("axes"))
 def make_slice_assign(node, inputs, outputs, ctx):
     x, src, out = inputs[0], inputs[1], outputs[0]
     dst = out[_slice_index(node.attrs, out.ndim)]

@@ -32,7 +32,7 @@ from pmx.runtime.kernels.attr_specs import (
     one_of,
     optional,
 )
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_off_axis
 
 COMPLEX_OF = {
     np.dtype("float32"): np.dtype("complex64"),
@@ -61,7 +61,7 @@ def complex_infer(node, shapes, dtypes):
     return [(tuple(np.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))), complex_of(dtypes[0]))]
 
 
-@register("complex", infer=complex_infer)
+@register("complex", infer=complex_infer, rows=True)
 def make_complex(node, inputs, outputs, ctx):
     re, im, out = inputs[0], inputs[1], outputs[0]
 
@@ -84,15 +84,15 @@ def _part(take):
     return make
 
 
-register("real", infer=part_infer)(_part(np.real))
-register("imag", infer=part_infer)(_part(np.imag))
+register("real", infer=part_infer, rows=True)(_part(np.real))
+register("imag", infer=part_infer, rows=True)(_part(np.imag))
 
 
 def view_as_real_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]) + (2,), real_of(dtypes[0]))]
 
 
-@register("view_as_real", infer=view_as_real_infer)
+@register("view_as_real", infer=view_as_real_infer, rows=True)
 def make_view_as_real(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
 
@@ -110,7 +110,7 @@ def view_as_complex_infer(node, shapes, dtypes):
     return [(x[:-1], complex_of(dtypes[0]))]
 
 
-@register("view_as_complex", infer=view_as_complex_infer)
+@register("view_as_complex", infer=view_as_complex_infer, rows=True)
 def make_view_as_complex(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
 
@@ -178,6 +178,7 @@ def _transform(kind, lengths, axes, norm):
         lengths=ints(length_of("axes"), lo=0),
         norm=optional(one_of("backward", "forward", "ortho")),
     ),
+    rows=rows_off_axis("axes"),
 )
 def make_fft(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]

@@ -78,7 +78,7 @@ def _flat_index(coords, spatial):
     return flat
 
 
-@register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS)
+@register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS, rows=True)
 def make_max_pool_indices(node, inputs, outputs, ctx):
     """Maxima over strided tap views of the input padded with the lowest value, and for
     each the tap's input position, updated where a tap is greater (or NaN)."""
@@ -119,7 +119,7 @@ def make_max_pool_indices(node, inputs, outputs, ctx):
     return run
 
 
-@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, attrs=ADAPTIVE_ATTRS)
+@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, attrs=ADAPTIVE_ATTRS, rows=True)
 def make_adaptive_max_pool_indices(node, inputs, outputs, ctx):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
@@ -195,7 +195,7 @@ def _tap_slices(a, blocks):
         yield tuple(slice(tap[i] * d[i], tap[i] * d[i] + (blocks[i] - 1) * s[i] + 1, s[i]) for i in range(len(k)))
 
 
-@register("unfold", infer=unfold_infer, attrs=UNFOLD_ATTRS)
+@register("unfold", infer=unfold_infer, attrs=UNFOLD_ATTRS, rows=True)
 def make_unfold(node, inputs, outputs, ctx):
     """One copy per kernel tap from a strided view of the zero-padded input into that
     tap's rows of the output."""
@@ -234,7 +234,7 @@ def fold_infer(node, shapes, dtypes):
     return [(tuple(x[:-2]) + (x[-2] // taps,) + size, dtypes[0])]
 
 
-@register("fold", infer=fold_infer, attrs=FOLD_ATTRS)
+@register("fold", infer=fold_infer, attrs=FOLD_ATTRS, rows=True)
 def make_fold(node, inputs, outputs, ctx):
     """Sums of each tap's rows into a strided view of a zero-padded output buffer, whose
     interior is then copied out."""

@@ -110,7 +110,12 @@ def _scratch_shapes(g, dtype):
 
 
 @register(
-    "conv_winograd", infer=winograd_infer, scratch=winograd_scratch, attrs=dict(pads=ints(4, lo=0)), float_input=True
+    "conv_winograd",
+    infer=winograd_infer,
+    scratch=winograd_scratch,
+    attrs=dict(pads=ints(4, lo=0)),
+    float_input=True,
+    rows=True,
 )
 def make_conv_winograd(node, inputs, outputs, ctx):
     x, u, out = inputs[0], inputs[1], outputs[0]

@@ -1,0 +1,207 @@
+"""A large batch runs in chunks of rows only where the graph keeps rows apart.
+
+InferenceSession runs a batch larger than a chunk (SessionOptions config entry
+pmx.batch_chunk_rows; 2 here, so small batches make several chunks, the last one shorter)
+as consecutive runs over its rows. Every model below is compared with torch at that batch:
+for graphs that keep rows apart the profile must show the chunk's shapes (the chunks ran),
+and for graphs that mix rows along dim 0 (a softmax or a mean over the batch, a flip, a
+cumulative sum, a gather along dim 0, a sequence-first LSTM) the whole batch must run at
+once and still match torch, since chunks would give other numbers.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import export_pnnx, rel_error, torch_outputs
+
+from pmx.compiler import compile_model
+from pmx.runtime import InferenceSession, PmxInputError, SessionOptions
+
+CHUNK = 2
+TOL = 1e-5
+
+
+class ConvNet(nn.Module):
+    """Conv, batch norm, a squeeze-excite gate reshaped by the batch size, a concat and a
+    split on channels, pooling, flatten and a linear head with a softmax over classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.se = nn.Linear(8, 8)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.c1(x)))
+        s = torch.sigmoid(self.se(y.mean((2, 3))))
+        y = torch.cat([y, self.c2(y) * s.view(y.shape[0], 8, 1, 1)], 1)
+        a, b = torch.split(y, 8, dim=1)
+        y = F.max_pool2d(a + b.flip(3), 2)
+        y = torch.cat([F.adaptive_avg_pool2d(y, 1), F.adaptive_max_pool2d(y, 1)], 1)
+        logits = self.fc(torch.flatten(y, 1))
+        return torch.softmax(logits, 1), logits.cumsum(1)
+
+
+class Tokens(nn.Module):
+    """Layer norm, attention over each sequence (batch first), a sum over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln(x)).chunk(3, -1)
+        shape = (x.shape[0], x.shape[1], 2, 8)
+        q, k, v = (t.reshape(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
+        return (x + y).sum(1)
+
+
+class Mixer(nn.Module):
+    """One way of mixing the rows of a batch, after a row-wise linear layer."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.mix = mix
+
+    def forward(self, x):
+        return self.mix(self.fc(x))
+
+
+MIXES = {
+    "softmax_over_batch": lambda y: torch.softmax(y, 0),
+    "minus_batch_mean": lambda y: y - y.mean(0, keepdim=True),
+    "flip_batch": lambda y: y.flip(0) * 2,
+    "cumsum_over_batch": lambda y: y.cumsum(0),
+    "roll_batch": lambda y: torch.roll(y, 1, 0) + y,
+    "gather_along_batch": lambda y: torch.gather(y, 0, (y.abs() * 3).long() % y.shape[0]),
+}
+
+
+class SequenceFirst(nn.Module):
+    """An LSTM on [L, N, E]: dim 0 is time, not the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 5)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def chunked_session(path, rows=CHUNK):
+    options = SessionOptions()
+    options.add_session_config_entry("pmx.batch_chunk_rows", str(rows))
+    return InferenceSession(str(path), sess_options=options)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    cache = {}
+
+    def compile_(name, module, example):
+        if name not in cache:
+            directory = tmp_path_factory.mktemp(name)
+            prefix = export_pnnx(directory, module, [example])
+            compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(directory / "m.pmx"))
+            cache[name] = directory / "m.pmx"
+        return cache[name]
+
+    return compile_
+
+
+def check_against_torch(sess, module, x):
+    feed = {sess.get_inputs()[0].name: x.numpy()}
+    for got, want in zip(sess.run(None, feed), torch_outputs(module, [x]), strict=True):
+        assert got.shape == want.shape
+        assert rel_error(got, want) <= TOL, f"{rel_error(got, want):.3g} against torch"
+    return feed
+
+
+def profiled_rows(sess, feed):
+    """The largest dim 0 of any node's output in the session's profile of this feed: the
+    rows one run of the nodes took."""
+    rows = sess.profile(feed, repeat=1)
+    return max(shape[0] for r in rows for shape in r["out_shapes"] if shape)
+
+
+@pytest.mark.parametrize("batch", [3, 5, 8])
+def test_a_cnn_runs_in_chunks_and_matches_torch(compiled, batch):
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    path = compiled("convnet", module, torch.rand(1, 3, 16, 16))
+    sess = chunked_session(path)
+    feed = check_against_torch(sess, module, torch.rand(batch, 3, 16, 16))
+    assert profiled_rows(sess, feed) == CHUNK
+
+
+def test_a_transformer_block_runs_in_chunks_and_matches_torch(compiled):
+    torch.manual_seed(0)
+    module = Tokens().eval()
+    path = compiled("tokens", module, torch.rand(1, 4, 16))
+    sess = chunked_session(path)
+    feed = check_against_torch(sess, module, torch.rand(7, 4, 16))
+    assert profiled_rows(sess, feed) == CHUNK
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_a_graph_that_mixes_rows_runs_the_batch_whole(compiled, mix):
+    torch.manual_seed(0)
+    module = Mixer(MIXES[mix]).eval()
+    path = compiled(mix, module, torch.rand(3, 6))
+    sess = chunked_session(path)
+    feed = check_against_torch(sess, module, torch.rand(7, 6))
+    assert profiled_rows(sess, feed) == 7
+
+
+def test_a_sequence_first_lstm_runs_the_batch_whole(compiled):
+    torch.manual_seed(0)
+    module = SequenceFirst().eval()
+    path = compiled("lstm", module, torch.rand(3, 2, 6))
+    sess = chunked_session(path)
+    check_against_torch(sess, module, torch.rand(7, 2, 6))
+
+
+def test_chunks_write_into_bound_outputs(compiled):
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    sess = chunked_session(compiled("convnet", module, torch.rand(1, 3, 16, 16)))
+    x = torch.rand(5, 3, 16, 16)
+    want = torch_outputs(module, [x])
+    binding = sess.io_binding()
+    binding.bind_cpu_input(sess.get_inputs()[0].name, x.numpy())
+    outs = [np.full(w.shape, np.nan, np.float32) for w in want]
+    for arg, out in zip(sess.get_outputs(), outs):
+        binding.bind_output_array(arg.name, out)
+    sess.run_with_iobinding(binding)
+    for out, w in zip(outs, want):
+        assert rel_error(out, w) <= TOL
+
+
+def test_a_bound_output_of_another_shape_is_refused(compiled):
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    sess = chunked_session(compiled("convnet", module, torch.rand(1, 3, 16, 16)))
+    feed = {"in0": np.random.default_rng(0).random((5, 3, 16, 16), dtype=np.float32)}
+    with pytest.raises(PmxInputError, match=r"bound output .*\[5, 5\]"):
+        sess.run_into(None, feed, [np.empty((4, 5), np.float32), None])
+
+
+def test_no_chunks_on_request(compiled):
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    sess = chunked_session(compiled("convnet", module, torch.rand(1, 3, 16, 16)), rows=0)
+    feed = check_against_torch(sess, module, torch.rand(5, 3, 16, 16))
+    assert profiled_rows(sess, feed) == 5
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5", ""])
+def test_the_chunk_entry_takes_whole_numbers(value):
+    with pytest.raises(PmxInputError, match="pmx.batch_chunk_rows"):
+        SessionOptions().add_session_config_entry("pmx.batch_chunk_rows", value)
