@@ -203,5 +203,5 @@ def test_no_chunks_on_request(compiled):
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5", ""])
 def test_the_chunk_entry_takes_whole_numbers(value):
-    with pytest.raises(PmxInputError, match="pmx.batch_chunk_rows"):
+    with pytest.raises(PmxInputError, match=r"pmx\.batch_chunk_rows"):
         SessionOptions().add_session_config_entry("pmx.batch_chunk_rows", value)
