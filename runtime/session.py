@@ -23,6 +23,7 @@ What run() accepts (decided here, documented in the README):
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import copy
 import math
@@ -283,6 +284,7 @@ class InferenceSession:
         self._batch_chunk_rows = batch_chunks.chunk_rows_option(self._options)
         self._rows_apart = {}  # (inner input shapes, wanted outputs) -> whether rows stay apart
         self._async = None  # run_async's executor, made on first use
+        self._chunks = None  # the executor running a batch's chunks at once, made on first use
         self._async_lock = threading.Lock()
 
     # --- metadata -------------------------------------------------------------------
@@ -528,8 +530,6 @@ class InferenceSession:
     def _executor(self):
         with self._async_lock:
             if self._async is None:
-                import concurrent.futures
-
                 self._async = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pmx-async")
                 weakref.finalize(self, self._async.shutdown, wait=False)
             return self._async
@@ -615,9 +615,9 @@ class InferenceSession:
         (what BatchingSession runs, having checked each request when it was queued),
         writing into `outputs` as run_into does. A batch larger than a chunk runs in
         chunks of rows where the graph keeps rows apart (runtime/batch_chunks.py)."""
-        chunk_rows = self._chunk_rows(arrays, wanted)
-        if chunk_rows:
-            return self._run_in_chunks(arrays, wanted, run_options, chunk_rows, outputs, watch)
+        plan = self._chunk_plan(arrays, wanted)
+        if plan is not None:
+            return self._run_in_chunks(arrays, wanted, run_options, plan, outputs, watch)
         binding = self._bind_checked(arrays)
         self._run_steps(binding, wanted, run_options, watch)
         if outputs is None or all(dest is None for dest in outputs):
@@ -645,45 +645,87 @@ class InferenceSession:
             )
         return dest
 
-    def _chunk_rows(self, arrays, wanted):
-        """Rows per chunk for a run of these checked inputs, or None to run them whole: a
-        batch over the chunk size, of a graph that keeps rows apart at these shapes."""
-        chunk_rows = self._batch_chunk_rows
+    def _chunk_plan(self, arrays, wanted):
+        """How a run of these checked inputs goes through the graph: None to run them
+        whole, else (bounds, parallel): the (start, stop) rows of each chunk, and whether
+        the chunks run on the session's threads at once, each bound for one thread
+        (runtime/batch_chunks.py)."""
         rows = batch_chunks.batch_rows(self._model, arrays)
-        if not chunk_rows or rows is None or rows <= chunk_rows:
+        most = self._batch_chunk_rows
+        if not most or rows is None or rows < 2:
             return None
+        # images shared out, each thread running whole chunks: only where the BLAS pmx
+        # calls runs on one thread, as split GEMMs require (parallel.Pool.splits_gemms)
+        parallel = self._num_threads > 1 and blas.threads() == 1
+        chunk_rows = min(most, -(-rows // self._num_threads)) if parallel else most
+        if chunk_rows >= rows or not self._keeps_rows_apart(arrays, wanted):
+            return None
+        least = max(self._input_ranges[i][0][0] for i in self._model.inputs)
+        bounds = batch_chunks.chunks(rows, chunk_rows, least)
+        return (bounds, parallel) if len(bounds) > 1 else None
+
+    def _keeps_rows_apart(self, arrays, wanted):
         key = (tuple(arrays[i].shape[1:] for i in self._model.inputs), tuple(wanted))
         apart = self._rows_apart.get(key)
         if apart is None:
             inner = {i: arrays[i].shape[1:] for i in self._model.inputs}
             apart = batch_chunks.rows_apart(self._model, inner, wanted, self._run_sized) is None
             self._rows_apart[key] = apart
-        return chunk_rows if apart else None
+        return apart
 
-    def _as_run(self, arrays):
-        """The inputs of the first binding a run of `arrays` uses: the first chunk when
-        the batch runs in chunks."""
-        chunk_rows = self._chunk_rows(arrays, self._model.outputs)
-        return {i: arr[:chunk_rows] for i, arr in arrays.items()} if chunk_rows else arrays
+    def _first_chunk(self, arrays):
+        """(inputs of the first binding a run of `arrays` uses, whether it runs on a chunk
+        thread): the first chunk when the batch runs in chunks."""
+        plan = self._chunk_plan(arrays, self._model.outputs)
+        if plan is None:
+            return arrays, False
+        (start, stop), parallel = plan[0][0], plan[1]
+        return {i: arr[start:stop] for i, arr in arrays.items()}, parallel
 
-    def _run_in_chunks(self, arrays, wanted, run_options, chunk_rows, outputs, watch=None):
-        """The run of a batch as chunks of `chunk_rows` rows (the last one shorter), each
-        through the binding for its shapes, each writing its rows of every output."""
-        rows = batch_chunks.batch_rows(self._model, arrays)
-        least = max(self._input_ranges[i][0][0] for i in self._model.inputs)
-        results = None
-        for start, stop in batch_chunks.chunks(rows, chunk_rows, least):
+    def _run_in_chunks(self, arrays, wanted, run_options, plan, outputs, watch=None):
+        """The run of a batch as chunks of rows, each through the binding for its shapes
+        (of the thread that runs it), each writing its rows of every output. Watched runs
+        (profiling the kernels) run the chunks on the calling thread, one after another."""
+        bounds, parallel = plan
+        rows = bounds[-1][1]
+        first = tuple(arrays[i][bounds[0][0] : bounds[0][1]].shape for i in self._model.inputs)
+        shapes = self._layout(first).shapes
+        dests = outputs or [None] * len(wanted)
+        results = [
+            self._output_array(i, (rows, *shapes[i][1:]), self._model.tensors[i].dtype, dest)
+            for i, dest in zip(wanted, dests)
+        ]
+
+        def run_chunk(start, stop):
             binding = self._bind_checked({i: arr[start:stop] for i, arr in arrays.items()})
             self._run_steps(binding, wanted, run_options, watch)
-            if results is None:
-                dests = outputs or [None] * len(wanted)
-                results = [
-                    self._output_array(i, (rows, *binding.views[i].shape[1:]), binding.views[i].dtype, dest)
-                    for i, dest in zip(wanted, dests)
-                ]
             for result, i in zip(results, wanted):
                 result[start:stop] = binding.views[i]
+
+        if parallel and watch is None:
+            executor = self._chunk_executor()
+            futures = [executor.submit(run_chunk, start, stop) for start, stop in bounds]
+            concurrent.futures.wait(futures)
+            for future in futures:
+                future.result()  # the first chunk's error, as the run's
+        else:
+            for start, stop in bounds:
+                run_chunk(start, stop)
         return results
+
+    def _chunk_executor(self):
+        """The threads that run a batch's chunks at once, as many as the session's
+        threads, each binding for one thread (made on first use)."""
+        with self._async_lock:
+            if self._chunks is None:
+                self._chunks = concurrent.futures.ThreadPoolExecutor(
+                    self._num_threads,
+                    thread_name_prefix="pmx-chunks",
+                    initializer=_bind_for_one_thread,
+                    initargs=(self._local,),
+                )
+                weakref.finalize(self, self._chunks.shutdown, wait=False)
+            return self._chunks
 
     def _wanted_outputs(self, output_names):
         """The tensor indices run() returns for `output_names` (None or []: every output,
@@ -740,16 +782,27 @@ class InferenceSession:
         where the session has one, or where it found, timing whole runs both ways, that
         one is faster on this host), and whether it has made that choice yet (it times
         both ways after about ten runs, and again from time to time). For benchmarks:
-        time runs once it is settled, and report the threads."""
-        binding = self._binding_of(self._as_run(self._check_feed(input_feed)))
+        time runs once it is settled, and report the threads. A batch whose chunks run
+        on the session's threads at once uses all of them, settled."""
+        arrays, on_chunk_threads = self._first_chunk(self._check_feed(input_feed))
+        if on_chunk_threads:
+            return self._num_threads, True
+        binding = self._binding_of(arrays)
         return (binding.pool.threads if binding.gate.splits else 1), binding.gate.settled
 
     def profile(self, input_feed, repeat=10):
         """Per-node timings (median ms over `repeat` runs): list of dicts op, name,
         variant, fused (the epilogue run after the kernel, or an elementwise node's
         expression), in_shapes, out_shapes, ms; sorted by time. A batch that runs in
-        chunks of rows is profiled on its first chunk (the shapes say so)."""
-        binding = self._bind_checked(self._as_run(self._check_feed(input_feed)))
+        chunks of rows is profiled on its first chunk (the shapes say so), on a chunk
+        thread when chunks run on the session's threads at once."""
+        arrays, on_chunk_threads = self._first_chunk(self._check_feed(input_feed))
+        if on_chunk_threads:
+            return self._chunk_executor().submit(self._profile, arrays, repeat).result()
+        return self._profile(arrays, repeat)
+
+    def _profile(self, arrays, repeat):
+        binding = self._bind_checked(arrays)
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
@@ -780,6 +833,11 @@ class InferenceSession:
             )
         rows.sort(key=lambda r: -r["ms"])
         return rows
+
+
+def _bind_for_one_thread(local):
+    """A chunk thread's start: its bindings are bound for one thread (no split parts)."""
+    local.pool = parallel.Pool(1)
 
 
 def callback_or_future(future, callback, user_data):

@@ -1,8 +1,8 @@
 """A large batch runs in chunks of rows only where the graph keeps rows apart.
 
-InferenceSession runs a batch larger than a chunk (SessionOptions config entry
-pmx.batch_chunk_rows; 2 here, so small batches make several chunks, the last one shorter)
-as consecutive runs over its rows. Every model below is compared with torch at that batch:
+InferenceSession runs a batch in chunks of rows (at most SessionOptions config entry
+pmx.batch_chunk_rows; 2 here, so small batches make several chunks, the last one
+shorter), on its threads at once when it has several, one after another otherwise. Every model below is compared with torch at that batch:
 for graphs that keep rows apart the profile must show the chunk's shapes (the chunks ran),
 and for graphs that mix rows along dim 0 (a softmax or a mean over the batch, a flip, a
 cumulative sum, a gather along dim 0, a sequence-first LSTM) the whole batch must run at
@@ -95,8 +95,9 @@ class SequenceFirst(nn.Module):
         return self.rnn(x)[0]
 
 
-def chunked_session(path, rows=CHUNK):
+def chunked_session(path, rows=CHUNK, threads=2):
     options = SessionOptions()
+    options.intra_op_num_threads = threads
     options.add_session_config_entry("pmx.batch_chunk_rows", str(rows))
     return InferenceSession(str(path), sess_options=options)
 
@@ -131,14 +132,17 @@ def profiled_rows(sess, feed):
     return max(shape[0] for r in rows for shape in r["out_shapes"] if shape)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("batch", [3, 5, 8])
-def test_a_cnn_runs_in_chunks_and_matches_torch(compiled, batch):
+def test_a_cnn_runs_in_chunks_and_matches_torch(compiled, batch, threads):
     torch.manual_seed(0)
     module = ConvNet().eval()
     path = compiled("convnet", module, torch.rand(1, 3, 16, 16))
-    sess = chunked_session(path)
+    sess = chunked_session(path, threads=threads)
     feed = check_against_torch(sess, module, torch.rand(batch, 3, 16, 16))
-    assert profiled_rows(sess, feed) == CHUNK
+    # with threads, a batch is shared out in chunks of at most ceil(batch / threads) rows
+    assert profiled_rows(sess, feed) == min(CHUNK, -(-batch // threads))
+    assert sess.thread_choice(feed) == (threads, True) or threads == 1
 
 
 def test_a_transformer_block_runs_in_chunks_and_matches_torch(compiled):
