@@ -53,8 +53,20 @@ def model_input(shape, kind, rows):
     return np.random.default_rng(0).random(dims, dtype=np.float32)
 
 
+def served_input_name(url, model):
+    return _metadata(url, model)["inputs"][0]["name"]
+
+
 def input_from_metadata(url, model, rows):
     """(input name, input) of a served model of one FP32 input, from its metadata."""
+    metadata = _metadata(url, model)
+    if len(metadata["inputs"]) != 1:
+        raise SystemExit(f"this bench sends one input; {model} takes {len(metadata['inputs'])}")
+    [node] = metadata["inputs"]
+    return node["name"], model_input(node["shape"], node["datatype"], rows)
+
+
+def _metadata(url, model):
     host, port = url.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     try:
@@ -65,10 +77,7 @@ def input_from_metadata(url, model, rows):
         conn.close()
     if response.status != 200:
         raise SystemExit(f"GET /v2/models/{model}: {response.status} {metadata}")
-    if len(metadata["inputs"]) != 1:
-        raise SystemExit(f"this bench sends one input; {model} takes {len(metadata['inputs'])}")
-    [node] = metadata["inputs"]
-    return node["name"], model_input(node["shape"], node["datatype"], rows)
+    return metadata
 
 
 def expected_output(path, input_name, x):
@@ -302,6 +311,7 @@ def measure(label, command, args, input_name, x, expected):
     process = subprocess.Popen([*command, "--port", str(port)], stdin=subprocess.DEVNULL)
     try:
         wait_ready(url, process)
+        input_name = served_input_name(url, "model")  # an ONNX export may name it otherwise
         warm_up = min(2.0, args.seconds)
         run_load(url, "model", input_name, x, expected, args.clients, warm_up, 0, args.client_processes)
         cpu_before = tree_cpu_seconds(process.pid)
