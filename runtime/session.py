@@ -658,9 +658,10 @@ class InferenceSession:
         # calls runs on one thread, as split GEMMs require (parallel.Pool.splits_gemms)
         parallel = self._num_threads > 1 and blas.threads() == 1
         chunk_rows = min(most, -(-rows // self._num_threads)) if parallel else most
-        if chunk_rows >= rows or not self._keeps_rows_apart(arrays, wanted):
-            return None
+        # the fewest rows dim 0 takes: a chunk below it would run a shape the file refuses
         least = max(self._input_ranges[i][0][0] for i in self._model.inputs)
+        if not least <= chunk_rows < rows or not self._keeps_rows_apart(arrays, wanted):
+            return None
         bounds = batch_chunks.chunks(rows, chunk_rows, least)
         return (bounds, parallel) if len(bounds) > 1 else None
 

@@ -106,11 +106,11 @@ def chunked_session(path, rows=CHUNK, threads=2):
 def compiled(tmp_path_factory):
     cache = {}
 
-    def compile_(name, module, example):
+    def compile_(name, module, example, **options):
         if name not in cache:
             directory = tmp_path_factory.mktemp(name)
             prefix = export_pnnx(directory, module, [example])
-            compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(directory / "m.pmx"))
+            compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(directory / "m.pmx"), **options)
             cache[name] = directory / "m.pmx"
         return cache[name]
 
@@ -195,6 +195,18 @@ def test_a_bound_output_of_another_shape_is_refused(compiled):
     feed = {"in0": np.random.default_rng(0).random((5, 3, 16, 16), dtype=np.float32)}
     with pytest.raises(PmxInputError, match=r"bound output .*\[5, 5\]"):
         sess.run_into(None, feed, [np.empty((4, 5), np.float32), None])
+
+
+@pytest.mark.parametrize(("most", "rows"), [(2, 9), (4, 4), (8, 9)])
+def test_no_chunk_is_smaller_than_the_batch_range_allows(compiled, most, rows):
+    """dim 0 compiled as 4..16: chunks of 2 would run a shape the file refuses, so the
+    batch runs whole; chunks of 4 leave no last chunk of 1 (it joins the one before)."""
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    path = compiled("convnet_4_to_16", module, torch.rand(4, 3, 16, 16), dynamic={"in0": {0: (4, 16)}})
+    sess = chunked_session(path, rows=most, threads=1)
+    feed = check_against_torch(sess, module, torch.rand(9, 3, 16, 16))
+    assert profiled_rows(sess, feed) == rows
 
 
 def test_no_chunks_on_request(compiled):
