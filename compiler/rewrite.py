@@ -257,12 +257,11 @@ def _fire(graph, rules, node):
 
 def rule_pass(name, rules):
     """A pipeline pass that runs `rules` to a fixpoint and records their hits in the
-    compile's context; changed? = some rule fired."""
+    compile's context."""
 
     def run(graph, ctx):
         hits = apply_rules(graph, name, rules)
         ctx.rule_hits.extend((name, r, n) for r, n in hits.items())
-        return any(hits.values())
 
     run.__name__ = run.__qualname__ = name
     run.rules = tuple(rules)

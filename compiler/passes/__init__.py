@@ -1,5 +1,8 @@
 """The optimization pipeline: an ordered list of passes, each a function (Graph,
-PassContext) -> bool (changed?) with the passes it must follow. The PassContext
+PassContext) that edits the graph in place and returns nothing, with the passes it must
+follow. What a pass did is visible where it matters: the node counts before and after
+each pass (`pass_stats`, stored in the file, `pmx inspect`) and each rule's hits
+(`rule_hits`, `pmx compile -v`); no pass reports "changed", which nothing used. The PassContext
 (compiler/plan.py) carries the compile's options to the passes and collects what they
 find; run_pipeline returns that as the Plan. A local-rewrite pass is a rule table
 (compiler/rewrite.py) whose run applies its rule set to a fixpoint. The order is checked

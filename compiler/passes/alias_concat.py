@@ -34,7 +34,6 @@ def _alias_prefixes(aliases, concats, fixed):
     whose inputs are a prefix of a later concat's (same axis) becomes the leading part of
     that concat's output, so a block's features are written once into one buffer and no
     layer copies them again."""
-    changed = False
     for i, a in enumerate(concats):
         out = a.outputs[0]
         if out.uid in fixed or out.uid in aliases or not _contiguous_slices(a, aliases):
@@ -44,9 +43,7 @@ def _alias_prefixes(aliases, concats, fixed):
                 continue
             if resolve(b.outputs[0], aliases)[0] is not out:
                 aliases[out.uid] = (b.outputs[0], 0, None)
-                changed = True
                 break
-    return changed
 
 
 def _is_prefix(a, b):
@@ -57,11 +54,11 @@ def _is_prefix(a, b):
     return len(b.inputs) > n and b.inputs[:n] == a.inputs and same_axis and x.dtype == y.dtype
 
 
-def alias_concat(graph, ctx) -> bool:
+def alias_concat(graph, ctx):
     aliases = ctx.aliases
     fixed = {v.uid for v in graph.inputs + graph.outputs + graph.kept}
     concats = [n for n in graph.nodes if n.op == "concat"]
-    changed = _alias_prefixes(aliases, concats, fixed)
+    _alias_prefixes(aliases, concats, fixed)
     for node in concats:
         out = node.outputs[0]
         if not _contiguous_slices(node, aliases):
@@ -82,6 +79,4 @@ def alias_concat(graph, ctx) -> bool:
             )
             if ok:
                 aliases[v.uid] = (out, offset, None)
-                changed = True
             offset += v.shape[axis] * inner
-    return changed

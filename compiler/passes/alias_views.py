@@ -13,10 +13,9 @@ from pmx.compiler.passes.plan_memory import resolve
 from pmx.runtime.kernels.registry import get
 
 
-def alias_views(graph, ctx) -> bool:
+def alias_views(graph, ctx):
     aliases = ctx.aliases
     kept = {v.uid for v in graph.kept}
-    changed = False
     for node in graph.nodes:
         if not get(node.op).view:
             continue
@@ -26,5 +25,3 @@ def alias_views(graph, ctx) -> bool:
         if resolve(x, aliases)[2]:
             continue
         aliases[out.uid] = (x, 0, None)
-        changed = True
-    return changed

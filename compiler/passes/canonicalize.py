@@ -13,7 +13,7 @@ def _foreign(op):
     return "." not in op and "::" not in op
 
 
-def canonicalize(graph, ctx) -> bool:
+def canonicalize(graph, ctx):
     unknown = [n for n in graph.nodes if n.op not in REGISTRY and n.op not in RULES]
     if unknown:
         first = unknown[0]
@@ -36,14 +36,12 @@ def canonicalize(graph, ctx) -> bool:
             )
         )
     rules_ctx = Context(graph)
-    changed = False
     for node in list(graph.nodes):
         if node.op in REGISTRY:
             continue
         result = RULES[node.op](node, rules_ctx)
         index = graph.nodes.index(node)
         graph.remove_node(node)
-        changed = True
         if isinstance(result, Forward):
             for out in node.outputs:
                 graph.replace_uses(out, result.value)
@@ -51,7 +49,6 @@ def canonicalize(graph, ctx) -> bool:
         for offset, new in enumerate(result):
             graph.add_node(new, index + offset)
             _fill_shapes(new)
-    return changed
 
 
 def _fill_shapes(node):

@@ -77,7 +77,7 @@ def elementwise_variant(node):
     return "numpy"
 
 
-def choose_kernels(graph, ctx) -> bool:
+def choose_kernels(graph, ctx):
     for node in graph.nodes:
         if node.variant:
             continue
@@ -89,7 +89,6 @@ def choose_kernels(graph, ctx) -> bool:
             node.variant = "depthwise" if groups > 1 and w[1] == 1 and w[0] == groups else "gemm"
             if node.variant == "gemm" and winograd_pays(node):
                 node.variant = WINOGRAD
-    return False
 
 
 def winograd_pays(node) -> bool:

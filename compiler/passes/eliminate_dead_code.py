@@ -2,7 +2,7 @@
 walk back from them. Unused constants then have no consumer and are not written."""
 
 
-def eliminate_dead_code(graph, ctx) -> bool:
+def eliminate_dead_code(graph, ctx):
     live_values = set()
     stack = [v for v in graph.outputs + graph.kept if v is not None]
     live_nodes = set()
@@ -18,4 +18,3 @@ def eliminate_dead_code(graph, ctx) -> bool:
     dead = [n for n in graph.nodes if n.uid not in live_nodes]
     for n in dead:
         graph.remove_node(n)
-    return bool(dead)

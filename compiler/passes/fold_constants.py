@@ -12,8 +12,7 @@ from pmx.runtime.kernels.registry import get
 MAX_FOLDED_BYTES = 16 << 20
 
 
-def fold_constants(graph, ctx) -> bool:
-    changed = False
+def fold_constants(graph, ctx):
     bind = None  # the kernels' context (a pool of the default thread count), made when a first node folds
     for node in list(graph.nodes):
         ins = [v for v in node.inputs if v is not None]
@@ -34,5 +33,3 @@ def fold_constants(graph, ctx) -> bool:
         graph.remove_node(node)
         for v, data in zip(node.outputs, outputs):
             v.data = data
-        changed = True
-    return changed

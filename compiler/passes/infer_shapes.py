@@ -11,8 +11,7 @@ from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
 
 
-def infer_shapes(graph, ctx) -> bool:
-    changed = False
+def infer_shapes(graph, ctx):
     for node in graph.nodes:
         shapes = [v.shape if v is not None else None for v in node.inputs]
         if any(s is None or any(d is None for d in s) for s, v in zip(shapes, node.inputs) if v is not None):
@@ -42,9 +41,7 @@ def infer_shapes(graph, ctx) -> bool:
                 )
             if out.shape is None:
                 out.shape = shape
-                changed = True
             out.dtype = reconcile_dtype(graph, node, out, dtype, [d for d in dtypes if d is not None])
-    return changed
 
 
 def reconcile_dtype(graph, node, out, dtype, input_dtypes) -> str:

@@ -200,12 +200,12 @@ def _probe_value(compiled, rng):
     return None
 
 
-def mark_dynamic_dims(graph, ctx) -> bool:
+def mark_dynamic_dims(graph, ctx):
     """All requested dims are probed together (inputs that share a batch move together)."""
     explicit_req, explicit, auto = _requested(graph, ctx.options)
     req = {uid: {**auto.get(uid, {}), **explicit_req.get(uid, {})} for uid in set(explicit_req) | set(auto)}
     if not req:
-        return False
+        return
     failure, shapes = _probe(graph, req)
     if failure is not None and auto and explicit_req:
         # the batch the user did not ask for may be what cannot change: try without it
@@ -221,7 +221,7 @@ def mark_dynamic_dims(graph, ctx) -> bool:
             raise PmxCompileError(f"dynamic dims {names} cannot change: {where} {why}")
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
-        return False
+        return
     for v in graph.inputs:
         if v.uid in req:
             ranges = [(d, d) for d in v.shape]
@@ -232,7 +232,6 @@ def mark_dynamic_dims(graph, ctx) -> bool:
     for v in graph.outputs:
         if v.uid in shapes and shapes[v.uid] != v.shape:
             ctx.dynamic_outputs[v.uid] = _output_ranges(graph, req, shapes, v)
-    return False
 
 
 def _output_ranges(graph, req, shapes, out):

@@ -4,7 +4,7 @@ The runtime executes this stored order and never sorts."""
 import heapq
 
 
-def order(graph, ctx) -> bool:
+def order(graph, ctx):
     position = {n.uid: i for i, n in enumerate(graph.nodes)}
     indegree = {}
     for n in graph.nodes:
@@ -32,6 +32,4 @@ def order(graph, ctx) -> bool:
 
         stuck = [n for n in graph.nodes if indegree[n.uid] > 0][:3]
         raise PmxCompileError(f"the graph has a cycle through {', '.join(n.where() for n in stuck)}")
-    changed = [n.uid for n in result] != [n.uid for n in graph.nodes]
     graph.set_order(result)
-    return changed

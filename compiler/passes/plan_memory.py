@@ -45,7 +45,7 @@ def root_lifetimes(graph, aliases):
     return {uid: [by_uid[uid], lo, hi] for uid, (lo, hi) in per_root.items()}
 
 
-def plan_memory(graph, ctx) -> bool:
+def plan_memory(graph, ctx):
     roots = root_lifetimes(graph, ctx.aliases)
     root_list = sorted(roots.values(), key=lambda t: (t[1], t[0].uid))
     buffers = [(r.nbytes, lo, hi) for r, lo, hi in root_list]
@@ -57,4 +57,3 @@ def plan_memory(graph, ctx) -> bool:
     ctx.lower_bound = lower_bound(buffers)
     by_uid = {v.uid: v for v in graph.values()}
     ctx.naive_bytes = naive_bytes(value_lifetimes(graph), lambda uid: by_uid[uid].nbytes)
-    return True

@@ -50,8 +50,7 @@ def packed(node, variant, weight):
     return node.op, weight
 
 
-def prepack_weights(graph, ctx) -> bool:
-    changed = False
+def prepack_weights(graph, ctx):
     for node in graph.nodes:
         if not winograd_applies(node):
             continue
@@ -61,5 +60,3 @@ def prepack_weights(graph, ctx) -> bool:
             graph.set_input(node, 1, Value(f"{node.name}.weight_winograd", data.shape, w.dtype, data=data))
             node.op = op
             node.attrs = {"pads": tuple(node.attrs["pads"])}
-            changed = True
-    return changed

@@ -58,9 +58,9 @@ def candidates(node):
     return []
 
 
-def tune(graph, ctx) -> bool:
+def tune(graph, ctx):
     if not ctx.options.tune:
-        return False
+        return
     report = ctx.tune_report
     rng = np.random.default_rng(0)
     bind = BindContext()  # one pool of the default thread count for every candidate
@@ -73,7 +73,6 @@ def tune(graph, ctx) -> bool:
             chosen = _choose(times, node.variant, rounds)
             report.append((node, node.variant, chosen, times, rounds))
             node.variant = chosen
-    return False
 
 
 def _choose(times, rule, rounds=None):

@@ -15,13 +15,12 @@ from pmx.compiler.passes.plan_memory import resolve, root_lifetimes
 from pmx.runtime.kernels.registry import get
 
 
-def write_inplace(graph, ctx) -> bool:
+def write_inplace(graph, ctx):
     aliases = ctx.aliases
     fixed = {v.uid for v in graph.inputs + graph.outputs + graph.kept}
     roots = root_lifetimes(graph, aliases)
     # roots holding an input, output or kept tensor (directly or through a view)
     pinned = {resolve(v, aliases)[0].uid for v in graph.values() if v.uid in fixed}
-    changed = False
     for step, node in enumerate(graph.nodes):
         if not get(node.op).inplace or len(node.outputs) != 1:
             continue
@@ -45,6 +44,4 @@ def write_inplace(graph, ctx) -> bool:
             entry[2] = max(entry[2], roots.pop(out.uid)[2])
             if out.uid in pinned:
                 pinned.add(root.uid)
-            changed = True
             break
-    return changed
