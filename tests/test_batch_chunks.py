@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers import export_pnnx, rel_error, torch_outputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pmx.compiler import compile_model
 from pmx.runtime import InferenceSession, PmxInputError, SessionOptions
@@ -143,6 +145,33 @@ def test_a_cnn_runs_in_chunks_and_matches_torch(compiled, batch, threads):
     # with threads, a batch is shared out in chunks of at most ceil(batch / threads) rows
     assert profiled_rows(sess, feed) == min(CHUNK, -(-batch // threads))
     assert sess.thread_choice(feed) == (threads, True) or threads == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 9), most=st.integers(0, 4), threads=st.integers(1, 3), seed=st.integers(0, 99))
+def test_any_chunking_gives_each_image_what_a_run_of_it_alone_gives(compiled, batch, most, threads, seed):
+    """Whatever the chunk size (0: none), thread count and batch, every image's outputs
+    are those of a run of that image alone, within float rounding, and torch's."""
+    torch.manual_seed(0)
+    module = ConvNet().eval()
+    path = compiled("convnet", module, torch.rand(1, 3, 16, 16))
+    sess, alone = cached_session(path, most, threads), cached_session(path, 0, 1)
+    x = torch.from_numpy(np.random.default_rng(seed).random((batch, 3, 16, 16), dtype=np.float32))
+    got = sess.run(None, {"in0": x.numpy()})
+    for k, want in enumerate(torch_outputs(module, [x])):
+        singles = np.concatenate([alone.run(None, {"in0": x[i : i + 1].numpy()})[k] for i in range(batch)])
+        assert rel_error(got[k], singles) <= TOL
+        assert rel_error(got[k], want) <= TOL
+
+
+SESSIONS = {}
+
+
+def cached_session(path, most, threads):
+    key = (str(path), most, threads)
+    if key not in SESSIONS:
+        SESSIONS[key] = chunked_session(path, most, threads)
+    return SESSIONS[key]
 
 
 def test_a_transformer_block_runs_in_chunks_and_matches_torch(compiled):
