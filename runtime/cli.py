@@ -494,17 +494,24 @@ def _run(args):
 
 
 SETTLE_SECONDS = 3.0  # at most this long warming up before the timed runs
+# at least this long warming up: on a VM whose cores idled, the first few hundred ms of
+# runs were up to 1.5x slower, which moved a small model's median between processes by
+# up to 50% (docs/performance.md, "pmx run's spread between processes")
+WARM_SECONDS = 0.3
 
 
 def _settle(sess, feed):
-    """Run until the session has chosen how to use its threads for these inputs (it
-    times whole runs both ways after about ten: parallel.RunChooser), so the timed
-    runs measure the way it keeps; at most SETTLE_SECONDS. Returns the runs made."""
+    """Run for WARM_SECONDS and until the session has chosen how to use its threads for
+    these inputs (it times whole runs both ways after about ten: parallel.RunChooser),
+    so the timed runs measure the way it keeps on a host in its steady state; at most
+    SETTLE_SECONDS. Returns the runs made."""
     runs, start = 0, time.perf_counter()
-    while not sess.thread_choice(feed)[1] and time.perf_counter() - start < SETTLE_SECONDS:
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed >= SETTLE_SECONDS or (elapsed >= WARM_SECONDS and sess.thread_choice(feed)[1]):
+            return runs
         sess.run(None, feed)
         runs += 1
-    return runs
 
 
 def _timing_note(warmup, threads, settled):
@@ -514,9 +521,7 @@ def _timing_note(warmup, threads, settled):
             f"timed {way} after {warmup} warm-up runs, before the session had chosen how to use its threads "
             f"(a slow model: more --repeat runs show the steady state)"
         )
-    if warmup == 0:  # one thread: nothing to choose
-        return f"timed {way}"
-    return f"timed {way}, after {warmup} warm-up runs in which the session chose how to use its threads"
+    return f"timed {way}, after {warmup} warm-up runs (at least {WARM_SECONDS:g} s, and until the session chose how to use its threads)"
 
 
 def _dumps(obj):

@@ -186,7 +186,7 @@ def test_run_times_after_the_thread_choice_and_says_the_threads(example_pmx, cap
     result = json.loads(capsys.readouterr().out)
     assert result["threads_settled"] is True
     assert result["threads"] in range(1, threads + 1)
-    assert (result["warmup_runs"] > 0) == (threads > 1)  # one thread has nothing to choose
+    assert result["warmup_runs"] > 0  # runs for WARM_SECONDS at least, also with nothing to choose
     assert main(argv) == 0
     assert re.search(r"^timed on [12] threads?", capsys.readouterr().out, re.M)
 
