@@ -22,9 +22,10 @@ from typing import NamedTuple
 import numpy as np
 
 from pmx.compiler.ir import Node
+from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxInternalError
 
-COMMUTATIVE = frozenset({"add", "mul", "maximum", "minimum", "eq", "ne", "and", "or", "xor"})
+COMMUTATIVE = E.names_with("commutative")
 
 
 class Match(dict):

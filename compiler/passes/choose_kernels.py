@@ -32,27 +32,7 @@ WINOGRAD_MIN_TILES = 36
 NUMEXPR_WHERE_MIN_ELEMENTS = 1 << 16
 NUMEXPR_TINY_MAX_ELEMENTS = 1 << 10
 NUMEXPR_TINY_MIN_OPS = 6
-TRANSCENDENTAL = {
-    "exp",
-    "log",
-    "log10",
-    "log1p",
-    "expm1",
-    "pow",
-    "sin",
-    "cos",
-    "tan",
-    "asin",
-    "acos",
-    "atan",
-    "atan2",
-    "sinh",
-    "cosh",
-    "tanh",
-    "asinh",
-    "acosh",
-    "atanh",
-}
+TRANSCENDENTAL = E.names_with("transcendental")
 
 
 def _functions(tree, acc):

@@ -6,19 +6,21 @@ stored per node (variant "numexpr" or "numpy"). The package re-exports the inter
 compiler, runtime and tests use (`from pmx.runtime import expr as E`); its modules, each
 importing only those before it:
 
+    numpy_funcs      the numpy helpers of functions numpy lacks as ufuncs (sigmoid, ...)
+    functions        TABLE: every function's arity, numpy and numexpr forms and traits
+                     (names_with(flag)); FUNCTIONS, NUMPY_FUNCS, COMPARISONS from it
     tree             the grammar (FUNCTIONS, parse, to_text), tree helpers, Exact
     special          desugar: erf, erfc, SiLU, max/min in terms of shared primitives
-    numpy_funcs      NUMPY_FUNCS: the numpy function of each grammar function
     dtypes           result_dtype: the dtype an expression produces
     gelu             the numpy backend's table form of exact GELU
     numpy_backend    compile_numpy: ufunc steps over planned, reused buffers
     numexpr_backend  compile_numexpr: one numexpr program
 """
 
-from pmx.runtime.expr.dtypes import COMPARISONS, result_dtype
+from pmx.runtime.expr.dtypes import result_dtype
+from pmx.runtime.expr.functions import COMPARISONS, NUMPY_FUNCS, TABLE, names_with
 from pmx.runtime.expr.numexpr_backend import compile_numexpr, numexpr_supported, numexpr_threads
 from pmx.runtime.expr.numpy_backend import compile_numpy
-from pmx.runtime.expr.numpy_funcs import NUMPY_FUNCS
 from pmx.runtime.expr.special import desugar
 from pmx.runtime.expr.tree import (
     FUNCTIONS,
@@ -40,6 +42,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_EXPR_LENGTH",
     "NUMPY_FUNCS",
+    "TABLE",
     "at",
     "call",
     "compile_numexpr",
@@ -47,6 +50,7 @@ __all__ = [
     "describe_node_expr",
     "desugar",
     "inputs_used",
+    "names_with",
     "numexpr_supported",
     "numexpr_threads",
     "parse",

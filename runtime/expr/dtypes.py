@@ -9,9 +9,10 @@ import functools
 
 import numpy as np
 
-from pmx.runtime.expr.numpy_funcs import NUMPY_FUNCS, _floor_divide, _rsqrt, _sigmoid
+from pmx.runtime.expr.functions import FLOAT_KEEPING, NUMPY_FUNCS
+from pmx.runtime.expr.numpy_funcs import _floor_divide, _rsqrt, _sigmoid
 from pmx.runtime.expr.special import desugar
-from pmx.runtime.expr.tree import FUNCTIONS, Exact
+from pmx.runtime.expr.tree import Exact
 
 
 def _torch_float(result, args):
@@ -41,27 +42,9 @@ def result_dtype(tree, input_dtypes):
     return _result_dtype(tree, dtypes)
 
 
-COMPARISONS = frozenset({"gt", "ge", "lt", "le", "eq", "ne"})
-
-# Functions that map floats of one dtype (with int or float literals) to that dtype.
-_FLOAT_KEEPING = (
-    frozenset(FUNCTIONS)
-    - COMPARISONS
-    - {
-        "and",
-        "or",
-        "xor",
-        "not",
-        "where",
-        "lshift",
-        "rshift",
-    }
-)  # shifts take integers only
-
-
 @functools.lru_cache(maxsize=4096)
 def _keeps_float_dtype(tree):
-    """Only _FLOAT_KEEPING functions, each reading an input somewhere below it, over
+    """Only FLOAT_KEEPING functions, each reading an input somewhere below it, over
     inputs and float or int literals (ints exactly representable as floats, so none
     overflows the conversion). A function of literals alone is evaluated to an array, no
     longer a weak literal (div(1, 2) is float32 and would widen a float16 input)."""
@@ -75,7 +58,7 @@ def _keeps_float_dtype(tree):
             if not (type(t[1]) is float or (type(t[1]) is int and abs(t[1]) <= 1 << 53)):
                 return False
             reads_input[id(t)] = False
-        elif t[0] not in _FLOAT_KEEPING:
+        elif t[0] not in FLOAT_KEEPING:
             return False
         elif ready:
             if not any(reads_input[id(a)] for a in t[1:]):

@@ -9,62 +9,9 @@ import re
 import numpy as np
 
 from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.expr.functions import TABLE
 from pmx.runtime.expr.numpy_backend import compile_numpy
 from pmx.runtime.expr.special import desugar
-
-_NE_BINOP = {
-    "add": "+",
-    "sub": "-",
-    "mul": "*",
-    "div": "/",
-    "pow": "**",
-    "gt": ">",
-    "ge": ">=",
-    "lt": "<",
-    "le": "<=",
-    "eq": "==",
-    "ne": "!=",
-    "and": "&",
-    "or": "|",
-    "xor": "^",
-}
-_NE_UNARY = {
-    "abs": "abs",
-    "sqrt": "sqrt",
-    "exp": "exp",
-    "log": "log",
-    "log10": "log10",
-    "log1p": "log1p",
-    "expm1": "expm1",
-    "floor": "floor",
-    "ceil": "ceil",
-    "sin": "sin",
-    "cos": "cos",
-    "tan": "tan",
-    "asin": "arcsin",
-    "acos": "arccos",
-    "atan": "arctan",
-    "sinh": "sinh",
-    "cosh": "cosh",
-    "tanh": "tanh",
-    "asinh": "arcsinh",
-    "acosh": "arccosh",
-    "atanh": "arctanh",
-}
-# numexpr computes these in float64 or lacks them; such expressions run on numpy.
-_NE_UNSUPPORTED = {
-    "sign",
-    "round",
-    "trunc",
-    "remainder",
-    "floor_divide",
-    "fmod",
-    "not",
-    "lshift",
-    "rshift",
-    "logaddexp",
-    "lgamma",
-}
 
 
 def numexpr_supported(tree) -> bool:
@@ -76,7 +23,7 @@ def _ne_ok(tree) -> bool:
         return not isinstance(tree[1], complex)  # to_numexpr makes float32 constants
     if tree[0] == "@":
         return True
-    if tree[0] in _NE_UNSUPPORTED:
+    if TABLE[tree[0]].numexpr is None:
         return False
     return all(_ne_ok(a) for a in tree[1:])
 
@@ -109,28 +56,9 @@ def to_numexpr(tree):
         if kind == "#":
             return const(t[1])
         a = [emit(x) for x in t[1:]]
-        if kind in _NE_BINOP:
-            return f"({a[0]} {_NE_BINOP[kind]} {a[1]})"
-        if kind in _NE_UNARY:
-            return f"{_NE_UNARY[kind]}({a[0]})"
-        if kind == "neg":
-            return f"(-{a[0]})"
-        if kind == "reciprocal":
-            return f"(1 / {a[0]})"
-        if kind == "rsqrt":
-            return f"(1 / sqrt({a[0]}))"
-        if kind == "square":
-            return f"({a[0]} * {a[0]})"
-        if kind == "sigmoid":
-            return f"(1 / (1 + exp(-{a[0]})))"
-        if kind == "maximum":
-            return f"where({a[0]} > {a[1]}, {a[0]}, {a[1]})"
-        if kind == "minimum":
-            return f"where({a[0]} < {a[1]}, {a[0]}, {a[1]})"
-        if kind == "where":
-            return f"where({a[0]}, {a[1]}, {a[2]})"
-        if kind == "atan2":
-            return f"arctan2({a[0]}, {a[1]})"
+        template = TABLE[kind].numexpr
+        if template is not None:
+            return template.format(*a)
         raise PmxFormatError(f"function {kind!r} has no numexpr form")
 
     return emit(desugar(tree)), constants

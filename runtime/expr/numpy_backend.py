@@ -10,8 +10,8 @@ import functools
 import numpy as np
 
 from pmx.runtime.expr.dtypes import result_dtype
+from pmx.runtime.expr.functions import NUMPY_FUNCS
 from pmx.runtime.expr.gelu import _special_numpy_step
-from pmx.runtime.expr.numpy_funcs import NUMPY_FUNCS
 from pmx.runtime.expr.special import desugar
 from pmx.runtime.expr.tree import Exact, inputs_used, substitute
 

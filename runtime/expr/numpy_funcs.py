@@ -1,5 +1,5 @@
-"""The numpy function of each grammar function (NUMPY_FUNCS): ufuncs, and the few written
-here (sigmoid, rsqrt, floor_divide, where, lgamma) with the ufunc signature f(*args,
+"""The numpy functions the grammar's table (functions.py) names that numpy lacks as
+ufuncs: sigmoid, rsqrt, floor_divide, where and lgamma, with the ufunc signature f(*args,
 out=). The numpy backend runs them, and the dtype rules evaluate them on samples, so they
 sit below both.
 """
@@ -89,62 +89,3 @@ def _lgamma(x, out=None):
         return z
     np.copyto(out, z, casting="unsafe")
     return out
-
-
-NUMPY_FUNCS = {
-    "add": np.add,
-    "sub": np.subtract,
-    "mul": np.multiply,
-    "div": np.true_divide,
-    "pow": np.power,
-    "maximum": np.maximum,
-    "minimum": np.minimum,
-    "atan2": np.arctan2,
-    "fmod": np.fmod,
-    "remainder": np.remainder,
-    "floor_divide": _floor_divide,
-    "and": np.bitwise_and,
-    "or": np.bitwise_or,
-    "xor": np.bitwise_xor,
-    "gt": np.greater,
-    "ge": np.greater_equal,
-    "lt": np.less,
-    "le": np.less_equal,
-    "eq": np.equal,
-    "ne": np.not_equal,
-    "not": np.logical_not,
-    "neg": np.negative,
-    "abs": np.absolute,
-    "sqrt": np.sqrt,
-    "rsqrt": _rsqrt,
-    "exp": np.exp,
-    "log": np.log,
-    "log10": np.log10,
-    "log1p": np.log1p,
-    "expm1": np.expm1,
-    "sign": np.sign,
-    "floor": np.floor,
-    "ceil": np.ceil,
-    "round": np.rint,
-    "trunc": np.trunc,
-    "sin": np.sin,
-    "cos": np.cos,
-    "tan": np.tan,
-    "asin": np.arcsin,
-    "acos": np.arccos,
-    "atan": np.arctan,
-    "sinh": np.sinh,
-    "cosh": np.cosh,
-    "tanh": np.tanh,
-    "asinh": np.arcsinh,
-    "acosh": np.arccosh,
-    "atanh": np.arctanh,
-    "reciprocal": np.reciprocal,
-    "square": np.square,
-    "sigmoid": _sigmoid,
-    "where": _where,
-    "lshift": np.left_shift,
-    "rshift": np.right_shift,
-    "logaddexp": np.logaddexp,
-    "lgamma": _lgamma,
-}

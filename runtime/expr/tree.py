@@ -24,73 +24,7 @@ import re
 import numpy as np
 
 from pmx.runtime.errors import PmxFormatError
-
-# name -> arity
-FUNCTIONS = {
-    # pnnx binary spellings
-    "add": 2,
-    "sub": 2,
-    "mul": 2,
-    "div": 2,
-    "pow": 2,
-    "max": 2,
-    "min": 2,
-    "maximum": 2,
-    "minimum": 2,
-    "atan2": 2,
-    "fmod": 2,
-    "remainder": 2,
-    "floor_divide": 2,
-    "and": 2,
-    "or": 2,
-    "xor": 2,
-    "lshift": 2,
-    "rshift": 2,
-    "logaddexp": 2,
-    # comparisons (produce bool)
-    "gt": 2,
-    "ge": 2,
-    "lt": 2,
-    "le": 2,
-    "eq": 2,
-    "ne": 2,
-    # unary
-    "neg": 1,
-    "abs": 1,
-    "sqrt": 1,
-    "rsqrt": 1,
-    "exp": 1,
-    "log": 1,
-    "log10": 1,
-    "log1p": 1,
-    "expm1": 1,
-    "sign": 1,
-    "floor": 1,
-    "ceil": 1,
-    "round": 1,
-    "trunc": 1,
-    "sin": 1,
-    "cos": 1,
-    "tan": 1,
-    "asin": 1,
-    "acos": 1,
-    "atan": 1,
-    "sinh": 1,
-    "cosh": 1,
-    "tanh": 1,
-    "asinh": 1,
-    "acosh": 1,
-    "atanh": 1,
-    "reciprocal": 1,
-    "square": 1,
-    "sigmoid": 1,
-    "erf": 1,
-    "erfc": 1,
-    "not": 1,
-    "lgamma": 1,
-    # ternary
-    "where": 3,
-}
+from pmx.runtime.expr.functions import FUNCTIONS
 
 MAX_EXPR_LENGTH = 1 << 16
 MAX_DEPTH = 200
