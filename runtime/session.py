@@ -102,8 +102,13 @@ class _Binding:
         self.step_nodes = None  # id(step) -> its node, made when profiling first needs it
         self.single = parallel.Pool(1) if pool.threads > 1 and not deterministic else None
         self._bind(model, layout, max_arena_bytes, run_sized)
-        self._ways = {True: (self.steps, self.subsets), False: None}
-        self.concurrent = True
+        self._ways = {True: None, False: None}
+        # The first run takes the one-thread way where there is one: binding a kernel
+        # for one thread plans no split, which costs more on one run than the split
+        # saves (docs/performance.md, "The first run on one thread"); the split way is
+        # bound at the second run.
+        self.started = False
+        self._use(self.single is None)
 
     def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
@@ -131,8 +136,6 @@ class _Binding:
         self.scratch = _aligned_empty(scratch_size)
         self.persistent = {}  # BindContext.persistent_buffer: padded inputs shared by same-geometry nodes
         self.temporaries = []  # BindContext.temporary_array: expression temporaries shared by all nodes
-        self.steps = self._make_steps(model)
-        self.subsets = {}
 
     def _scratch_size(self, model):
         size = 0
@@ -156,15 +159,22 @@ class _Binding:
         timed = self.gate.before_run()
         if self.single is None:
             self.pool.serial = not self.gate.concurrent
-        elif self.gate.concurrent != self.concurrent:
+        elif self.started and self.gate.concurrent != self.concurrent:
             self._use(self.gate.concurrent)
+        self.started = True
         return timed
+
+    def use_chosen_way(self):
+        """Switch to the set of callables the thread chooser keeps (what a profile shows)."""
+        if self.single is not None:
+            self._use(self.gate.splits)
+            self.started = True
 
     def _use(self, concurrent):
         """Switch to the split (True) or the one-thread (False) set of callables."""
         if self._ways[concurrent] is None:
             with collector_paused():
-                self._ways[concurrent] = (self._make_steps(self.model, self.single), {})
+                self._ways[concurrent] = (self._make_steps(self.model, self.pool if concurrent else self.single), {})
         self.steps, self.subsets = self._ways[concurrent]
         self.concurrent = concurrent
         self.step_nodes = None  # the profiler's map from callables to nodes
@@ -804,6 +814,7 @@ class InferenceSession:
 
     def _profile(self, arrays, repeat):
         binding = self._bind_checked(arrays)
+        binding.use_chosen_way()
         m = self._model
         shapes = binding.layout.shapes
         times = [[] for _ in m.nodes]
