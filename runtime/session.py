@@ -23,7 +23,6 @@ What run() accepts (decided here, documented in the README):
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import copy
 import math
@@ -540,7 +539,7 @@ class InferenceSession:
     def _executor(self):
         with self._async_lock:
             if self._async is None:
-                self._async = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pmx-async")
+                self._async = _futures().ThreadPoolExecutor(1, thread_name_prefix="pmx-async")
                 weakref.finalize(self, self._async.shutdown, wait=False)
             return self._async
 
@@ -716,7 +715,7 @@ class InferenceSession:
         if parallel and watch is None:
             executor = self._chunk_executor()
             futures = [executor.submit(run_chunk, start, stop) for start, stop in bounds]
-            concurrent.futures.wait(futures)
+            _futures().wait(futures)
             for future in futures:
                 future.result()  # the first chunk's error, as the run's
         else:
@@ -729,7 +728,7 @@ class InferenceSession:
         threads, each binding for one thread (made on first use)."""
         with self._async_lock:
             if self._chunks is None:
-                self._chunks = concurrent.futures.ThreadPoolExecutor(
+                self._chunks = _futures().ThreadPoolExecutor(
                     self._num_threads,
                     thread_name_prefix="pmx-chunks",
                     initializer=_bind_for_one_thread,
@@ -845,6 +844,14 @@ class InferenceSession:
             )
         rows.sort(key=lambda r: -r["ms"])
         return rows
+
+
+def _futures():
+    """concurrent.futures, imported on first use: it brings logging, ~3 ms of every
+    import of pmx.runtime that runs no batch or async run."""
+    import concurrent.futures
+
+    return concurrent.futures
 
 
 def _bind_for_one_thread(local):

@@ -43,6 +43,13 @@ def test_runtime_third_party_imports_are_numpy_numexpr():
     assert third_party <= {"pmx", "numpy", "numexpr"}, third_party
 
 
+def test_runtime_imports_no_logging_until_it_needs_futures():
+    """concurrent.futures brings logging (~3 ms of import): pmx imports it for batches in
+    chunks, run_async and BatchingSession only."""
+    new = _new_top_level_modules()
+    assert "logging" not in new and "concurrent" not in new, new & {"logging", "concurrent"}
+
+
 def test_runtime_does_not_import_the_generated_schema_code():
     out = subprocess.run(
         [sys.executable, "-c", "import sys, pmx.runtime; print('pmx.schema.pmx_generated' in sys.modules)"],
