@@ -21,6 +21,7 @@ from pmx.runtime import fileformat as ff
 from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxCompileError, PmxFormatError, PmxInternalError
 from pmx.runtime.header import MAX_RANK
+from pmx.runtime.kernels.registry import get
 from pmx.runtime.load import open_model
 from pmx.runtime.version import __version__
 from pmx.schema import pmx_generated as fb
@@ -404,18 +405,15 @@ def _metadata(b, metadata):
 
 def _format_version(graph):
     """The oldest format version that carries the graph's meaning (runtime/fileformat.py):
-    3 for a conv with an input scale, a channel shuffle writing split parts, a reshape
-    following its like inputs or a slice whose end follows one, which a version-2 runtime would misread without noticing;
-    else 2, which every runtime since reads."""
+    the newest any node's kernel asks for (registry `format_version`: a conv with an input
+    scale, a channel shuffle writing split parts, a reshape following its like inputs, a
+    slice whose end follows one, which a version-2 runtime would misread without
+    noticing), else 2, which every runtime since reads."""
+    version = ff.OLDEST_READABLE_VERSION
     for n in graph.nodes:
-        if (
-            (n.op == "conv" and len(n.inputs) > 3 and n.inputs[3] is not None)
-            or (n.op == "channel_shuffle" and "sizes" in n.attrs)
-            or (n.op == "reshape" and "like_shape" in n.attrs)
-            or (n.op == "slice" and "end_dims" in n.attrs)
-        ):
-            return 3
-    return ff.OLDEST_READABLE_VERSION
+        asks = get(n.op).format_version
+        version = max(version, (asks(n) if asks else None) or version)
+    return version
 
 
 def write(graph, plan, options, path, _fail_after_bytes=None, check_loads=True):

@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 from pmx.compiler.passes.prepack_weights import WINOGRAD, packed, winograd_applies
-from pmx.runtime.kernels import conv, elementwise
 from pmx.runtime.kernels.bind import BindContext
 from pmx.runtime.kernels.registry import get
 
@@ -48,14 +47,13 @@ TUNE_WARMUP = 2
 
 
 def candidates(node):
-    if node.op == "conv" and len(node.inputs) > 1 and node.inputs[1] is not None:
-        found = conv.variants(node, node.inputs[1].shape)
-        if winograd_applies(node):
-            found += [WINOGRAD]
-        return found
-    if node.op == "elementwise":
-        return elementwise.variants(node)
-    return []
+    """The variants to time: those the op's kernel offers (registry `variants`), and
+    Winograd where it applies (a variant the compiler makes by repacking the weights)."""
+    offer = get(node.op).variants
+    if offer is None:
+        return []
+    found = list(offer(node, [None if v is None else v.shape for v in node.inputs]))
+    return found + [WINOGRAD] if winograd_applies(node) else found
 
 
 def tune(graph, ctx):

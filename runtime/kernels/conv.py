@@ -157,10 +157,15 @@ def _is_depthwise(w_shape, groups):
     return groups > 1 and w_shape[1] == 1 and w_shape[0] == groups
 
 
-def variants(node, w_shape):
-    """The lowerings `pmx compile --tune` times for a conv with this weight shape."""
+def variants(node, shapes):
+    """The lowerings `pmx compile --tune` times for a conv with these input shapes."""
     groups = int(node.attrs.get("groups", 1))
-    return ["gemm", "depthwise"] if _is_depthwise(w_shape, groups) else ["gemm"]
+    return ["gemm", "depthwise"] if _is_depthwise(shapes[1], groups) else ["gemm"]
+
+
+def format_version(node):
+    """3 with an input scale (a folded gate), which a version-2 runtime would ignore."""
+    return 3 if len(node.inputs) > 3 and node.inputs[3] is not None else None
 
 
 def _variant(node, w):
@@ -208,7 +213,16 @@ def conv_scratch(node, inputs, outputs, ctx):
     return scratch_nbytes(*scaled, *tiles)
 
 
-@register("conv", infer=conv_infer, scratch=conv_scratch, attrs=CONV_ATTRS, float_input=True, rows=True)
+@register(
+    "conv",
+    infer=conv_infer,
+    scratch=conv_scratch,
+    attrs=CONV_ATTRS,
+    float_input=True,
+    rows=True,
+    variants=variants,
+    format_version=format_version,
+)
 def make_conv(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -17,10 +17,9 @@ from pmx.runtime.kernels.common import expression_backend, node_threads, split_e
 from pmx.runtime.kernels.registry import register
 
 
-def variants(node):
+def variants(node, shapes):
     """The backends `pmx compile --tune` times for this node."""
-    tree = node.expr
-    return ["numpy", "numexpr"] if node.inputs and E.numexpr_supported(tree) else ["numpy"]
+    return ["numpy", "numexpr"] if shapes and E.numexpr_supported(node.expr) else ["numpy"]
 
 
 def elementwise_infer(node, shapes, dtypes):
@@ -32,7 +31,7 @@ def elementwise_infer(node, shapes, dtypes):
     return [(shape, E.result_dtype(tree, dtypes))]
 
 
-@register("elementwise", infer=elementwise_infer, inplace=True, rows=True)
+@register("elementwise", infer=elementwise_infer, inplace=True, rows=True, variants=variants)
 def make_elementwise(node, inputs, outputs, ctx):
     tree = node.expr
     out = outputs[0]

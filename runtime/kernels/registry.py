@@ -54,10 +54,33 @@ from pmx.runtime.record import Record
 
 
 class Kernel(Record):
-    __slots__ = ("op", "make", "infer", "inplace", "view", "scratch", "attrs", "float_input", "rows")
+    __slots__ = (
+        "op",
+        "make",
+        "infer",
+        "inplace",
+        "view",
+        "scratch",
+        "attrs",
+        "float_input",
+        "rows",
+        "variants",
+        "format_version",
+    )
 
     def __init__(
-        self, op, make, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False, rows=False
+        self,
+        op,
+        make,
+        infer,
+        inplace=False,
+        view=False,
+        scratch=None,
+        attrs=None,
+        float_input=False,
+        rows=False,
+        variants=None,
+        format_version=None,
     ):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
@@ -75,6 +98,12 @@ class Kernel(Record):
         # True, False or rows(node, ranks, batched) -> bool: whether the op keeps a batch's
         # rows apart (module docstring, "Rows")
         self.rows = rows
+        # variants(node, shapes) -> [variant]: the lowerings `pmx compile --tune` may time
+        # for a node with these input shapes (None: one lowering, nothing to choose)
+        self.variants = variants
+        # format_version(node) -> int: the oldest .pmx format version that carries this
+        # node's meaning (None: every version the runtime reads; compiler/write.py)
+        self.format_version = format_version
 
     def keeps_rows(self, node, ranks, batched):
         rows = self.rows
@@ -95,11 +124,25 @@ class RunSized(Record):
         self.value = None
 
 
-def register(op, *, infer, inplace=False, view=False, scratch=None, attrs=None, float_input=False, rows=False):
+def register(
+    op,
+    *,
+    infer,
+    inplace=False,
+    view=False,
+    scratch=None,
+    attrs=None,
+    float_input=False,
+    rows=False,
+    variants=None,
+    format_version=None,
+):
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(op, make, infer, inplace, view, scratch, attrs, float_input, rows)
+        REGISTRY[op] = Kernel(
+            op, make, infer, inplace, view, scratch, attrs, float_input, rows, variants, format_version
+        )
         return make
 
     return deco
@@ -121,6 +164,16 @@ def rows_off_axis(*names):
         return ranks[0] > 0 and all(0 not in _axes_of(node.attrs.get(n), ranks[0]) for n in names)
 
     return rows
+
+
+def version_with(attr, version=3):
+    """format_version= for an op whose attribute `attr`, where present, an older runtime
+    would misread rather than refuse."""
+
+    def format_version(node):
+        return version if attr in node.attrs else None
+
+    return format_version
 
 
 def get(op: str) -> Kernel:

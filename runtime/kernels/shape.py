@@ -42,7 +42,7 @@ from pmx.runtime.kernels.attr_specs import (
     widest_input,
 )
 from pmx.runtime.kernels.common import chain, split_copy, split_threads, view_as
-from pmx.runtime.kernels.registry import register, rows_off_axis
+from pmx.runtime.kernels.registry import register, rows_off_axis, version_with
 
 
 def _resolve_shape(shape, numel):
@@ -109,6 +109,7 @@ def _same_memory(a, b):
         pnnx_shape=UNREAD,
     ),
     rows=True,
+    format_version=version_with("like_shape"),
 )
 def make_reshape(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
@@ -304,6 +305,7 @@ def slice_infer(node, shapes, dtypes):
     infer=slice_infer,
     attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS, end_divs=SLICE_END_DIVS),
     rows=rows_off_axis("axes"),
+    format_version=version_with("end_dims"),
 )
 def make_slice(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
@@ -386,7 +388,11 @@ def channel_shuffle_infer(node, shapes, dtypes):
 
 
 @register(
-    "channel_shuffle", infer=channel_shuffle_infer, attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))), rows=True
+    "channel_shuffle",
+    infer=channel_shuffle_infer,
+    attrs=dict(groups=POSITIVE, sizes=optional(ints(lo=0))),
+    rows=True,
+    format_version=version_with("sizes"),
 )
 def make_channel_shuffle(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
