@@ -38,7 +38,9 @@ class Predictor:
         otherwise (default: every input reads the column of its own name). Other columns
         of the batch are ignored.
     max_batch: the most rows one run gets when dim 0 of the inputs is dynamic (default:
-        the whole batch in one run; set it to bound the arena, which grows with the rows).
+        the whole batch in one run, which the InferenceSession runs in chunks of rows
+        where the graph keeps rows apart; set it to bound the arena of a graph that does
+        not, which grows with the rows).
     verify, num_threads: passed to InferenceSession.
 
     Batch dim: where the model's inputs have a fixed dim 0 (k), the batch is run k rows
