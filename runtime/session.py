@@ -155,12 +155,14 @@ class _Binding:
     def before_run(self):
         """Pick whether this run's splits use the pool's workers (RunChooser); True when
         the run is a trial to time and report to self.gate.after_run."""
+        if not self.started:  # the first run: the way bound at init, not counted by the chooser
+            self.started = True
+            return False
         timed = self.gate.before_run()
         if self.single is None:
             self.pool.serial = not self.gate.concurrent
-        elif self.started and self.gate.concurrent != self.concurrent:
+        elif self.gate.concurrent != self.concurrent:
             self._use(self.gate.concurrent)
-        self.started = True
         return timed
 
     def use_chosen_way(self):
