@@ -3,11 +3,13 @@
 A batch of N images runs each node over all N before the next node starts. From a few
 images up, a node's N outputs no longer stay in the caches until the next node reads
 them, and per image a batch of 32 can run slower than a batch of 1 (docs/performance.md,
-"Large batches in chunks of rows"). InferenceSession therefore runs a batch larger than
-CHUNK_ROWS as consecutive chunks of CHUNK_ROWS rows (the last one shorter), each through
-the binding for its own shapes, and writes each chunk's rows of the outputs into arrays of
-the whole batch. That is the same computation only when the graph keeps the batch's rows
-apart: output row i computed from row i of the inputs alone.
+"Large batches in chunks of rows"), and a split GEMM hands parts between threads inside
+every node. InferenceSession therefore runs a batch in chunks of at most CHUNK_ROWS rows:
+with several threads, at most ceil(N / threads) rows each, the chunks running at once,
+one per thread, each thread with its own bindings bound for one thread; with one
+thread, one chunk after another. Each chunk writes its rows of the outputs into arrays
+of the whole batch. That is the same computation only when the graph keeps the batch's
+rows apart: output row i computed from row i of the inputs alone.
 
 `rows_apart` decides that from the model, per non-batch shape: shapes inferred at two
 batch sizes show which tensors carry the batch along dim 0 (dim 0 follows it, every other
@@ -30,7 +32,7 @@ from pmx.runtime.replan import infer_shapes
 CHUNK_ROWS = 8
 
 
-def batch_rows(model, arrays):
+def batch_rows(arrays):
     """N when every input of `arrays` ({tensor index: array}) has N rows along dim 0, else None."""
     sizes = {arr.shape[0] if arr.ndim else None for arr in arrays.values()}
     return sizes.pop() if len(sizes) == 1 and None not in sizes else None

@@ -661,7 +661,7 @@ class InferenceSession:
         whole, else (bounds, parallel): the (start, stop) rows of each chunk, and whether
         the chunks run on the session's threads at once, each bound for one thread
         (runtime/batch_chunks.py)."""
-        rows = batch_chunks.batch_rows(self._model, arrays)
+        rows = batch_chunks.batch_rows(arrays)
         most = self._batch_chunk_rows
         if not most or rows is None or rows < 2:
             return None
