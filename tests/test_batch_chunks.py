@@ -193,6 +193,26 @@ def test_a_graph_that_mixes_rows_runs_the_batch_whole(compiled, mix):
     assert profiled_rows(sess, feed) == 7
 
 
+class BatchFirst(nn.Module):
+    """A batch-first GRU and LSTM on [N, L, E]: each sequence runs apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(6, 5, batch_first=True)
+        self.lstm = nn.LSTM(5, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.lstm(self.gru(x)[0])[0][:, -1]
+
+
+def test_batch_first_recurrent_layers_run_in_chunks(compiled):
+    torch.manual_seed(0)
+    module = BatchFirst().eval()
+    sess = chunked_session(compiled("batch_first_rnn", module, torch.rand(2, 5, 6)))
+    feed = check_against_torch(sess, module, torch.rand(7, 5, 6))
+    assert profiled_rows(sess, feed) == CHUNK
+
+
 def test_a_sequence_first_lstm_runs_the_batch_whole(compiled):
     torch.manual_seed(0)
     module = SequenceFirst().eval()

@@ -198,8 +198,14 @@ def make_recurrent(node, inputs, outputs, ctx):
     return run
 
 
+def _batch_first_rows(node, ranks, batched):
+    """A batched [N, L, E] input with batch_first: each sequence runs apart. Sequence
+    first ([L, N, E]) or unbatched ([L, E]), dim 0 is time."""
+    return ranks[0] == 3 and bool(node.attrs.get("batch_first"))
+
+
 for _op in ("lstm", "gru", "rnn"):
-    register(_op, infer=recurrent_infer, attrs=ATTRS[_op])(make_recurrent)
+    register(_op, infer=recurrent_infer, attrs=ATTRS[_op], rows=_batch_first_rows)(make_recurrent)
 
 
 def _projection(src, src_rows, gx, gx_rows, w_ih, bias):
