@@ -80,7 +80,11 @@ def _export(torch, pnnx, module, inputs, directory, options, verbose):
         return generate_inputs_arg(get_shape_from_inputs(tensors), get_type_from_inputs(tensors))
 
     pt = os.path.join(directory, "model.pt")
-    with torch.no_grad():
+    # traced with autograd on: under no_grad an eval-mode nn.TransformerEncoderLayer
+    # (batch_first) takes torch's fused fast path, one op pnnx leaves unconverted
+    # (aten::_transformer_encoder_layer_fwd); with parameters that require grad it
+    # traces as plain ops
+    with torch.enable_grad():
         torch.jit.trace(module, inputs, check_trace=options.get("check_trace", True)).save(pt)
     command = [pnnx.EXEC_PATH, pt, "inputshape=" + shapes_arg(inputs)]
     command += [f"device={options.get('device', 'cpu')}", f"optlevel={options.get('optlevel', 2)}"]

@@ -55,6 +55,34 @@ def test_from_torch_gives_a_pmx_that_matches_the_module(tmp_path, module, inputs
         np.testing.assert_allclose(g, w.numpy(), rtol=1e-4, atol=1e-5)
 
 
+class SelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0]
+
+
+@pytest.mark.parametrize(
+    "module", [nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0), SelfAttention()]
+)
+def test_batch_first_attention_layers_export_without_torchs_fused_fast_path(tmp_path, module):
+    """In eval mode under no_grad, torch runs a batch-first encoder layer as one fused op
+    pnnx cannot convert (aten::_transformer_encoder_layer_fwd); from_torch traces with
+    autograd on, so it and a batch-first attention layer trace as plain ops."""
+    torch.manual_seed(0)
+    module = module.eval()
+    x = torch.rand(2, 5, 16)
+    from_torch(module, (x,), tmp_path / "m.pmx", export_options={"check_trace": False})
+    sess = InferenceSession(tmp_path / "m.pmx")
+    with torch.no_grad():
+        want = module(x)
+    want = want[0] if isinstance(want, tuple) else want
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_from_torch_is_quiet_and_its_result_reads_in_one_line(tmp_path, capfd):
     """pnnx's converter logs ~30 lines to the process's stderr; from_torch keeps them
     unless verbose=True, and the result prints as a one-line summary."""
