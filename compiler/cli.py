@@ -19,12 +19,12 @@ import sys
 
 from pmx.runtime.cli import (
     EPILOG,
-    _check_model_arg,
-    _common,
-    _key_value,
     add_runtime_commands,
+    check_model_arg,
+    common_flags,
     dispatch_runtime,
     guarded,
+    key_value,
     random_inputs,
 )
 from pmx.runtime.errors import PmxCompileError
@@ -163,7 +163,7 @@ def build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_compile_args(c)
-    _common(c)
+    common_flags(c)
 
     add_runtime_commands(sub)
     add_serve_command(sub)  # its module imports argparse only; the server loads when it runs
@@ -224,7 +224,7 @@ def add_compile_args(c):
         action="extend",
         nargs="+",
         metavar="KEY=VALUE",
-        type=_key_value,
+        type=key_value,
         help="store these KEY=VALUE pairs in the file (one or more, flag repeatable; "
         "InferenceSession.get_modelmeta()"
         ".custom_metadata_map)",
@@ -266,7 +266,7 @@ def _dispatch(args):
         if args.json:
             parser.error("--json goes with --list-ops (the compile summary is text)")
         _check_compile_options(args, parser)
-        _check_model_arg(args.param, "compile")
+        check_model_arg(args.param, "compile")
         return _compile(args)
     if args.command == "serve":
         from pmx.runtime.serve.cli import serve_command

@@ -33,7 +33,7 @@ class _Failure(Exception):
 # --- arguments -------------------------------------------------------------------------------
 
 
-def _int_at_least(low):
+def int_at_least(low):
     def parse(text):
         try:
             value = int(text)
@@ -92,7 +92,7 @@ def _fixed_shape(text):
     return name, shape
 
 
-def _key_value(text):
+def key_value(text):
     key, eq, value = text.partition("=")
     if not eq or not key:
         # --meta takes one or more pairs, so a model path after it reads as one more
@@ -101,10 +101,10 @@ def _key_value(text):
     return key, value
 
 
-_key_value.__name__ = "KEY=VALUE"
+key_value.__name__ = "KEY=VALUE"
 
 
-def _common(sub):
+def common_flags(sub):
     """--debug and -q on a subcommand as on pmx itself (SUPPRESS: an option given before
     the subcommand is not reset by the subcommand's default)."""
     sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -145,10 +145,10 @@ def add_runtime_commands(sub):
         help="with --random: the shape of that input's random values (a dynamic dim takes any size "
         "its range allows; default: the shape the model was compiled for)",
     )
-    r.add_argument("--repeat", type=_int_at_least(0), default=10, help="timed runs after the first (default 10)")
+    r.add_argument("--repeat", type=int_at_least(0), default=10, help="timed runs after the first (default 10)")
     r.add_argument(
         "--threads",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help=f"threads of this run's kernel splits (default: {DEFAULT_THREADS_TEXT})",
     )
@@ -180,17 +180,17 @@ def add_runtime_commands(sub):
         help="run every .npy (the input of a single-input model) and .npz (one array per input name) "
         "in DIR, sorted by name; needs --save",
     )
-    _common(r)
+    common_flags(r)
 
     i = sub.add_parser("inspect", help="print inputs, outputs, metadata, passes, memory plan and nodes")
     i.add_argument("model")
     i.add_argument("--json", action="store_true", help="print it as JSON (dims that may change as null)")
-    _common(i)
+    common_flags(i)
 
     v = sub.add_parser("verify", help="check a .pmx file's structure and checksums")
     v.add_argument("model")
     v.add_argument("--json", action="store_true", help='print the result as JSON ({"ok": false, ...} on failure)')
-    _common(v)
+    common_flags(v)
 
 
 def dispatch_runtime(args):
@@ -222,7 +222,7 @@ def dispatch_runtime(args):
 # --- what a file is, when it is not a .pmx ----------------------------------------------
 
 
-def _check_model_arg(path, command):
+def check_model_arg(path, command):
     from pmx.runtime.errors import PmxInputError
     from pmx.runtime.hints import foreign_model_hint
 
@@ -403,7 +403,7 @@ def _run(args):
     from pmx.runtime import InferenceSession
 
     parser = args._parser
-    _check_model_arg(args.model, "run")
+    check_model_arg(args.model, "run")
     if args.batch_dir is not None:
         return _run_batch(args)
     t0 = time.perf_counter()
@@ -762,7 +762,7 @@ def inspect_dict(model):
 def _inspect(args):
     from pmx.runtime.load import open_model
 
-    _check_model_arg(args.model, "inspect")
+    check_model_arg(args.model, "inspect")
     info = inspect_dict(open_model(args.model))
     if args.json:
         print(_dumps(info))
@@ -792,7 +792,7 @@ def _verify(args):
     from pmx.runtime.errors import PmxError
     from pmx.runtime.load import open_model
 
-    _check_model_arg(args.model, "verify")
+    check_model_arg(args.model, "verify")
     try:
         model = open_model(args.model, verify_checksum=True)
     except PmxError as e:

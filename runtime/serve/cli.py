@@ -6,7 +6,7 @@ commands work without them; the command says how to install them when they are m
 import argparse
 import importlib.util
 
-from pmx.runtime.cli import EPILOG, _common, _int_at_least, number_above
+from pmx.runtime.cli import EPILOG, common_flags, int_at_least, number_above
 
 DESCRIPTION = """Serve .pmx models over HTTP with the Open Inference Protocol (KServe V2, as Triton's
 HTTP/REST API, with the binary tensor data extension): tritonclient and KServe clients call
@@ -25,7 +25,7 @@ _non_negative_number = number_above(0)
 
 
 def _port(text):
-    value = _int_at_least(0)(text)
+    value = int_at_least(0)(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {value}")
     return value
@@ -43,16 +43,16 @@ def add_serve_arguments(s):
     s.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free port)")
     s.add_argument(
         "--workers",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=1,
         help="worker processes sharing the port (default 1); small models are bound by the GIL, so use one per core",
     )
     s.add_argument(
-        "--threads", type=_int_at_least(1), default=1, help="intra-op threads per model in each worker (default 1)"
+        "--threads", type=int_at_least(1), default=1, help="intra-op threads per model in each worker (default 1)"
     )
     s.add_argument(
         "--max-batch-size",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=32,
         help="the most rows one run takes (default 32; 1: no batching)",
     )
@@ -93,7 +93,7 @@ def add_serve_command(sub):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_serve_arguments(s)
-    _common(s)
+    common_flags(s)
 
 
 def serve_command(args):
@@ -108,12 +108,12 @@ def serve_command(args):
             file=sys.stderr,
         )
         return 1
-    from pmx.runtime.cli import _check_model_arg
+    from pmx.runtime.cli import check_model_arg
     from pmx.runtime.serve.models import model_names
     from pmx.runtime.serve.server import ServeSettings, serve
 
     for path in args.models:
-        _check_model_arg(path, "serve")
+        check_model_arg(path, "serve")
     settings = ServeSettings(
         models=tuple(model_names(args.models, args.name)),
         host=args.host,
