@@ -147,6 +147,15 @@ def add_runtime_commands(sub):
     )
     r.add_argument("--repeat", type=int_at_least(0), default=10, help="timed runs after the first (default 10)")
     r.add_argument(
+        "--warmup",
+        type=number_above(0),
+        default=WARM_SECONDS,
+        metavar="SECONDS",
+        help=f"with --repeat: warm-up runs for at least this long before the timed ones (default "
+        f"{WARM_SECONDS:g}; 0: only until the session has chosen how to use its threads), "
+        f"at most {SETTLE_SECONDS:g} s in all",
+    )
+    r.add_argument(
         "--threads",
         type=int_at_least(1),
         default=None,
@@ -414,7 +423,7 @@ def _run(args):
     t0 = time.perf_counter()
     outputs = sess.run(None, feed)
     first_ms = (time.perf_counter() - t0) * 1e3
-    warmup = _settle(sess, feed) if args.repeat else 0
+    warmup = _settle(sess, feed, args.warmup) if args.repeat else 0
     times = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
@@ -476,7 +485,7 @@ def _run(args):
         steady = f", median of {args.repeat} runs {np.median(times):.2f} ms" if times else ""
         print(f"load {load_ms:.2f} ms, first run {first_ms:.2f} ms{steady}")
         if times:
-            print(_timing_note(warmup, threads, settled))
+            print(_timing_note(warmup, threads, settled, args.warmup))
         for path in saved:
             print(f"saved {path}")
         for c in checks:
@@ -500,28 +509,31 @@ SETTLE_SECONDS = 3.0  # at most this long warming up before the timed runs
 WARM_SECONDS = 0.3
 
 
-def _settle(sess, feed):
-    """Run for WARM_SECONDS and until the session has chosen how to use its threads for
+def _settle(sess, feed, warm_seconds=WARM_SECONDS):
+    """Run for `warm_seconds` and until the session has chosen how to use its threads for
     these inputs (it times whole runs both ways after about ten: parallel.RunChooser),
     so the timed runs measure the way it keeps on a host in its steady state; at most
     SETTLE_SECONDS. Returns the runs made."""
     runs, start = 0, time.perf_counter()
     while True:
         elapsed = time.perf_counter() - start
-        if elapsed >= SETTLE_SECONDS or (elapsed >= WARM_SECONDS and sess.thread_choice(feed)[1]):
+        if elapsed >= SETTLE_SECONDS or (elapsed >= warm_seconds and sess.thread_choice(feed)[1]):
             return runs
         sess.run(None, feed)
         runs += 1
 
 
-def _timing_note(warmup, threads, settled):
+def _timing_note(warmup, threads, settled, warm_seconds):
     way = f"on {threads} thread{'s' if threads > 1 else ''}"
     if not settled:
         return (
             f"timed {way} after {warmup} warm-up runs, before the session had chosen how to use its threads "
             f"(a slow model: more --repeat runs show the steady state)"
         )
-    return f"timed {way}, after {warmup} warm-up runs (at least {WARM_SECONDS:g} s, and until the session chose how to use its threads)"
+    return (
+        f"timed {way}, after {warmup} warm-up runs ({warm_seconds:g} s at least, and until the session "
+        f"chose how to use its threads)"
+    )
 
 
 def _dumps(obj):

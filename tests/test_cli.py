@@ -49,7 +49,10 @@ def test_compile_default_output_next_to_param(tmp_path):
 
 
 def test_run_matches_torch_output_shipped_with_example(example_pmx, capsys):
-    assert main(["run", str(example_pmx), "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "2"]) == 0
+    assert (
+        main(["run", str(example_pmx), "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "2", "--warmup", "0"])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "out0: shape [1, 10]" in text and "load" in text
     from pmx.runtime import InferenceSession
@@ -61,7 +64,7 @@ def test_run_matches_torch_output_shipped_with_example(example_pmx, capsys):
 
 
 def test_run_random_and_profile(example_pmx, capsys):
-    assert main(["run", str(example_pmx), "--random", "--profile", "--repeat", "1"]) == 0
+    assert main(["run", str(example_pmx), "--random", "--profile", "--repeat", "1", "--warmup", "0"]) == 0
     text = capsys.readouterr().out
     assert "of which kernels" in text and "conv" in text
 

@@ -110,7 +110,12 @@ def test_run_names_the_inputs_it_will_not_guess(two_input_model):
 
 
 @pytest.mark.parametrize(
-    "args", [["run", "{model}", "--random", "--repeat", "1"], ["inspect", "{model}"], ["inspect", "{model}", "--json"]]
+    "args",
+    [
+        ["run", "{model}", "--random", "--repeat", "1", "--warmup", "0"],
+        ["inspect", "{model}"],
+        ["inspect", "{model}", "--json"],
+    ],
 )
 def test_closed_pipe_ends_quietly(model, args):
     """`pmx run m.pmx --random | head -1`, with the reader gone before pmx writes."""
@@ -142,7 +147,7 @@ def test_json_vocabulary_is_shared_by_run_inspect_and_verify(model):
     """One name per meaning across commands: `model` is the .pmx path, `declared_shape` the
     shape get_inputs() reports, `planned_shape` what memory was planned for, `shape` only
     an actual array's shape (run)."""
-    run = json.loads(pmx("run", model, "--random", "--repeat", "1", "--json").stdout)
+    run = json.loads(pmx("run", model, "--random", "--repeat", "1", "--warmup", "0", "--json").stdout)
     inspect = json.loads(pmx("inspect", model, "--json").stdout)
     verify = json.loads(pmx("verify", model, "--json").stdout)
     assert run["model"] == inspect["model"] == verify["model"] == str(model)
@@ -154,7 +159,7 @@ def test_json_vocabulary_is_shared_by_run_inspect_and_verify(model):
 
 
 def test_run_json(model):
-    r = pmx("run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "2", "--json")
+    r = pmx("run", model, "--input", f"in0={EXAMPLE / 'cnn_input.npy'}", "--repeat", "2", "--warmup", "0", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     [out] = info["outputs"]

@@ -154,7 +154,7 @@ def test_an_output_that_follows_the_batch_takes_the_batchs_range(example_pmx, ca
 
 
 def test_profile_and_inspect_show_full_names_and_fused_activations(long_named_pmx, capsys):
-    assert main(["run", str(long_named_pmx), "--random", "--profile", "--repeat", "2"]) == 0
+    assert main(["run", str(long_named_pmx), "--random", "--profile", "--repeat", "2", "--warmup", "0"]) == 0
     profile = capsys.readouterr().out
     assert main(["inspect", str(long_named_pmx)]) == 0
     inspect = capsys.readouterr().out
@@ -169,7 +169,7 @@ def test_profile_and_inspect_show_full_names_and_fused_activations(long_named_pm
 def test_the_profiles_parts_never_exceed_its_run(example_pmx, capsys):
     """The split of a run into kernels and overhead comes from the same runs; no sum of
     per-node medians is printed as a total that can exceed the run."""
-    assert main(["run", str(example_pmx), "--random", "--profile", "--repeat", "3"]) == 0
+    assert main(["run", str(example_pmx), "--random", "--profile", "--repeat", "3", "--warmup", "0"]) == 0
     text = capsys.readouterr().out
     match = re.search(r"run ([\d.]+) ms \(median of runs\), of which kernels ([\d.]+) ms", text)
     assert match and float(match[2]) <= float(match[1])
@@ -186,9 +186,15 @@ def test_run_times_after_the_thread_choice_and_says_the_threads(example_pmx, cap
     result = json.loads(capsys.readouterr().out)
     assert result["threads_settled"] is True
     assert result["threads"] in range(1, threads + 1)
-    assert result["warmup_runs"] > 0  # runs for WARM_SECONDS at least, also with nothing to choose
+    assert result["warmup_runs"] > 0  # runs for --warmup's 0.3 s at least, also with nothing to choose
     assert main(argv) == 0
     assert re.search(r"^timed on [12] threads?", capsys.readouterr().out, re.M)
+
+
+def test_warmup_zero_stops_once_the_thread_choice_settles(example_pmx, capsys):
+    argv = ["run", str(example_pmx), "--random", "--repeat", "1", "--threads", "1", "--warmup", "0", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["warmup_runs"] == 0  # one thread: nothing to choose
 
 
 def test_thread_choice_reports_the_way_runs_go(example_pmx):

@@ -105,7 +105,7 @@ def test_cli_inspect_verify_run(constant_pmx, capsys):
     assert main(["inspect", "--json", str(constant_pmx)]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["nodes"] == 0 and len(info["outputs"]) == 2
-    assert main(["run", str(constant_pmx), "--random", "--profile", "--repeat", "1"]) == 0
+    assert main(["run", str(constant_pmx), "--random", "--profile", "--repeat", "1", "--warmup", "0"]) == 0
     text = capsys.readouterr().out
     assert "[1., 2., 3., 4., 5., 6.]" in text
     match = re.search(r"of which kernels ([\d.]+) ms", text)
