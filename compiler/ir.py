@@ -78,6 +78,7 @@ class Node:
 class Graph:
     def __init__(self, source=""):
         self.nodes: list[Node] = []
+        self._members = set()  # uids of self.nodes: has_node in O(1) for the rewrite engine
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
         # tensors that stay readable after a run besides the outputs (`--keep`): every pass
@@ -97,7 +98,12 @@ class Graph:
             self.nodes.append(node)
         else:
             self.nodes.insert(index, node)
+        self._members.add(node.uid)
         return node
+
+    def has_node(self, node: Node) -> bool:
+        """Whether `node` is in the graph (not removed since it was added)."""
+        return node.uid in self._members
 
     def remove_node(self, node: Node):
         for v in node.inputs:
@@ -107,6 +113,7 @@ class Graph:
             if v.producer is node:
                 v.producer = None
         self.nodes.remove(node)
+        self._members.discard(node.uid)
 
     def set_input(self, node: Node, index: int, value):
         """node's input `index` becomes value; inputs up to it that the node lacked are

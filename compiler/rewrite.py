@@ -212,14 +212,13 @@ def apply_rules(graph, name, rules, max_hits=None):
             by_op[op].append(r)
     hits = dict.fromkeys((r.name for r in rules), 0)
     budget = max_hits if max_hits is not None else 16 * len(graph.nodes) + 64
-    live = {n.uid for n in graph.nodes}
     queue = deque(n for n in graph.nodes if n.op in by_op)
     queued = {n.uid for n in queue}
     total = 0
     while queue:
         node = queue.popleft()
         queued.discard(node.uid)
-        while node.uid in live:
+        while graph.has_node(node):
             fired = _fire(graph, by_op.get(node.op, ()), node)
             if fired is None:
                 break
@@ -232,13 +231,8 @@ def apply_rules(graph, name, rules, max_hits=None):
                     f"(rule {r.name} keeps firing, last at {node.where()})"
                 )
             touched = [node] + [x for x in m.values() if isinstance(x, Node) and x is not node]
-            if len(graph.nodes) != len(live):
-                # a removed node no longer produces its outputs; where that does not
-                # account for the count, look at the whole list
-                gone = {x.uid for x in touched if not x.outputs or x.outputs[0].producer is not x}
-                live = live - gone if len(live) - len(gone) == len(graph.nodes) else {n.uid for n in graph.nodes}
             for x in touched:
-                if x.uid in live:
+                if graph.has_node(x):
                     for y in [v.producer for v in x.inputs if v is not None] + [
                         c for v in x.outputs for c in v.consumers
                     ]:

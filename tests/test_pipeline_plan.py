@@ -45,7 +45,7 @@ def test_a_compile_sets_nothing_on_the_graph():
     g = chain()
     fields = set(vars(g))
     plan = compile_graph(g, CompileOptions(keep=["b"], verify=True, metadata={"k": "v"}))
-    assert set(vars(g)) == fields == {"nodes", "inputs", "outputs", "kept", "source"}
+    assert set(vars(g)) == fields == {"nodes", "_members", "inputs", "outputs", "kept", "source"}
     assert [v.name for v in g.kept] == ["b"]
     assert isinstance(plan, Plan)
     assert [name for name, _, _ in plan.pass_stats] == [p.name for p in PIPELINE]
