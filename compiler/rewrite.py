@@ -95,7 +95,7 @@ def _bind(m, name, x):
     if name is None:
         return m
     if name in m:
-        same = m[name] is x or (isinstance(x, tuple) and repr(m[name]) == repr(x))  # trees: exactly
+        same = m[name] is x or (isinstance(x, tuple) and _same_tree(m[name], x))
         return m if same else None
     m = Match(m)
     m[name] = x
@@ -103,7 +103,15 @@ def _bind(m, name, x):
 
 
 def _same_literal(a, b):
+    """One type and one value, exactly: 1, 1.0 and True differ, so do 0.0 and -0.0."""
     return type(a) is type(b) and repr(a) == repr(b)
+
+
+def _same_tree(a, b):
+    """Expression trees equal node by node, their literals by _same_literal."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return _same_literal(a, b)
 
 
 def _may_match(p, node):
