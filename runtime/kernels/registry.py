@@ -124,25 +124,15 @@ class RunSized(Record):
         self.value = None
 
 
-def register(
-    op,
-    *,
-    infer,
-    inplace=False,
-    view=False,
-    scratch=None,
-    attrs=None,
-    float_input=False,
-    rows=False,
-    variants=None,
-    format_version=None,
-):
+def register(op, *, infer, **traits):
+    """Decorator registering `make` as op's kernel factory with shape rule `infer`;
+    `traits` are Kernel's keywords (inplace, view, scratch, attrs, float_input, rows,
+    variants, format_version), each described there."""
+
     def deco(make):
         if op in REGISTRY:
             raise RuntimeError(f"kernel {op!r} registered twice")
-        REGISTRY[op] = Kernel(
-            op, make, infer, inplace, view, scratch, attrs, float_input, rows, variants, format_version
-        )
+        REGISTRY[op] = Kernel(op, make, infer, **traits)
         return make
 
     return deco
