@@ -258,6 +258,28 @@ def test_no_chunk_is_smaller_than_the_batch_range_allows(compiled, most, rows):
     assert profiled_rows(sess, feed) == rows
 
 
+def test_a_sessions_chunk_threads_end_with_it(compiled):
+    import gc
+    import threading
+    import time
+
+    def chunk_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("pmx-chunks")}
+
+    torch.manual_seed(0)
+    before = chunk_threads()
+    sess = chunked_session(compiled("convnet", ConvNet().eval(), torch.rand(1, 3, 16, 16)), threads=2)
+    sess.run(None, {"in0": np.ones((4, 3, 16, 16), np.float32)})
+    started = chunk_threads() - before
+    assert len(started) == 2
+    del sess
+    gc.collect()
+    deadline = time.monotonic() + 60  # bounded, and generous for a busy host
+    while any(t.is_alive() for t in started) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in started)
+
+
 def test_no_chunks_on_request(compiled):
     torch.manual_seed(0)
     module = ConvNet().eval()
