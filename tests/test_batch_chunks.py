@@ -271,7 +271,7 @@ def test_a_sessions_chunk_threads_end_with_it(compiled):
     sess = chunked_session(compiled("convnet", ConvNet().eval(), torch.rand(1, 3, 16, 16)), threads=2)
     sess.run(None, {"in0": np.ones((4, 3, 16, 16), np.float32)})
     started = chunk_threads() - before
-    assert len(started) == 2
+    assert 1 <= len(started) <= 2  # started as chunks need them, up to the session's threads
     del sess
     gc.collect()
     deadline = time.monotonic() + 60  # bounded, and generous for a busy host
