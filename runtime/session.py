@@ -631,12 +631,16 @@ class InferenceSession:
             return self._run_in_chunks(arrays, wanted, run_options, plan, outputs, watch)
         binding = self._bind_checked(arrays)
         self._run_steps(binding, wanted, run_options, watch)
-        if outputs is None or all(dest is None for dest in outputs):
-            return self._outputs_of(binding, wanted)
-        return [self._written(i, self._value_of(binding, i), dest) for i, dest in zip(wanted, outputs)]
+        return self._outputs_of(binding, wanted, outputs)
 
-    def _value_of(self, binding, i):
-        return binding.views[i].value if i in self._run_sized else binding.views[i]
+    def _outputs_of(self, binding, wanted, outputs=None):
+        """The wanted outputs copied out of the binding, into `outputs` where given."""
+        dests = outputs or [None] * len(wanted)
+        run_sized = self._run_sized
+        return [
+            self._written(i, binding.views[i].value if i in run_sized else binding.views[i], dest)
+            for i, dest in zip(wanted, dests)
+        ]
 
     def _written(self, i, value, dest):
         """`value` copied into `dest` (a new array when dest is None), checked to fit."""
@@ -755,14 +759,6 @@ class InferenceSession:
                 )
             wanted.append(self._fetchable[name])
         return wanted
-
-    def _outputs_of(self, binding, wanted):
-        if self._run_sized:
-            return [
-                np.array(binding.views[i].value if i in self._run_sized else binding.views[i], copy=True)
-                for i in wanted
-            ]
-        return [np.array(binding.views[i], copy=True) for i in wanted]
 
     def _run_timing_kernels(self, input_feed):
         """run(None, input_feed) that also returns the seconds spent inside the nodes'
