@@ -412,7 +412,8 @@ def _format_version(graph):
     version = ff.OLDEST_READABLE_VERSION
     for n in graph.nodes:
         asks = get(n.op).format_version
-        version = max(version, (asks(n) if asks else None) or version)
+        if asks is not None:
+            version = max(version, asks(n) or version)
     return version
 
 
