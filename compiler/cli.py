@@ -50,6 +50,7 @@ def _compile(args):
         no_opt=args.no_opt,
         dynamic=list(args.dynamic or ()),
         shape=list(args.shape or ()),
+        dtype=list(args.dtype or ()),
         auto_batch=not args.static,
         tune=args.tune,
         metadata=dict(args.meta or ()),
@@ -200,6 +201,12 @@ def add_compile_args(c):
         "A; for '?' at a placeholder, and again at the first run's shape)",
     )
     c.add_argument(
+        "--dtype",
+        action="append",
+        metavar="NAME=TYPE",
+        help="the dtype of an input pnnx wrote none for (a 0-d input), a numpy name: int64, float32, ...",
+    )
+    c.add_argument(
         "--static",
         action="store_true",
         help="every dim keeps the size it is compiled for (no dynamic batch); cannot be combined with "
@@ -232,13 +239,15 @@ def add_compile_args(c):
 
 
 def _check_compile_options(args, parser):
-    """Malformed --dynamic, --shape and --disable values are usage errors (exit 2): what
-    the model allows is checked when it compiles."""
+    """Malformed --dynamic, --shape, --dtype and --disable values are usage errors (exit 2):
+    what the model allows is checked when it compiles."""
     from pmx.compiler.passes import PIPELINE
+    from pmx.compiler.shape_specs import DTYPE_TEXT, dtype_option
     from pmx.runtime.errors import PmxInputError
 
     try:
         dynamic, _ = shape_flags(args)
+        dtype_option(list(args.dtype or ()), "--dtype", DTYPE_TEXT)
     except PmxInputError as e:
         parser.error(str(e))
     if args.static and any(lo != hi for dims in dynamic.values() for lo, hi in dims.values()):

@@ -8,7 +8,7 @@ from pmx.compiler.ir import Node
 from pmx.compiler.options import CompileOptions
 from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
-from pmx.compiler.shape_specs import dynamic_option, merge_dynamic, shape_option
+from pmx.compiler.shape_specs import dtype_option, dynamic_option, merge_dynamic, shape_option
 from pmx.compiler.write import write
 from pmx.runtime.dim_ranges import UNBOUNDED, in_range, range_text
 from pmx.runtime.errors import PmxCompileError, PmxError
@@ -119,6 +119,31 @@ def _plan_dynamic_inputs(graph, options, notes):
             raise PmxCompileError(_static_needs_shapes(graph, unplanned))
         _plan_at_placeholder(graph, unplanned, options, notes)
     return dynamic
+
+
+def _type_inputs(graph, input_dtypes, plan_shapes):
+    """Inputs get the dtype given (--dtype) where pnnx wrote none (the frontend leaves
+    their dtype None): it writes none for a 0-d input (an ONNX model's), and no guess is
+    safe (a length is an integer, a scale a float). A dtype given for an input pnnx typed
+    must agree with it."""
+    by_name = {v.name: v for v in graph.inputs}
+    for name, dtype in input_dtypes.items():
+        v = by_name.get(name)
+        if v is None:
+            raise PmxCompileError(
+                f"--dtype {name}={dtype}: the model has no input {name} (inputs: {', '.join(by_name)})"
+            )
+        if v.recorded_dtype is not None and v.recorded_dtype != dtype:
+            raise PmxCompileError(f"--dtype {name}={dtype}: {graph.source} records input {name} as {v.recorded_dtype}")
+        v.dtype = v.recorded_dtype = dtype
+    v = next((v for v in graph.inputs if v.dtype is None), None)
+    if v is not None:
+        shape = v.shape is None and v.name not in plan_shapes
+        raise PmxCompileError(
+            f"{graph.source}: input {v.name} has no recorded dtype{' or shape' if shape else ''} (pnnx writes "
+            f"none for a 0-d input); give {'them' if shape else 'it'}, e.g. {f'--shape {v.name}= ' if shape else ''}"
+            f"--dtype {v.name}=int64 (or float32, ...)"
+        )
 
 
 def _static_needs_shapes(graph, unplanned):
@@ -292,8 +317,10 @@ def compile_graph(graph, options) -> Plan:
     `options.plan_shapes` = {input name: shape} gives the size to plan for to inputs that
     pnnx wrote with '?' dims (those dims become dynamic); without it they are planned at
     a placeholder size (_plan_dynamic_inputs). With `options.tune`, kernels are chosen by
-    timing the candidates on this machine (compiler/passes/tune.py) at the planned shapes."""
+    timing the candidates on this machine (compiler/passes/tune.py) at the planned shapes.
+    `options.input_dtypes` types the inputs pnnx wrote no dtype for (_type_inputs)."""
     notes = []
+    _type_inputs(graph, options.input_dtypes, options.plan_shapes)
     dynamic = _plan_dynamic_inputs(graph, options, notes)
     by_name = {v.name: v for v in graph.values()}
     kept = []
@@ -348,6 +375,7 @@ def compile_model(
     tune=False,
     metadata=None,
     shape=None,
+    dtype=None,
     _fail_after_bytes=None,
 ):
     """Compile param_path (+ bin_path, default beside it) into `output` (default: the
@@ -362,6 +390,8 @@ def compile_model(
     shape       sizes per dim (--shape): "in0=1..16x3x224x224" (N, A..B, A.. or ?; "in0="
                 for a 0-d input), a list of such strings, {"in0": "1..16x3x224x224"}, or
                 {"in0": (1, 3, 224, 224)} (None: '?')
+    dtype       dtypes of inputs pnnx wrote none for, a 0-d input's (--dtype): "in0=int32",
+                a list of such strings, or {"in0": "int32"}
     auto_batch  make dim 0 of every input dynamic where the model allows it (False: --static)
     tune        choose kernels by timing them on this machine (--tune)
     metadata    {key: value} strings stored in the file (--meta KEY=VALUE), read back as
@@ -385,6 +415,7 @@ def compile_model(
     shape_dynamic, shape_plan = shape_option(shape)
     dynamic = merge_dynamic(dynamic_option(dynamic), shape_dynamic)
     plan_shapes = {**(plan_shapes or {}), **shape_plan}
+    input_dtypes = dtype_option(dtype)
     graph = pnnx.load(param_path, bin_path)
     ops_in = len(graph.nodes)
     try:
@@ -396,6 +427,7 @@ def compile_model(
             dynamic=dynamic,
             auto_batch=auto_batch,
             plan_shapes=plan_shapes,
+            input_dtypes=input_dtypes,
             tune=tune,
             metadata=metadata,
         )

@@ -32,6 +32,8 @@ class CompileOptions(FrozenRecord):
         "auto_batch",
         # {input name: shape} to plan memory at, for inputs pnnx wrote with '?' dims (--shape)
         "plan_shapes",
+        # {input name: numpy dtype name} for inputs pnnx wrote no dtype for (--dtype)
+        "input_dtypes",
         # choose kernels by timing them on this machine (--tune)
         "tune",
         # {key: value} strings stored in the file (--meta KEY=VALUE)
@@ -47,6 +49,7 @@ class CompileOptions(FrozenRecord):
         dynamic=None,
         auto_batch=True,
         plan_shapes=None,
+        input_dtypes=None,
         tune=False,
         metadata=None,
     ):
@@ -58,6 +61,7 @@ class CompileOptions(FrozenRecord):
             "dynamic": MappingProxyType({name: _frozen(dims) for name, dims in (dynamic or {}).items()}),
             "auto_batch": auto_batch,
             "plan_shapes": _frozen(plan_shapes),
+            "input_dtypes": _frozen(input_dtypes),
             "tune": tune,
             "metadata": _frozen(metadata),
         }

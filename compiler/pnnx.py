@@ -535,6 +535,9 @@ def parse(text: str, zf: StoreZip, path: str = "<param>") -> Graph:
         raise PmxFormatError(f"{path}: the model has no pnnx.Output operator (or it reads no operand)")
     _name_graph_tensors(graph, outputs)
     _drop_unused_packs(graph)
+    for v in graph.inputs:
+        if v.recorded_dtype is None:
+            v.dtype = None  # pnnx wrote none (a 0-d input): the compile asks for it (driver._type_inputs)
     return graph
 
 

@@ -15,9 +15,19 @@ Accepted spellings (the CLI's flag takes the strings; the keywords take all of t
     shape="in0=1..16x3x224x224"  or  a list of them   per dim N, A..B, A.. or ? ; "in0=": 0-d
     shape={"in0": "1..16x3x224x224"}                  the same
     shape={"in0": (1, 3, 224, 224)}                   fixed sizes (None: '?')
+
+and the dtypes of inputs pnnx wrote none for (a 0-d input of an ONNX model), from
+--dtype strings and compile_model's dtype= keyword:
+
+    input_dtypes {input name: numpy dtype name}
+    dtype="in0=int32"  or  a list of them             numpy names: float32, int64, bool, ...
+    dtype={"in0": "int32"}  or  {"in0": np.int32}     the same
 """
 
+import numpy as np
+
 from pmx.runtime.dim_ranges import UNBOUNDED
+from pmx.runtime.dtypes import NAME_TO_ENUM
 from pmx.runtime.errors import PmxInputError
 
 DYNAMIC_FORMS = (
@@ -35,6 +45,8 @@ def _bad(keyword, value, forms, why=""):
 
 
 DYNAMIC_TEXT = "NAME:DIM[,DIM...], e.g. in0:0"
+DTYPE_FORMS = 'dtype="in0=int32", a list of such strings, or {"in0": "int32"}'
+DTYPE_TEXT = f"NAME=DTYPE, e.g. in0=int32 (one of {', '.join(NAME_TO_ENUM)})"
 SHAPE_TEXT = "NAME=DIMxDIMx..., each dim N, A..B, A.. or ?, e.g. in0=1..16x3x224x224 (in0= for a 0-d input)"
 
 
@@ -155,4 +167,31 @@ def merge_dynamic(*parts):
     for part in parts:
         for name, dims in part.items():
             out.setdefault(name, {}).update(dims)
+    return out
+
+
+def dtype_option(value, keyword="dtype", forms=DTYPE_FORMS):
+    """compile_model's dtype= in any DTYPE_FORMS spelling -> {name: numpy dtype name} (the
+    CLI's --dtype strings too, whose errors then show `forms`)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        pairs = [str(spec).partition("=")[::2] for spec in value]
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        raise _bad(keyword, value, forms)
+    out = {}
+    for name, dtype in pairs:
+        try:
+            name_of = np.dtype(dtype).name
+        except TypeError:
+            name_of = None
+        if not (isinstance(name, str) and name) or name_of not in NAME_TO_ENUM:
+            raise PmxInputError(
+                f"{keyword} {name}={dtype}: {dtype!r} is not one of {', '.join(NAME_TO_ENUM)}; expected {forms}"
+            )
+        out[name] = name_of
     return out

@@ -46,7 +46,7 @@ from pmx.runtime.errors import (
     internal_error,
 )
 from pmx.runtime.kernels.bind import BindContext
-from pmx.runtime.kernels.registry import RunSized, get, node_scratch_nbytes
+from pmx.runtime.kernels.registry import RunSized, check_run_sized, get, node_scratch_nbytes, output_shapes
 from pmx.runtime.load import DEFAULT_MAX_ARENA_BYTES, collector_paused, open_model
 from pmx.runtime.options import SessionOptions, resolve_thread_count
 from pmx.runtime.record import FrozenRecord
@@ -140,8 +140,9 @@ class _Binding:
         size = 0
         ctx = BindContext(self.pool)
         for node, (ins, outs) in zip(model.nodes, self.operands):
-            with _naming_node(model, node):
-                size = max(size, node_scratch_nbytes(node, ins, outs, ctx))
+            if not _reads_run_sized(ins):  # bound at run, with arrays of its own
+                with _naming_node(model, node):
+                    size = max(size, node_scratch_nbytes(node, ins, outs, ctx))
         return size
 
     def _make_steps(self, model, pool=None):
@@ -149,7 +150,10 @@ class _Binding:
         ctx = BindContext(pool or self.pool, self.scratch, self.persistent, self.temporaries)
         for node, (ins, outs) in zip(model.nodes, self.operands):
             with _naming_node(model, node):
-                steps.append(get(node.op).make(node, ins, outs, ctx.begin_node()))
+                if _reads_run_sized(ins):
+                    steps.append(_bound_at_run(model, node, ins, outs))
+                else:
+                    steps.append(get(node.op).make(node, ins, outs, ctx.begin_node()))
         return steps
 
     def before_run(self):
@@ -212,20 +216,55 @@ def _node_arg(t, run_sized=False):
 
 
 def _run_sized_outputs(model):
-    """Tensors whose length a node reads from tensor values when it runs (attrs
-    sized_at_run: arange with tensor bounds): planned empty, the kernel allocates them
-    (registry.RunSized). The compiler lets no node read such an output."""
+    """Tensors whose length is known only when the model runs: the outputs of nodes that
+    read a length from tensor values (attrs sized_at_run: arange with tensor bounds,
+    masked_select), which their kernel allocates (registry.RunSized), and the outputs of
+    the nodes reading such a tensor (ops registered reads_run_sized: elementwise, cast),
+    bound at each run (_bound_at_run). The file plans them empty."""
     sized = set()
     for node in model.nodes:
-        if node.attrs.get("sized_at_run") is True:
-            t = model.tensors[node.outputs[0]]
-            if math.prod(t.shape) != 0 or node.outputs[0] in model.inputs:
-                raise PmxFormatError(
-                    f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
-                    f"time but the file plans it as {list(t.shape)}"
-                )
-            sized.add(node.outputs[0])
+        if node.attrs.get("sized_at_run") is True or not sized.isdisjoint(node.inputs):
+            for i in node.outputs:
+                t = model.tensors[i]
+                if math.prod(t.shape) != 0:
+                    raise PmxFormatError(
+                        f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
+                        f"time but the file plans it as {list(t.shape)}"
+                    )
+                sized.add(i)
     return sized
+
+
+def _reads_run_sized(inputs):
+    return any(isinstance(x, RunSized) for x in inputs)
+
+
+def _bound_at_run(model, node, inputs, outputs):
+    """The callable of a node reading a tensor sized at run time (registry, "Tensors
+    sized at run time"): at each run its kernel is bound anew, on one thread, to the
+    arrays its inputs then hold and to output arrays of the shapes its rule gives."""
+    kernel = get(node.op)
+    pool = parallel.Pool(1)
+
+    def run():
+        arrays = [x.value if isinstance(x, RunSized) else x for x in inputs]
+        try:
+            results = output_shapes(node, [a.shape for a in arrays], [a.dtype for a in arrays])
+        except (ValueError, IndexError, TypeError) as e:
+            raise PmxInputError(
+                f"{model.path}: node {node.name[:40]!r} ({node.op}) cannot take the shapes its inputs "
+                f"have at run time, {[list(a.shape) for a in arrays]}: {e}"
+            ) from None
+        for shape, dtype in results:
+            check_run_sized(node, shape, dtype)
+        values = [np.empty(shape, dtype) for shape, dtype in results]
+        step = kernel.make(node, arrays, values, BindContext(pool))
+        if step is not None:
+            step()
+        for holder, value in zip(outputs, values):
+            holder.value = value
+
+    return run
 
 
 def _aligned_empty(nbytes, align=64):

@@ -231,13 +231,16 @@ def _check_nodes(model, parse_expression):
         if node.op not in REGISTRY:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
         outputs = set(node.outputs)
+        # a node reading a tensor sized at run is sized at run too, if its op may read one
+        late = not run_sized.isdisjoint(node.inputs) and REGISTRY[node.op].reads_run_sized
+        readable = available | run_sized if late else available
         if not (
-            available.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)
+            readable.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)
         ):
-            _explain_node(model, j, node, available, writable, run_sized)
+            _explain_node(model, j, node, readable, writable, run_sized)
         writable -= outputs  # each tensor is produced once
-        if node.attrs.get("sized_at_run") is True:
-            run_sized |= outputs  # allocated by its kernel at run: an output of the model only
+        if late or node.attrs.get("sized_at_run") is True:
+            run_sized |= outputs  # allocated when its node runs (registry.RunSized)
         else:
             available |= outputs
         if not node.expr:
@@ -258,7 +261,7 @@ def _check_nodes(model, parse_expression):
             _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
 
 
-def _explain_node(model, j, node, available, writable, run_sized):
+def _explain_node(model, j, node, readable, writable, run_sized):
     """Fail naming the first input or output of node j that _check_nodes refuses."""
     path, tensors, n = model.path, model.tensors, len(model.tensors)
     for idx in node.inputs:
@@ -266,12 +269,13 @@ def _explain_node(model, j, node, available, writable, run_sized):
             continue
         if not 0 <= idx < n:
             _fail(path, f"{_label(j, node)}: input tensor index {idx} out of range (0..{n - 1})")
-        if idx in run_sized:
+        if idx in run_sized and idx not in readable:
             _fail(
                 path,
-                f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}), whose size a node sets at run time (a model output only)",
+                f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}), whose size a node sets at run time, "
+                f"which no {node.op[:40]} node may read",
             )
-        if idx not in available:
+        if idx not in readable:
             _fail(
                 path, f"{_label(j, node)}: reads tensor {idx} ({tensors[idx].name[:40]!r}) before any node produces it"
             )

@@ -114,13 +114,15 @@ def test_list_ops(capsys):
     assert "nn.Conv2d" in text and "pnnx.Expression" in text
 
 
-def test_a_zero_d_input_takes_an_empty_shape(tmp_path, capsys):
-    """pnnx records no shape for a 0-d input; `--shape NAME=` (no dims) says it is 0-d."""
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_a_zero_d_input_takes_an_empty_shape_and_a_dtype(tmp_path, capsys, dtype):
+    """pnnx records neither shape nor dtype for a 0-d input: `--shape NAME=` (no dims)
+    says it is 0-d and `--dtype NAME=TYPE` gives its dtype; pmx guesses neither."""
     param = tmp_path / "m.pnnx.param"
     param.write_text(
         "7767517\n3 2\n"
         "pnnx.Input in0 0 1 0\n"
-        "pnnx.Expression e 1 1 0 1 expr=mul(@0,2) #1=()f32\n"
+        f"pnnx.Expression e 1 1 0 1 expr=mul(@0,2) #1=(){dtype[0]}{dtype[-2:]}\n"
         "pnnx.Output out0 1 0 1\n"
     )
     from ziputil import write_bin
@@ -128,13 +130,28 @@ def test_a_zero_d_input_takes_an_empty_shape(tmp_path, capsys):
     write_bin(tmp_path / "m.pnnx.bin", {})
     out = tmp_path / "m.pmx"
     assert main(["compile", str(param), "-o", str(out)]) == 1
-    assert "--shape in0= for a 0-d input" in capsys.readouterr().err
-    assert main(["compile", str(param), "-o", str(out), "--shape", "in0="]) == 0
+    assert "no recorded dtype or shape" in capsys.readouterr().err
+    assert main(["compile", str(param), "-o", str(out), "--shape", "in0="]) == 1
+    assert "give it, e.g. --dtype in0=" in capsys.readouterr().err
+    assert main(["compile", str(param), "-o", str(out), "--shape", "in0=", "--dtype", f"in0={dtype}"]) == 0
     from pmx.runtime import InferenceSession
 
     sess = InferenceSession(str(out))
     assert sess.get_inputs()[0].shape == []
-    assert sess.run(None, {"in0": np.array(1.5, np.float32)})[0] == 3.0
+    (got,) = sess.run(None, {"in0": np.array(5, dtype)})
+    assert got.dtype == np.dtype(dtype) and got == 10  # torch: an int32 tensor times 2 stays int32
+
+
+def test_a_dtype_given_must_name_an_input_and_agree_with_the_recorded_one(tmp_path, capsys):
+    model = str(EXAMPLE / "cnn.pnnx.param")
+    assert main(["compile", model, "-o", str(tmp_path / "a.pmx"), "--dtype", "nope=int32"]) == 1
+    assert "no input nope" in capsys.readouterr().err
+    assert main(["compile", model, "-o", str(tmp_path / "a.pmx"), "--dtype", "in0=int32"]) == 1
+    assert "records input in0 as float32" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["compile", model, "--dtype", "in0=int33"])
+    assert exit_.value.code == 2
+    assert "--dtype in0=int33: 'int33' is not one of float32" in capsys.readouterr().err
 
 
 def test_an_onnx_op_pnnx_left_unconverted_is_named_as_one(tmp_path, capsys):

@@ -38,9 +38,8 @@ def onnx_model(path, nodes, inputs, outputs, initializers=(), opset=18):
 def through_pnnx(onnx_path, feeds, **compile_options):
     """pmx's outputs and onnxruntime's on `feeds`, after `pnnx model.onnx` and
     `pmx compile` (which checks the file it writes with the loader)."""
-    shapes = ",".join(
-        "[" + ",".join(map(str, a.shape)) + "]" + ("i64" if a.dtype == np.int64 else "") for a in feeds.values()
-    )
+    codes = {"int64": "i64", "int32": "i32", "float32": ""}
+    shapes = ",".join("[" + ",".join(map(str, a.shape)) + "]" + codes[a.dtype.name] for a in feeds.values())
     done = subprocess.run(
         [pnnx.EXEC_PATH, onnx_path.name, f"inputshape={shapes}"],
         cwd=onnx_path.parent,
@@ -139,5 +138,33 @@ def test_einsum_with_the_empty_equation(tmp_path):
         [value("y", FLOAT, [])],
         opset=12,
     )
-    # pnnx records no shape for a 0-d input: the compile is told it (--shape in0=)
-    assert_same(*through_pnnx(path, {"x": np.array(1.5, np.float32)}, plan_shapes={"in0": ()}))
+    # pnnx records no shape or dtype for a 0-d input: the compile is told them
+    assert_same(*through_pnnx(path, {"x": np.array(1.5, np.float32)}, shape="in0=", dtype="in0=float32"))
+
+
+def test_a_window_of_a_length_read_from_the_input(tmp_path):
+    """ONNX's HannWindow function body: Range up to a 0-d input's value, then elementwise
+    math on the result: `torch.arange $end=<tensor>` whose output, sized at run time, an
+    elementwise node reads. The 0-d input has no dtype in pnnx's .param: it is given."""
+    path = onnx_model(
+        tmp_path / "hann.onnx",
+        [
+            helper.make_node("Cast", ["n"], ["nf"], to=FLOAT),
+            helper.make_node("Range", ["zero", "nf", "one"], ["k"]),
+            helper.make_node("Mul", ["k", "two_pi"], ["angle"]),
+            helper.make_node("Div", ["angle", "nf"], ["phase"]),
+            helper.make_node("Cos", ["phase"], ["c"]),
+            helper.make_node("Mul", ["c", "half"], ["hc"]),
+            helper.make_node("Sub", ["half", "hc"], ["y"]),
+        ],
+        [value("n", TensorProto.INT32, [])],
+        [value("y", FLOAT, ["n"])],
+        [
+            constant("zero", np.float32(0)),
+            constant("one", np.float32(1)),
+            constant("two_pi", np.float32(2 * np.pi)),
+            constant("half", np.float32(0.5)),
+        ],
+    )
+    for n in (10, 3):
+        assert_same(*through_pnnx(path, {"n": np.array(n, np.int32)}, shape="in0=", dtype="in0=int32"))

@@ -394,12 +394,35 @@ def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tm
 
 class MaskedSelectConsumed(nn.Module):
     def forward(self, x):
-        return torch.masked_select(x, x > 0.5) * 2
+        return torch.exp(torch.masked_select(x, x > 0.5) * 2).to(torch.float64)
 
 
-def test_masked_select_feeding_another_op_is_refused_naming_the_reader(tmp_path):
-    with pytest.raises(PmxCompileError, match=r"masked_select.*length known only at run time.*reads it"):
-        _check(tmp_path, MaskedSelectConsumed(), (torch.rand(2, 3),))
+@pytest.fixture(scope="module")
+def masked_select_consumed(tmp_path_factory):
+    from pmx.runtime import InferenceSession
+
+    tmp = tmp_path_factory.mktemp("masked_select_consumed")
+    _check(tmp, MaskedSelectConsumed(), (torch.rand(2, 3),))
+    return InferenceSession(str(tmp / "m.pmx"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(x=hnp.arrays(np.float32, (2, 3), elements=st.floats(0, 1, width=32)))
+def test_elementwise_ops_on_a_masked_select_follow_its_length_at_run(masked_select_consumed, x):
+    (got,) = masked_select_consumed.run(None, {"in0": x})
+    want = MaskedSelectConsumed()(torch.from_numpy(x)).numpy()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+class MaskedSelectReshaped(nn.Module):
+    def forward(self, x):
+        return torch.masked_select(x, x > 0.5).reshape(-1, 1)
+
+
+def test_a_shape_op_on_a_masked_select_is_refused_naming_the_reader(tmp_path):
+    with pytest.raises(PmxCompileError, match=r"line \d+.*reads .*masked_select.*known only at run time"):
+        _check(tmp_path, MaskedSelectReshaped(), (torch.tensor([[0.9, 0.1, 0.7, 0.8]]),))
 
 
 class ArangeFromValues(nn.Module):
@@ -446,14 +469,43 @@ def test_arange_with_bounds_from_values_matches_torch(arange_from_values, values
         np.testing.assert_allclose(g, w.numpy(), rtol=2e-7, atol=0)
 
 
-class ArangeFromValuesConsumed(nn.Module):
+class HannWindow(nn.Module):
+    """A window of a length read from the input, as ONNX's HannWindow function body
+    spells it: arange of a tensor bound, then elementwise math on its values."""
+
+    def forward(self, n):
+        k = torch.arange(n[0]).to(torch.float32)
+        return 0.5 - 0.5 * torch.cos(2 * torch.pi * k / n[0].float()), k * 2 + 1
+
+
+@pytest.fixture(scope="module")
+def hann_window(tmp_path_factory):
+    from pmx.runtime import InferenceSession
+
+    tmp = tmp_path_factory.mktemp("hann_window")
+    _check(tmp, HannWindow(), (torch.tensor([7, 1], dtype=torch.int32),))
+    return InferenceSession(str(tmp / "m.pmx"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 300))
+def test_elementwise_ops_on_an_arange_from_values_follow_its_length_at_run(hann_window, n):
+    x = torch.tensor([n, 1], dtype=torch.int32)
+    got = hann_window.run(None, {"in0": x.numpy()})
+    for g, w in zip(got, HannWindow()(x)):
+        assert g.dtype == w.numpy().dtype and g.shape == tuple(w.shape)
+        np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-6)
+    assert [o.shape for o in hann_window.get_outputs()] == [[None]] * 2
+
+
+class ArangeFromValuesSummed(nn.Module):
     def forward(self, x):
-        return torch.arange(x[0]) * 2
+        return torch.cumsum(torch.arange(x[0]) * 2, 0)
 
 
-def test_arange_from_values_feeding_another_op_is_refused_naming_the_reader(tmp_path):
-    with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*known only at run time.*reads it"):
-        _check(tmp_path, ArangeFromValuesConsumed(), (torch.tensor([3, 1], dtype=torch.int32),))
+def test_a_non_elementwise_op_on_an_arange_from_values_is_refused_naming_both(tmp_path):
+    with pytest.raises(PmxCompileError, match=r"cumsum.*line \d+.*reads .*elementwise.*known only at run time"):
+        _check(tmp_path, ArangeFromValuesSummed(), (torch.tensor([3, 1], dtype=torch.int32),))
 
 
 class RepeatsFromInput(nn.Module):

@@ -417,7 +417,6 @@ def _filled(node, ctx, fill):
         if min(dims, default=0) < 0:
             fail(node, f"size {list(dims)} has a negative dim")
         return Forward(ctx.const(node.outputs[0].name, np.full(dims, fill, dtype=dtype)))
-    _refuse_readers(node, f"its size is read from the values of {size.name}")
     return _sized_at_run(node, "full_values", [size], dict(value=fill, dtype=str(np.dtype(dtype))), rank=shape[0])
 
 
@@ -566,10 +565,8 @@ def arange(node, ctx):
 
 def _arange_values(node, ctx):
     """arange with a bound read from tensor values (torch.arange(x[0])): the length is
-    known only when it runs, so the output is sized at run time (_sized_at_run) and, like
-    masked_select's, may only be a model output."""
+    known only when it runs, so the output is sized at run time (_sized_at_run)."""
     out = node.outputs[0]
-    _refuse_readers(node, "its bounds are read from tensor values")
     operands, kinds = [], []
     for label, default in (("start", 0), ("end", None), ("step", 1)):
         v = node.named_input(label)
@@ -592,19 +589,9 @@ def _arange_values(node, ctx):
     return _sized_at_run(node, "arange_values", operands, dict(dtype=out.dtype))
 
 
-def _refuse_readers(node, why):
-    out = node.outputs[0]
-    if out.consumers:
-        fail(
-            node,
-            f"{why}: its output has a length known only at run time and {out.consumers[0].where()} reads "
-            f"it; pmx supports such outputs only as model outputs",
-        )
-
-
 def _sized_at_run(node, op, inputs, attrs, rank=1):
     """The node as `op` whose kernel allocates its output when it runs (attrs sized_at_run,
-    runtime/session.py): planned empty, of its rank, read by no other node (_refuse_readers)."""
+    runtime/session.py): planned empty, of its rank; infer_shapes checks its readers."""
     node.outputs[0].shape = (0,) * rank
     return [make(node, op, inputs, dict(attrs, sized_at_run=True))]
 
@@ -758,8 +745,7 @@ def topk(node, ctx):
 @rule("torch.masked_select", "Tensor.masked_select")
 def masked_select(node, ctx):
     """The output's length is the number of True mask elements, known only at run time:
-    the kernel allocates it when it runs (_sized_at_run). Only a graph output may have
-    such a length; a node reading it would need a planned shape, so that is refused."""
+    the kernel allocates it when it runs (_sized_at_run)."""
     x = data_input(node)
     mask = node.named_input("mask")
     if mask is None:
@@ -774,7 +760,6 @@ def masked_select(node, ctx):
     if x.is_constant and mask.is_constant:
         data = np.broadcast_to(x.data, shape)[np.broadcast_to(mask.data, shape)]
         return Forward(ctx.const(out.name, data))
-    _refuse_readers(node, "it selects by the mask's values")
     return _sized_at_run(node, "masked_select", [x, mask], {})
 
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from pmx.compiler.canon import RULES, Context, Forward
-from pmx.runtime.errors import PmxUnsupportedOpError
+from pmx.runtime.errors import PmxCompileError, PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes
 
 
@@ -36,10 +36,18 @@ def canonicalize(graph, ctx):
             )
         )
     rules_ctx = Context(graph)
+    run_sized = set()  # ids of the values whose length is known only at run time
     for node in list(graph.nodes):
+        reads = next((v for v in node.inputs if v is not None and id(v) in run_sized), None)
         if node.op in REGISTRY:
+            _follow_run_sizes(node, node, reads, run_sized)
             continue
-        result = RULES[node.op](node, rules_ctx)
+        try:
+            result = RULES[node.op](node, rules_ctx)
+        except PmxCompileError:
+            if reads is None:
+                raise
+            _refuse_run_sized_reader(node, reads)  # its rule saw the planned empty shape
         index = graph.nodes.index(node)
         graph.remove_node(node)
         if isinstance(result, Forward):
@@ -48,7 +56,34 @@ def canonicalize(graph, ctx):
             continue
         for offset, new in enumerate(result):
             graph.add_node(new, index + offset)
+            _follow_run_sizes(node, new, reads, run_sized)
             _fill_shapes(new)
+
+
+def _follow_run_sizes(source, node, reads, run_sized):
+    """Tensors sized at run time: a node that reads a length from tensor values
+    (attrs sized_at_run) makes one; so does a node reading one, which its op must allow
+    (registry reads_run_sized: elementwise, cast), else the compile fails naming the
+    pnnx node `source`. Their outputs are planned empty: pnnx recorded the traced length,
+    which other inputs change."""
+    value = next((v for v in node.inputs if v is not None and id(v) in run_sized), None)
+    late = value is not None
+    if late and not REGISTRY[node.op].reads_run_sized:
+        _refuse_run_sized_reader(source, reads or value)
+    if late or node.attrs.get("sized_at_run") is True:
+        for out in node.outputs:
+            run_sized.add(id(out))
+            if not node.attrs.get("sized_at_run"):
+                out.shape = None  # _fill_shapes gives the rule's: empty
+
+
+def _refuse_run_sized_reader(node, value):
+    raise PmxCompileError(
+        f"{node.where()} reads {value.name}, the output of {value.producer.where()}, whose length is "
+        f"known only at run time (read from tensor values); pmx runs only elementwise ops and "
+        f"casts on such a tensor, and this op needs a planned shape. Make it a model output, "
+        f"or export with a fixed size"
+    ) from None
 
 
 def _fill_shapes(node):

@@ -31,7 +31,7 @@ def elementwise_infer(node, shapes, dtypes):
     return [(shape, E.result_dtype(tree, dtypes))]
 
 
-@register("elementwise", infer=elementwise_infer, inplace=True, rows=True, variants=variants)
+@register("elementwise", infer=elementwise_infer, inplace=True, rows=True, variants=variants, reads_run_sized=True)
 def make_elementwise(node, inputs, outputs, ctx):
     tree = node.expr
     out = outputs[0]

@@ -33,8 +33,8 @@
           (docs/performance.md, 2026-11-27).
 `masked_select` inputs data, mask (broadcast together); attrs sized_at_run: outputs the
           selected elements (1-d), a length known only when it runs, so allocated by the
-          kernel (registry.RunSized, see runtime/session.py); the compiler refuses such an
-          output feeding any other node, since those need a planned shape.
+          kernel (registry.RunSized, see runtime/session.py); only ops registered
+          reads_run_sized (elementwise, cast) may read it, since others need a planned shape.
 `as_strided` attrs size, stride, offset (in elements, torch's storage_offset): a view of
           the input's contiguous storage, copied out.
 `repeat_interleave` attrs repeats (one int), axis (torch.repeat_interleave with an int).
@@ -43,8 +43,8 @@
 `arange_values` inputs start, end, step (one element each); attrs dtype, sized_at_run:
           torch.arange with bounds read from tensor values. Its length is known only
           when it runs, so its output is sized at run time (registry.RunSized, see
-          runtime/session.py): planned empty, allocated by the kernel, a model output
-          read by no node. Bounds inconsistent with the step's sign raise PmxInputError,
+          runtime/session.py): planned empty, allocated by the kernel, read only by
+          ops registered reads_run_sized (elementwise, cast). Bounds inconsistent with the step's sign raise PmxInputError,
           as torch raises.
 `full_values` input size (a 1-d integer tensor); attrs value, dtype, sized_at_run:
           torch.full/zeros/ones (ONNX ConstantOfShape) of the size's values, sized at
@@ -57,7 +57,7 @@ import math
 
 import numpy as np
 
-from pmx.runtime.errors import PmxInputError, PmxResourceError
+from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import (
     AXES,
     AXIS,
@@ -80,7 +80,7 @@ from pmx.runtime.kernels.attr_specs import (
     widest_input,
 )
 from pmx.runtime.kernels.common import expect_operand, view_as
-from pmx.runtime.kernels.registry import register, rows_off_axis
+from pmx.runtime.kernels.registry import check_run_sized, register, rows_off_axis
 
 
 def same_shape(node, shapes, dtypes):
@@ -262,7 +262,7 @@ def cast_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), np.dtype(node.attrs["dtype"]))]
 
 
-@register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE), rows=True)
+@register("cast", infer=cast_infer, attrs=dict(dtype=DTYPE), rows=True, reads_run_sized=True)
 def make_cast(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]
     return lambda: np.copyto(out, x, casting="unsafe")
@@ -699,21 +699,6 @@ def make_arange_values(node, inputs, outputs, ctx):
         out.value = (start + np.arange(n, dtype=acc) * step).astype(dtype)
 
     return run
-
-
-# What one output sized at run time may take: the default arena limit (load.py), since the
-# size comes from input values, which may ask for anything.
-RUN_SIZED_MAX_BYTES = 8 << 30
-
-
-def check_run_sized(node, shape, dtype):
-    """Refuses a run-sized output of `shape` beyond RUN_SIZED_MAX_BYTES before it is allocated."""
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    if nbytes > RUN_SIZED_MAX_BYTES:
-        raise PmxResourceError(
-            f"node {node.name[:40]!r} ({node.op}): the inputs' values ask for an output of {list(shape)} "
-            f"({nbytes} bytes), over the limit of {RUN_SIZED_MAX_BYTES}"
-        )
 
 
 def full_values_infer(node, shapes, dtypes):

@@ -30,6 +30,14 @@ session runs a large batch in chunks of rows only when every node of the graph b
 the inputs and the outputs keeps rows apart (runtime/batch_chunks.py); shapes are checked
 there, so a rule only states what shapes cannot show (an axis 0 softmax keeps its shape).
 
+Tensors sized at run time: an op whose kernel reads a length from tensor values
+(arange with tensor bounds, masked_select; attrs sized_at_run) makes an output whose
+size is known only when it runs (RunSized). Another node may read such a tensor only if
+its op is registered with `reads_run_sized=True`: its output shapes follow from its
+inputs' shapes through its shape rule alone, with no size in its attributes (elementwise,
+cast), so the session binds it at each run on the shapes its inputs then have, and its
+outputs are sized at run time too. The compiler refuses any other reader.
+
 Attributes: `attrs` at registration declares every attribute the op's rules and factory
 read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
 before anything reads them, and refuses attributes the op does not declare.
@@ -46,9 +54,11 @@ registered: no caller has to import the families first, and no family imports th
 package (the families' imports of this module and of common.py form no cycle).
 """
 
+import math
+
 import numpy as np
 
-from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.errors import PmxFormatError, PmxResourceError
 from pmx.runtime.kernels.attr_specs import as_specs
 from pmx.runtime.record import Record
 
@@ -66,6 +76,7 @@ class Kernel(Record):
         "rows",
         "variants",
         "format_version",
+        "reads_run_sized",
     )
 
     def __init__(
@@ -81,6 +92,7 @@ class Kernel(Record):
         rows=False,
         variants=None,
         format_version=None,
+        reads_run_sized=False,
     ):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
@@ -104,6 +116,8 @@ class Kernel(Record):
         # format_version(node) -> int: the oldest .pmx format version that carries this
         # node's meaning (None: every version the runtime reads; compiler/write.py)
         self.format_version = format_version
+        # may read a tensor sized at run time (module docstring, "Tensors sized at run time")
+        self.reads_run_sized = reads_run_sized
 
     def keeps_rows(self, node, ranks, batched):
         rows = self.rows
@@ -124,10 +138,25 @@ class RunSized(Record):
         self.value = None
 
 
+# What one output sized at run time may take: the default arena limit (load.py), since the
+# size comes from input values, which may ask for anything.
+RUN_SIZED_MAX_BYTES = 8 << 30
+
+
+def check_run_sized(node, shape, dtype):
+    """Refuses a run-sized output of `shape` beyond RUN_SIZED_MAX_BYTES before it is allocated."""
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if nbytes > RUN_SIZED_MAX_BYTES:
+        raise PmxResourceError(
+            f"node {node.name[:40]!r} ({node.op}): the inputs' values ask for an output of {list(shape)} "
+            f"({nbytes} bytes), over the limit of {RUN_SIZED_MAX_BYTES}"
+        )
+
+
 def register(op, *, infer, **traits):
     """Decorator registering `make` as op's kernel factory with shape rule `infer`;
     `traits` are Kernel's keywords (inplace, view, scratch, attrs, float_input, rows,
-    variants, format_version), each described there."""
+    variants, format_version, reads_run_sized), each described there."""
 
     def deco(make):
         if op in REGISTRY:
