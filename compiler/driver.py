@@ -141,7 +141,7 @@ def _type_inputs(graph, input_dtypes, plan_shapes):
         shape = v.shape is None and v.name not in plan_shapes
         raise PmxCompileError(
             f"{graph.source}: input {v.name} has no recorded dtype{' or shape' if shape else ''} (pnnx writes "
-            f"none for a 0-d input); give {'them' if shape else 'it'}, e.g. {f'--shape {v.name}= ' if shape else ''}"
+            f"none for a 0-d input, nor for uint16/32/64, which pmx does not take); give {'them' if shape else 'it'}, e.g. {f'--shape {v.name}= ' if shape else ''}"
             f"--dtype {v.name}=int64 (or float32, ...)"
         )
 

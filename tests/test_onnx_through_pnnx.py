@@ -168,3 +168,22 @@ def test_a_window_of_a_length_read_from_the_input(tmp_path):
     )
     for n in (10, 3):
         assert_same(*through_pnnx(path, {"n": np.array(n, np.int32)}, shape="in0=", dtype="in0=int32"))
+
+
+def test_grid_sample_with_onnx_mode_names(tmp_path):
+    """GridSample's modes as ONNX names them ('linear', 'cubic'), which pnnx writes into
+    `F.grid_sample` as they are."""
+    rng = np.random.default_rng(2)
+    for mode in ("linear", "cubic"):
+        path = onnx_model(
+            tmp_path / f"grid_{mode}.onnx",
+            [helper.make_node("GridSample", ["x", "g"], ["y"], mode=mode, align_corners=0)],
+            [value("x", FLOAT, [1, 2, 5, 6]), value("g", FLOAT, [1, 3, 4, 2])],
+            [value("y", FLOAT, [1, 2, 3, 4])],
+            opset=20,
+        )
+        feeds = {
+            "x": rng.standard_normal((1, 2, 5, 6)).astype(np.float32),
+            "g": rng.uniform(-1.1, 1.1, (1, 3, 4, 2)).astype(np.float32),
+        }
+        assert_same(*through_pnnx(path, feeds))

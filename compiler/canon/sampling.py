@@ -7,6 +7,9 @@ from pmx.compiler.canon import data_input, elementwise, fail, in_shape, ints, ma
 from pmx.runtime import expr as E
 
 GRID_MODES = ("bilinear", "nearest", "bicubic")
+# pnnx's ONNX import writes GridSample's own mode names: ONNX's "linear" is torch's
+# "bilinear" (trilinear on a 5-d input, as torch's "bilinear" is), "cubic" its "bicubic"
+ONNX_GRID_MODES = {"linear": "bilinear", "cubic": "bicubic"}
 PADDING_MODES = ("zeros", "border", "reflection")
 
 
@@ -19,6 +22,7 @@ def grid_sample(node, ctx):
     xs, gs = in_shape(node, x), in_shape(node, grid)
     nd = len(xs) - 2
     mode = param(node, "mode", "bilinear")
+    mode = ONNX_GRID_MODES.get(mode, mode)
     padding_mode = param(node, "padding_mode", "zeros")
     align = param(node, "align_corners", False)
     if mode not in GRID_MODES:
