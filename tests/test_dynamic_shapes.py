@@ -119,9 +119,17 @@ def test_spatial_dims_on_request(compiled):
         _check(sess, m, torch.rand(*shape))
 
 
-def test_plan_is_cached_per_shape(compiled):
-    m = model("fullyconv")
-    sess = compiled("fullyconv", m, torch.rand(1, 3, 32, 32))
+def test_plan_is_cached_per_shape(exporter, tmp_path):
+    """One plan per input shape, made at its first run. Batches run whole here: in
+    chunks (the default with several threads where pmx's own BLAS runs on one), a batch
+    of 3 runs as chunks of 2 and 1 rows, shapes other batches planned already."""
+    from pmx.runtime import SessionOptions
+
+    prefix = exporter("dyn_fullyconv", model("fullyconv"), (torch.rand(1, 3, 32, 32),))
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(tmp_path / "m.pmx"))
+    options = SessionOptions()
+    options.add_session_config_entry("pmx.batch_chunk_rows", "0")
+    sess = InferenceSession(str(tmp_path / "m.pmx"), options)
     x = np.random.rand(4, 3, 32, 32).astype(np.float32)
     sess.run(None, {"in0": x})
     plans = sess.plans_built
