@@ -8,7 +8,14 @@ from pmx.compiler.ir import Node
 from pmx.compiler.options import CompileOptions
 from pmx.compiler.passes import PIPELINE, run_pipeline
 from pmx.compiler.plan import PassContext, Plan
-from pmx.compiler.shape_specs import dtype_option, dynamic_option, merge_dynamic, shape_option
+from pmx.compiler.shape_specs import (
+    dtype_option,
+    dynamic_option,
+    merge_dynamic,
+    shape_option,
+    shape_template,
+    shape_text,
+)
 from pmx.compiler.write import write
 from pmx.runtime.dim_ranges import UNBOUNDED, in_range, range_text
 from pmx.runtime.errors import PmxCompileError, PmxError
@@ -66,25 +73,19 @@ def default_output(param_path):
     return base + ".pmx"
 
 
-# Sizes tried, in order, for '?' dims given no size (the leading dim of an input of rank
-# >= 2 tries 1 first: a batch): memory is planned at the first at which every shape rule
-# of the graph accepts the inputs. Moderate sizes first, so convolutions and pools fit and
-# a large model's stored plan stays small; all multiples of 8, most of 32 (patch sizes,
-# windows, strides).
-PLACEHOLDER_SIZES = (64, 224, 32, 128, 16, 8, 256, 512)
-
-
-def _plan_dynamic_inputs(graph, options, notes):
+def _plan_dynamic_inputs(graph, options):
     """Inputs pnnx wrote with '?' dims get the shape memory is planned for, and those dims
     become dynamic: any size (1..), or the range asked for; a fixed size asked for fixes
     them. The size planned for is the one given (`options.plan_shapes`, from --shape: a
-    range's lower end), else a placeholder at which the whole graph infers shapes (said
-    in `notes`): the runtime plans memory again at the first run's shape, as for any new
-    shape. With --static (no auto_batch) a '?' dim needs a given size: --static promises
-    the planned shapes. Returns the dynamic dims requested, checked, with the '?' ones."""
+    range's lower end), else a placeholder the canonicalize pass chooses
+    (compiler/passes/placeholder.py): the runtime plans memory again at the first run's
+    shape, as for any new shape. With --static (no auto_batch) a '?' dim needs a given
+    size: --static promises the planned shapes. Returns the dynamic dims requested,
+    checked, with the '?' ones, and the '?' dims left to a placeholder,
+    {(input name, dim): (min, max)}."""
     plan_shapes = options.plan_shapes
     dynamic = _check_requested_shapes(graph, options.dynamic, plan_shapes)
-    unplanned = {}  # (input, dim) -> (min, max): '?' dims without a size to plan for
+    unplanned = {}  # (input name, dim) -> (min, max): '?' dims without a size to plan for
     for v in graph.inputs:
         if v.shape is not None and None not in v.shape:
             continue
@@ -107,18 +108,16 @@ def _plan_dynamic_inputs(graph, options, notes):
             if lo == hi:
                 plan[d] = lo
             elif plan[d] is None:
-                unplanned[(v, d)] = (lo, hi)
+                unplanned[(v.name, d)] = (lo, hi)
             elif not in_range(plan[d], lo, hi):
                 raise PmxCompileError(
                     f"{graph.source}: input {v.name}: the size {plan[d]} to plan dim {d} for is "
                     f"outside its range {range_text(lo, hi)}"
                 )
         v.shape = tuple(plan)
-    if unplanned:
-        if not options.auto_batch:
-            raise PmxCompileError(_static_needs_shapes(graph, unplanned))
-        _plan_at_placeholder(graph, unplanned, options, notes)
-    return dynamic
+    if unplanned and not options.auto_batch:
+        raise PmxCompileError(_static_needs_shapes(graph, unplanned))
+    return dynamic, unplanned
 
 
 def _type_inputs(graph, input_dtypes, plan_shapes):
@@ -147,86 +146,13 @@ def _type_inputs(graph, input_dtypes, plan_shapes):
 
 
 def _static_needs_shapes(graph, unplanned):
-    v = next(iter(unplanned))[0]
+    v = next(v for v in graph.inputs if v.name == next(iter(unplanned))[0])
     shown = "x".join("?" if d is None else str(d) for d in v.shape)
     return (
         f"{graph.source}: input {v.name} has dynamic dims ({shown}) and --static keeps the shapes the "
-        f"model is compiled for: give them, --shape {v.name}={_shape_template(v)} with each <n> a size (or drop --static: "
+        f"model is compiled for: give them, --shape {v.name}={shape_template(v.shape)} with each <n> a size (or drop --static: "
         f"the dims then take any size)"
     )
-
-
-def _plan_at_placeholder(graph, unplanned, options, notes):
-    """Give `unplanned` '?' dims the first placeholder sizes at which canonicalization and
-    shape inference of the whole graph succeed (tried on a copy), and say so in `notes`."""
-    from pmx.compiler.passes.canonicalize import canonicalize
-    from pmx.compiler.passes.infer_shapes import infer_shapes
-
-    tried, errors = [], []
-    ctx = PassContext(options)  # the trial's; its findings are dropped
-    for sizes in _placeholder_candidates(unplanned):
-        shapes = _with_sizes(graph, sizes)
-        trial = graph.clone()
-        for v in trial.inputs:
-            v.shape = shapes[v.name]
-        try:
-            canonicalize(trial, ctx)
-            infer_shapes(trial, ctx)
-        except PmxError as e:
-            tried.append(shapes)
-            errors.append(e)
-            continue
-        for v in graph.inputs:
-            v.shape = shapes[v.name]
-        for v in {v.uid: v for v, _ in unplanned}.values():
-            dims = [str(d) for u, d in unplanned if u is v]
-            which = f"dims {', '.join(dims)} are" if len(dims) > 1 else f"dim {dims[0]} is"
-            notes.append(
-                f"{v.name} {which} '?' in the export and dynamic; memory is planned at "
-                f"{_shape_text(v.shape)}, a placeholder: the first run plans it for its own shape"
-            )
-        return
-    if len({str(e) for e in errors}) == 1:  # no size would do: --shape advice would fail too
-        raise errors[0]
-    shown = "; ".join(
-        ", ".join(f"{n} {_shape_text(s)}" for n, s in t.items() if n in {v.name for v, _ in unplanned})
-        for t in tried[:3]
-    )
-    inputs = {v.uid: v for v, _ in unplanned}.values()
-    templates = " ".join(f"--shape {v.name}={_shape_template(v)}" for v in inputs)
-    raise PmxCompileError(
-        f"{graph.source}: the model's '?' dims need a size to plan memory for, and none of the "
-        f"sizes tried fits ({shown}, ...): {errors[0]}. Give sizes the model runs at, such as "
-        f"those of the input you exported with: {templates}, each <n> a size (fixed), or <n>.. "
-        f"to allow any size from <n> (memory is planned at <n>)"
-    ) from None
-
-
-def _shape_template(v):
-    """--shape's value for v with its '?' dims left to fill in: 1x<n>x64."""
-    return "x".join("<n>" if d is None else str(d) for d in v.shape)
-
-
-def _placeholder_candidates(unplanned):
-    """{(input, dim): size} per try: PLACEHOLDER_SIZES, the leading dim of an input of
-    rank >= 2 at 1 first and then at the same size; each clamped into the dim's range."""
-    seen = []
-    for size in PLACEHOLDER_SIZES:
-        for lead in (1, size):
-            sizes = {}
-            for (v, d), (lo, hi) in unplanned.items():
-                want = lead if d == 0 and len(v.shape) >= 2 else size
-                sizes[(v, d)] = max(lo, want if hi == UNBOUNDED else min(want, hi))
-            if sizes not in seen:
-                seen.append(sizes)
-                yield sizes
-
-
-def _with_sizes(graph, sizes):
-    shapes = {}
-    for v in graph.inputs:
-        shapes[v.name] = tuple(sizes.get((v, d), s) for d, s in enumerate(v.shape))
-    return shapes
 
 
 def _check_requested_shapes(graph, dynamic, plan_shapes):
@@ -238,7 +164,7 @@ def _check_requested_shapes(graph, dynamic, plan_shapes):
     inputs = {v.name: v for v in graph.inputs}
     for name in [*plan_shapes, *dynamic]:
         if name not in inputs:
-            listed = ", ".join(f"{n} {_shape_text(v.shape)}" for n, v in inputs.items())
+            listed = ", ".join(f"{n} {shape_text(v.shape)}" for n, v in inputs.items())
             raise PmxCompileError(
                 f"{graph.source}: --shape/--dynamic names input {name!r}; the model's inputs are {listed or 'none'}"
             )
@@ -246,7 +172,7 @@ def _check_requested_shapes(graph, dynamic, plan_shapes):
         v = inputs[name]
         if v.shape is not None and len(plan) != len(v.shape):
             raise PmxCompileError(
-                f"{graph.source}: input {name} was exported as {_shape_text(v.shape)}; the "
+                f"{graph.source}: input {name} was exported as {shape_text(v.shape)}; the "
                 f"requested shape {_request_text(plan, {}, len(plan))} has rank {len(plan)}, "
                 f"not {len(v.shape)}"
             )
@@ -271,7 +197,7 @@ def _check_one_input(source, v, plan, dims):
 
     def refuse(why):
         raise PmxCompileError(
-            f"{source}: input {v.name} was exported as {_shape_text(v.shape)}; the requested shape {given} {why}"
+            f"{source}: input {v.name} was exported as {shape_text(v.shape)}; the requested shape {given} {why}"
         )
 
     for d, recorded in enumerate(v.shape):
@@ -304,10 +230,6 @@ def _request_text(plan, dims, rank):
     return "x".join(parts)
 
 
-def _shape_text(shape):
-    return "?" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-
-
 def compile_graph(graph, options) -> Plan:
     """Run the pipeline on a parsed graph with `options` (a CompileOptions) and return
     its Plan. `options.dynamic` = {input name: {dim: (min, max)}} (max -1 = unbounded)
@@ -319,9 +241,8 @@ def compile_graph(graph, options) -> Plan:
     a placeholder size (_plan_dynamic_inputs). With `options.tune`, kernels are chosen by
     timing the candidates on this machine (compiler/passes/tune.py) at the planned shapes.
     `options.input_dtypes` types the inputs pnnx wrote no dtype for (_type_inputs)."""
-    notes = []
     _type_inputs(graph, options.input_dtypes, options.plan_shapes)
-    dynamic = _plan_dynamic_inputs(graph, options, notes)
+    dynamic, placeholders = _plan_dynamic_inputs(graph, options)
     by_name = {v.name: v for v in graph.values()}
     kept = []
     for name in options.keep:
@@ -336,10 +257,10 @@ def compile_graph(graph, options) -> Plan:
     if options.verify:
         # pnnx records no shape for 0-d results and index lists; infer_shapes fills them
         graph.verify(after="pnnx frontend", require_shapes=False)
-    plan = run_pipeline(graph, PassContext(options.replace(dynamic=dynamic), notes=notes))
-    inputs = {v.uid for v in graph.inputs}
+    plan = run_pipeline(graph, PassContext(options.replace(dynamic=dynamic), placeholders=placeholders))
+    inputs, kept = {v.uid for v in graph.inputs}, {v.uid for v in graph.kept}
     for i, v in enumerate(graph.outputs):
-        if v.uid not in inputs and not v.is_constant and v not in kept:
+        if v.uid not in inputs and not v.is_constant and v.uid not in kept:
             v.name = f"out{i}"
     return plan
 

@@ -223,6 +223,12 @@ class Graph:
         g.kept = [copy(v) for v in self.kept]
         return g
 
+    def adopt(self, other: Graph):
+        """Take `other`'s nodes and tensors (a clone that passes ran on, kept instead of
+        running them again here); `other` is not to be used after."""
+        self.nodes, self._members = other.nodes, other._members
+        self.inputs, self.outputs, self.kept = other.inputs, other.outputs, other.kept
+
     # --- checking -----------------------------------------------------------------
 
     def verify(self, after="", require_shapes=True):

@@ -58,9 +58,12 @@ class PassContext:
     """One compile's options, and what its passes have found so far: each field below
     `options` is filled by the pass named beside it, and `plan(graph)` freezes them."""
 
-    def __init__(self, options=None, notes=None):
+    def __init__(self, options=None, placeholders=None):
         self.options = CompileOptions() if options is None else options
-        self.notes = [] if notes is None else notes  # the driver (placeholder sizes)
+        # {(input name, dim): (min, max)}: '?' dims no --shape sized, which canonicalize
+        # plans at a placeholder size (compiler/passes/placeholder.py)
+        self.placeholders = dict(placeholders or {})
+        self.notes = []  # canonicalize (placeholder sizes)
         self.pass_stats = []  # run_pipeline
         self.rule_hits = []  # every rule_pass
         self.dynamic = {}  # mark_dynamic_dims

@@ -39,6 +39,16 @@ SHAPE_FORMS = (
 )
 
 
+def shape_text(shape):
+    """[1, ?, 64]: a shape with '?' dims as messages show it ('?' for no shape at all)."""
+    return "?" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def shape_template(shape):
+    """--shape's value for a shape with its '?' dims left to fill in: 1x<n>x64."""
+    return "x".join("<n>" if d is None else str(d) for d in shape)
+
+
 def _bad(keyword, value, forms, why=""):
     detail = f" ({why})" if why else ""
     return PmxInputError(f"{keyword}={value!r}{detail}: expected {forms}")

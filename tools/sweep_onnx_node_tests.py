@@ -11,7 +11,10 @@ outcome named by --show (e.g. --show wrong --show internal):
 
   pnnx-failed     pnnx did not convert the model
   refused         pmx compile or load refused it with a PmxError (an unconverted ONNX op,
-                  a contradiction in the graph, ...)
+                  a contradiction in the graph, ...), and pnnx's Python cannot run it or
+                  gets it wrong too
+  refused-right   pmx refused it, but pnnx's Python runs it and matches ONNX: a right
+                  graph pmx does not take
   run-error       the compiled model refused its inputs when run (PmxError)
   internal        a PmxInternalError or another exception: a bug of pmx's
   wrong           pmx's outputs differ from ONNX's and pnnx's Python matches ONNX's, or
@@ -136,13 +139,15 @@ def run_case(case, directory):
             str(directory / "model.pnnx.bin"),
             str(directory / "m.pmx"),
             plan_shapes=plan,
-            dtype=untyped,  # pnnx writes no dtype for a 0-d input
+            **({"dtype": untyped} if untyped else {}),  # pnnx writes no dtype for a 0-d input
         )
         sess = InferenceSession(str(directory / "m.pmx"))
     except PmxInternalError as e:
         return "internal", str(e)[:300]
     except PmxError as e:
-        return "refused", str(e)[:300]
+        reference = pnnx_python(directory, inputs)
+        right_graph = reference is not None and all_close(reference, expected)
+        return "refused-right" if right_graph else "refused", str(e)[:300]
     except Exception as e:  # a bug of pmx's own
         return "internal", f"{type(e).__name__}: {str(e)[:300]}"
     try:
@@ -192,7 +197,16 @@ def main():
         if k % 100 == 0:
             print(f"... {k} of {len(cases)}: {dict(outcomes)}", file=sys.stderr, flush=True)
     print(f"{len(cases)} ONNX node test cases")
-    for outcome in ("right", "wrong", "graph-wrong", "internal", "run-error", "refused", "pnnx-failed"):
+    for outcome in (
+        "right",
+        "wrong",
+        "graph-wrong",
+        "internal",
+        "run-error",
+        "refused-right",
+        "refused",
+        "pnnx-failed",
+    ):
         print(f"  {outcome:12} {outcomes[outcome]:5d}")
     for outcome, lines in shown.items():
         print(f"\n{outcome}:")

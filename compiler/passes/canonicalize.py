@@ -3,6 +3,7 @@
 import numpy as np
 
 from pmx.compiler.canon import RULES, Context, Forward
+from pmx.compiler.passes.placeholder import canonicalize_at_placeholder
 from pmx.runtime.errors import PmxCompileError, PmxUnsupportedOpError
 from pmx.runtime.kernels.registry import REGISTRY, output_shapes
 
@@ -14,6 +15,16 @@ def _foreign(op):
 
 
 def canonicalize(graph, ctx):
+    """Every node in the canonical op set (RULES rewrite pnnx's spellings), at placeholder
+    sizes for the '?' dims no --shape sized (placeholder.py)."""
+    _refuse_unknown_ops(graph)
+    if ctx.placeholders:
+        canonicalize_at_placeholder(graph, ctx, _canonicalize)
+    else:
+        _canonicalize(graph)
+
+
+def _refuse_unknown_ops(graph):
     unknown = [n for n in graph.nodes if n.op not in REGISTRY and n.op not in RULES]
     if unknown:
         first = unknown[0]
@@ -35,6 +46,9 @@ def canonicalize(graph, ctx):
                 else ""
             )
         )
+
+
+def _canonicalize(graph):
     rules_ctx = Context(graph)
     run_sized = set()  # ids of the values whose length is known only at run time
     for node in list(graph.nodes):
