@@ -187,3 +187,17 @@ def test_grid_sample_with_onnx_mode_names(tmp_path):
             "g": rng.uniform(-1.1, 1.1, (1, 3, 4, 2)).astype(np.float32),
         }
         assert_same(*through_pnnx(path, feeds))
+
+
+def test_tile_with_repeats_read_from_an_input(tmp_path):
+    """Tile whose repeats are an input: `torch.tile $dims=<tensor>`, its output sized
+    from the repeats' values when the model runs."""
+    path = onnx_model(
+        tmp_path / "tile.onnx",
+        [helper.make_node("Tile", ["x", "r"], ["y"])],
+        [value("x", FLOAT, [2, 3]), value("r", INT64, [2])],
+        [value("y", FLOAT, ["a", "b"])],
+    )
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for reps in ([2, 1], [1, 3], [0, 2]):
+        assert_same(*through_pnnx(path, {"x": x, "r": np.array(reps, np.int64)}))

@@ -168,7 +168,11 @@ def expand(node, ctx):
 def repeat(node, ctx):
     x = data_input(node)
     rank = len(in_shape(node, x))
-    reps = param(node, "sizes" if node.op == "Tensor.repeat" else "dims")
+    label = "sizes" if node.op == "Tensor.repeat" else "dims"
+    given = node.named_input(label)
+    if given is not None:  # repeats in a tensor (ONNX Tile): its values, now or at run time
+        return _repeat_from_tensor(node, ctx, x, rank, given)
+    reps = param(node, label)
     if isinstance(reps, int):
         reps = (reps,)
     if not isinstance(reps, tuple) or not all(isinstance(r, int) and r >= 0 for r in reps):
@@ -179,6 +183,20 @@ def repeat(node, ctx):
     if all(r == 1 for r in reps) and len(reps) == rank:
         return Forward(x)
     return [make(node, "tile", [x], dict(reps=reps))]
+
+
+def _repeat_from_tensor(node, ctx, x, rank, given):
+    shape = in_shape(node, given)
+    if len(shape) != 1 or np.dtype(given.dtype).kind not in "iu":
+        fail(node, f"repeats {given.name} are {list(shape)} {given.dtype}; a 1-d integer tensor expected")
+    if node.op == "Tensor.repeat" and shape[0] < rank:
+        fail(node, f"repeat needs at least {rank} sizes, {given.name} has {shape[0]}")
+    if given.is_constant:
+        reps = tuple(int(r) for r in given.data)
+        if min(reps, default=0) < 0:
+            fail(node, f"repeats {list(reps)} include a negative one")
+        return [make(node, "tile", [x], dict(reps=(1,) * (rank - len(reps)) + reps))]
+    return _sized_at_run(node, "tile_values", [x, given], {}, rank=max(rank, shape[0]))
 
 
 @rule("torch.stack")

@@ -46,6 +46,9 @@
           runtime/session.py): planned empty, allocated by the kernel, read only by
           ops registered reads_run_sized (elementwise, cast). Bounds inconsistent with the step's sign raise PmxInputError,
           as torch raises.
+`tile_values` inputs x, dims (a 1-d integer tensor); attrs sized_at_run: torch.tile with
+          the repeats read from dims' values when it runs, sized at run time like
+          arange_values.
 `full_values` input size (a 1-d integer tensor); attrs value, dtype, sized_at_run:
           torch.full/zeros/ones (ONNX ConstantOfShape) of the size's values, sized at
           run time like arange_values. An output sized at run over RUN_SIZED_MAX_BYTES
@@ -723,5 +726,32 @@ def make_full_values(node, inputs, outputs, ctx):
             )
         check_run_sized(node, shape, dtype)
         out.value = np.full(shape, value, dtype)
+
+    return run
+
+
+def tile_values_infer(node, shapes, dtypes):
+    expect_operand(shapes, dtypes, 1, "dims", kinds="iu")
+    if len(shapes[1]) != 1:
+        raise ValueError(f"dims {tuple(shapes[1])} is not a 1-d tensor of repeats")
+    return [((0,) * max(len(shapes[0]), shapes[1][0]), dtypes[0])]
+
+
+@register("tile_values", infer=tile_values_infer, attrs=dict(sized_at_run=TRUE))
+def make_tile_values(node, inputs, outputs, ctx):
+    """torch.tile(x, dims) (ONNX Tile) with the repeats read from a tensor's values when
+    the node runs."""
+    x, dims_t = inputs
+    out = outputs[0]
+
+    def run():
+        reps = tuple(int(r) for r in dims_t)
+        if min(reps, default=0) < 0:
+            raise PmxInputError(
+                f"node {node.name[:40]!r} (tile): repeats {list(reps)} read from the inputs include a negative one"
+            )
+        shape, reps = _tile_dims(x.shape, (1,) * (x.ndim - len(reps)) + reps)
+        check_run_sized(node, tuple(s * r for s, r in zip(shape, reps)), x.dtype)
+        out.value = np.tile(x, reps)
 
     return run
