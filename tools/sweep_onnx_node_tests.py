@@ -64,6 +64,14 @@ def all_close(got, want):
     return len(got) == len(want) and all(close(g, w) for g, w in zip(got, want))
 
 
+def as_array(value):
+    """A case's input or expected output as numpy holds it (some cases give TensorProtos)."""
+    import onnx
+    from onnx import numpy_helper
+
+    return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else value
+
+
 def input_shapes(inputs):
     specs = []
     for a in inputs:
@@ -126,7 +134,7 @@ def run_case(case, directory):
     from pmx.compiler.driver import compile_model
     from pmx.runtime import InferenceSession, PmxError, PmxInternalError
 
-    inputs, expected = case.data_sets[0]
+    inputs, expected = (list(map(as_array, arrays)) for arrays in case.data_sets[0])
     onnx.save(case.model, str(directory / "model.onnx"))
     done = convert(directory, inputs)
     if done.returncode != 0 or not (directory / "model.pnnx.param").exists():
