@@ -77,6 +77,14 @@ class BindContext:
         self.used = self.temporaries_taken = 0
         return self
 
+    def mark(self):
+        """Where this node's scratch and temporaries stand; `rewind(mark)` hands later
+        requests the same bytes again, for parts of one node that run one after another."""
+        return self.used, self.temporaries_taken
+
+    def rewind(self, mark):
+        self.used, self.temporaries_taken = mark
+
     # --- splitting work ---------------------------------------------------------------
 
     def worth_splitting(self, elements: int) -> bool:

@@ -195,6 +195,8 @@ def conv_scratch(node, inputs, outputs, ctx):
         return scratch_nbytes(((scale.shape[0], w.shape[0], w.shape[1]), w.dtype))
     scaled = () if scale is None else ((x.shape, x.dtype),)
     if _variant(node, w) == "depthwise":
+        if _image_by_image(x):  # the images take the same scratch in turn (_depthwise)
+            x, out = x[:1], out[:1]
         g = _depthwise_geometry(x, w, out, node.attrs)
         padded, rest = _depthwise_scratch(
             g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape, node.attrs.get("padding_mode", "zeros")
@@ -676,7 +678,29 @@ def _depthwise_geometry(x, w, out, a):
     return _phases(x, w, out, a)
 
 
+# Bytes of one image's input above which a batch's depthwise conv runs image by image:
+# the padded copy and im2col columns of one such image stay in L2, those of the whole
+# batch do not (docs/performance.md, "Large depthwise convs image by image").
+DEPTHWISE_IMAGE_BYTES = 512 << 10
+
+
+def _image_by_image(x):
+    return x.shape[0] > 1 and x[0].nbytes > DEPTHWISE_IMAGE_BYTES
+
+
 def _depthwise(ctx, node, x, w, b, out):
+    """A batch of large images runs one image after another, each bound as a batch of
+    one over the same scratch (they never run at once); others run as one batch."""
+    if not _image_by_image(x):
+        return _depthwise_batch(ctx, node, x, w, b, out)
+    mark, steps = ctx.mark(), []
+    for i in range(x.shape[0]):
+        ctx.rewind(mark)
+        steps.append(_depthwise_batch(ctx, node, x[i : i + 1], w, b, out[i : i + 1]))
+    return chain(*steps)
+
+
+def _depthwise_batch(ctx, node, x, w, b, out):
     a = node.attrs
     mode = a.get("padding_mode", "zeros")
     g = _depthwise_geometry(x, w, out, a)
