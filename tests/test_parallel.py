@@ -128,6 +128,34 @@ def test_gemms_split_over_the_pool_only_when_blas_runs_on_one_thread():
         parallel.split = real_split
 
 
+def test_parts_on_worker_threads_run_with_numpy_warnings_off():
+    """The session's run loop computes with numpy's floating-point warnings off (a split
+    part may compute over columns it then drops); its pool's worker threads run parts
+    the same way, so no RuntimeWarning of theirs reaches the host's stderr."""
+    import warnings
+
+    zero, out = np.zeros(4, np.float32), np.empty(4, np.float32)
+    handed_over = threading.Event()
+    ran_on = []
+
+    def caller_part():
+        handed_over.wait(0.2)  # long enough for a worker to take the other part
+
+    def dividing_part():
+        ran_on.append(threading.current_thread().name)
+        np.divide(zero, zero, out=out)  # 0/0: "invalid value encountered" unless ignored
+        handed_over.set()
+
+    fn = parallel.split([caller_part, dividing_part], parallel.Pool(2))
+    with warnings.catch_warnings(record=True) as caught, np.errstate(all="ignore"):
+        warnings.simplefilter("always")
+        for _ in range(2 * parallel._Chooser.TRIALS + 2):
+            handed_over.clear()
+            fn()
+    assert "pmx-worker" in ran_on, "some call handed the part to the worker"
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
 def test_a_split_keeps_the_faster_of_its_concurrent_and_serial_forms():
     """A split times its first calls run concurrently and serially (_Chooser), then keeps
     the faster; either way every part runs once per call and errors surface after all
