@@ -166,6 +166,25 @@ def test_conv_in_tiles_of_output_rows_matches_torch(c, tile_bytes):
     assert_close(got, want, pre)
 
 
+@FAST
+@given(conv_case(), st.sampled_from([1, 2]))
+def test_conv_image_by_image_matches_torch(c, threads):
+    """A batch whose images are larger than CONV_IMAGE_BYTES runs one image after another
+    over the same scratch (the bound made 0 here, so every batch goes that way), for
+    every lowering, padding mode and input scale, on one thread and split over two."""
+    from unittest import mock
+
+    from pmx.runtime.kernels import conv
+
+    assume(_valid_case(c) and c["batch"] > 1)
+    inputs, attrs, want, pre = _conv_operands(c)
+    is_dw = c["groups"] == c["cin"] == c["cout"] and c["groups"] > 1
+    with mock.patch.object(conv, "CONV_IMAGE_BYTES", 0):
+        for variant in ["gemm", "depthwise"] if is_dw else ["gemm", ""]:
+            (got,) = run_kernel("conv", inputs, attrs, expr=c["act"], variant=variant, threads=threads)
+            assert_close(got, want, pre)
+
+
 def test_conv_pointwise_and_1x1_strided():
     """The 1x1 stride-1 fast path (no im2col) and a 1x1 stride-2 conv."""
     x = signed_input((2, 6, 5, 7), 0)
@@ -461,56 +480,31 @@ def test_depthwise_channel_blocks_match_torch(c):
     assert_close(got, want)
 
 
-def _depthwise_want(c, x, w, b):
-    nd = c["nd"]
-    pad = []
-    for i in reversed(range(nd)):
-        pad += [c["pads"][i], c["pads"][nd + i]]
-    fn = F.conv1d if nd == 1 else F.conv2d
-    bt = None if b is None else torch.from_numpy(b)
-    return fn(F.pad(torch.from_numpy(x), pad), torch.from_numpy(w), bt, c["stride"], 0, c["dilation"], c["c"])
-
-
-@FAST
-@given(depthwise_block_case(), st.sampled_from([1, 2]))
-def test_depthwise_image_by_image_matches_torch(c, threads):
-    """A batch whose images are larger than DEPTHWISE_IMAGE_BYTES runs one image after
-    another over the same scratch (the bound lowered here, so small shapes go that way),
-    on one thread and split over two."""
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("depthwise", 16, 16, 96, 3, 1),  # flat lowering
+        ("depthwise", 16, 16, 96, 3, 2),  # stride phases
+        ("gemm", 3, 16, 224, 3, 2),  # im2col bands (a stem conv)
+        ("gemm", 16, 24, 112, 1, 1),  # pointwise
+    ],
+)
+def test_conv_on_a_batch_of_large_images_matches_torch(case, two_threads):
+    """Images past CONV_IMAGE_BYTES at the bound as it ships: the batch runs image by
+    image, for each way a conv lowers, on one thread and split over two."""
     from pmx.runtime.kernels import conv
 
-    assume(c["batch"] > 1)
-    x = signed_input((c["batch"], c["c"]) + c["size"], c["seed"])
-    w = signed_input((c["c"], 1) + c["k"], c["seed"] + 1)
-    b = signed_input((c["c"],), c["seed"] + 2) if c["bias"] else None
-    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=c["c"], padding_mode="zeros")
-    before = conv.DEPTHWISE_IMAGE_BYTES
-    conv.DEPTHWISE_IMAGE_BYTES = 0
-    try:
-        (got,) = run_kernel(
-            "conv", [x, w] + ([b] if b is not None else []), attrs, "maximum(@0,0)", "depthwise", threads
-        )
-    finally:
-        conv.DEPTHWISE_IMAGE_BYTES = before
-    want = _depthwise_want(c, x, w, b)
-    assert_close(got, F.relu(want), want)
-
-
-@pytest.mark.parametrize("stride", [1, 2])
-def test_depthwise_on_a_batch_of_large_images_matches_torch(stride, two_threads):
-    """Images past DEPTHWISE_IMAGE_BYTES at the bound as it ships (16 x 96 x 96 float32):
-    the batch runs image by image, on both ways the conv lowers (stride 1: flat; 2: phases)."""
-    from pmx.runtime.kernels import conv
-
-    c = dict(nd=2, c=16, k=(3, 3), stride=(stride, stride), dilation=(1, 1), pads=(1, 1, 1, 1))
-    x = signed_input((3, 16, 96, 96), 0)
-    assert conv._image_by_image(x)
-    w, b = signed_input((16, 1, 3, 3), 1), signed_input((16,), 2)
-    attrs = dict(stride=c["stride"], pads=c["pads"], dilation=c["dilation"], groups=16, padding_mode="zeros")
-    want = _depthwise_want(c, x, w, b)
+    variant, c_in, c_out, size, k, stride = case
+    groups = c_in if variant == "depthwise" else 1
+    x = signed_input((2, c_in, size, size), 0)
+    w, b = signed_input((c_out, c_in // groups, k, k), 1), signed_input((c_out,), 2)
+    pad = k // 2
+    attrs = dict(stride=(stride, stride), pads=(pad,) * 4, dilation=(1, 1), groups=groups, padding_mode="zeros")
+    want = F.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), stride, pad, 1, groups)
+    assert conv._image_by_image(x, want.numpy())
     for threads in (1, two_threads):
-        (got,) = run_kernel("conv", [x, w, b], attrs, variant="depthwise", threads=threads)
-        assert_close(got, want)
+        (got,) = run_kernel("conv", [x, w, b], attrs, "maximum(@0,0)", variant, threads)
+        assert_close(got, F.relu(want), want)
 
 
 @FAST

@@ -194,9 +194,9 @@ def conv_scratch(node, inputs, outputs, ctx):
     if scale is not None and _scales_weights(node, x, w, out):
         return scratch_nbytes(((scale.shape[0], w.shape[0], w.shape[1]), w.dtype))
     scaled = () if scale is None else ((x.shape, x.dtype),)
+    if _image_by_image(x, out):  # the images take the same scratch in turn (make_conv)
+        x, out = x[:1], out[:1]
     if _variant(node, w) == "depthwise":
-        if _image_by_image(x):  # the images take the same scratch in turn (_depthwise)
-            x, out = x[:1], out[:1]
         g = _depthwise_geometry(x, w, out, node.attrs)
         padded, rest = _depthwise_scratch(
             g, *_depthwise_plan(ctx, node, g, out.dtype), out.dtype, x.shape, node.attrs.get("padding_mode", "zeros")
@@ -235,6 +235,27 @@ def make_conv(node, inputs, outputs, ctx):
             return _scaled_pointwise(ctx, node, x, w, b, scale, out)
         scaled = ctx.scratch_array(x.shape, x.dtype)
         return chain(lambda: np.multiply(x, scale, out=scaled), make_conv(node, [scaled, w, b], outputs, ctx))
+    if not _image_by_image(x, out):
+        return _lowered(ctx, node, x, w, b, out)
+    mark, steps = ctx.mark(), []
+    for i in range(x.shape[0]):
+        ctx.rewind(mark)  # the images run one after another: they take the same scratch
+        steps.append(_lowered(ctx, node, x[i : i + 1], w, b, out[i : i + 1]))
+    return chain(*steps)
+
+
+# Bytes of one image's input or output above which a conv over a batch runs one image
+# after another, each bound as a batch of one: one image's padded copy, im2col columns
+# and output stay in L2, the whole batch's do not (docs/performance.md, "Large convs
+# image by image").
+CONV_IMAGE_BYTES = 512 << 10
+
+
+def _image_by_image(x, out):
+    return x.shape[0] > 1 and max(x[0].nbytes, out[0].nbytes) > CONV_IMAGE_BYTES
+
+
+def _lowered(ctx, node, x, w, b, out):
     if _variant(node, w) == "depthwise":
         return _depthwise(ctx, node, x, w, b, out)
     return _gemm(ctx, node, x, w, b, out)
@@ -678,29 +699,7 @@ def _depthwise_geometry(x, w, out, a):
     return _phases(x, w, out, a)
 
 
-# Bytes of one image's input above which a batch's depthwise conv runs image by image:
-# the padded copy and im2col columns of one such image stay in L2, those of the whole
-# batch do not (docs/performance.md, "Large depthwise convs image by image").
-DEPTHWISE_IMAGE_BYTES = 512 << 10
-
-
-def _image_by_image(x):
-    return x.shape[0] > 1 and x[0].nbytes > DEPTHWISE_IMAGE_BYTES
-
-
 def _depthwise(ctx, node, x, w, b, out):
-    """A batch of large images runs one image after another, each bound as a batch of
-    one over the same scratch (they never run at once); others run as one batch."""
-    if not _image_by_image(x):
-        return _depthwise_batch(ctx, node, x, w, b, out)
-    mark, steps = ctx.mark(), []
-    for i in range(x.shape[0]):
-        ctx.rewind(mark)
-        steps.append(_depthwise_batch(ctx, node, x[i : i + 1], w, b, out[i : i + 1]))
-    return chain(*steps)
-
-
-def _depthwise_batch(ctx, node, x, w, b, out):
     a = node.attrs
     mode = a.get("padding_mode", "zeros")
     g = _depthwise_geometry(x, w, out, a)
