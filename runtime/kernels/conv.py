@@ -11,7 +11,9 @@ its input into scratch.
 
 A batch is one computation: where images can be GEMM columns or the batch dim of one
 call, no lowering loops over them in Python, since each call's fixed cost is then paid
-once per batch rather than once per image.
+once per batch rather than once per image. The exception is a batch of large images
+(input or output over CONV_IMAGE_BYTES each): a whole batch's columns and outputs do
+not stay in L2, one image's do, so such a batch runs image by image (make_conv).
 
 Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
   gemm      the im2col copy, made by one np.copyto from a strided view of the padded
