@@ -88,6 +88,7 @@ class Model(Record):
         "_map",
         "roots",
         "metadata",
+        "run_sized",
     )
 
     def __init__(
@@ -108,6 +109,7 @@ class Model(Record):
         _map=None,
         roots=None,
         metadata=None,
+        run_sized=frozenset(),
     ):
         self.path, self.tensors, self.nodes = path, tensors, nodes
         self.inputs, self.outputs, self.kept, self.arena_size = inputs, outputs, kept, arena_size
@@ -117,6 +119,9 @@ class Model(Record):
         # tensor index -> (root tensor index, byte offset into the root), filled by the verifier
         self.roots = [] if roots is None else roots
         self.metadata = {} if metadata is None else metadata  # user metadata (pmx compile --meta)
+        # tensors whose size is known only when the model runs (registry, "Tensors sized at
+        # run time"), filled by the verifier
+        self.run_sized = run_sized
 
 
 # --- the tables the loader reads ---------------------------------------------------------

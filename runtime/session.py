@@ -39,7 +39,6 @@ from pmx.runtime.dim_ranges import format_ranges, shape_allowed, tensor_ranges
 from pmx.runtime.dtypes import ORT_TYPE
 from pmx.runtime.errors import (
     PmxError,
-    PmxFormatError,
     PmxInputError,
     PmxResourceError,
     PmxRunTerminated,
@@ -215,26 +214,6 @@ def _node_arg(t, run_sized=False):
     return NodeArg(t.name, shape, ORT_TYPE[t.dtype.name])
 
 
-def _run_sized_outputs(model):
-    """Tensors whose length is known only when the model runs: the outputs of nodes that
-    read a length from tensor values (attrs sized_at_run: arange with tensor bounds,
-    masked_select), which their kernel allocates (registry.RunSized), and the outputs of
-    the nodes reading such a tensor (ops registered reads_run_sized: elementwise, cast),
-    bound at each run (_bound_at_run). The file plans them empty."""
-    sized = set()
-    for node in model.nodes:
-        if node.attrs.get("sized_at_run") is True or not sized.isdisjoint(node.inputs):
-            for i in node.outputs:
-                t = model.tensors[i]
-                if math.prod(t.shape) != 0:
-                    raise PmxFormatError(
-                        f"{model.path}: node {node.name[:40]!r} ({node.op}) sizes its output at run "
-                        f"time but the file plans it as {list(t.shape)}"
-                    )
-                sized.add(i)
-    return sized
-
-
 def _reads_run_sized(inputs):
     return any(isinstance(x, RunSized) for x in inputs)
 
@@ -311,7 +290,7 @@ class InferenceSession:
         m = self._model
         self._inputs = [_node_arg(m.tensors[i]) for i in m.inputs]
         # outputs whose length is known only when their node runs (masked_select, arange of values)
-        self._run_sized = _run_sized_outputs(m)
+        self._run_sized = m.run_sized
         self._outputs = [_node_arg(m.tensors[i], i in self._run_sized) for i in m.outputs]
         self._input_index = {m.tensors[i].name: i for i in m.inputs}
         self._input_ranges = {i: tensor_ranges(m.tensors[i]) for i in m.inputs}

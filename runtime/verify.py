@@ -13,7 +13,7 @@ checks the node's operands, against the stored output shapes and dtypes. It also
 every weight byte and so runs only when asked (`pmx verify`, verify=True). A failure
 raises PmxFormatError naming the first tensor or node that fails; sizes beyond the
 limits raise PmxResourceError before anything is allocated. It sets model.roots and
-replaces each node's expression text by its tree (None where empty); it changes nothing
+model.run_sized (the tensors sized at run time), and replaces each node's expression text by its tree (None where empty); it changes nothing
 else.
 
 It trusts the reader for the decoding: one entry per tensor and node in every column,
@@ -240,7 +240,13 @@ def _check_nodes(model, parse_expression):
             _explain_node(model, j, node, readable, writable, run_sized)
         writable -= outputs  # each tensor is produced once
         if late or node.attrs.get("sized_at_run") is True:
-            run_sized |= outputs  # allocated when its node runs (registry.RunSized)
+            for i in node.outputs:  # allocated when its node runs (registry.RunSized)
+                if math.prod(tensors[i].shape) != 0:
+                    _fail(
+                        path,
+                        f"{_label(j, node)}: sizes {_tensor_label(i, tensors[i])} at run time, but the file plans it as {list(tensors[i].shape)}",
+                    )
+            run_sized |= outputs
         else:
             available |= outputs
         if not node.expr:
@@ -259,6 +265,7 @@ def _check_nodes(model, parse_expression):
     for idx in model.outputs + model.kept:
         if idx == -1 or (idx not in available and idx not in run_sized):
             _fail(path, f"output tensor {idx} ({tensors[idx].name[:40]!r}) is never produced")
+    model.run_sized = frozenset(run_sized)
 
 
 def _explain_node(model, j, node, readable, writable, run_sized):
