@@ -170,9 +170,12 @@ def repeat(node, ctx):
     rank = len(in_shape(node, x))
     label = "sizes" if node.op == "Tensor.repeat" else "dims"
     given = node.named_input(label)
-    if given is not None:  # repeats in a tensor (ONNX Tile): its values, now or at run time
-        return _repeat_from_tensor(node, ctx, x, rank, given)
-    reps = param(node, label)
+    if given is None:
+        reps = param(node, label)
+    elif given.is_constant:  # repeats in a tensor (ONNX Tile): its values
+        reps = tuple(int(r) for r in np.ravel(given.data))
+    else:  # an input's values, read when the model runs
+        return _repeat_at_run(node, x, rank, given)
     if isinstance(reps, int):
         reps = (reps,)
     if not isinstance(reps, tuple) or not all(isinstance(r, int) and r >= 0 for r in reps):
@@ -185,17 +188,12 @@ def repeat(node, ctx):
     return [make(node, "tile", [x], dict(reps=reps))]
 
 
-def _repeat_from_tensor(node, ctx, x, rank, given):
+def _repeat_at_run(node, x, rank, given):
     shape = in_shape(node, given)
     if len(shape) != 1 or np.dtype(given.dtype).kind not in "iu":
         fail(node, f"repeats {given.name} are {list(shape)} {given.dtype}; a 1-d integer tensor expected")
     if node.op == "Tensor.repeat" and shape[0] < rank:
         fail(node, f"repeat needs at least {rank} sizes, {given.name} has {shape[0]}")
-    if given.is_constant:
-        reps = tuple(int(r) for r in given.data)
-        if min(reps, default=0) < 0:
-            fail(node, f"repeats {list(reps)} include a negative one")
-        return [make(node, "tile", [x], dict(reps=(1,) * (rank - len(reps)) + reps))]
     return _sized_at_run(node, "tile_values", [x, given], {}, rank=max(rank, shape[0]))
 
 
@@ -609,7 +607,7 @@ def _arange_values(node, ctx):
 
 def _sized_at_run(node, op, inputs, attrs, rank=1):
     """The node as `op` whose kernel allocates its output when it runs (attrs sized_at_run,
-    runtime/session.py): planned empty, of its rank; infer_shapes checks its readers."""
+    runtime/session.py): planned empty, of its rank; the canonicalize pass checks its readers."""
     node.outputs[0].shape = (0,) * rank
     return [make(node, op, inputs, dict(attrs, sized_at_run=True))]
 
