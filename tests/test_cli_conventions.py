@@ -1,9 +1,16 @@
-"""The `pmx` command's conventions, run as a user runs it: the console script of the
-interpreter under test (or `python -m pmx.compiler`, the same command) in a subprocess.
-Exit status 0 ok, 1 failure, 2 usage, 3 internal error; --version; a closed pipe ends
-quietly; --json parses; --expect, --save, --batch-dir; errors that say what to do."""
+"""The `pmx` command's conventions: exit status 0 ok, 1 failure, 2 usage, 3 internal
+error; --version; a closed pipe ends quietly; --json parses; --expect, --save,
+--batch-dir; errors that say what to do.
+
+Most tests call the console script's function (`pmx.compiler.cli.main`) in this process,
+with its argv, its working directory and its standard streams captured; what only a
+process shows runs the console script of the interpreter under test (or `python -m
+pmx.compiler`, the same command) in a subprocess: the entry point itself, a closed pipe,
+a terminal, and the modules `pmx run` imports."""
 
 import ast
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -17,6 +24,7 @@ import pytest
 from ziputil import build_zip
 
 from pmx.compiler import compile_model
+from pmx.compiler.cli import main
 from pmx.runtime import InferenceSession, __version__
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,8 +41,22 @@ pnnx.Output out 1 0 2 #2=(2,4)f32
 """
 
 
-def pmx(*args, cwd=None, **kw):
-    return subprocess.run([*PMX, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd, **kw)
+def pmx(*args, cwd=None):
+    """`pmx ARGS` run by the console script's function in this process: its exit status and
+    what it wrote, as subprocess.run gives them."""
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd or os.getcwd()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:  # argparse's usage errors and --help/--version
+            status = e.code
+    return subprocess.CompletedProcess(argv, status or 0, out.getvalue(), err.getvalue())
+
+
+def pmx_process(*args):
+    """`pmx ARGS` run by the console script in a subprocess."""
+    return subprocess.run([*PMX, *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +86,7 @@ def _one_error_line(r):
 
 
 def test_version():
-    r = pmx("--version")
+    r = pmx_process("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"pmx {__version__}"
 
 
