@@ -27,7 +27,9 @@ def export_pnnx(directory, module, inputs, inputs2=None):
         os.chdir(directory)  # pnnx writes some side files into the working directory
         with torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             try:
-                pnnx.export(module, str(pt), inputs, None if inputs2 is None else tuple(inputs2))
+                # check_trace=False: torch's re-trace to compare (about half an export's
+                # time) is redundant here, since every test compares pmx with eager torch
+                pnnx.export(module, str(pt), inputs, None if inputs2 is None else tuple(inputs2), check_trace=False)
             except SyntaxError:
                 pass  # pnnx's generated model_pnnx.py cannot spell aten:: ops; the .param is written
     finally:
