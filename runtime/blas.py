@@ -1,13 +1,14 @@
 """The BLAS that pmx calls: a copy of OpenBLAS of its own, held at one thread.
 
-numpy's OpenBLAS shares each GEMM out to a pool of threads that busy-wait for work: on
-a host whose other cores are busy, every GEMM then waits for a descheduled thread
-(ResNet-18 went from 27 ms to seconds under load; docs/performance.md). pmx may not set
-numpy's BLAS to one thread, since the host's own numpy would change under it. So pmx
-loads the OpenBLAS of the `scipy-openblas32` wheel (a dependency where that wheel ships),
-a library separate from numpy's, with its own symbols (scipy_cblas_sgemm) and its own
-thread pool, sets that library to one thread, and splits GEMMs over each
-InferenceSession's own threads (kernels/common.gemm), which sleep while they wait.
+numpy's OpenBLAS shares each GEMM out to a pool of threads that busy-wait for work: on a
+host whose other cores are busy, every GEMM then waits for a descheduled thread
+(ResNet-18's runs became many times slower under load; docs/performance.md, "Kernel
+measurements"). pmx may not set numpy's BLAS to one thread, since the host's own numpy
+would change under it. So pmx loads the OpenBLAS of the `scipy-openblas32` wheel (a
+dependency where that wheel ships), a library separate from numpy's, with its own
+symbols (scipy_cblas_sgemm) and its own thread pool, sets that library to one thread,
+and splits GEMMs over each InferenceSession's own threads (kernels/common.gemm), which
+sleep while they wait.
 
 Where that wheel is missing, or something else in the process had already loaded the
 same file (its thread count is then not pmx's to set), pmx calls numpy's BLAS, found
@@ -22,8 +23,9 @@ ctypes releases the GIL for the call, so split parts run concurrently.
 `gemm(..., accumulate=True)` computes out += a @ b (beta = 1): a conv or linear layer
 fills out with its bias (one broadcast copy, as cheap as the zeroing np.matmul makes
 OpenBLAS do) and the GEMM adds the product onto it. `transposed_copy` calls OpenBLAS's
-?omatcopy, a blocked out-of-place transpose, 3x faster than numpy's strided copy on the
-NCHW <-> NHWC permutes of channels-last blocks.
+?omatcopy, a blocked out-of-place transpose, measured faster than numpy's strided copy
+on the NCHW <-> NHWC permutes of channels-last blocks (docs/performance.md, "Kernel
+measurements").
 """
 
 from __future__ import annotations
@@ -231,8 +233,9 @@ def _few_tap_vectors(a, b, out):
     """Whether the product is a batch of row-by-matrix or matrix-by-column products over
     at most FEW_TAPS terms (a depthwise conv's (C, 1, taps) @ (C, taps, L)). numpy's
     matmul runs them in its own loop, one single-threaded ?gemv each; from Python every
-    cblas call costs ~1.8 us more, and ?gemm_batch_strided packs its operands: 2-6x
-    numpy's time on MobileNets' depthwise shapes. numpy's BLAS threads take no part
+    cblas call costs more, and ?gemm_batch_strided packs its operands: both measured
+    slower than numpy's loop on MobileNets' depthwise shapes (docs/performance.md,
+    "Kernel measurements"). numpy's BLAS threads take no part
     (tests/test_threads_host.py checks their CPU time)."""
     if out.dtype not in _GEMM or a.shape[-1] > FEW_TAPS or 1 not in out.shape[-2:]:
         return False
@@ -371,7 +374,8 @@ def gemm(a, b, out, accumulate=False):
 def _vector_products(a, b, out, ops, layout, routines, beta):
     """gemm for products of a row by a matrix or a matrix by a column: one cblas ?gemv
     call per product (OpenBLAS's ?gemm packs both operands first, which costs a vector
-    product 3-6x its time), or None past _MAX_CALLS products or a stride BLAS cannot take."""
+    product several times its time: docs/performance.md, "Kernel measurements"), or None
+    past _MAX_CALLS products or a stride BLAS cannot take."""
     found = _entry_point(routines[0][0] + "gemv")
     if found is None:
         return None

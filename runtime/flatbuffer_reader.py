@@ -95,7 +95,8 @@ def _field_offsets(raw, layout, vt, what):
 def _read_one(raw, layout, pos, at):
     """One table's fields (then `at`), as a reader would give them, read one by one: for
     the types a header holds once (model, tensor and node columns), building a reader
-    costs more (~15-35 us in a fresh process) than reading its fields."""
+    costs more in a fresh process than reading its fields (docs/performance.md, "Kernel
+    measurements")."""
     return tuple(
         [_SCALARS[f.code if f.scalar else "I"](raw, pos + a)[0] if a else f.default for f, a in zip(layout.fields, at)]
     ) + (at,)
@@ -259,8 +260,9 @@ class Reader:
 
     def column(self, t, k, what):
         """Vector field k of t's first table (a table of columns) as a tuple: one vector,
-        read without numbers()'s machinery for many tables (~7 us a call, and a model
-        reads some 30 columns)."""
+        read without numbers()'s machinery for many tables (that machinery costs more per
+        call, and a model reads some 30 columns; docs/performance.md, "Kernel
+        measurements")."""
         u = t.columns[k][0]
         return self._vectors([t.pos[0] + t.at[0][k] + u + 4], t.fields[k].code, what)[0] if u else ()
 

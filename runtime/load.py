@@ -124,10 +124,10 @@ def _open_buffer(path, buf, size, verify_checksum, max_arena_bytes):
 @contextlib.contextmanager
 def collector_paused():
     """Reading a header allocates thousands of small tuples and lists, none in a cycle;
-    the cyclic garbage collector's passes over them cost 2-8% of a load (measured on
-    torchvision models), so it waits until the load is done. Binding a model's kernels
-    (session.py) pauses it too: 6-13% of a bind (DenseNet-121 54.5 -> 51.2 ms, GoogLeNet
-    23.6 -> 20.4, medians of 12 alternating binds). Its state is restored as
+    the cyclic garbage collector's passes over them cost a measurable share of a load
+    (measured on torchvision models), so it waits until the load is done. Binding a
+    model's kernels (session.py) pauses it too, for a larger share of a bind (DenseNet-121,
+    GoogLeNet; docs/performance.md, "Kernel measurements"). Its state is restored as
     found (with overlapping loads on several threads, it ends enabled if it was enabled
     when the first one started)."""
     enabled = gc.isenabled()

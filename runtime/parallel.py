@@ -160,16 +160,16 @@ class RunChooser:
     """Whether runs hand split parts to the pool's workers (`concurrent`) or run on the
     calling thread alone (kernels bound for one thread, or with
     use_deterministic_compute every split's parts one after another: Pool.serial),
-    decided on whole runs. A split's own timing (_Chooser) misses what a worker
-    costs the nodes after it (a late wake-up taking the GIL and a core from the caller)
-    and what handing parts over costs when they end up run one after another: on a host
-    whose other cores were busy, 2-thread runs were up to 1.6x slower than 1-thread
-    ones. After WARM runs (the splits' choosers settle), TRIALS runs each way alternate,
-    timed, and the faster way by median stays until the next trials, RECHECK runs later:
-    soon after the first decisions, since a burst of noise on the host can make the
-    slower way win five runs (ResNet-18 kept single-thread kernels at 48 ms against 33),
-    then every RECHECK[-1] runs (the host's load changes). Inactive (one thread): always
-    concurrent."""
+    decided on whole runs. A split's own timing (_Chooser) misses what a worker costs
+    the nodes after it (a late wake-up taking the GIL and a core from the caller) and
+    what handing parts over costs when they end up run one after another: on a host
+    whose other cores were busy, 2-thread runs were slower than 1-thread ones
+    (docs/performance.md, "Kernel measurements"). After WARM runs (the splits' choosers
+    settle), TRIALS runs each way alternate, timed, and the faster way by median stays
+    until the next trials, RECHECK runs later: soon after the first decisions, since a
+    burst of noise on the host can make the slower way win five runs (ResNet-18 kept the
+    slower single-thread kernels), then every RECHECK[-1] runs (the host's load
+    changes). Inactive (one thread): always concurrent."""
 
     WARM, TRIALS, RECHECK = 10, 5, (20, 50, 100, 200, 500)
 

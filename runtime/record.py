@@ -2,8 +2,9 @@
 
 Each subclass names its fields in __slots__ and writes its own __init__; Record adds ==,
 repr and replace() over those fields, FrozenRecord also refuses assignment and hashes.
-Not dataclasses: @dataclass executes the code it generates, about 0.7 ms per class, and
-the runtime's seven took 5 of the 18 ms `import pmx.runtime` cost after numpy.
+Not dataclasses: @dataclass executes the code it generates, a cost per class, and the
+runtime's seven took a large share of what `import pmx.runtime` cost after numpy
+(docs/performance.md, "Kernel measurements").
 """
 
 

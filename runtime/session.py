@@ -863,8 +863,9 @@ class InferenceSession:
 
 
 def _futures():
-    """concurrent.futures, imported on first use: it brings logging, ~3 ms of every
-    import of pmx.runtime that runs no batch or async run."""
+    """concurrent.futures, imported on first use: it brings logging, a cost every import
+    of pmx.runtime that runs no batch or async run would pay (docs/performance.md,
+    "Kernel measurements")."""
     import concurrent.futures
 
     return concurrent.futures

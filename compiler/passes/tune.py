@@ -16,20 +16,11 @@ Without --tune this pass does nothing: the rule in choose_kernels picks.
 
 Whether a node splits over the threads is not a candidate: the kernels' size thresholds
 decide (GEMM_SPLIT_MIN_MACS, DEPTHWISE_SPLIT_MIN_ELEMENTS). Timed alone, a node's split
-often looked slower than one thread (ShuffleNetV2's 24->58 1x1 conv at 56x56: 0.283 ms
-split against 0.206), while inside the model the same split was faster (0.181 ms): there
-its input was just written by a split producer, half in each core's cache. Tune chose
-one thread for 36 of ShuffleNetV2's 56 nodes and 11 of SqueezeNet's 26, and whole runs
-got slower. Steady-state ms, medians over 4-5 fresh processes taking turns (2 threads):
-
-    model                tuned, with 1-thread candidates   tuned, lowerings only
-    shufflenet_v2_x1_0   6.78                              6.20
-    squeezenet1_1        8.65                              7.99
-    mobilenet_v3_small   5.66                              5.51
-    efficientnet_b0      25.44                             24.28
-    densenet121          62.03                             61.00
-    googlenet            27.05                             26.75
-    resnet18             28.58                             28.02
+often looked slower than one thread (ShuffleNetV2's 24->58 1x1 conv at 56x56), while
+inside the model the same split was faster: there its input was just written by a split
+producer, half in each core's cache. Tune chose one thread for 36 of ShuffleNetV2's 56
+nodes and 11 of SqueezeNet's 26, and whole runs got slower than when tune chose among
+lowerings only, on all seven models measured (docs/performance.md, "Kernel measurements").
 """
 
 import time

@@ -33,9 +33,10 @@ def result_dtype(tree, input_dtypes):
     weak literals, true division and integer pow as torch does). Inputs of one float
     dtype through functions that keep it (no comparison, logic or where) and plain
     number literals give that dtype, known without evaluating: the evaluation on samples
-    costs ~50 us per expression in a fresh process (each ufunc's first call), a sixth
-    of a small CNN's load. Otherwise it evaluates the tree on samples, memoized: the
-    loader's shape-rule check asks for every elementwise node."""
+    is costly per expression in a fresh process (each ufunc's first call), a sizeable
+    share of a small CNN's load (docs/performance.md, "Kernel measurements"). Otherwise
+    it evaluates the tree on samples, memoized: the loader's shape-rule check asks for
+    every elementwise node."""
     dtypes = tuple(np.dtype(d) for d in input_dtypes)
     if dtypes and dtypes[0].kind == "f" and dtypes.count(dtypes[0]) == len(dtypes) and _keeps_float_dtype(tree):
         return dtypes[0]

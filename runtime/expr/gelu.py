@@ -59,7 +59,8 @@ GELU_TABLE_LO, GELU_TABLE_HI, GELU_TABLE_BITS = -8.0, 6.0, 11
 @functools.cache
 def _gelu_tables():
     """(Phi at each step's left end, Phi's rise over the step), float32, row i for the
-    step starting at GELU_TABLE_LO + i * step; ~1 ms, once per process."""
+    step starting at GELU_TABLE_LO + i * step; built once per process (its cost:
+    docs/performance.md, "Kernel measurements")."""
     step = 2.0**-GELU_TABLE_BITS
     xs = GELU_TABLE_LO + step * np.arange(int((GELU_TABLE_HI - GELU_TABLE_LO) / step) + 1)
     phi = 0.5 * _erfc_float64(-xs / math.sqrt(2))
@@ -69,7 +70,8 @@ def _gelu_tables():
 def _erfc_float64(z):
     """erfc of a float64 array: the fit _erfc_abs writes as a tree (relative error
     < 1.2e-7), evaluated directly. The tail's size changes from run to run, and compiling
-    the tree for each size cost ~2 ms per call (14K elements)."""
+    the tree for each size was measured too costly per call (docs/performance.md, "Kernel
+    measurements")."""
     a = np.abs(z)
     t = 1.0 / (1.0 + 0.5 * a)
     poly = np.zeros_like(t)
@@ -85,10 +87,9 @@ def _gelu_table_step(x, out):
     passes; the row is the left end less the table's first step, and int64 rows spare
     np.take a conversion of its own. The form before it offset x by GELU_TABLE_LO
     first, which rounds for |x| < 4, and took int32 rows: same accuracy (max relative
-    error 1.97e-6 over [-13, 8], 1.39e-6 on N(0, 1.5^2) samples), ms, one thread,
-    medians of 3 alternating rounds: 3136x384 8.42 -> 7.26 (ConvNeXt-tiny's first MLP),
-    197x3072 3.89 -> 3.40 (ViT-B/16's). Splitting the passes into blocks that stay in
-    cache gained nothing (6.23-7.57 against 7.32, over blocks of 16K-256K elements)."""
+    error 1.97e-6 over [-13, 8], 1.39e-6 on N(0, 1.5^2) samples), and this form measured
+    faster on ConvNeXt-tiny's first MLP and ViT-B/16's. Splitting the passes into blocks
+    that stay in cache gained nothing (docs/performance.md, "Kernel measurements")."""
     phi_at, rise = _gelu_tables()
     inv_step = np.float32(2.0**GELU_TABLE_BITS)
     first = np.float32(GELU_TABLE_LO * inv_step)  # in steps, as the scaled x below

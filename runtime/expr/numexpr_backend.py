@@ -66,7 +66,8 @@ def to_numexpr(tree):
 
 @functools.cache
 def _numexpr_compiler():
-    """numexpr is imported only when a model uses it (it costs ~10 ms)."""
+    """numexpr is imported only when a model uses it (its import is slow;
+    docs/performance.md, "Kernel measurements")."""
     from numexpr import NumExpr
 
     return NumExpr, _numexpr_type

@@ -196,8 +196,9 @@ def _key(temp):
 def _as_clip(t):
     """(subtree with the clipped operand as its only argument, (lo, hi)) when t is
     maximum/minimum against literals (relu, relu6, clamp), else None. np.clip with two
-    finite-or-infinite float bounds runs ~3x faster than np.maximum here (numpy 2.4,
-    float32), and relu6 becomes one pass instead of two; NaN propagates in both."""
+    finite-or-infinite float bounds measured faster than np.maximum here (numpy 2.4,
+    float32; docs/performance.md, "Kernel measurements"), and relu6 becomes one pass
+    instead of two; NaN propagates in both."""
     lo, hi = -np.inf, np.inf
     node = t
     while node[0] in ("maximum", "minimum"):

@@ -56,8 +56,9 @@ def _lgamma(x, out=None):
     reflection log(pi / |sin(pi x)|) - lgamma(1 - x) below (sin's argument reduced to
     [-0.5, 0.5] first, exact for float32 x), +inf at the poles 0, -1, -2, ... and at
     +-inf. Error ~1e-14, absolute below 1 and relative above, far below float32's
-    rounding; numpy has no lgamma, and math.lgamma per element is ~3x slower. Its
-    float64 temporaries are allocated per call: lgamma is rare in models."""
+    rounding; numpy has no lgamma, and math.lgamma per element measured slower
+    (docs/performance.md, "Kernel measurements"). Its float64 temporaries are allocated
+    per call: lgamma is rare in models."""
     x = np.asarray(x, np.float64)
     with np.errstate(all="ignore"):
         reflect = x < 0.5

@@ -34,9 +34,9 @@ its first batch axis longer than 1 (the heads; the query rows when there is none
 each thread runs every step on its share: q * scale (L*E multiplies, not L*S), QK^T,
 masks, the softmax (row max, subtract, exp in place; row sums as a GEMV with a ones
 vector), PV, then, unless the weights are an output, the division of PV by the row sums
-(L*Ev divides, not L*S). The scores live in the binding's shared scratch. np.exp, ~1.3
-ns per score on this machine's numpy, is most of what separates this kernel from the
-throughput of its two GEMMs alone.
+(L*Ev divides, not L*S). The scores live in the binding's shared scratch. np.exp is most
+of what separates this kernel from the throughput of its two GEMMs alone
+(docs/performance.md, "Kernel measurements").
 """
 
 import math
@@ -332,8 +332,8 @@ def _softmax_step(scores, row_max, row_sum, ones, safe, normalize):
     """exp(scores - row max) in place and its row sums; the rows are divided by their
     sums only when `normalize` (the weights are an output). Otherwise the PV product is
     divided instead, which has Ev columns where the scores have S. The row sums are a
-    (batched) GEMV with `ones` [S, 1]: 0.05 ms against np.sum's 0.17 ms for ViT-B/16's
-    [12, 197, 197] scores on one core."""
+    (batched) GEMV with `ones` [S, 1], measured faster than np.sum on ViT-B/16's
+    [12, 197, 197] scores on one core (docs/performance.md, "Kernel measurements")."""
     lowest, tiny = np.finfo(scores.dtype).min, np.finfo(scores.dtype).tiny
     sum_rows = blas.matmul(scores, ones, row_sum)
 

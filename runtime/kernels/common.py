@@ -59,9 +59,9 @@ def copy_rows(dst, src):
     are contiguous in both but lie apart in either (an im2col window, a padded
     buffer's interior, the valid part of a "wide" output), each row is copied as one
     item of a void dtype as wide as the row: numpy's loop then moves whole rows instead
-    of running its strided float loop once per row, which short rows pay for. us per
-    copy, float32, plain -> rows: 3x3 im2col of 128 channels at 14x14 132 -> 55, 28x28
-    268 -> 132, 56x56 904 -> 706; 7x7 rows out of rows of 9 (576 channels) 23 -> 13."""
+    of running its strided float loop once per row, which short rows pay for: measured
+    faster than the plain copy on 3x3 im2col windows and on 7x7 rows out of wider rows
+    (docs/performance.md, "Kernel measurements")."""
     item = dst.itemsize
     if (
         dst.ndim >= 2
@@ -78,15 +78,16 @@ def copy_rows(dst, src):
 
 
 def copy_strided(dst, src, owner=None):
-    """copy_rows(dst, src), except that a source stepping over every other item along its
-    last axis (a stride-2 conv's im2col window, a phase of a stride-2 split) is read as
-    pairs of items in one unsigned integer twice as wide, starting at each wanted item,
-    and cast to the item-sized integer into dst: the cast keeps the low half, the wanted
-    item, on a little-endian host. A contiguous cast of pairs instead of numpy's strided
-    copy loop: 3x224x224 stride-2 3x3 im2col 144 -> 86 us. Each pair reads one item past
-    its own, so the pairs must lie inside `owner` (the C-contiguous array src views;
-    found from src's bases when not given); where they would not, or the items are not
-    4 or 2 bytes, copy_rows."""
+    """copy_rows(dst, src), except that a source stepping over every other item along
+    its last axis (a stride-2 conv's im2col window, a phase of a stride-2 split) is read
+    as pairs of items in one unsigned integer twice as wide, starting at each wanted
+    item, and cast to the item-sized integer into dst: the cast keeps the low half, the
+    wanted item, on a little-endian host. A contiguous cast of pairs instead of numpy's
+    strided copy loop, measured faster on a stride-2 3x3 stem's im2col
+    (docs/performance.md, "Kernel measurements"). Each pair reads one item past its own,
+    so the pairs must lie inside `owner` (the C-contiguous array src views; found from
+    src's bases when not given); where they would not, or the items are not 4 or 2
+    bytes, copy_rows."""
     item = src.itemsize
     if (
         src.ndim >= 1
@@ -194,11 +195,10 @@ def epilogue_after_parts(ctx, node, out):
     """Whether a kernel split over the threads runs node's activation once on all of `out`
     after its parts instead of inside each: cheap arithmetic (CHEAP_OPS) on a tensor an
     elementwise node would not split either (ctx.worth_splitting). A transcendental
-    activation (SiLU: exp at ~1.8 ns per element) keeps its share of the cores. Steady
-    ms, in each part -> after the parts, alternating fresh processes: MobileNetV3-small
-    (hardswish) 5.28-5.31 -> 5.10-5.16 (3 pairs), and 6.35-6.46 -> 6.26-6.37 (4 pairs,
-    in a slower hour of this host); ShuffleNetV2 9.01-9.42 -> 9.01-9.31 (4 pairs);
-    MobileNetV2 and EfficientNet-B0 within noise."""
+    activation (SiLU: exp costs far more per element than cheap arithmetic) keeps its
+    share of the cores. After the parts measured faster than in each part on
+    MobileNetV3-small (hardswish) and level within noise on ShuffleNetV2, MobileNetV2 and
+    EfficientNet-B0 (docs/performance.md, "Kernel measurements")."""
     if not node.expr or ctx.worth_splitting(out.size):
         return False
     return _only_cheap(E.desugar(node.expr))
@@ -283,23 +283,19 @@ def gemm(ctx, a, b, out, threads=None, activation=None, rows_first=False, bias=N
     (each thread reads half of b: a linear layer's weights), else its rows; with
     `rows_first`, rows before columns. A 1x1 conv's rows are its output channels, and
     the kernels after it (depthwise, elementwise, the next 1x1 conv) split by channel
-    too, so each core then reads what it just wrote. Per node inside models, 2 threads,
-    columns -> rows (medians of 10x20 runs): MobileNetV2 24->144 at 56x56 0.478 -> 0.320
-    ms, 32->192 at 28x28 0.203 -> 0.140; SqueezeNet 16->64 at 55x55 0.202 -> 0.121;
-    DenseNet 64->128 at 56x56 0.559 -> 0.440. Linear layers keep columns: ViT-B/16's
-    3072->768 lost 6.6 -> 7.4 ms with rows. The split happens only where BLAS runs on
-    one thread (ctx.gemm_threads); otherwise BLAS's own threads share the product.
+    too, so each core then reads what it just wrote: per node inside models, 2 threads,
+    rows measured faster than columns on the 1x1 convs of MobileNetV2, SqueezeNet and
+    DenseNet. Linear layers keep columns: ViT-B/16's 3072->768 was slower with rows. The
+    split happens only where BLAS runs on one thread (ctx.gemm_threads); otherwise BLAS's
+    own threads share the product.
     `bias` (broadcast against out, or None) is added to each part with its product
     (`product`); `activation` (a node with a fused activation, or None) is applied as
     split_activated does. Measured on this 2-core machine with BLAS on one thread (idle
-    machine): a two-way split takes 0.50-0.65x the time of one thread from ~4M
-    multiply-adds up (e.g. 512x4608 @ 4608x49: 3.24 -> 1.63 ms; 960x160 @ 160x49: 0.19 ->
-    0.12 ms) and loses on vectors (a GEMV of 1.3M: 0.08 -> 0.14). Between 1.5M and 4M
-    (GEMM_SPLIT_MIN_MACS, was 4M) splits lost when timed alone but won inside models, per
-    node, 1x1 convs with bias (medians of 4x40 runs): ShuffleNetV2 116->116 at 14x14
-    (1.6M) 0.080 -> 0.067 ms, 232->232 at 7x7 (2.6M) 0.095 -> 0.071; MobileNetV3-small
-    576->96 at 7x7 (2.7M) 0.088 -> 0.066, 48->288 at 14x14 + hardswish 0.128 -> 0.114;
-    at 1.1M (24->58 at 28x28) it lost: 0.057 -> 0.067."""
+    machine): a two-way split is faster than one thread from ~4M multiply-adds up and
+    loses on vectors (GEMVs). Between 1.5M and 4M (GEMM_SPLIT_MIN_MACS, was 4M) splits
+    lost when timed alone but won inside models, per node, on 1x1 convs with bias
+    (ShuffleNetV2, MobileNetV3-small); at 1.1M (24->58 at 28x28) it lost
+    (docs/performance.md, "Kernel measurements")."""
     threads = threads or ctx.gemm_threads
     plan = _gemm_split(a, b, out, threads, rows_first)
     if plan is None:

@@ -36,11 +36,11 @@ Lowerings (node.variant, chosen by the compiler; "" lets the kernel pick):
             split over the cores, and within a core taken in blocks of
             DEPTHWISE_BLOCK_BYTES of columns, so the columns are still in L2 when the GEMVs
             read them (blocks of 256 KiB to 4 MiB measured alike within noise alone, but
-            in models 256 KiB lost 9-24%; unblocked columns, up to 15 MB on MobileNetV2,
-            were 1.2-2.8x slower). Scratch: the padded input (its border rewritten each
-            run where a valid output reads it, common.restore_stale), the wide output and
-            one block of columns per core; the weights are used as they are, a
-            (C, 1, taps) view.
+            in models 256 KiB lost; unblocked columns, up to 15 MB on MobileNetV2, were
+            slower: docs/performance.md, "Kernel measurements"). Scratch: the padded input
+            (its border rewritten each run where a valid output reads it,
+            common.restore_stale), the wide output and one block of columns per core; the
+            weights are used as they are, a (C, 1, taps) view.
             Stride-1 convs at most 3 wide that keep the row width (3x3 "same") skip the
             padded rows: see _Flat ("flat": the input flattened per channel, taps reading
             across a row's end zeroed in the columns, the GEMVs writing the output directly).
@@ -546,12 +546,11 @@ def _split_by_channels(threads, groups, cout, positions):
     its GEMM by output channels (two dispatches), rather than giving each thread a band's
     columns and their GEMM (one). Bands leave each thread positions/threads GEMM columns:
     on small maps that is a narrow, slow GEMM (7x7: 24 and 25 columns), and the kernels
-    after it split by channel. Per node inside models, 2 threads, bands -> channels
-    (medians of 8x10 runs): ResNet-18 512->512 3x3 at 7x7 2.62 -> 2.03 ms, 256->512 s2 at
-    14x14 1.42 -> 1.13; GoogLeNet 192->384 at 7x7 0.83 -> 0.68; SqueezeNet 64->256 at
-    13x13 0.65 -> 0.57. Big maps keep bands (stems at 112x112: 2.39 -> 2.50, 0.44 -> 0.48),
-    and so do convs with too few channels for gemm() to split (DenseNet's 128->32 at 7x7:
-    0.107 -> 0.132 with the GEMM on one thread)."""
+    after it split by channel. Per node inside models, 2 threads, channels measured
+    faster than bands on 7x7 to 14x14 maps (ResNet-18, GoogLeNet, SqueezeNet). Big maps
+    keep bands (stems at 112x112 were slower by channels), and so do convs with too few
+    channels for gemm() to split (DenseNet's 128->32 at 7x7, with the GEMM on one thread)
+    (docs/performance.md, "Kernel measurements")."""
     return threads > 1 and groups == 1 and cout >= GEMM_SPLIT_MIN_ROWS and positions // threads < GEMM_SPLIT_MIN_COLUMNS
 
 
@@ -559,10 +558,10 @@ def _gemv(ctx, node, x, w, b, out):
     """A 1x1 conv on one position per image (squeeze-and-excitation blocks): one GEMV
     of the (Cout, Cin) weights with the input vector (a batch: the (N, Cin) inputs with the
     transposed weights), then bias and activation, in one callable. The general path's
-    matmul over (Cin, 1) columns and its chained bias/activation closures cost 0.7-1.4 us
-    more per call (one thread, interleaved medians: MobileNetV3's 576->144 + relu 11.0 ->
-    10.3 us, 144->576 + hardsigmoid 15.2 -> 13.8, 16->8 + relu 4.9 -> 4.2); most of what
-    is left is the activation (numpy's np.clip wrapper alone takes ~2.3 us of a clip)."""
+    matmul over (Cin, 1) columns and its chained bias/activation closures cost more per
+    call (measured on MobileNetV3's squeeze-and-excitation convs); most of what is left
+    is the activation, much of it numpy's np.clip wrapper (docs/performance.md, "Kernel
+    measurements")."""
     n, cout, cin = x.shape[0], w.shape[0], w.shape[1]
     w2 = w.reshape(cout, cin)
     if n == 1:
@@ -650,17 +649,11 @@ class _Flat:
     neighbouring row instead of padding: `wrapped` lists, per kx, the columns x in
     [lo, hi) whose values must be zeroed after each im2col copy.
     Against the phase path it skips the copy into padded rows and the copy out of the
-    wide output, both strided with short rows. 3x3, bias, us, phase -> flat, medians of
-    5x100 calls, one thread / two:
-
-        58x28x28    142 -> 124 /  97 ->  83     960x7x7     333 -> 243 / 194 -> 156
-        116x14x14    87 ->  68 /  63 ->  51     576x14x14   443 -> 341 / 237 -> 184
-        232x7x7      82 ->  61 /  62 ->  61     144x56x56  1324 -> 1166 / 571 -> 508
-
-    In models (2 threads, same-process A/B of whole runs, medians): MobileNetV2 12.57 ->
-    12.16 ms, EfficientNet-B0 23.80 -> 23.35, MobileNetV3-small and ShuffleNetV2 level
-    within noise. 5x5 kernels lost in a prototype (576x7x7: 0.40 -> 0.49 ms, one thread):
-    four of five taps need zeroing there, so they keep the phase path."""
+    wide output, both strided with short rows: faster on every 3x3 depthwise shape
+    measured, on one thread and on two (level on 232x7x7 over two), and in models faster
+    on MobileNetV2 and EfficientNet-B0, level within noise on MobileNetV3-small and
+    ShuffleNetV2. 5x5 kernels lost in a prototype: four of five taps need zeroing there,
+    so they keep the phase path (docs/performance.md, "Kernel measurements")."""
 
     def __init__(self, x_shape, kernel, out_shape, dilation, pads):
         self.n, self.c, height, self.width = x_shape
@@ -810,8 +803,8 @@ def _im2col_gemv(buf, g, weights, cols, target, blocks, folded):
 def _copy_out(wide, wide_valid, out, b):
     """Callable adding the bias (if any) to the wide output in place, then copying its
     valid part (`wide_valid`, a view of it) out row by row (copy_rows). Adding over whole
-    wide rows and copying after beat one np.add from the strided valid part into out
-    (576x7x7 out of rows of 11: 53 -> 24 us; 96x56x56: 144 -> 98)."""
+    wide rows and copying after beat one np.add from the strided valid part into out on
+    the bench models' shapes (docs/performance.md, "Kernel measurements")."""
     copy = copy_rows(out, wide_valid)
     return copy if b is None else chain(_add_bias(wide, b), copy)
 
@@ -828,8 +821,9 @@ def _add_bias(out, b):
 def _wrapped_columns(rows, g):
     """Views of the im2col columns `rows` (C, kh, kw, columns: a multiple of the row width) that read across a row's end
     and must be zero. Two spans of one width (3 wide, padding 1 each side) are one strided
-    view: each fill() costs ~1.5 us, a fifth of a small part's time (ShuffleNetV2's
-    116x14x14 on two threads)."""
+    view: each fill() has a fixed cost, a sizeable share of a small part's time
+    (ShuffleNetV2's 116x14x14 on two threads; docs/performance.md, "Kernel
+    measurements")."""
     n_ch, kh, _, length = rows.shape
     spans = [(kx, lo, hi) for kx, span in enumerate(g.wrapped) if span for lo, hi in [span]]
     if len(spans) == 2 and spans[0][2] - spans[0][1] == spans[1][2] - spans[1][1]:

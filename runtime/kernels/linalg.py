@@ -162,9 +162,10 @@ def make_einsum(node, inputs, outputs, ctx):
     """A batched matmul in einsum's spelling runs as one (gemm: BLAS, split over the
     threads); np.einsum, even with an optimized path, falls back to its own loops when
     indices are kept as batch dims: MaxViT-T's (1,64,2,49,32) x (1,64,2,49,32) ->
-    (1,64,2,49,49), one thread, 0.71 -> 0.37 ms. Any other float einsum of two operands
-    or more: pairwise contractions (_contractions), each one blas.matmul. One operand, or
-    a dtype BLAS lacks: np.einsum without optimize, which never calls BLAS."""
+    (1,64,2,49,49) measured faster as one GEMM, one thread (docs/performance.md, "Kernel
+    measurements"). Any other float einsum of two operands or more: pairwise contractions
+    (_contractions), each one blas.matmul. One operand, or a dtype BLAS lacks: np.einsum
+    without optimize, which never calls BLAS."""
     terms, out_term = _einsum_parts(node.attrs["equation"], [a.ndim for a in inputs])
     out = outputs[0]
     operands = tuple(inputs)

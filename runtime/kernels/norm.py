@@ -13,11 +13,10 @@ without running statistics is group_norm with groups = C.
 Statistics are two-pass (mean, then mean of squared deviations), each row mean a
 reduce.reduction: a GEMV with a vector of ones, rows over 4096 long cut into chunks whose
 sums are added pairwise, then one divide; that keeps float32 within torch's Welford
-results for long rows. np.mean had paid numpy's reduction loop per short row (118 us for
-the means of 3136 rows of 96, 26 as a GEMV). Whole normalizations of ConvNeXt-tiny's and
-ViT-B/16's layer norms, one thread, us, np.mean -> GEMV for both statistics (medians of 3
-rounds of 50): 3136x96 475 -> 247, 784x192 212 -> 127, 197x768 194 -> 126, 49x768 66 ->
-38; max |error| against float64 5.4e-7 -> 5.5e-7 and 4.7e-7 -> 5.7e-7.
+results for long rows. np.mean had paid numpy's reduction loop per short row, and the
+GEMVs for both statistics measured faster on whole normalizations of ConvNeXt-tiny's and
+ViT-B/16's layer norms, one thread, at comparable error against float64
+(docs/performance.md, "Kernel measurements").
 """
 
 import math
@@ -164,8 +163,9 @@ def make_layer_norm(node, inputs, outputs, ctx):
 def _row_parts(ctx, node, rows, inner):
     """Row ranges for the threads: rows are normalized independently, so a big enough
     tensor is split by rows. ViT-B/16's 197x768 layer norms, per node in the model,
-    one thread -> two: 0.468 -> 0.401 ms (timed alone, hot in cache, they were level,
-    0.253 -> 0.258: the parts' ~9 numpy calls each pay the GIL hand-off)."""
+    measured faster on two threads than on one (timed alone, hot in cache, they were
+    level: the parts' ~9 numpy calls each pay the GIL hand-off; docs/performance.md,
+    "Kernel measurements")."""
     return parallel.ranges(rows, split_threads(ctx, node, rows * inner))
 
 

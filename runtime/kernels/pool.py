@@ -1,5 +1,6 @@
 """Pooling by maxima / sums over strided slices of a padded buffer (one numpy call per
-kernel tap; sliding_window_view reductions are ~20x slower).
+kernel tap; sliding_window_view reductions measured much slower: docs/performance.md,
+"Kernel measurements").
 
 `max_pool`, `avg_pool`: attrs kernel, stride, pads (begins then ends per spatial dim),
 dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
@@ -190,11 +191,10 @@ def _same_size_pool(ctx, node, x, out, combine, finish=None):
     slices. A tap that would read across a row's end (or above the first row, below the
     last) lands only on the outputs whose window reaches into the padding: those columns
     and rows are computed again from their valid taps. Against the phase path it skips
-    the copy into the padded buffer and the copy out of the wide output. 3x3 pools with
-    padding 1 (GoogLeNet's and Inception-v3's), us, phases -> this, one thread / two:
-    max 256x28x28 302 -> 153 / 175 -> 99-108, 480x14x14 176 -> 97 / 112 -> 72, 832x7x7
-    124 -> 72-75 / 84 -> 84; average 288x35x35 562 -> 270 / 301 -> 161, 2048x8x8 355 ->
-    198 / 204-215 -> 128."""
+    the copy into the padded buffer and the copy out of the wide output: faster on 3x3
+    pools with padding 1 (GoogLeNet's and Inception-v3's, max and average), one thread
+    and two (level on 832x7x7 max over two; docs/performance.md, "Kernel
+    measurements")."""
     _n, c, h, w = x.shape
     a = node.attrs
     dil = a.get("dilation") or (1, 1)
@@ -235,7 +235,8 @@ def _phase_pool(ctx, node, x, out, combine, pad_value, finish=None):
     """Pooling over the taps of the phase-split padded input (common.Phases, the depthwise
     conv's layout), its padding `pad_value`: every tap is a contiguous slice of each
     channel's buffer, so each reduction runs over whole channels instead of strided
-    output rows (a 3x3 stride-2 max pool on 64x112x112 took 1.57 ms as strided views).
+    output rows (slow as strided views on a 3x3 stride-2 max pool on 64x112x112:
+    docs/performance.md, "Kernel measurements").
     Stride 1 reduces separably (_separable_taps)."""
     g = _pool_phases(x, out, node.attrs)
     buf, fill_phases = phase_buffer(ctx, x, g, fill=pad_value)
@@ -265,9 +266,9 @@ def _separable_taps(g):
     buffer gives every row's maximum and kh - 1 more over those give the output: 4
     np.maximum calls for 3x3 instead of 8 (kh * kw - 1), 8 for 5x5 instead of 24.
     Only where every stride is 1: with stride 2 the rows of a window lie in two phases,
-    and the row maxima span both. Single thread, us, taps -> separable: 3x3 stride 1
-    512x14x14 224 -> 140, 256x28x28 388 -> 239, 832x7x7 122 -> 86; but stride 2 192x56x56
-    304 -> 384, 480x28x28 229 -> 290, 832x14x14 (2x2) 60 -> 98 (64x112x112: 369 -> 218)."""
+    and the row maxima span both. Single thread, separable measured faster than taps at
+    stride 1, but slower at stride 2 on most shapes (docs/performance.md, "Kernel
+    measurements")."""
     if any(s != 1 for s in g.stride) or len(g.k) < 2 or g.k[-1] < 2 or len(g.taps) == g.k[-1]:
         return None
     kw = g.k[-1]
@@ -307,9 +308,9 @@ class _ColumnPairs:
          "wide" output (rows of s * W/2, of which the first out_w are kept) is kh - 1
          maxima over contiguous slices. Output rows whose window reaches into the padding
          (`edge_rows`) are computed from their valid rows straight into the output.
-    us per call, two threads, phase path -> this one: 3x3 64x112x112 (GoogLeNet,
-    ResNet-18) 465 -> 271, 192x56x56 417 -> 222, 480x28x28 354 -> 190; 2x2 832x14x14
-    185 -> 115."""
+    Two threads, faster than the phase path on every shape measured (GoogLeNet's and
+    ResNet-18's 3x3 and 2x2 stride-2 max pools; docs/performance.md, "Kernel
+    measurements")."""
 
     def __init__(self, x_shape, out_shape, kernel, stride, dilation, pads):
         self.n, self.c, self.height, self.width = x_shape
@@ -362,13 +363,13 @@ class _ColumnPairs:
 def _column_pairs_pool(ctx, node, g, x, out, combine, pad_value, finish=None):
     """Pooling by _ColumnPairs (see _whole_channel_pool for the arguments). The
     reductions run over each image's channels of a part as one flat range (channel blocks
-    of one length), so numpy runs one loop per image, not one per channel (192x56x56, a
-    pass over 1567 of each channel's 1568 elements: 130 us per channel, 47 as one range):
+    of one length), so numpy runs one loop per image, not one per channel (measured
+    faster on 192x56x56: docs/performance.md, "Kernel measurements"):
     a tap's slice crosses into the next channel only at outputs recomputed as edges or
     discarded. An input of odd width is first copied into scratch one column
     wider, whose last column is set to the padding value (the lowest value for maxima,
-    zero for sums): SqueezeNet's 64x111x111 max pool, 2 threads, phase path 381 -> 297
-    us, 128x55x55 231 -> 133."""
+    zero for sums): faster than the phase path on SqueezeNet's odd-width max pools, 2
+    threads (docs/performance.md, "Kernel measurements")."""
     even, odd, row_max, *widened = (ctx.scratch_array(shape, dt) for shape, dt in g.scratch(x.dtype, x.shape))
     source, widen = x, None
     if widened:
@@ -408,8 +409,9 @@ def _split_columns(x, even, odd):
     """Callable writing x's even and odd columns (x: N, C, ..., W, W even, each channel's
     rows adjacent), each channel's rows flattened, into even and odd (N, C, >= size / 2):
     copy_strided's pair casts, several times faster than strided copies of every other
-    item (96x112x112 float32: 237 us for both against 485). The odd columns' last item is
-    copied on its own: its pair would read one item past the channel."""
+    item (96x112x112 float32: docs/performance.md, "Kernel measurements"). The odd
+    columns' last item is copied on its own: its pair would read one item past the
+    channel."""
     size = math.prod(x.shape[2:])
     flat = view_as(x, x.shape[:2] + (size,))
     owner = root_array(x)
@@ -542,12 +544,11 @@ def _avg_divisor(x, out, a):
 def make_avg_pool(node, inputs, outputs, ctx):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
     max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
-    strided views of the padded input. Per node inside DenseNet-121, 2 threads, strided views -> column
-    pairs (its 2x2 stride-2 transitions): 256x56x56 0.572 -> 0.313-0.329 ms, 512x28x28
-    0.344-0.349 -> 0.210-0.212, 1024x14x14 0.230 -> 0.118-0.122 (timed alone: 0.54 ->
-    0.17, 0.33 -> 0.10, 0.22 -> 0.07). Inception-v3's 3x3 stride-1 pools, timed alone, 2
-    threads, strided views -> phases (separable): 192x35x35 850 -> 211 us, 288x35x35
-    1362 -> 314, 768x17x17 1354 -> 231, 2048x8x8 1244 -> 205."""
+    strided views of the padded input. Column pairs measured faster than strided views
+    on DenseNet-121's 2x2 stride-2 transitions, 2 threads, per node inside the model and
+    timed alone, and phases (separable) faster than strided views on Inception-v3's 3x3
+    stride-1 pools, timed alone, 2 threads (docs/performance.md, "Kernel
+    measurements")."""
     x, out = inputs[0], outputs[0]
     a = node.attrs
     scale = _avg_divisor(x, out, a)

@@ -67,9 +67,8 @@ def _trailing_reduction(kind, x, out, lead):
     along the rows. None when that does not apply (non-contiguous operands, another
     output dtype, long rows that no chunk length divides (_chunked_sum), integer sums,
     empty rows); the caller then reduces with np.mean & co. np.mean/np.max over several axes
-    go through Python-level wrappers and numpy's generic reduction: measured on one
-    thread (us per call), 1x576x7x7 to 1x576x1x1 mean 25 -> 3.6, 1x240x14x14 22 -> 3.8,
-    1x1152x7x7 44 -> 6.4, 1x32x112x112 92 -> 33."""
+    go through Python-level wrappers and numpy's generic reduction: measured slower on one
+    thread on global pools' shapes (docs/performance.md, "Kernel measurements")."""
     if not (x.flags.c_contiguous and out.flags.c_contiguous) or x.dtype != out.dtype:
         return None
     rows, positions = math.prod(x.shape[:lead]), math.prod(x.shape[lead:])
@@ -96,7 +95,8 @@ def _chunked_sum(x2, o1):
     into k equal chunks (a (rows * k, positions / k) view) whose k sums per row are then
     added pairwise by np.add.reduce. None when only chunks shorter than 64 would divide
     the rows (a prime length): the caller's float64 path then sums them. EfficientNet-B0's first squeeze-and-excitation pool (32x112x112, rows of
-    12544 = 4 x 3136) took 175 us in np.mean's float64 path, 30 us this way (one thread)."""
+    12544 = 4 x 3136) measured faster this way than in np.mean's float64 path (one thread;
+    docs/performance.md, "Kernel measurements")."""
     rows, positions = x2.shape
     fewest = -(-positions // ROWS_GEMV_MAX_LENGTH)
     chunks = (
@@ -183,8 +183,9 @@ def make_log_softmax(node, inputs, outputs, ctx):
 
 def _softmax_parts(ctx, node, x, out, log):
     """(log_)softmax along node's axis, split over the threads along the longest other
-    axis (the exp costs ~1.8 ns per element on one core). One thread -> two over the
-    last axis: 12x197x197 1.36 -> 0.73 ms, 8x128x128 0.41 -> 0.24."""
+    axis (the exp is costly per element on one core): two threads over the last axis
+    measured faster than one on attention's score shapes (docs/performance.md, "Kernel
+    measurements")."""
     axis = node.attrs["axis"] % x.ndim
     make = _log_softmax if log else _softmax
     if x.ndim == 1:

@@ -356,11 +356,12 @@ def _keeps_dim0(node, ranks, batched):
 def make_transpose(node, inputs, outputs, ctx):
     """A batch of matrix transposes (NCHW <-> NHWC) by BLAS's blocked transpose where it
     has one (runtime/blas.py), split over the threads by output rows: ConvNeXt-tiny's 46
-    permutes, inside the model on 2 threads, 2.98-2.99 -> 1.78-1.82 ms (2.03-2.06 with
-    one thread each), the whole model 111.2 -> 108.9 ms. Otherwise one strided copy,
-    split over the threads along the output's first axis long enough to give each a part
-    (blocked numpy copies were no faster than numpy's own order; 96x56x56 154 -> 92 us
-    and back 219 -> 121 over two threads)."""
+    permutes, inside the model on 2 threads, measured faster than before (and faster
+    split than with one thread each), and the whole model faster with them. Otherwise one
+    strided copy, split over the threads along the output's first axis long enough to
+    give each a part (blocked numpy copies were no faster than numpy's own order; the
+    split gained on 96x56x56 and back over two threads; docs/performance.md, "Kernel
+    measurements")."""
     x, out = inputs[0], outputs[0]
     threads = split_threads(ctx, node, out.size)
     swap = _matrix_swap(x.shape, node.attrs["perm"])

@@ -21,9 +21,10 @@ every output of the tile. Images are columns of the same GEMMs.
 Threads: the input transform is split by channels, then the GEMMs, output transform,
 the copy out and the activation by output channels (two dispatches per conv).
 Measured against the im2col GEMM (kernels/conv.py), one thread, ResNet-18 and
-DenseNet shapes: 1.25-1.6x faster from 32 input channels and 14x14 outputs up; slower
-on 7x7 outputs (few tiles: the GEMMs are narrow) and on few input channels (the
-transforms cost more than the GEMM saves). choose_kernels' rule picks accordingly.
+DenseNet shapes: faster from 32 input channels and 14x14 outputs up; slower on 7x7
+outputs (few tiles: the GEMMs are narrow) and on few input channels (the transforms cost
+more than the GEMM saves) (docs/performance.md, "Kernel measurements"). choose_kernels'
+rule picks accordingly.
 """
 
 import math
