@@ -424,6 +424,7 @@ class IntegerShifts(nn.Module):
         return x << 3, x >> 2, torch.bitwise_left_shift(x, s), torch.bitwise_right_shift(x, s), (x * 2) >> s
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_end_to_end_activations(check_model):
     torch.manual_seed(0)
     x = torch.randn(2, 4, 6, 8) * 2
@@ -431,6 +432,7 @@ def test_end_to_end_activations(check_model):
     check_model("activations_elementwise", Activations(), (x, y))
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_end_to_end_shifts(check_model):
     torch.manual_seed(0)
     x = torch.randint(-1000, 1000, (3, 16), dtype=torch.int32)
@@ -646,6 +648,7 @@ class Pools(nn.Module):
         )
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_end_to_end_pools_and_windows(check_model):
     torch.manual_seed(0)
     x = torch.randn(2, 4, 9, 10)
@@ -676,6 +679,7 @@ class Exp2AndFrac(nn.Module):
         return torch.exp2(x), torch.frac(x * 3)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_exp2_and_frac_through_pnnx(tmp_path):
     from helpers import compare_with_torch, export_pnnx
 

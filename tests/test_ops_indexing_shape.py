@@ -232,6 +232,7 @@ class SliceFillIndexPut(nn.Module):
         return x, y, torch.slice_scatter(y, x[:, :2], dim=1, start=1, end=5, step=2)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_slice_copy_fill_index_put_slice_scatter(tmp_path):
     _check(tmp_path, SliceFillIndexPut(), (torch.rand(4, 6), torch.rand(4, 6), torch.rand(4)))
 
@@ -245,6 +246,7 @@ class MaskAndListIndexPut(nn.Module):
         return x, torch.topk(y.reshape(-1), 5)[1], torch.cumsum(y, -1, dtype=torch.float64)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_index_put_with_mask_none_entries_and_index_then_slice_copy(tmp_path):
     _check(tmp_path, MaskAndListIndexPut(), (torch.rand(4, 5), torch.rand(4, 3)))
 
@@ -274,6 +276,7 @@ class ShapeMath(nn.Module):
         return tuple(out)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_reshape_as_t_diag_cumulative_cross_repeat_as_strided_arange(tmp_path):
     _check(tmp_path, ShapeMath(), (torch.rand(4, 6), torch.rand(3, 8), torch.rand(5, 3), torch.rand(5, 3)))
 
@@ -283,6 +286,7 @@ class Addcmul(nn.Module):
         return torch.addcmul(x, y, z, value=0.5), x.addcmul(y, z), torch.addcmul(x, y, z[:1], value=-2)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_addcmul(tmp_path):
     _check(tmp_path, Addcmul(), (torch.rand(3, 5), torch.rand(3, 5), torch.rand(3, 5)))
 
@@ -294,6 +298,7 @@ class TopK(nn.Module):
         return a, i, b, j
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_topk_values_and_indices(tmp_path):
     x = torch.randperm(60).reshape(3, 4, 5).float()
     y = torch.randperm(60).reshape(3, 4, 5).float()
@@ -309,6 +314,7 @@ class TopKUnsorted(nn.Module):
         return a, i, b, j, c, m
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_topk_unsorted_gives_the_same_values_and_indices_as_a_set(tmp_path):
     """torch promises no order for sorted=False (on CPU its order is its selection
     algorithm's: sorted for k <= 2 or 64k <= n, mostly not otherwise), so torch's answer is
@@ -346,6 +352,7 @@ class MaskedSelect(nn.Module):
         return torch.masked_select(x, x > 0.5), y * 2, torch.masked_select(y, y < 0.2)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
     module = MaskedSelect()
     x, y = torch.rand(2, 3, 4), torch.rand(5, 6)

@@ -125,6 +125,7 @@ class SpatialTransformer(nn.Module):
         return warped, near, cubic, d
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_spatial_transformer(check_model):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
@@ -138,6 +139,7 @@ class Warp3d(nn.Module):
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=True)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_warp_3d(check_model):
     torch.manual_seed(1)
     theta = torch.eye(3, 4)[None] + 0.1 * torch.randn(1, 3, 4)

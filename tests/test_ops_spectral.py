@@ -227,6 +227,7 @@ class SpectralFilter(nn.Module):
         return out, torch.view_as_real(spec), torch.real(ih) + torch.imag(ih), h, spec.abs()
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_spectral_filter(check_model):
     torch.manual_seed(0)
     check_model("spectral_filter", SpectralFilter(), (torch.randn(2, 4, 6, 6), torch.randn(2, 4, 6, 6)))
@@ -240,6 +241,7 @@ class Vocoder(nn.Module):
         return mag, torch.istft(spec, n_fft=32, hop_length=8, window=torch.hann_window(32), center=True, length=250)
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_stft_istft(check_model):
     torch.manual_seed(1)
     check_model("spectral_vocoder", Vocoder(), (torch.randn(2, 256),))
@@ -255,6 +257,7 @@ class ComplexArithmetic(nn.Module):
         return a, b, d, d.abs()
 
 
+@pytest.mark.slow  # exports through pnnx
 def test_e2e_complex_arithmetic(check_model):
     torch.manual_seed(2)
     check_model(
