@@ -86,7 +86,8 @@ def rel_error(a, b):
 
 
 # The slow tier: modules whose tests export whole torch modules through pnnx, start Ray or
-# Dask clusters, servers or worker processes, or build wheels. `pytest -m "not slow"` runs
+# Dask clusters, servers or worker processes, or build wheels, and single tests elsewhere
+# that export (marked `@pytest.mark.slow` where they stand). `pytest -m "not slow"` runs
 # the rest (kernels, IR, rules, loader, CLI on small files); `pytest` runs both.
 SLOW_MODULES = {
     "test_batch_chunks",
