@@ -268,6 +268,21 @@ def test_the_listening_socket_says_it_is_tcp():
         assert sock.proto == socket.IPPROTO_TCP
 
 
+def test_the_server_says_which_http_parser_and_event_loop_it_runs(server, monkeypatch):
+    """The [serve] extra (which the test extra takes) installs httptools and uvloop, and
+    the server names the parser and loop it hands uvicorn; without them it names uvicorn's
+    pure-Python defaults and how to install the others."""
+    from pmx.runtime.serve import server as serve_server
+
+    if sys.platform == "linux":
+        assert serve_server.http_stack() == ("httptools", "uvloop")
+    assert serve_server.http_stack_text(*serve_server.http_stack()) in server.log()
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert serve_server.http_stack() == ("h11", "asyncio")
+    assert "pip install httptools uvloop" in serve_server.http_stack_text("h11", "asyncio")
+    assert "pip install" not in serve_server.http_stack_text("httptools", "uvloop")
+
+
 # --- metadata and health -------------------------------------------------------------------
 
 
