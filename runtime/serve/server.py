@@ -101,7 +101,9 @@ def http_stack():
 def http_stack_text(http, loop):
     text = f"HTTP parser {http}, event loop {loop}"
     if (http, loop) != ("httptools", "uvloop"):
-        text += " (pure Python where not httptools/uvloop: `pip install httptools uvloop` serves more requests/s)"
+        text += (
+            " (pure Python: `pip install httptools uvloop`, which the [serve] extra installs, serves more requests/s)"
+        )
     return text
 
 
