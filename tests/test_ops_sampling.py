@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import rel_error
 from hypothesis import given
 from hypothesis import strategies as st
-from paramgraph import generator, run_one_op, sizes
+from paramgraph import compile_lines, generator, run_one_op, sizes
 
 from pmx.runtime.errors import PmxCompileError
 
@@ -279,17 +279,7 @@ def test_deform_conv2d(data):
 
 
 def compile_and_run(tmp_path, lines, weights, feeds):
-    from ziputil import write_bin
-
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
-
-    operands = {t for line in lines for t in line.split()[4 : 4 + int(line.split()[2]) + int(line.split()[3])]}
-    param = tmp_path / "m.pnnx.param"
-    param.write_text("\n".join(["7767517", f"{len(lines)} {len(operands)}", *lines]) + "\n")
-    write_bin(tmp_path / "m.pnnx.bin", weights)
-    compile_model(str(param), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
-    return InferenceSession(str(tmp_path / "m.pmx"), verify=True).run(None, feeds)
+    return compile_lines(tmp_path, lines, weights).run(None, feeds)
 
 
 def shape_text(t):

@@ -3,10 +3,9 @@
 and the canonicalization rules match the trees. First the reader on its own, then small
 graphs written as pnnx writes them, compiled and run, and the errors they raise."""
 
-import zipfile
-
 import numpy as np
 import pytest
+from paramgraph import compile_lines
 
 from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text
 from pmx.runtime import expr as E
@@ -96,27 +95,11 @@ def test_reader_refuses_malformed_lists(text, why):
 def compile_and_run(tmp_path, ops, feeds):
     """Compile `ops` (operator lines; inputs in0.. read operands named by `feeds`' keys) and
     run them on `feeds`; returns the outputs."""
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
-
-    produced = {t for line in ops for t in line.split()[4 : 4 + sum(map(int, line.split()[2:4]))]}
-    lines = [
+    inputs = [
         f"pnnx.Input in{i} 0 1 {n} #{n}=({','.join(map(str, a.shape))}){_code(a)}"
         for i, (n, a) in enumerate(feeds.items())
-    ] + ops
-    (tmp_path / "m.pnnx.param").write_text(
-        "\n".join(["7767517", f"{len(lines)} {len(produced | set(feeds))}", *lines]) + "\n"
-    )
-    with zipfile.ZipFile(tmp_path / "m.pnnx.bin", "w"):
-        pass
-    compile_model(
-        str(tmp_path / "m.pnnx.param"),
-        str(tmp_path / "m.pnnx.bin"),
-        str(tmp_path / "m.pmx"),
-        verify=True,
-        auto_batch=False,
-    )
-    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    ]
+    sess = compile_lines(tmp_path, inputs + ops, auto_batch=False)
     return sess.run(None, {f"in{i}": a for i, a in enumerate(feeds.values())})
 
 
