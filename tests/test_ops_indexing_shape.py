@@ -13,6 +13,7 @@ from helpers import compare_with_torch, export_pnnx, run_kernel, torch_outputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from paramgraph import compile_lines
 
 from pmx.runtime.errors import PmxCompileError, PmxInputError
 
@@ -376,11 +377,6 @@ def test_e2e_masked_select_length_decided_at_run_time(tmp_path):
 def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tmp_path):
     """pnnx folds such a subgraph itself; pmx's own folding (a weight -> gt ->
     masked_select, written here) must leave the run-sized op to run time."""
-    from ziputil import write_bin
-
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
-
     w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     ops = [
         "pnnx.Input in 0 1 x #x=(2)f32",
@@ -390,10 +386,7 @@ def test_masked_select_of_constants_computed_by_other_ops_stays_a_run_time_op(tm
         "pnnx.Expression add 1 1 x y expr=add(@0,1) #y=(2)f32",
         "pnnx.Output out 2 0 s y",
     ]
-    (tmp_path / "m.pnnx.param").write_text("\n".join(["7767517", f"{len(ops)} 5", *ops]) + "\n")
-    write_bin(tmp_path / "m.pnnx.bin", {"w.data": w})
-    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"), verify=True)
-    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    sess = compile_lines(tmp_path, ops, {"w.data": w})
     got, _ = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
     t = torch.from_numpy(w)
     np.testing.assert_array_equal(got, torch.masked_select(t, t > 0.2).numpy())
@@ -540,9 +533,6 @@ ARANGE_CASES = [
 
 @pytest.mark.parametrize("params,end_expr,want", ARANGE_CASES)
 def test_arange_spellings_fold_to_torch_values(tmp_path, params, end_expr, want):
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
-
     dt = {torch.int64: "i64", torch.float32: "f32"}[want.dtype]
     ops = ["pnnx.Input in 0 1 x #x=(2)f32"]
     ins = "1 1 b" if end_expr else "0 1"
@@ -553,12 +543,7 @@ def test_arange_spellings_fold_to_torch_values(tmp_path, params, end_expr, want)
         "pnnx.Expression add 1 1 x y expr=add(@0,0) #y=(2)f32",
         "pnnx.Output out 2 0 y r",
     ]
-    operands = 4 if end_expr else 3  # x, r, y (and b)
-    text = "\n".join(["7767517", f"{len(ops)} {operands}", *ops]) + "\n"
-    (tmp_path / "m.pnnx.param").write_text(text)
-    (tmp_path / "m.pnnx.bin").write_bytes(b"")
-    compile_model(str(tmp_path / "m.pnnx.param"), str(tmp_path / "m.pnnx.bin"), str(tmp_path / "m.pmx"))
-    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    sess = compile_lines(tmp_path, ops)
     _, got = sess.run(None, {sess.get_inputs()[0].name: np.zeros(2, np.float32)})
     assert got.dtype == want.numpy().dtype
     np.testing.assert_array_equal(got, want.numpy())
