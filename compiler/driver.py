@@ -137,11 +137,13 @@ def _type_inputs(graph, input_dtypes, plan_shapes):
         v.dtype = v.recorded_dtype = dtype
     v = next((v for v in graph.inputs if v.dtype is None), None)
     if v is not None:
-        shape = v.shape is None and v.name not in plan_shapes
+        no_shape = v.shape is None and v.name not in plan_shapes
+        missing, what, flags = "dtype", "it", f"--dtype {v.name}=int64 (or float32, ...)"
+        if no_shape:  # `--shape NAME=` (no dims) says it is 0-d
+            missing, what, flags = "dtype or shape", "them", f"--shape {v.name}= {flags}"
         raise PmxCompileError(
-            f"{graph.source}: input {v.name} has no recorded dtype{' or shape' if shape else ''} (pnnx writes "
-            f"none for a 0-d input, nor for uint16/32/64, which pmx does not take); give {'them' if shape else 'it'}, e.g. {f'--shape {v.name}= ' if shape else ''}"
-            f"--dtype {v.name}=int64 (or float32, ...)"
+            f"{graph.source}: input {v.name} has no recorded {missing} (pnnx writes none for a 0-d "
+            f"input, nor for uint16/32/64, which pmx does not take); give {what}, e.g. {flags}"
         )
 
 

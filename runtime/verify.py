@@ -13,8 +13,8 @@ checks the node's operands, against the stored output shapes and dtypes. It also
 every weight byte and so runs only when asked (`pmx verify`, verify=True). A failure
 raises PmxFormatError naming the first tensor or node that fails; sizes beyond the
 limits raise PmxResourceError before anything is allocated. It sets model.roots and
-model.run_sized (the tensors sized at run time), and replaces each node's expression text by its tree (None where empty); it changes nothing
-else.
+model.run_sized (the tensors sized at run time), and replaces each node's expression
+text by its tree (None where empty); it changes nothing else.
 
 It trusts the reader for the decoding: one entry per tensor and node in every column,
 shapes, inputs and outputs cut at checked ends, known dtypes (numpy dtypes), ranks at

@@ -44,8 +44,8 @@
           torch.arange with bounds read from tensor values. Its length is known only
           when it runs, so its output is sized at run time (registry.RunSized, see
           runtime/session.py): planned empty, allocated by the kernel, read only by
-          ops registered reads_run_sized (elementwise, cast). Bounds inconsistent with the step's sign raise PmxInputError,
-          as torch raises.
+          ops registered reads_run_sized (elementwise, cast). Bounds inconsistent with
+          the step's sign raise PmxInputError, as torch raises.
 `tile_values` inputs x, dims (a 1-d integer tensor); attrs sized_at_run: torch.tile with
           the repeats read from dims' values when it runs, sized at run time like
           arange_values.
