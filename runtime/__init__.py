@@ -17,6 +17,8 @@ from pmx.runtime.compat import (
     get_all_providers,
     get_available_providers,
     get_device,
+    set_default_logger_severity,
+    set_default_logger_verbosity,
 )
 from pmx.runtime.errors import (
     PmxCompileError,
@@ -58,4 +60,6 @@ __all__ = [
     "get_all_providers",
     "get_available_providers",
     "get_device",
+    "set_default_logger_severity",
+    "set_default_logger_verbosity",
 ]

@@ -160,6 +160,26 @@ def get_device():
     return "CPU"
 
 
+def set_default_logger_severity(severity):
+    """Accepted, no effect: pmx logs nothing. The range is onnxruntime's (0 verbose .. 4
+    fatal); nothing process-wide changes."""
+    _check_log_level("severity", severity, 4)
+
+
+def set_default_logger_verbosity(verbosity):
+    """Accepted, no effect: pmx logs nothing."""
+    _check_log_level("verbosity", verbosity, None)
+
+
+def _check_log_level(what, value, most):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"logging {what} must be an int, got {type(value).__name__}")
+    if value < 0 or (most is not None and value > most):
+        raise PmxInputError(
+            f"logging {what} {value}: expected 0..{most}" if most else f"logging {what} {value}: expected >= 0"
+        )
+
+
 # --- run options ------------------------------------------------------------------------
 
 # onnxruntime.RunOptions' attributes: (default, type); run_tag is pmx's name for the run
@@ -230,8 +250,20 @@ class OrtValue:
         _check_cpu(device_type)
         return cls(np.asarray(array))
 
+    @classmethod
+    def ortvalue_from_shape_and_type(cls, shape, element_type, device_type="cpu", device_id=0, **_device):
+        """A new tensor of `shape` and `element_type` (a numpy type, or an ONNX
+        TensorProto number as onnxruntime takes), zero-filled (onnxruntime leaves it
+        uninitialized)."""
+        _check_cpu(device_type)
+        return cls(np.zeros(tuple(shape), _element_dtype(element_type)))
+
     def numpy(self):
         return self._array
+
+    def data_ptr(self):
+        """The address of the first element."""
+        return self._array.ctypes.data
 
     def shape(self):
         return list(self._array.shape)
@@ -255,6 +287,37 @@ class OrtValue:
 def _check_cpu(device_type):
     if str(device_type).lower() != "cpu":
         raise PmxInputError(f"device {device_type!r}: pmx runs on the CPU only ('cpu')")
+
+
+def check_cpu_device(device):
+    """An onnxruntime OrtDevice, or a device name: the CPU only."""
+    _check_cpu(device.device_type() if hasattr(device, "device_type") else device)
+
+
+def ortvalue_array(value):
+    """The array an OrtValue holds (a numpy array is taken as it is)."""
+    return value.numpy() if isinstance(value, OrtValue) else value
+
+
+# ONNX TensorProto element types pmx has tensors of, as ortvalue_from_shape_and_type takes them
+_ONNX_ELEMENT_TYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool"}
+_ONNX_ELEMENT_TYPES.update({10: "float16", 11: "float64"})
+
+
+def _element_dtype(element_type):
+    if isinstance(element_type, int) and not isinstance(element_type, bool):
+        if element_type not in _ONNX_ELEMENT_TYPES:
+            raise PmxInputError(
+                f"element type {element_type}: pmx takes the ONNX TensorProto types {sorted(_ONNX_ELEMENT_TYPES)} "
+                f"or numpy types"
+            )
+        return np.dtype(_ONNX_ELEMENT_TYPES[element_type])
+    try:
+        return np.dtype(element_type)
+    except TypeError:
+        raise PmxInputError(
+            f"element type {element_type!r}: expected a numpy type or an ONNX TensorProto number"
+        ) from None
 
 
 def array_at(buffer_ptr, element_type, shape):

@@ -310,6 +310,7 @@ class InferenceSession:
         self._layouts_lock = threading.Lock()
         self.plans_built = 0  # layouts planned at run time (inputs of other shapes)
         self._profiler = compat.Profiler(self._options.profile_file_prefix) if self._options.enable_profiling else None
+        self._profiling_start_ns = self._profiler.start_ns if self._profiler is not None else 0
         self._batch_chunk_rows = batch_chunks.chunk_rows_option(self._options)
         self._rows_apart = {}  # (inner input shapes, wanted outputs) -> whether rows stay apart
         self._async = None  # run_async's executor, made on first use
@@ -358,14 +359,29 @@ class InferenceSession:
         return []
 
     def get_profiling_start_time_ns(self):
-        """When profiling started, in nanoseconds since the epoch; 0 without profiling."""
-        return self._profiler.start_ns if self._profiler is not None else 0
+        """When profiling started, in nanoseconds since the epoch, after end_profiling too
+        (as onnxruntime); 0 without profiling."""
+        return self._profiling_start_ns
 
     def io_binding(self):
         return compat.IOBinding(self)
 
     def run_with_iobinding(self, iobinding, run_options=None):
         iobinding.run(run_options)
+
+    def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
+        """run() over {input name: OrtValue}, returning a list of OrtValue, as onnxruntime."""
+        feed = {name: compat.ortvalue_array(value) for name, value in input_dict_ort_values.items()}
+        return [compat.OrtValue(a) for a in self.run(output_names, feed, run_options)]
+
+    def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices=None):
+        """onnxruntime's lowest-level run: `feeds` (OrtValues) by `feed_names`; `fetches`, a
+        list, is filled with one OrtValue per name in `fetch_names` (onnxruntime fills its
+        OrtValueVector in place). fetch_devices: CPU only."""
+        for device in fetch_devices or ():
+            compat.check_cpu_device(device)
+        values = self.run_with_ort_values(list(fetch_names), dict(zip(feed_names, feeds)), run_options)
+        fetches[:] = values
 
     def get_modelmeta(self):
         """onnxruntime's ModelMetadata: producer "pmx", graph name, and the user metadata

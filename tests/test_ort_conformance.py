@@ -18,6 +18,7 @@ DIFFERENCES = {
     "error terminate": "pmx raises PmxRunTerminated (a PmxError); onnxruntime its Fail",
     "error wrong dtype": "pmx raises PmxInputError (a ValueError); onnxruntime its InvalidArgument",
     "all providers": "onnxruntime lists every provider it knows; pmx has the CPU one only",
+    "error logger severity": "pmx raises PmxInputError (a ValueError); onnxruntime a RuntimeError",
 }
 
 
@@ -111,6 +112,7 @@ def user_script(rt, path, x):
     record["threads"] = sess.get_session_options().intra_op_num_threads
     record["profiling start type"] = type(sess.get_profiling_start_time_ns()).__name__
     record["end profiling"] = sess.end_profiling()
+    record["profiling start after end"] = sess.get_profiling_start_time_ns()
     meta = sess.get_modelmeta()
     record["meta fields"] = [
         type(getattr(meta, f)).__name__
@@ -133,6 +135,13 @@ def user_script(rt, path, x):
     record["iobinding values"] = [v.numpy() for v in io.get_outputs()]
     io.clear_binding_inputs()
     io.clear_binding_outputs()
+    value = rt.OrtValue.ortvalue_from_numpy(x)
+    record["ort values"] = [v.numpy() for v in sess.run_with_ort_values([out.name], {inp.name: value})]
+    record["data pointer"] = value.data_ptr() == x.ctypes.data
+    empty = rt.OrtValue.ortvalue_from_shape_and_type([2, 3], np.float32)
+    record["value from shape and type"] = (empty.shape(), empty.data_type())
+    rt.set_default_logger_severity(3)
+    record["error logger severity"] = error_of(lambda: rt.set_default_logger_severity(7))
     done, got = threading.Event(), {}
 
     def callback(outputs, user_data, error):

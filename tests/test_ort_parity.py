@@ -193,10 +193,12 @@ def test_profiling_writes_a_chrome_trace(models, tmp_path):
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / "prof")
     sess = InferenceSession(str(plain), sess_options=so)
+    started = sess.get_profiling_start_time_ns()
     for _ in range(2):
         [y] = sess.run(None, {"in0": X})
         assert _close_to_torch(y)
     path = sess.end_profiling()
+    assert sess.get_profiling_start_time_ns() == started > 0  # kept after the end, as onnxruntime
     assert pathlib.Path(path).parent == tmp_path and pathlib.Path(path).name.startswith("prof_")
     assert path.endswith(".json")
     trace = json.loads(pathlib.Path(path).read_text())
@@ -216,6 +218,20 @@ def test_profiling_writes_a_chrome_trace(models, tmp_path):
     assert first == sorted(first)  # in execution order
     assert sess.end_profiling() == ""  # profiling stopped, as onnxruntime's does
     sess.run(None, {"in0": X})
+
+
+def test_run_with_ortvaluevector_fills_the_fetches(models):
+    """onnxruntime's lowest-level run: OrtValues in, the caller's fetch list filled."""
+    from pmx.runtime import OrtValue
+
+    plain, _ = models
+    sess = InferenceSession(str(plain))
+    fetches = [None]
+    sess.run_with_ortvaluevector(None, ["in0"], [OrtValue.ortvalue_from_numpy(X)], ["out0"], fetches, ["cpu"])
+    [value] = fetches
+    assert isinstance(value, OrtValue) and _close_to_torch(value.numpy())
+    with pytest.raises(PmxInputError, match="CPU only"):
+        sess.run_with_ortvaluevector(None, ["in0"], [OrtValue.ortvalue_from_numpy(X)], ["out0"], [], ["cuda"])
 
 
 def test_end_profiling_without_profiling_is_empty(models):
