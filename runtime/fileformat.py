@@ -32,7 +32,7 @@ FILE_IDENTIFIER = b"PMX2"
 # a channel shuffle's split parts, a reshape following its like inputs: it would ignore
 # the extra input or attribute), so the writer stamps 3 only on files that use them
 # (compiler/write.py `_format_version`), and version-2 runtimes refuse those with
-# "upgrade pnnx-pmx" while reading every other new file.
+# "newer than this runtime reads" while reading every other new file.
 FORMAT_VERSION = 3
 OLDEST_READABLE_VERSION = 2
 PREAMBLE_SIZE = 64

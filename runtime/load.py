@@ -156,7 +156,8 @@ def _check_preamble(path, buf, size):
     if pre["version"] > ff.FORMAT_VERSION:
         _fail(
             path,
-            f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}); upgrade pnnx-pmx",
+            f"format version {pre['version']} is newer than this runtime reads ({ff.FORMAT_VERSION}): run it with "
+            "the pnnx-pmx that compiled it (a newer install), or compile the model again with this one",
         )
     if pre["version"] < 1:
         _fail(path, f"format version {pre['version']} is invalid")
