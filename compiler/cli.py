@@ -94,9 +94,9 @@ def _print_summary(args, r):
 def _check_against_trace(param, output, quiet=False):
     """pmx compile --check: the compiled model against the traced model.pt pnnx wrote
     beside the .param (compiler/from_torch.py), on random inputs of each input's dtype and
-    planned shape, as `pmx run --random` draws them, and again at batch 2 where the batch
-    dim may change. Where it cannot check (no model.pt, no torch) it fails: a check asked
-    for and not made must not pass."""
+    planned shape, as `pmx run --random` draws them, and at twice that batch where the
+    batch dim may change; a model that fails it is removed. Where it cannot check (no
+    model.pt, no torch) it fails: a check asked for and not made must not pass."""
     pt = param[: -len(".pnnx.param")] + ".pt" if param.endswith(".pnnx.param") else None
     skip = f"{output} was written unchecked; compile without --check to skip the check"
     if pt is None or not os.path.exists(pt):
@@ -107,17 +107,23 @@ def _check_against_trace(param, output, quiet=False):
         raise PmxCompileError(f"--check needs torch, which is not installed here (pip install torch); {skip}") from None
     import numpy as np
 
-    from pmx.compiler.from_torch import check_against_torch
+    from pmx.compiler.from_torch import check_against_torch, removed_if_it_fails
     from pmx.runtime import InferenceSession
 
     module = torch.jit.load(pt).eval()
-    sess = InferenceSession(output)
-    batches = [None, 2] if sess.get_inputs() and sess.get_inputs()[0].shape[:1] == [None] else [None]
-    for batch in batches:
-        feed = random_inputs(sess, np.random.default_rng(1), batch)
-        check_against_torch(module, tuple(torch.from_numpy(a) for a in feed.values()), output)
+    feed = random_inputs(InferenceSession(output), np.random.default_rng(1))
+    pnnx_python = param[: -len(".pnnx.param")] + "_pnnx.py"
+    batches = removed_if_it_fails(
+        output,
+        lambda: check_against_torch(
+            module,
+            tuple(torch.from_numpy(a) for a in feed.values()),
+            output,
+            pnnx_python=pnnx_python if os.path.exists(pnnx_python) else None,
+        ),
+    )
     if not quiet:
-        at = " and at batch 2" if len(batches) > 1 else ""
+        at = f" and at batch {batches[-1]}" if len(batches) > 1 else ""
         print(f"  check      matches {pt} on two random inputs{at}")
 
 

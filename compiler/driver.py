@@ -52,11 +52,12 @@ class CompileResult(Record):
         """One line a person reads (the fields are attributes: result.arena_bytes, ...)."""
         from pmx.runtime.dim_ranges import format_ranges
 
-        takes = "; ".join(f"{n} takes {format_ranges(r)}" for n, r in self.dynamic.items())
+        said = [f"{n} takes {format_ranges(r)}" for n, r in self.dynamic.items()]
+        said += [f"note: {note}" for note in self.notes]
         return (
             f"<CompileResult {self.output}: {self.ops_in} pnnx ops -> {self.ops_out} nodes, "
             f"file {_size_text(self.file_bytes)}, arena {_size_text(self.arena_bytes)}, "
-            f"{self.seconds * 1e3:.0f} ms{'; ' + takes if takes else ''}>"
+            f"{self.seconds * 1e3:.0f} ms{''.join('; ' + s for s in said)}>"
         )
 
 

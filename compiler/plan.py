@@ -63,7 +63,7 @@ class PassContext:
         # {(input name, dim): (min, max)}: '?' dims no --shape sized, which canonicalize
         # plans at a placeholder size (compiler/passes/placeholder.py)
         self.placeholders = dict(placeholders or {})
-        self.notes = []  # canonicalize (placeholder sizes)
+        self.notes = []  # canonicalize (placeholder sizes), mark_dynamic_dims (reshapes read per image)
         self.pass_stats = []  # run_pipeline
         self.rule_hits = []  # every rule_pass
         self.dynamic = {}  # mark_dynamic_dims

@@ -70,11 +70,12 @@ class SelfAttention(nn.Module):
 def test_batch_first_attention_layers_export_without_torchs_fused_fast_path(tmp_path, module):
     """In eval mode under no_grad, torch runs a batch-first encoder layer as one fused op
     pnnx cannot convert (aten::_transformer_encoder_layer_fwd); from_torch traces with
-    autograd on, so it and a batch-first attention layer trace as plain ops."""
+    autograd on, so it and a batch-first attention layer trace as plain ops. torch's
+    re-trace comparison, which fails on attention layers, is off by default."""
     torch.manual_seed(0)
     module = module.eval()
     x = torch.rand(2, 5, 16)
-    from_torch(module, (x,), tmp_path / "m.pmx", export_options={"check_trace": False})
+    from_torch(module, (x,), tmp_path / "m.pmx")
     sess = InferenceSession(tmp_path / "m.pmx")
     with torch.no_grad():
         want = module(x)
@@ -127,6 +128,69 @@ def test_a_pmx_that_differs_from_the_module_is_refused(tmp_path):
         check_against_torch(module, (x,), tmp_path / "m.pmx")
 
 
+class FlattenThenSoftmax(nn.Module):
+    """view(1, -1) over the batch: at batch 2 torch mixes the two images in one softmax."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).reshape(1, -1).softmax(-1)
+
+
+class FlattenPerImage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(64, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.fc(y.view(y.size(0), -1))
+
+
+def test_a_batch_torch_runs_otherwise_fails_the_check_and_the_file_is_removed(tmp_path):
+    """pnnx writes view(1, -1) and view(x.size(0), -1) alike at batch 1; pmx reads the
+    second, so the check at batch 2 must catch the first, say so, and leave no file."""
+    torch.manual_seed(0)
+    with pytest.raises(PmxCompileError) as caught:
+        from_torch(FlattenThenSoftmax(), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx")
+    message = str(caught.value)
+    assert "on inputs at batch 2: out0 has shape [2, 64], torch's [1, 128]" in message
+    assert "--static" in message and "was removed" in message
+    assert not (tmp_path / "m.pmx").exists()
+    from_torch(FlattenThenSoftmax(), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx", auto_batch=False)  # as advised
+
+
+def test_a_flatten_read_per_image_is_noted_and_matches_torch_at_other_batches(tmp_path):
+    torch.manual_seed(0)
+    module = FlattenPerImage().eval()
+    result = from_torch(module, torch.rand(1, 3, 4, 4), tmp_path / "m.pmx")
+    assert "flattens to (1, 64), read as (batch, 64)" in repr(result)
+    x = torch.rand(3, 3, 4, 4)
+    with torch.no_grad():
+        want = module(x).numpy()
+    (got,) = InferenceSession(tmp_path / "m.pmx").run(None, {"in0": x.numpy()})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+class ScaledByScalar(nn.Module):
+    def forward(self, x, k):
+        return x * k + 1
+
+
+def test_a_0d_input_takes_its_shape_and_dtype_from_the_example(tmp_path):
+    """pnnx records no shape or dtype for a 0-d input (and its export cannot spell one):
+    from_torch gives them from the example."""
+    x, k = torch.rand(2, 4), torch.tensor(3)
+    from_torch(ScaledByScalar(), (x, k), tmp_path / "m.pmx")
+    sess = InferenceSession(tmp_path / "m.pmx")
+    assert sess.get_inputs()[1].shape == [] and sess.get_inputs()[1].type == "tensor(int64)"
+    (got,) = sess.run(None, {"in0": x.numpy(), "in1": np.array(5)})
+    np.testing.assert_allclose(got, (x * 5 + 1).numpy(), rtol=1e-6)
+
+
 def _exported_copy(exporter, tmp_path):
     prefix = pathlib.Path(exporter("from_torch_check", Block(), (torch.rand(1, 3, 12, 12),)))
     for suffix in (".pnnx.param", ".pnnx.bin", ".pt"):
@@ -145,8 +209,24 @@ def test_compile_check_catches_a_param_edited_to_differ_from_its_model_pt(export
     text = param.read_text()
     assert "F.relu" in text
     param.write_text(text.replace("F.relu", "F.sigmoid", 1))  # an edited activation
+    (tmp_path / "model_pnnx.py").write_text("# pnnx's generated Python\n")
     assert main(["compile", str(param), "-o", str(tmp_path / "m.pmx"), "--check"]) == 1
-    assert "differs from the torch module" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "differs from the torch module on the example inputs: out0: max |error|" in err
+    assert f"compare {tmp_path / 'model_pnnx.py'} with it" in err and "m.pmx was removed" in err
+    assert not (tmp_path / "m.pmx").exists()
+
+
+def test_compile_check_names_the_batch_that_differs(exporter, tmp_path, capsys):
+    prefix = pathlib.Path(exporter("from_torch_flatten_softmax", FlattenThenSoftmax(), (torch.rand(1, 3, 4, 4),)))
+    for suffix in (".pnnx.param", ".pnnx.bin", ".pt"):
+        shutil.copy(str(prefix) + suffix, tmp_path / ("model" + suffix))
+    assert main(["compile", str(tmp_path / "model.pnnx.param"), "-o", str(tmp_path / "m.pmx"), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "at batch 2: out0 has shape [2, 64], torch's [1, 128]" in err and "--static" in err
+    assert (
+        main(["compile", str(tmp_path / "model.pnnx.param"), "-o", str(tmp_path / "m.pmx"), "--check", "--static"]) == 0
+    )
 
 
 @pytest.mark.parametrize("quiet", [[], ["-q"]])

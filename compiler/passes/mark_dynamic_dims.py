@@ -18,8 +18,9 @@ then probes the graph with those dims changed, running every node's shape rule:
   honoured fails the compile, naming the node and its .param line).
 
 Results, in the compile's context: ctx.dynamic = {input name: [(min, max) per dim]} (max
--1 = unbounded), ctx.dynamic_outputs = {output uid: {dim that follows the inputs: (min, max)}} and
-ctx.fixed_reasons = [text, ...] for the compile summary.
+-1 = unbounded), ctx.dynamic_outputs = {output uid: {dim that follows the inputs: (min, max)}},
+ctx.fixed_reasons = [text, ...] and ctx.notes (a reshape like view(1, -1) read per image)
+for the compile summary.
 """
 
 import copy
@@ -206,14 +207,14 @@ def mark_dynamic_dims(graph, ctx):
     req = {uid: {**auto.get(uid, {}), **explicit_req.get(uid, {})} for uid in set(explicit_req) | set(auto)}
     if not req:
         return
-    failure, shapes = _probe(graph, req)
+    failure, shapes, notes = _probe(graph, req)
     if failure is not None and auto and explicit_req:
         # the batch the user did not ask for may be what cannot change: try without it
         where, why = failure
         names = ", ".join(f"{v.name} dim 0" for v in graph.inputs if v.uid in auto)
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         req = explicit_req
-        failure, shapes = _probe(graph, req)
+        failure, shapes, notes = _probe(graph, req)
     if failure is not None:
         where, why = failure
         if explicit:
@@ -222,6 +223,7 @@ def mark_dynamic_dims(graph, ctx):
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         return
+    ctx.notes.extend(notes)
     for v in graph.inputs:
         if v.uid in req:
             ranges = [(d, d) for d in v.shape]
@@ -247,8 +249,8 @@ def _output_ranges(graph, req, shapes, out):
 
 def _probe(graph, req):
     """Run shape rules with the requested dims changed; rewrite reshapes on the way.
-    Returns (None, probe shapes by value uid), or ((where, reason), None) for the first
-    node (or input range) that rejects the change."""
+    Returns (None, probe shapes by value uid, notes for the compile summary), or
+    ((where, reason), None, []) for the first node (or input range) that rejects the change."""
     shapes = {}
     for v in graph.inputs:
         dims = req.get(v.uid)
@@ -258,11 +260,12 @@ def _probe(graph, req):
         for d, rng in dims.items():
             p = _probe_value(v.shape[d], rng)
             if p is None:
-                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None
+                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None, []
             probe[d] = p
         shapes[v.uid] = tuple(probe)
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
     rewrites = {}
+    notes = []
     for node in graph.nodes:
         ins = node.inputs  # None where an optional input is absent: shape rules read positions
         in_probe = [None if x is None else shapes.get(x.uid, x.shape) for x in ins]
@@ -275,11 +278,20 @@ def _probe(graph, req):
             new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
             if new is None:
                 return (
-                    node.where(),
-                    f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}",
-                ), None
+                    (
+                        node.where(),
+                        f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}",
+                    ),
+                    None,
+                    [],
+                )
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
+            if _flattens_per_image(target, new, ins[0].shape):
+                notes.append(
+                    f"{node.where()} flattens to {tuple(target)}, read as (batch, {target[1]}): a batch of N gives "
+                    f"N rows. Had the module written view(1, -1) to mix the images, compile with --static"
+                )
             continue
         dtypes = [None if x is None else np.dtype(x.dtype) for x in ins]
         try:
@@ -287,12 +299,20 @@ def _probe(graph, req):
         except Exception as e:  # a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
-                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None
+                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None, []
         for out, (shape, _) in zip(node.outputs, results):
             shapes[out.uid] = shape
     for node, attrs in rewrites.values():
         node.attrs.update(attrs)
-    return None, shapes
+    return None, shapes, notes
+
+
+def _flattens_per_image(target, rewritten, in_compiled):
+    """A flatten traced at batch 1 whose leading 1 now copies the batch: pnnx writes
+    view(x.size(0), -1) and view(1, -1) alike as (1, n), and only the first keeps the
+    images apart as torch runs it at a larger batch (the compile summary says which
+    reading pmx took)."""
+    return len(target) == 2 and len(in_compiled) >= 3 and target[0] == 1 and rewritten[0] == copy_dim(0)
 
 
 # Constants pnnx folded at the traced batch, and the attribute that lets them follow it:
