@@ -797,3 +797,49 @@ def test_pnnx_input2_case_compiles_without_shape_and_matches_torch(tmp_path):
         for g, w in zip(got, torch_outputs(m, (x, y))):
             assert g.shape == w.shape
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+class SplitHeadsAttention(nn.Module):
+    """q, k, v taken out of one reshaped projection with unbind (`q, k, v = t`) or by
+    index (`t[0]`), as ViT and timm write attention."""
+
+    def __init__(self, by_index):
+        super().__init__()
+        self.by_index = by_index
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        t = self.qkv(x).reshape(b, n, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        q, k, v = (t[0], t[1], t[2]) if self.by_index else t
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, d)
+        return self.proj(y)
+
+
+class MhaBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.mha(x, x, x)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["unbind", "index", "mha"])
+def test_attention_exported_with_question_mark_dims_compiles_as_it_is(tmp_path, name):
+    """The heads' outputs (unbind, select) and nn.MultiheadAttention's output get their
+    shapes from the op's parameters once the placeholder sizes the input."""
+    from helpers import export_pnnx
+
+    torch.manual_seed(0)
+    m = {"unbind": lambda: SplitHeadsAttention(False), "index": lambda: SplitHeadsAttention(True), "mha": MhaBlock}
+    m = m[name]().eval()
+    prefix = export_pnnx(tmp_path, m, (torch.rand(1, 10, 32),), (torch.rand(2, 20, 32),))
+    with open(prefix + ".pnnx.param") as f:
+        assert "#0=(?,?,32)f32" in f.read()
+    compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"), verify=True)
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    assert sess.get_inputs()[0].shape == [None, None, 32]
+    for shape in [(1, 10, 32), (3, 17, 32), (2, 1, 32), (1, 100, 32)]:
+        _check(sess, m, torch.rand(*shape))

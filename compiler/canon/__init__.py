@@ -183,7 +183,8 @@ def out_shape(node, i=0):
 
 
 def _shape_from_params(node, i):
-    """Output shape of reshape/flatten/squeeze/unsqueeze/expand/chunk/split from parameters."""
+    """Output shape of reshape/flatten/squeeze/unsqueeze/unbind/select/expand/chunk/split,
+    and of nn.MultiheadAttention's output (not its weights), from parameters."""
     x = next((v for v, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")), None)
     if x is None or x.shape is None or any(d is None for d in x.shape):
         return None
@@ -217,6 +218,11 @@ def _shape_from_params(node, i):
         if kind == "unsqueeze":
             d = a["dim"] % (rank + 1)
             return tuple(shape[:d] + [1] + shape[d:])
+        if kind == "MultiheadAttention" and i == 0 and rank == 3:  # the query's shape, embed_dim wide
+            return tuple(shape[:-1] + [a["embed_dim"]])
+        if kind in ("unbind", "select"):  # the dim is taken out
+            d = a.get("dim", 0) % rank
+            return tuple(shape[:d] + shape[d + 1 :])
         if kind == "expand" and isinstance(a.get("sizes"), tuple) and all(isinstance(d, int) for d in a["sizes"]):
             sizes = list(a["sizes"])
             lead = len(sizes) - rank  # torch: new leading dims first, -1 keeps the input's dim
