@@ -327,6 +327,11 @@ _INT_BINARY = {
     "mul(@0,sub(@1,1))": lambda a, b: a * (b - 1),
     "where(gt(@0,0),@0,@1)": lambda a, b: torch.where(a > 0, a, b),
     "where(gt(@0,0),@0,0.5)": lambda a, b: torch.where(a > 0, a, 0.5),
+    # float results of integer operands, computed in float32 (numpy's reciprocal has an
+    # integer loop: 1 / 2 == 0 there)
+    "mul(@0,reciprocal(@1))": lambda a, b: a * torch.reciprocal(b),
+    "add(@0,mul(reciprocal(@1),10))": lambda a, b: a + 10 / b,
+    "sub(div(6,@1),@0)": lambda a, b: 6 / b - a,
 }
 
 

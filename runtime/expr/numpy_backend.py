@@ -245,6 +245,15 @@ def _needs_temp(tree, inputs, out):
 
 def _ufunc_step(fn, args, target):
     a = tuple(args)
+    if target.dtype.kind == "f" and all(np.asarray(v).dtype.kind in "biu" for v in a):
+        # a float result of integer operands (1 / x): torch computes in the float dtype,
+        # where numpy would pick the ufunc's integer loop (np.reciprocal(2) == 0)
+        loop = target.dtype
+        if len(a) == 1:
+            x = a[0]
+            return lambda: fn(x, out=target, casting="unsafe", dtype=loop)
+        x, y = a
+        return lambda: fn(x, y, out=target, casting="unsafe", dtype=loop)
     if len(a) == 1:
         x = a[0]
         return lambda: fn(x, out=target, casting="unsafe")
