@@ -669,7 +669,7 @@ def test_expression_temporaries_are_shared_by_nodes_not_by_split_parts():
 def test_aten_clamp_and_zero_spellings(tmp_path):
     """pnnx writes F.normalize's clamp (torchvision's SwinV2) as aten::clamp_min with the
     bound as a second input, and zero_() as aten::zero: they compile to the clamp and
-    zeros torch computes."""
+    zeros torch computes, in the input's dtype."""
     from ziputil import build_zip
 
     from pmx.compiler.driver import compile_model
@@ -694,3 +694,4 @@ def test_aten_clamp_and_zero_spellings(tmp_path):
     (y,) = session.run(None, {session.get_inputs()[0].name: x})
     want = torch.clamp_max(torch.clamp_min(torch.from_numpy(x), -0.5), 0.25) + torch.zeros(2, 3)
     np.testing.assert_array_equal(y, want.numpy())
+    assert y.dtype == np.float32  # a number bound keeps float32, as torch (a 0-d float64 operand would not)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from pmx.compiler.canon import data_input, elementwise, fail, make, param, rule, weight
+from pmx.compiler.canon.math_ops import compile_time_number
 from pmx.runtime.expr import at, call
 
 SELU_ALPHA = 1.6732632423543772
@@ -243,17 +244,26 @@ def clamp(node, ctx):
         v = node.named_input(key)
         if v is None and node.op.startswith("aten::"):
             v = data_input(node, key, 1)
-        if v is not None:
+        bound = _scalar_bound(v) if v is not None else param(node, key, None)
+        if v is not None and bound is None:
             tensors.append(v)
             e = call(fn, e, at(len(tensors) - 1))
             continue
-        bound = param(node, key, None)
         if bound is None:
             continue
         if isinstance(bound, bool) or not isinstance(bound, (int, float)):
             fail(node, f"{key}={bound!r} must be a number or a tensor")
         e = call(fn, e, bound if isinstance(bound, int) and x.dtype[0] in "iu" else float(bound))
     return [elementwise(node, e, tensors)]
+
+
+def _scalar_bound(v):
+    """A 0-d bound known at compile time (a Python number pnnx wrote as an expression, as
+    in x.clamp_min(1e-6)) as a number: torch lets a 0-d bound change no tensor's float
+    dtype, so it is a literal of the expression, not a float64 operand."""
+    if v.shape not in (None, ()):
+        return None
+    return compile_time_number(v)
 
 
 @rule("F.glu", "nn.GLU")

@@ -22,7 +22,7 @@ from pmx.compiler.canon import (
     param,
     rule,
 )
-from pmx.compiler.canon.math_ops import LIST, NONE, pnnx_expression_tree, pnnx_text, size_dim
+from pmx.compiler.canon.math_ops import LIST, NONE, compile_time_number, pnnx_expression_tree, pnnx_text, size_dim
 from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
@@ -465,34 +465,12 @@ def full(node, ctx):
     return _filled(node, ctx, value)
 
 
-def _number(node, v, label):
-    """A scalar operand given as a tensor input, when it is known at compile time: a
-    one-element constant, or a pnnx.Expression that is a bare number (pnnx writes
-    addcmul's value and linalg_cross's dim so). None otherwise."""
-    if v.is_constant:
-        return v.data.reshape(-1)[0].item() if v.data.size == 1 else None
-    p = v.producer
-    if p is None or p.inputs:
-        return None
-    if p.op == "elementwise" and p.expr[0] == "#" and type(p.expr[1]) in (int, float):
-        return p.expr[1]
-    text = p.attrs.get("expr") if p.op == "pnnx.Expression" else None
-    if isinstance(text, str):
-        try:
-            tree = pnnx_expression_tree(text, 0)
-        except PmxFormatError:
-            return None
-        if tree[0] == "#" and type(tree[1]) in (int, float):
-            return tree[1]
-    return None
-
-
 def _scalar_param(node, label, default=_NO_DEFAULT):
     """param or tensor input `label` as a compile-time number (None stays None)."""
     v = node.named_input(label)
     if v is None:
         return param(node, label) if default is _NO_DEFAULT else param(node, label, default)
-    n = _number(node, v, label)
+    n = compile_time_number(v)
     if n is None:
         fail(
             node,
@@ -554,7 +532,7 @@ def arange(node, ctx):
         attrs = dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype)))
         return [make(node, "arange", [sized], attrs)]
     read = [node.named_input(label) for label in ("start", "end", "step")]
-    if any(v is not None and _number(node, v, label) is None for v, label in zip(read, ("start", "end", "step"))):
+    if any(v is not None and compile_time_number(v) is None for v, label in zip(read, ("start", "end", "step"))):
         return _arange_values(node, ctx)
     start = _scalar_param(node, "start", 0)
     end = _scalar_param(node, "end", None)
@@ -617,7 +595,7 @@ def fill(node, ctx):
     x = data_input(node)
     v = node.named_input("value")
     if v is not None:
-        n = _number(node, v, "value")
+        n = compile_time_number(v)
         if n is None:
             if v.shape is not None and None not in v.shape and int(np.prod(v.shape)) != 1:
                 fail(node, f"fill value {v.name} has shape {v.shape}; it must have one element")
@@ -704,7 +682,7 @@ def cross(node, ctx):
     a, b = operands(node, "input", "other", numbers=())
     shape = np.broadcast_shapes(tuple(in_shape(node, a)), tuple(in_shape(node, b)))
     if node.op == "aten::linalg_cross" and len(node.inputs) > 2:
-        dim = _number(node, node.inputs[2], "dim")
+        dim = compile_time_number(node.inputs[2])
         if not isinstance(dim, int):
             fail(node, "dim must be a constant int")
     else:
@@ -847,7 +825,7 @@ def addcmul(node, ctx):
         if len(node.inputs) < 3:
             fail(node, "addcmul needs input, tensor1 and tensor2")
         x, t1, t2 = node.inputs[:3]
-        value = _number(node, node.inputs[3], "value") if len(node.inputs) > 3 else 1
+        value = compile_time_number(node.inputs[3]) if len(node.inputs) > 3 else 1
     else:
         x, t1, t2 = data_input(node), node.named_input("tensor1"), node.named_input("tensor2")
         if t1 is None or t2 is None:

@@ -499,3 +499,25 @@ def logsumexp(node, ctx):
             node, "reduce_logsumexp", [x], dict(axes=_axes_param(node, x), keepdim=bool(param(node, "keepdim", False)))
         )
     ]
+
+
+def compile_time_number(v):
+    """A scalar operand given as a tensor input, when it is known at compile time: a
+    one-element constant, or a pnnx.Expression that is a bare number (pnnx writes
+    addcmul's value and linalg_cross's dim so). None otherwise."""
+    if v.is_constant:
+        return v.data.reshape(-1)[0].item() if v.data.size == 1 else None
+    p = v.producer
+    if p is None or p.inputs:
+        return None
+    if p.op == "elementwise" and p.expr[0] == "#" and type(p.expr[1]) in (int, float):
+        return p.expr[1]
+    text = p.attrs.get("expr") if p.op == "pnnx.Expression" else None
+    if isinstance(text, str):
+        try:
+            tree = pnnx_expression_tree(text, 0)
+        except PmxFormatError:
+            return None
+        if tree[0] == "#" and type(tree[1]) in (int, float):
+            return tree[1]
+    return None
