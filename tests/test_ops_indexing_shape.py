@@ -589,3 +589,24 @@ def test_arange_starting_at_a_dynamic_size_is_refused_naming_the_node(tmp_path):
     param, bin_ = _export_dynamic(tmp_path, ArangeFromSize(), (torch.rand(2, 5),), (torch.rand(3, 7),))
     with pytest.raises(PmxCompileError, match=r"torch.arange.*line \d+.*start is a tensor's size"):
         compile_model(param, bin_, str(tmp_path / "m.pmx"), plan_shapes={"in0": (2, 5)})
+
+
+def test_negative_indices_count_from_the_end_of_a_dynamic_dim(tmp_path):
+    """x[-1], x.narrow(0, -2, 1), x[[-1, 0]] on the batch (dynamic by default) and x[:, -1]
+    on a dynamic sequence dim, as pnnx writes them at the exported sizes: at other sizes
+    they pick rows counted from the end, as torch does."""
+    ops = [
+        "pnnx.Input in0 0 1 x #x=(3,5,4)f32",
+        "Tensor.select last 1 1 x a dim=0 index=-1 $input=x #x=(3,5,4)f32 #a=(5,4)f32",
+        "torch.narrow second_last 1 1 x b dim=0 length=1 start=-2 $input=x #x=(3,5,4)f32 #b=(1,5,4)f32",
+        "Tensor.index pair 1 1 x c expr=[[-1,0]] #x=(3,5,4)f32 #c=(2,5,4)f32",
+        "Tensor.select last_step 1 1 x d dim=1 index=-1 $input=x #x=(3,5,4)f32 #d=(3,4)f32",
+        "pnnx.Output out 4 0 a b c d",
+    ]
+    sess = compile_lines(tmp_path, ops, dynamic="in0:0,1")
+    for shape in [(3, 5, 4), (6, 8, 4), (2, 1, 4)]:  # (narrow(0, -2, 1) needs two rows)
+        x = torch.arange(float(np.prod(shape))).reshape(shape)
+        want = [x[-1], x.narrow(0, -2, 1), x[[-1, 0]], x[:, -1]]
+        got = sess.run(None, {"in0": x.numpy()})
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w.numpy())

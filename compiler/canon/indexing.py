@@ -227,11 +227,12 @@ def narrow(node, ctx):
     if not isinstance(start, int) or not isinstance(length, int):
         fail(node, f"start={start!r} and length={length!r} must be constant ints")
     n = x.shape[dim]
-    if start < 0:
-        start += n
-    if not (start >= 0 and length >= 0 and start + length <= n):
+    first = start + n if start < 0 else start
+    if not (first >= 0 and length >= 0 and first + length <= n):
         fail(node, f"narrow start={start} length={length} out of range for dim {dim} of size {n}")
-    attrs = dict(axes=(dim,), starts=(start,), ends=(start + length,), steps=(1,), squeeze=())
+    # a negative start stays one, counting from the end of the dim's size at run time
+    end = start + length if start >= 0 or start + length < 0 else 2**31 - 1
+    attrs = dict(axes=(dim,), starts=(start,), ends=(end,), steps=(1,), squeeze=())
     return [make(node, "slice", [x], attrs)]
 
 
@@ -329,7 +330,8 @@ def index(node, ctx):
                 fail(node, f"index list {pnnx_text(p)!r} must hold constant ints or bools")
         if any(not -n <= e < n for e in vals):
             fail(node, f"index list {pnnx_text(p)!r} out of range for dim {axis} of size {n}")
-        indices.append(ctx.const(f"{node.name}.index{axis}", np.array([e % n for e in vals], np.int64)))
+        # negative entries stay negative: they count from the end of the dim's size at run time
+        indices.append(ctx.const(f"{node.name}.index{axis}", np.array(vals, np.int64)))
     if len(used) == 1:
         return [make(node, "take", [x, indices[0]], dict(axis=used[0][0]))]
     try:

@@ -374,8 +374,9 @@ def select(node, ctx):
     n = x.shape[dim]
     if not -n <= index < n:
         fail(node, f"index {index} out of range for dim {dim} of size {n}")
-    index %= n
-    attrs = dict(axes=(dim,), starts=(index,), ends=(index + 1,), steps=(1,), squeeze=(dim,))
+    # a negative index stays one: it counts from the end of the dim's size at run time
+    end = index + 1 if index != -1 else 2**31 - 1
+    attrs = dict(axes=(dim,), starts=(index,), ends=(end,), steps=(1,), squeeze=(dim,))
     return [make(node, "slice", [x], attrs)]
 
 
