@@ -610,3 +610,23 @@ def test_negative_indices_count_from_the_end_of_a_dynamic_dim(tmp_path):
         got = sess.run(None, {"in0": x.numpy()})
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_roll_and_flip_follow_a_dynamic_dim(tmp_path):
+    """Exported at batch 1 and width 8, a flip or roll along the batch and a roll by -2
+    along the width are no-ops or whole turns only at those sizes: at others they move
+    elements as torch does (and a batch is not cut into chunks across them)."""
+    ops = [
+        "pnnx.Input in0 0 1 x #x=(1,1,2,8)f32",
+        "torch.flip flip_batch 1 1 x a dims=(0) $input=x #x=(1,1,2,8)f32 #a=(1,1,2,8)f32",
+        "torch.roll roll_batch 1 1 x b dims=(0) shifts=(1) $input=x #x=(1,1,2,8)f32 #b=(1,1,2,8)f32",
+        "torch.roll roll_width 1 1 x c dims=(3) shifts=(-2) $input=x #x=(1,1,2,8)f32 #c=(1,1,2,8)f32",
+        "torch.roll roll_turn 1 1 x d dims=(3) shifts=(8) $input=x #x=(1,1,2,8)f32 #d=(1,1,2,8)f32",
+        "pnnx.Output out 4 0 a b c d",
+    ]
+    sess = compile_lines(tmp_path, ops, dynamic="in0:0,3")
+    for shape in [(1, 1, 2, 8), (3, 1, 2, 16), (20, 1, 2, 5)]:
+        x = torch.arange(float(np.prod(shape))).reshape(shape)
+        want = [x.flip(0), x.roll(1, 0), x.roll(-2, 3), x.roll(8, 3)]
+        for g, w in zip(sess.run(None, {"in0": x.numpy()}), want):
+            np.testing.assert_array_equal(g, w.numpy())

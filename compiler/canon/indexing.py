@@ -66,7 +66,7 @@ def roll(node, ctx):
                 node,
                 "roll",
                 [flat_in],
-                dict(axes=(0,), shifts=(shifts[0] % n if n else 0,)),
+                dict(axes=(0,), shifts=(shifts[0],)),
                 outputs=[flat_out],
                 name=node.name + ".roll",
             ),
@@ -77,20 +77,20 @@ def roll(node, ctx):
     total = {}
     for d, s in zip(dims, shifts):  # torch applies repeated dims one after another
         total[d] = total.get(d, 0) + s
-    axes = tuple(sorted(d for d in total if shape[d] and total[d] % shape[d]))
+    # shifts stay as given (the kernel takes them modulo the size it runs at): at the
+    # exported size a shift may be a whole turn, at another size of a dynamic dim not
+    axes = tuple(sorted(d for d in total if total[d]))
     if not axes:
         return Forward(x)
-    return [make(node, "roll", [x], dict(axes=axes, shifts=tuple(total[d] % shape[d] for d in axes)))]
+    return [make(node, "roll", [x], dict(axes=axes, shifts=tuple(total[d] for d in axes)))]
 
 
 @rule("torch.flip", "Tensor.flip")
 def flip(node, ctx):
     x = data_input(node)
     dims = _dims(node, "dims", len(in_shape(node, x)))
-    axes = tuple(sorted({d for d in dims if x.shape[d] > 1}))
-    if not axes:
-        return Forward(x)
-    return [make(node, "flip", [x], dict(axes=axes))]
+    # every dim is kept, size 1 too: a dim exported at size 1 (a batch) may be dynamic
+    return [make(node, "flip", [x], dict(axes=tuple(sorted(set(dims)))))]
 
 
 @rule("torch.fliplr")
