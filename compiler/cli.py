@@ -8,7 +8,8 @@ Conventions (also in `pmx --help`):
     status 0, as ripgrep does (not 141 as git's SIGPIPE death: a pipeline under
     `set -o pipefail` should not fail because its reader had seen enough);
   - -q/--quiet prints nothing but errors (and what --json asks for); --json prints one
-    JSON document on stdout, dims that may change at run time as null;
+    JSON document on stdout, dims that may change at run time as null, and on a failure
+    {"model": ..., "ok": false, "error": ...} beside the stderr line;
   - progress goes to stderr, only when stderr is a terminal.
 """
 
@@ -24,6 +25,7 @@ from pmx.runtime.cli import (
     common_flags,
     dispatch_runtime,
     guarded,
+    json_failure,
     key_value,
     random_inputs,
 )
@@ -295,7 +297,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not hasattr(args, "_parser"):
         args._parser = parser
-    return guarded(lambda: _dispatch(args), args.debug)
+    return guarded(lambda: _dispatch(args), args.debug, json_failure(args))
 
 
 if __name__ == "__main__":

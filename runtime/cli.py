@@ -836,8 +836,11 @@ def _verify(args):
     return 0
 
 
-def guarded(fn, debug):
-    """Run one command: its status, with errors as one line on stderr (see EPILOG)."""
+def guarded(fn, debug, json_failure=None):
+    """Run one command: its status, with errors as one line on stderr (see EPILOG). With
+    `json_failure` (a dict: --json was given and the command printed no document), a
+    failure also prints that dict with ok false and the error on stdout, so a script
+    reading the JSON reads a document either way."""
     from pmx.runtime.errors import PmxError, PmxInternalError
 
     try:
@@ -852,11 +855,13 @@ def guarded(fn, debug):
     except PmxInternalError as e:
         if debug:
             raise
+        _print_json_failure(json_failure, e)
         print(f"pmx: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return EXIT_INTERNAL
     except PmxError as e:
         if debug:
             raise
+        _print_json_failure(json_failure, e)
         print(f"pmx: error: {e}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
@@ -870,6 +875,19 @@ def guarded(fn, debug):
             file=sys.stderr,
         )
         return EXIT_INTERNAL
+
+
+def _print_json_failure(document, error):
+    if document is not None:
+        print(_dumps(dict(document, ok=False, error=str(error))))
+        sys.stdout.flush()
+
+
+def json_failure(args):
+    """What a failed `pmx run|inspect --json` prints on stdout (verify prints its own)."""
+    if getattr(args, "json", False) and getattr(args, "command", None) in ("run", "inspect"):
+        return dict(model=args.model)
+    return None
 
 
 def _closed_pipe():

@@ -206,6 +206,17 @@ def test_verify_json_ok_and_damaged(model, tmp_path):
     assert "data checksum mismatch" in _one_error_line(r)
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["run", "--random"]])
+def test_a_failed_json_command_still_prints_a_document(model, tmp_path, command):
+    """A script reading `pmx inspect|run --json` gets JSON on failure too, as from verify."""
+    cut = tmp_path / "cut.pmx"
+    cut.write_bytes(model.read_bytes()[:200])
+    r = pmx(command[0], cut, *command[1:], "--json")
+    assert r.returncode == 1
+    report = json.loads(r.stdout)
+    assert report["ok"] is False and report["model"] == str(cut) and report["error"] in _one_error_line(r)
+
+
 # --- --expect, --save, -q ------------------------------------------------------------------
 
 
