@@ -281,6 +281,8 @@ def _feed(sess, inputs, random, parser, shapes=None):
     unknown = [n for n in given if n not in names]
     if unknown:
         raise PmxInputError(f"--input {unknown[0]}: the model has no such input; its inputs are {names}")
+    for item in inputs or ():
+        _check_file_dtype(sess, item, given)
     missing = [a for a in sess.get_inputs() if a.name not in given]
     if missing and not random:
         listed = ", ".join(f"{a.name} {_allowed_text(sess, a.name)} {_np_type(a.type)}" for a in missing)
@@ -293,6 +295,20 @@ def _feed(sess, inputs, random, parser, shapes=None):
         raise PmxInputError(f"--shape {unknown[0]}: {unknown[0]} {why} (--shape sets random inputs' shapes)")
     drawn = random_inputs(sess, np.random.default_rng(0), shapes=shapes)
     return {**{a.name: drawn[a.name] for a in missing}, **given}
+
+
+def _check_file_dtype(sess, item, given):
+    """An --input file of another dtype than its input's: named with the file, and the
+    line of numpy that saves it right (pmx never casts an input: a cast can lose values)."""
+    from pmx.runtime.errors import PmxInputError
+
+    name, _, path = item.partition("=")
+    want = np.dtype(_np_type(next(a.type for a in sess.get_inputs() if a.name == name)))
+    if given[name].dtype != want:
+        raise PmxInputError(
+            f"--input {item}: {path} holds {given[name].dtype}, input {name} takes {want}; "
+            f"save it as {want}: numpy.save(path, array.astype(numpy.{want}))"
+        )
 
 
 def random_inputs(sess, rng, batch=None, shapes=None):

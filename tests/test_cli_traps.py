@@ -94,6 +94,16 @@ def test_a_pickled_npy_is_refused_without_numpys_unpickling_advice(example_pmx, 
     assert "allow_pickle" not in err and "trust" not in err
 
 
+def test_an_input_file_of_another_dtype_is_named_with_the_fix(example_pmx, tmp_path, capsys):
+    path = tmp_path / "f64.npy"
+    np.save(path, np.load(EXAMPLE / "cnn_input.npy").astype(np.float64))
+    assert main(["run", str(example_pmx), "--input", f"in0={path}"]) == 1
+    err = capsys.readouterr().err
+    assert f"{path} holds float64, input in0 takes float32" in err and "astype(numpy.float32)" in err
+    np.save(path, np.load(path).astype(np.float32))  # as the message says
+    assert main(["run", str(example_pmx), "--input", f"in0={path}"]) == 0
+
+
 def test_a_file_that_is_no_npy_is_named_as_such(example_pmx, tmp_path, capsys):
     path = tmp_path / "notes.npy"
     path.write_text("these are not numbers\n")
