@@ -166,8 +166,8 @@ def add_runtime_commands(sub):
     r.add_argument(
         "--save",
         metavar="DIR",
-        help="save each output as DIR/<output name>.npy (with --batch-dir: "
-        "DIR/<input file stem>.npy, or .npz for several outputs)",
+        help="save each output, and each tensor kept with pmx compile --keep, as DIR/<name>.npy "
+        "(with --batch-dir: DIR/<input file stem>.npy, or .npz for several)",
     )
     r.add_argument(
         "--expect",
@@ -414,7 +414,7 @@ def _compare(name, got, path, want, rtol, atol):
 def _expectations(sess, specs):
     from pmx.runtime.errors import PmxInputError
 
-    names = [a.name for a in sess.get_outputs()]
+    names = fetched_names(sess)
     out = []
     for spec in specs or ():
         name, array = _read_array(spec, "--expect")
@@ -422,6 +422,12 @@ def _expectations(sess, specs):
             raise PmxInputError(f"--expect {name}: the model has no such output; its outputs are {names}")
         out.append((name, spec.partition("=")[2], array))
     return out
+
+
+def fetched_names(sess):
+    """What pmx run prints and saves: the outputs, then the tensors kept with --keep."""
+    model = sess.model
+    return [a.name for a in sess.get_outputs()] + [model.tensors[i].name for i in model.kept]
 
 
 def _run(args):
@@ -436,8 +442,9 @@ def _run(args):
     load_ms = (time.perf_counter() - t0) * 1e3
     feed = _feed(sess, args.input, args.random, parser, args.shape)
     expect = _expectations(sess, args.expect)
+    names = fetched_names(sess)
     t0 = time.perf_counter()
-    outputs = sess.run(None, feed)
+    outputs = sess.run(names, feed)
     first_ms = (time.perf_counter() - t0) * 1e3
     warmup = _settle(sess, feed, args.warmup) if args.repeat else 0
     times = []
@@ -446,7 +453,6 @@ def _run(args):
         sess.run(None, feed)
         times.append((time.perf_counter() - t0) * 1e3)
     threads, settled = sess.thread_choice(feed)
-    names = [a.name for a in sess.get_outputs()]
     by_name = dict(zip(names, outputs))
     checks = [_compare(name, by_name[name], path, want, args.rtol, args.atol) for name, path, want in expect]
     saved = _save_outputs(args.save, names, outputs) if args.save else []
@@ -655,7 +661,7 @@ def _run_batch(args):
 
     files = batch_files(args.batch_dir)
     sess = InferenceSession(args.model, num_threads=args.threads)
-    names = [a.name for a in sess.get_outputs()]
+    names = fetched_names(sess)
     _make_output_dir(args.save)
     progress = _Progress(len(files), not args.quiet)
     t0 = time.perf_counter()
@@ -663,7 +669,7 @@ def _run_batch(args):
     try:
         for k, path in enumerate(files):
             progress.show(k, os.path.basename(path))
-            outputs = sess.run(None, _batch_feed(sess, path))
+            outputs = sess.run(names, _batch_feed(sess, path))
             stem = os.path.splitext(os.path.basename(path))[0]
             if len(outputs) == 1:
                 target = os.path.join(args.save, stem + ".npy")
@@ -801,6 +807,8 @@ def _inspect(args):
     for kind in ("inputs", "outputs"):
         for x in info[kind]:
             print(f"  {kind[:-1]:<7} {x['name']:<12} {x.get('allowed') or x['declared_shape']} {x['dtype']}")
+    for name in info["kept"]:
+        print(f"  kept    {name:<12} (pmx compile --keep: sess.run([{name!r}], feed); pmx run prints it)")
     for key, value in info["metadata"].items():
         print(f"  meta    {key} = {value}")
     print("passes (nodes before -> after):")

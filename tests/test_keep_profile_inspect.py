@@ -84,6 +84,22 @@ def test_keep_returns_intermediates_and_runs_only_needed_nodes(prefix, net, tmp_
     np.testing.assert_allclose(only, want_relu, rtol=1e-5, atol=1e-5)
 
 
+def test_pmx_run_prints_and_saves_kept_tensors_and_inspect_lists_them(prefix, net, tmp_path, capsys):
+    m, x = net
+    conv_out, _ = _names(prefix)
+    out = str(tmp_path / "k.pmx")
+    assert cli.main(["compile", prefix + ".pnnx.param", "-o", out, "--keep", conv_out, "-q"]) == 0
+    assert cli.main(["inspect", out]) == 0
+    assert f"kept    {conv_out}" in capsys.readouterr().out
+    np.save(tmp_path / "x.npy", x.numpy())
+    saved = tmp_path / "saved"
+    assert cli.main(["run", out, "--input", f"in0={tmp_path / 'x.npy'}", "--save", str(saved), "--repeat", "0"]) == 0
+    assert f"{conv_out}: shape" in capsys.readouterr().out
+    with torch.no_grad():
+        np.testing.assert_allclose(np.load(saved / f"{conv_out}.npy"), m.c1(x).numpy(), rtol=1e-5, atol=1e-5)
+    assert (saved / "out0.npy").exists()
+
+
 def test_keep_unknown_name_is_an_error(prefix, tmp_path, capsys):
     assert cli.main(["compile", prefix + ".pnnx.param", "-o", str(tmp_path / "u.pmx"), "--keep", "nope"]) == 1
     assert "--keep nope" in capsys.readouterr().err
