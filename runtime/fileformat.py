@@ -32,8 +32,9 @@ FILE_IDENTIFIER = b"PMX2"
 # a channel shuffle's split parts, a reshape following its like inputs: it would ignore
 # the extra input or attribute), so the writer stamps 3 only on files that use them
 # (compiler/write.py `_format_version`), and version-2 runtimes refuse those with
-# "newer than this runtime reads" while reading every other new file.
-FORMAT_VERSION = 3
+# "newer than this runtime reads" while reading every other new file. Version 4 adds an
+# adaptive pool's output size 0 (the input's size, torch's None), stamped the same way.
+FORMAT_VERSION = 4
 OLDEST_READABLE_VERSION = 2
 PREAMBLE_SIZE = 64
 ALIGNMENT = 64

@@ -686,3 +686,29 @@ def test_exp2_and_frac_through_pnnx(tmp_path):
     x = torch.randn(2, 3, 5) * 4
     prefix = export_pnnx(tmp_path, Exp2AndFrac(), (x,))
     compare_with_torch(prefix, Exp2AndFrac(), (x,), tmp_path / "m.pmx", tol=1e-6)
+
+
+def test_adaptive_pools_keep_a_dynamic_dim_given_as_none(tmp_path):
+    """AdaptiveAvgPool2d((1, None)) (a text recognizer's column pooling) and
+    AdaptiveMaxPool2d((None, 3)), as pnnx writes them (None as 0): the None dim follows
+    the input's size at run time, and only such files carry format version 4."""
+    from paramgraph import compile_lines
+
+    from pmx.runtime import fileformat as ff
+
+    ops = [
+        "pnnx.Input in0 0 1 x #x=(1,8,8,20)f32",
+        "nn.AdaptiveAvgPool2d cols 1 1 x a output_size=(1,0) #x=(1,8,8,20)f32 #a=(1,8,1,20)f32",
+        "nn.AdaptiveMaxPool2d rows 1 1 x b output_size=(0,3) return_indices=False #x=(1,8,8,20)f32 #b=(1,8,8,3)f32",
+        "pnnx.Output out 2 0 a b",
+    ]
+    sess = compile_lines(tmp_path, ops, dynamic="in0:2,3")
+    assert ff.unpack_preamble((tmp_path / "m.pmx").read_bytes()[: ff.PREAMBLE_SIZE])["version"] == 4
+    for shape in [(1, 8, 8, 20), (2, 8, 12, 33), (1, 8, 5, 7)]:
+        x = torch.rand(*shape)
+        want = [F.adaptive_avg_pool2d(x, (1, None)), F.adaptive_max_pool2d(x, (None, 3))]
+        for g, w in zip(sess.run(None, {"in0": x.numpy()}), want):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-6, atol=1e-7)
+    plain = ["pnnx.Input in0 0 1 x #x=(1,8,8,20)f32", ops[1].replace("(1,0)", "(1,1)").replace("1,20)", "1,1)")]
+    compile_lines(tmp_path, plain + ["pnnx.Output out 1 0 a"])
+    assert ff.unpack_preamble((tmp_path / "m.pmx").read_bytes()[: ff.PREAMBLE_SIZE])["version"] == 2

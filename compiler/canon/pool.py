@@ -121,8 +121,9 @@ def _adaptive(op):
         ):
             fail(node, f"output_size={size!r}: expected {nd} positive ints (or None)")
         x = data_input(node)
-        # pnnx writes None (keep the input size) as 0
-        size = tuple(s if s else x.shape[-nd + i] for i, s in enumerate(size))
+        # None (keep the input's size) stays 0, as pnnx writes it: the kernel takes the size
+        # the input has when it runs, so a dynamic dim passes through (AdaptiveAvgPool2d((1, None)))
+        size = tuple(s or 0 for s in size)
         return [make(node, op + "_indices" if with_indices else op, [x], dict(output_size=size), outputs=outputs)]
 
     return fn

@@ -4,7 +4,8 @@ kernel tap; sliding_window_view reductions measured much slower: docs/performanc
 
 `max_pool`, `avg_pool`: attrs kernel, stride, pads (begins then ends per spatial dim),
 dilation, ceil_mode, and for avg count_include_pad, divisor_override (0 = none).
-`adaptive_avg_pool`, `adaptive_max_pool`: attrs output_size (one int per spatial dim).
+`adaptive_avg_pool`, `adaptive_max_pool`: attrs output_size (one int per spatial dim; 0 keeps
+the input's size, torch's None).
 """
 
 import math
@@ -586,8 +587,13 @@ def adaptive_infer(node, shapes, dtypes):
     x = shapes[0]
     size = node.attrs["output_size"]
     nd = len(size)
-    spatial = tuple(x[-nd + i] if o is None else o for i, o in enumerate(size))
+    spatial = tuple(o or x[-nd + i] for i, o in enumerate(size))  # 0: the input's size (torch's None)
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
+
+
+def adaptive_format_version(node):
+    """An output size of 0 (the input's size) means nothing to a version-3 runtime."""
+    return 4 if 0 in node.attrs.get("output_size", ()) else None
 
 
 def _bins(n, o):
@@ -622,11 +628,15 @@ def _make_adaptive(kind, node, inputs, outputs):
     return run
 
 
-@register("adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True)
+@register(
+    "adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True, format_version=adaptive_format_version
+)
 def make_adaptive_avg_pool(node, inputs, outputs, ctx):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
-@register("adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True)
+@register(
+    "adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True, format_version=adaptive_format_version
+)
 def make_adaptive_max_pool(node, inputs, outputs, ctx):
     return _make_adaptive("max", node, inputs, outputs)

@@ -22,7 +22,16 @@ import numpy as np
 
 from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
-from pmx.runtime.kernels.pool import ADAPTIVE_ATTRS, POOL_ATTRS, _bins, _ceil_pads, _lowest, adaptive_infer, pool_infer
+from pmx.runtime.kernels.pool import (
+    ADAPTIVE_ATTRS,
+    POOL_ATTRS,
+    _bins,
+    _ceil_pads,
+    _lowest,
+    adaptive_format_version,
+    adaptive_infer,
+    pool_infer,
+)
 from pmx.runtime.kernels.registry import register
 
 UNFOLD_ATTRS = dict(
@@ -119,7 +128,13 @@ def make_max_pool_indices(node, inputs, outputs, ctx):
     return run
 
 
-@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, attrs=ADAPTIVE_ATTRS, rows=True)
+@register(
+    "adaptive_max_pool_indices",
+    infer=_adaptive_indices_infer,
+    attrs=ADAPTIVE_ATTRS,
+    rows=True,
+    format_version=adaptive_format_version,
+)
 def make_adaptive_max_pool_indices(node, inputs, outputs, ctx):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
