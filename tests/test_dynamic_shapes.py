@@ -2,6 +2,7 @@
 other batch sizes and image sizes, compare with torch run at those shapes."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -843,3 +844,24 @@ def test_attention_exported_with_question_mark_dims_compiles_as_it_is(tmp_path, 
     assert sess.get_inputs()[0].shape == [None, None, 32]
     for shape in [(1, 10, 32), (3, 17, 32), (2, 1, 32), (1, 100, 32)]:
         _check(sess, m, torch.rand(*shape))
+
+
+def test_an_output_that_does_not_follow_the_default_batch_is_noted(tmp_path):
+    """pnnx folds torch.zeros(x.size(0), 4) into a constant, so such an output keeps its
+    exported shape where torch's would follow the batch: the compile says which outputs
+    do not follow it. A model whose outputs all follow the batch gets no such note."""
+    from ziputil import write_bin
+
+    lines = [
+        "pnnx.Input in0 0 1 x #x=(2,3)f32",
+        "torch.mean m 1 1 x y dim=(0) keepdim=False $input=x #x=(2,3)f32 #y=(3)f32",
+        "pnnx.Expression e 1 1 x z expr=mul(@0,2) #x=(2,3)f32 #z=(2,3)f32",
+        "pnnx.Output out 2 0 y z",
+    ]
+    param = tmp_path / "m.pnnx.param"
+    param.write_text("\n".join(["7767517", f"{len(lines)} 3", *lines]) + "\n")
+    write_bin(tmp_path / "m.pnnx.bin", {})
+    result = compile_model(str(param), output=str(tmp_path / "m.pmx"))
+    assert any(n.startswith("out0 keeps its exported shape at every batch") for n in result.notes), result.notes
+    example = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn.pnnx.param"
+    assert compile_model(str(example), output=str(tmp_path / "cnn.pmx")).notes == []

@@ -234,6 +234,23 @@ def mark_dynamic_dims(graph, ctx):
     for v in graph.outputs:
         if v.uid in shapes and shapes[v.uid] != v.shape:
             ctx.dynamic_outputs[v.uid] = _output_ranges(graph, req, shapes, v)
+    if any(uid in auto for uid in req):
+        ctx.notes.extend(_outputs_not_following_the_batch(graph, shapes))
+
+
+def _outputs_not_following_the_batch(graph, shapes):
+    """Notes on outputs whose shape stays the same when the default dynamic batch grows:
+    a reduction over the batch, or a size pnnx folded into a constant (torch.zeros(x.size(0),
+    4) is written as a (1, 4) constant), which torch would have followed."""
+    still = [v.name for v in graph.outputs if shapes.get(v.uid, v.shape) == v.shape and v.shape]
+    if not still:
+        return []
+    keeps = "keeps its" if len(still) == 1 else "keep their"
+    return [
+        f"{', '.join(still)} {keeps} exported shape at every batch: right for a reduction over the "
+        f"batch, wrong where the model made a tensor from x.size(0), which pnnx folds into a constant "
+        f"(--check tests it; --static keeps the export's shapes)"
+    ]
 
 
 def _output_ranges(graph, req, shapes, out):
@@ -287,7 +304,7 @@ def _probe(graph, req):
                 )
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
-            if _flattens_per_image(target, new, ins[0].shape):
+            if "pnnx_shape" in node.attrs and _flattens_per_image(target, new, ins[0].shape):
                 notes.append(
                     f"{node.where()} flattens to {tuple(target)}, read as (batch, {target[1]}): a batch of N gives "
                     f"N rows. Had the module written view(1, -1) to mix the images, compile with --static"
@@ -308,10 +325,10 @@ def _probe(graph, req):
 
 
 def _flattens_per_image(target, rewritten, in_compiled):
-    """A flatten traced at batch 1 whose leading 1 now copies the batch: pnnx writes
-    view(x.size(0), -1) and view(1, -1) alike as (1, n), and only the first keeps the
-    images apart as torch runs it at a larger batch (the compile summary says which
-    reading pmx took)."""
+    """A view or reshape to (1, n) traced at batch 1 whose leading 1 now copies the batch:
+    pnnx writes view(x.size(0), -1) and view(1, -1) alike as (1, n), and only the first
+    keeps the images apart as torch runs it at a larger batch (the compile summary says
+    which reading pmx took). torch.flatten(x, 1) says which itself: no note."""
     return len(target) == 2 and len(in_compiled) >= 3 and target[0] == 1 and rewritten[0] == copy_dim(0)
 
 
