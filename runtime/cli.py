@@ -741,11 +741,13 @@ def _declared_shape(t):
 
 
 def _io_entry(t):
-    from pmx.runtime.dim_ranges import format_ranges, tensor_ranges
+    from pmx.runtime.dim_ranges import UNBOUNDED, format_ranges, tensor_ranges
 
     entry = dict(name=t.name, declared_shape=_declared_shape(t), dtype=t.dtype.name, planned_shape=list(t.shape))
     if t.dim_min is not None:
-        entry["allowed"] = format_ranges(tensor_ranges(t))
+        ranges = tensor_ranges(t)
+        entry["allowed"] = format_ranges(ranges)
+        entry["dim_ranges"] = [[lo, None if hi == UNBOUNDED else hi] for lo, hi in ranges]
     return entry
 
 
@@ -753,7 +755,8 @@ def inspect_dict(model):
     """Everything `pmx inspect` reports, as one JSON-able dict, in the vocabulary all
     commands share (README, "JSON output"): inputs and outputs carry declared_shape (as
     get_inputs() reports it: null for dims that may change), planned_shape (the shape
-    memory was planned for) and, where dims may change, allowed (the sizes they take)."""
+    memory was planned for) and, where dims may change, allowed (the sizes they take, as
+    messages spell them) and dim_ranges ([min, max] per dim, max null: no upper end)."""
     from pmx.runtime import expr as E
     from pmx.runtime.plan import lower_bound, naive_bytes
     from pmx.runtime.replan import root_buffers, tensor_lifetimes

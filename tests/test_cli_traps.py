@@ -156,6 +156,7 @@ def test_an_output_that_follows_the_batch_takes_the_batchs_range(example_pmx, ca
     info = json.loads(capsys.readouterr().out)
     assert info["inputs"][0]["allowed"] == "[1.., 3, 64, 64]"
     assert info["outputs"][0]["allowed"] == "[1.., 10]"
+    assert info["inputs"][0]["dim_ranges"] == [[1, None], [3, 3], [64, 64], [64, 64]]
     assert main(["inspect", str(example_pmx)]) == 0
     assert re.search(r"output\s+out0\s+\[1\.\., 10\]", capsys.readouterr().out)
 
