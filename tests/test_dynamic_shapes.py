@@ -865,3 +865,25 @@ def test_an_output_that_does_not_follow_the_default_batch_is_noted(tmp_path):
     assert any(n.startswith("out0 keeps its exported shape at every batch") for n in result.notes), result.notes
     example = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn.pnnx.param"
     assert compile_model(str(example), output=str(tmp_path / "cnn.pmx")).notes == []
+
+
+@pytest.mark.slow
+def test_the_range_advice_for_a_sliced_table_works_when_followed(tmp_path):
+    """Without --shape, a '?' length probed at twice the export runs past the position
+    table: the error gives the --shape to write, and that compiles and matches torch."""
+    import re
+
+    from helpers import export_pnnx
+
+    m = PositionsSlicedToLength().eval()
+    prefix = export_pnnx(tmp_path, m, (torch.rand(1, 8, 16),), (torch.rand(2, 5, 16),))
+    with pytest.raises(PmxCompileError) as caught:
+        compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"))
+    advice = re.search(r"--shape in0=(\S+),", str(caught.value)).group(1)
+    assert advice == "1..<max>x1..<max>x16"
+    compile_model(prefix + ".pnnx.param", output=str(tmp_path / "m.pmx"), shape="in0=" + advice.replace("<max>", "32"))
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    for shape in [(1, 8, 16), (3, 32, 16), (2, 1, 16)]:
+        x = torch.rand(*shape)
+        (got,) = sess.run(None, {"in0": x.numpy()})
+        np.testing.assert_allclose(got, torch_outputs(m, (x,))[0], rtol=1e-6, atol=1e-6)

@@ -219,7 +219,7 @@ def mark_dynamic_dims(graph, ctx):
         where, why = failure
         if explicit:
             names = ", ".join(f"{v.name}:{d}" for v in graph.inputs for d in req.get(v.uid, {}))
-            raise PmxCompileError(f"dynamic dims {names} cannot change: {where} {why}")
+            raise PmxCompileError(f"dynamic dims {names} cannot change: {where} {why}{_range_advice(graph, req)}")
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         return
@@ -251,6 +251,21 @@ def _outputs_not_following_the_batch(graph, shapes):
         f"batch, wrong where the model made a tensor from x.size(0), which pnnx folds into a constant "
         f"(--check tests it; --static keeps the export's shapes)"
     ]
+
+
+def _range_advice(graph, req):
+    """How to allow such dims up to a size only (a position table the model slices to
+    the length: the probe at twice the size ran past it)."""
+    shapes = []
+    for v in graph.inputs:
+        wanted = req.get(v.uid)
+        if wanted:
+            dims = [f"{wanted[d][0]}..<max>" if d in wanted else str(n) for d, n in enumerate(v.shape)]
+            shapes.append(f"--shape {v.name}={'x'.join(dims)}")
+    return (
+        f". If the model takes those dims up to a size only (a table it slices to the length), "
+        f"give the range: {' '.join(shapes)}, each <max> the largest size it takes"
+    )
 
 
 def _output_ranges(graph, req, shapes, out):
