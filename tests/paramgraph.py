@@ -54,22 +54,30 @@ def run_one_op(op, params, inputs, expected, labels=None, weights=None):
         return sess.run(None, {arg.name: a for arg, a in zip(sess.get_inputs(), inputs)})
 
 
-def compile_lines(directory, lines, weights=None, **options):
+def write_lines(directory, lines, weights=None):
     """Write `lines` (operator lines as pnnx writes them, inputs and outputs included) as
-    a .pnnx.param in `directory`, with `weights` ({stored name: array}) in its .bin;
-    compile it (verify=True, then `options`) and open it. Returns the InferenceSession."""
+    m.pnnx.param in `directory`, with `weights` ({stored name: array}) in m.pnnx.bin.
+    Returns the .param's path."""
     from ziputil import write_bin
-
-    from pmx.compiler.driver import compile_model
-    from pmx.runtime import InferenceSession
 
     directory = pathlib.Path(directory)
     operands = {t for line in lines for t in line.split()[4 : 4 + sum(map(int, line.split()[2:4]))]}
     param = directory / "m.pnnx.param"
     param.write_text("\n".join(["7767517", f"{len(lines)} {len(operands)}", *lines]) + "\n")
     write_bin(directory / "m.pnnx.bin", weights or {})
-    compile_model(str(param), str(directory / "m.pnnx.bin"), str(directory / "m.pmx"), verify=True, **options)
-    return InferenceSession(str(directory / "m.pmx"), verify=True)
+    return param
+
+
+def compile_lines(directory, lines, weights=None, **options):
+    """write_lines, then compile it (verify=True, then `options`) and open it. Returns
+    the InferenceSession."""
+    from pmx.compiler.driver import compile_model
+    from pmx.runtime import InferenceSession
+
+    param = write_lines(directory, lines, weights)
+    output = param.parent / "m.pmx"
+    compile_model(str(param), str(param.parent / "m.pnnx.bin"), str(output), verify=True, **options)
+    return InferenceSession(str(output), verify=True)
 
 
 # --- hypothesis draws shared by the one-op property tests

@@ -850,7 +850,7 @@ def test_an_output_that_does_not_follow_the_default_batch_is_noted(tmp_path):
     """pnnx folds torch.zeros(x.size(0), 4) into a constant, so such an output keeps its
     exported shape where torch's would follow the batch: the compile says which outputs
     do not follow it. A model whose outputs all follow the batch gets no such note."""
-    from ziputil import write_bin
+    from paramgraph import write_lines
 
     lines = [
         "pnnx.Input in0 0 1 x #x=(2,3)f32",
@@ -858,10 +858,7 @@ def test_an_output_that_does_not_follow_the_default_batch_is_noted(tmp_path):
         "pnnx.Expression e 1 1 x z expr=mul(@0,2) #x=(2,3)f32 #z=(2,3)f32",
         "pnnx.Output out 2 0 y z",
     ]
-    param = tmp_path / "m.pnnx.param"
-    param.write_text("\n".join(["7767517", f"{len(lines)} 3", *lines]) + "\n")
-    write_bin(tmp_path / "m.pnnx.bin", {})
-    result = compile_model(str(param), output=str(tmp_path / "m.pmx"))
+    result = compile_model(str(write_lines(tmp_path, lines)), output=str(tmp_path / "m.pmx"))
     assert any(n.startswith("out0 keeps its exported shape at every batch") for n in result.notes), result.notes
     example = pathlib.Path(__file__).resolve().parents[1] / "tools" / "example" / "cnn.pnnx.param"
     assert compile_model(str(example), output=str(tmp_path / "cnn.pmx")).notes == []
