@@ -331,7 +331,9 @@ def embedding_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]) + (shapes[1][1],), dtypes[1])]
 
 
-@register("embedding", infer=embedding_infer, rows=True)
+# rows apart when the table is not the batch: out[i] = table[ids[i]], and a table with
+# the batch in dim 0 (F.embedding(ids, x)) would be looked up in each chunk's rows only
+@register("embedding", infer=embedding_infer, rows=lambda node, ranks, batched: not batched[1])
 def make_embedding(node, inputs, outputs, ctx):
     ids, weight = inputs
     out = outputs[0]
