@@ -244,3 +244,67 @@ def test_a_computed_entry_is_inferred(tmp_path):
     x = np.arange(80, dtype=np.float32).reshape(2, 5, 8)
     np.testing.assert_array_equal(sess.run(None, {"in0": x})[0], x.reshape(2, 40))
     np.testing.assert_array_equal(sess.run(None, {"in0": x[:1]})[0], x[:1].reshape(1, 40))
+
+
+# Reshapes whose targets are numbers, as pnnx writes them (hand-written .param lines), where
+# a planned size coincides with a literal: a '?' planned at 1, or a batch traced at 1.
+# Each case: lines, the torch function they compute, and input shapes to run (the '?'
+# dims and the default batch dynamic).
+COINCIDING = {
+    "tokens_back": (
+        [
+            "pnnx.Input in0 0 1 x #x=(?,2,4)f32",
+            "Tensor.reshape r0 1 1 x a shape=(-1,4) $input=x #x=(?,2,4)f32 #a=(?,4)f32",
+            "F.relu relu 1 1 a b $input=a #a=(?,4)f32 #b=(?,4)f32",
+            "Tensor.reshape r1 1 1 b c shape=(-1,2,4) $input=b #b=(?,4)f32 #c=(?,2,4)f32",
+            "pnnx.Output out 1 0 c",
+        ],
+        lambda x: x.reshape(-1, 4).relu().reshape(-1, 2, 4),
+        [(4, 2, 4), (3, 2, 4), (1, 2, 4)],
+    ),
+    "unsqueeze_then_sum": (
+        [
+            "pnnx.Input in0 0 1 x #x=(?,3)f32",
+            "torch.unsqueeze u 1 1 x a dim=0 $input=x #x=(?,3)f32 #a=(1,?,3)f32",
+            "torch.sum s 1 1 a b dim=(1) keepdim=False $input=a #a=(1,?,3)f32 #b=(1,3)f32",
+            "pnnx.Output out 1 0 b",
+        ],
+        lambda x: x[None].sum(1),
+        [(1, 3), (3, 3)],
+    ),
+    "flatten_then_pairs": (
+        [
+            "pnnx.Input in0 0 1 x #x=(?,2)f32",
+            "torch.flatten f 1 1 x a end_dim=-1 start_dim=0 $input=x #x=(?,2)f32 #a=(?)f32",
+            "Tensor.reshape r 1 1 a b shape=(-1,2) $input=a #a=(?)f32 #b=(?,2)f32",
+            "pnnx.Output out 1 0 b",
+        ],
+        lambda x: x.flatten().view(-1, 2),
+        [(2, 2), (3, 2), (1, 2)],
+    ),
+    "gpt2_conv1d_at_batch_1": (  # B, T, C = x.shape; lin(x.view(-1, C)).view(B, T, C), traced at B = 1
+        [
+            "pnnx.Input in0 0 1 x #x=(1,2,4)f32",
+            "Tensor.reshape r0 1 1 x a shape=(2,4) $input=x #x=(1,2,4)f32 #a=(2,4)f32",
+            "pnnx.Expression e 1 1 a b expr=mul(@0,3) #a=(2,4)f32 #b=(2,4)f32",
+            "Tensor.reshape r1 1 1 b c shape=(1,2,4) $input=b #b=(2,4)f32 #c=(1,2,4)f32",
+            "pnnx.Output out 1 0 c",
+        ],
+        lambda x: (x.reshape(-1, 4) * 3).reshape(x.shape[0], 2, 4),
+        [(1, 2, 4), (3, 2, 4)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COINCIDING))
+def test_a_size_that_coincides_with_a_literal_is_not_taken_for_it(tmp_path, name):
+    from paramgraph import compile_lines
+
+    lines, fn, shapes = COINCIDING[name]
+    sess = compile_lines(tmp_path, lines)
+    for shape in shapes:
+        x = torch.rand(*shape)
+        (got,) = sess.run(None, {"in0": x.numpy()})
+        want = fn(x).numpy()
+        assert got.shape == want.shape, shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -41,9 +41,30 @@ def _numel(s):
     return int(np.prod(s, dtype=np.int64))
 
 
-def symbolic_reshape(target, in_compiled, in_probe, batch_values=()):
+def symbolic_reshape(target, in_compiled, in_probe, batch_values=(), batch_scale=None):
     """Rewrite a frozen reshape target so it follows the input dims that changed between
-    the compiled and the probe shape; None if no rewrite keeps the element count."""
+    the compiled and the probe shape; None if no rewrite keeps the element count.
+
+    A target with a -1 is kept where it takes the probe: pnnx resolves every -1 of a
+    fixed-shape export, so one left is a dynamic-shape export's, written as the module
+    wrote it, but for a leading literal equal to the traced batch, which may be
+    x.size(0) folded where both of pnnx's traces had that batch (the rules below copy it).
+    Else a leading literal equal to a traced batch is the batch (-1 takes it):
+    the GPT-2 pattern x.view(-1, C) ... .view(B, T, C) traced at B = 1, whose (1, T, C)
+    the rules after would read as (1, B * T, C) since T's size coincides. That only where
+    the batch alone grew the input (batch_scale: the probe's batch over the traced one):
+    a growth of another dim must not pass into the batch."""
+    folded_batch = bool(target) and target[0] in batch_values  # pnnx folds a size both traces shared
+    if -1 in target and not folded_batch and _takes(target, in_compiled, in_probe):
+        return tuple(target)
+    leading = _leading_inferred(list(target), batch_values)
+    if (
+        leading is not None
+        and batch_scale is not None
+        and _numel(in_probe) == _numel(in_compiled) * batch_scale
+        and _takes(leading, in_compiled, in_probe, like=target)
+    ):
+        return tuple(leading)
     for rule in (_squeeze_like, _leading_merge):
         found = rule(target, in_compiled, in_probe)
         if found is not None:
@@ -76,6 +97,16 @@ def symbolic_reshape(target, in_compiled, in_probe, batch_values=()):
         except ValueError:
             continue
     return None
+
+
+def _takes(candidate, in_compiled, in_probe, like=None):
+    """Whether `candidate` reshapes the probe's elements and, at the compiled shape, gives
+    what `like` (default: itself) gives."""
+    try:
+        same = resolve_dyn_shape(candidate, in_compiled) == resolve_dyn_shape(like or candidate, in_compiled)
+        return same and _numel(resolve_dyn_shape(candidate, in_probe)) == _numel(in_probe)
+    except ValueError:
+        return False
 
 
 def _squeeze_like(target, in_compiled, in_probe):
@@ -296,6 +327,7 @@ def _probe(graph, req):
             probe[d] = p
         shapes[v.uid] = tuple(probe)
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
+    batch_scale = _batch_scale(graph, req, shapes)
     rewrites = {}
     notes = []
     for node in graph.nodes:
@@ -303,11 +335,13 @@ def _probe(graph, req):
         in_probe = [None if x is None else shapes.get(x.uid, x.shape) for x in ins]
         if all(x is None or p == x.shape for p, x in zip(in_probe, ins)):
             continue  # untouched by the change
-        if node.op == "reshape" and "like_shape" not in node.attrs:  # like_shape is exact: its rule runs
-            target = node.attrs.get("dyn_shape") or node.attrs.get("pnnx_shape") or node.attrs["shape"]
+        # like_shape, and a dyn_shape canonicalize derived from the op (unsqueeze, flatten),
+        # are exact: their rule runs
+        if node.op == "reshape" and "like_shape" not in node.attrs and "dyn_shape" not in node.attrs:
+            target = node.attrs.get("pnnx_shape") or node.attrs["shape"]
             if not isinstance(target, tuple) or not all(isinstance(d, int) for d in target):
                 target = node.attrs["shape"]
-            new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values)
+            new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values, batch_scale)
             if new is None:
                 return (
                     (
@@ -337,6 +371,20 @@ def _probe(graph, req):
     for node, attrs in rewrites.values():
         node.attrs.update(attrs)
     return None, shapes, notes
+
+
+def _batch_scale(graph, req, shapes):
+    """How many times the probe's batch is the traced one, where every input whose dim 0
+    moves grows it by the same whole factor and the probe moves no other dim; else None."""
+    scales = set()
+    for v in graph.inputs:
+        dims = req.get(v.uid, {})
+        if not dims:
+            continue
+        if set(dims) != {0} or shapes[v.uid][0] % v.shape[0]:
+            return None
+        scales.add(shapes[v.uid][0] // v.shape[0])
+    return scales.pop() if len(scales) == 1 else None
 
 
 def _flattens_per_image(target, rewritten, in_compiled):
