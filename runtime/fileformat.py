@@ -33,7 +33,8 @@ FILE_IDENTIFIER = b"PMX2"
 # the extra input or attribute), so the writer stamps 3 only on files that use them
 # (compiler/write.py `_format_version`), and version-2 runtimes refuse those with
 # "newer than this runtime reads" while reading every other new file. Version 4 adds an
-# adaptive pool's output size 0 (the input's size, torch's None), stamped the same way.
+# adaptive pool's output size 0 (the input's size, torch's None) and a group norm's
+# groups 0 (one per channel: instance norm), stamped the same way.
 FORMAT_VERSION = 4
 OLDEST_READABLE_VERSION = 2
 PREAMBLE_SIZE = 64

@@ -712,3 +712,21 @@ def test_adaptive_pools_keep_a_dynamic_dim_given_as_none(tmp_path):
     plain = ["pnnx.Input in0 0 1 x #x=(1,8,8,20)f32", ops[1].replace("(1,0)", "(1,1)").replace("1,20)", "1,1)")]
     compile_lines(tmp_path, plain + ["pnnx.Output out 1 0 a"])
     assert ff.unpack_preamble((tmp_path / "m.pmx").read_bytes()[: ff.PREAMBLE_SIZE])["version"] == 2
+
+
+def test_instance_norm_follows_a_dynamic_channel_dim(tmp_path):
+    """F.instance_norm without weights normalizes each channel, however many a run has:
+    a group per channel, not the exported channel count as groups."""
+    from paramgraph import compile_lines
+
+    ops = [
+        "pnnx.Input in0 0 1 x #x=(1,2,5)f32",
+        "F.instance_norm n 1 1 x y bias=None eps=1.000000e-5 running_mean=None running_var=None weight=None "
+        "$input=x #x=(1,2,5)f32 #y=(1,2,5)f32",
+        "pnnx.Output out 1 0 y",
+    ]
+    sess = compile_lines(tmp_path, ops, dynamic="in0:1,2")
+    for shape in [(1, 2, 5), (2, 4, 5), (3, 6, 9)]:
+        x = torch.rand(*shape)
+        (got,) = sess.run(None, {"in0": x.numpy()})
+        np.testing.assert_allclose(got, F.instance_norm(x).numpy(), rtol=1e-5, atol=1e-5)

@@ -189,7 +189,8 @@ def instance_norm(node, ctx):
         )
     c = x.shape[1]
     affine = _affine_inputs(node, ctx, (c,), x.dtype)
-    return [make(node, "group_norm", [x] + affine, dict(groups=c, eps=eps))]
+    # groups 0: a group per channel however many channels a run has (a dynamic channel dim)
+    return [make(node, "group_norm", [x] + affine, dict(groups=0, eps=eps))]
 
 
 @rule("F.normalize")

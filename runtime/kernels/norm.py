@@ -7,7 +7,7 @@ InstanceNorm with tracked running statistics (eval mode uses them, as batch norm
 normalized), eps, rms (1: RMSNorm, no mean subtraction). weight/bias have the shape of
 those trailing dims.
 `group_norm`: inputs (x[N, C, ...], weight[C]?, bias[C]?); attrs groups, eps. InstanceNorm
-without running statistics is group_norm with groups = C.
+without running statistics is group_norm with groups 0: one group per channel, however many.
 `lp_normalize`: inputs (x); attrs axis, p, eps: x / max(||x||_p, eps) (F.normalize).
 
 Statistics are two-pass (mean, then mean of squared deviations), each row mean a
@@ -24,7 +24,7 @@ import math
 import numpy as np
 
 from pmx.runtime import parallel
-from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NUMBER, POSITIVE, input_rank, integer, optional
+from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NON_NEGATIVE, NUMBER, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, expect_operand, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
 from pmx.runtime.kernels.registry import register, rows_off_axis
@@ -169,9 +169,15 @@ def _row_parts(ctx, node, rows, inner):
     return parallel.ranges(rows, split_threads(ctx, node, rows * inner))
 
 
+def _groups(node, channels):
+    """attr groups; 0: one per channel (instance norm)."""
+    return node.attrs["groups"] or channels
+
+
 def group_norm_infer(node, shapes, dtypes):
-    x, g = tuple(shapes[0]), node.attrs["groups"]
-    if len(x) < 2 or x[1] % g:
+    x = tuple(shapes[0])
+    g = _groups(node, x[1]) if len(x) >= 2 else node.attrs["groups"]
+    if len(x) < 2 or not g or x[1] % g:
         raise ValueError(f"groups={g} must divide the channels (axis 1) of input {x}")
     _affine_operands(shapes, dtypes, (x[1],))
     return [(x, dtypes[0])]
@@ -181,17 +187,18 @@ def group_norm_infer(node, shapes, dtypes):
     "group_norm",
     infer=group_norm_infer,
     inplace=True,
-    attrs=dict(groups=POSITIVE, eps=optional(NUMBER)),
+    attrs=dict(groups=NON_NEGATIVE, eps=optional(NUMBER)),
     float_input=True,
     rows=True,
+    format_version=lambda node: 4 if node.attrs.get("groups") == 0 else None,
 )
 def make_group_norm(node, inputs, outputs, ctx):
     x = inputs[0]
     weight = inputs[1] if len(inputs) > 1 else None
     bias = inputs[2] if len(inputs) > 2 else None
     out = outputs[0]
-    g = int(node.attrs["groups"])
     n, c = x.shape[0], x.shape[1]
+    g = int(_groups(node, c))
     spatial = math.prod(x.shape[2:])
     cpg = c // g
     x2, pre = _rows(x, (n * g, cpg * spatial), out.dtype, writes=False)
