@@ -243,3 +243,20 @@ def test_framework_overhead_is_the_part_of_each_run_outside_the_kernels(prefix, 
     compile_model(str(tmp_path / "z.pnnx.param"), str(tmp_path / "z.pnnx.bin"), str(tmp_path / "z.pmx"))
     empty = framework_overhead(InferenceSession(str(tmp_path / "z.pmx")), {"in0": np.ones(2, np.float32)}, repeat=5)
     assert empty.kernel_ms == 0 and empty.overhead == 1.0
+
+
+def test_keeping_a_size_list_is_refused_naming_it(tmp_path):
+    """A size list of a dynamic-shape export becomes its reshape's target, not a tensor."""
+    from paramgraph import write_lines
+
+    from pmx.runtime import PmxCompileError
+
+    lines = [
+        "pnnx.Input in0 0 1 x #x=(?,8)f32",
+        "pnnx.Expression sizes 1 1 x s expr=[size(@0,0),2,4] #x=(?,8)f32",
+        "Tensor.reshape r 2 1 x s y $input=x $shape=s #x=(?,8)f32 #y=(?,2,4)f32",
+        "pnnx.Output out 1 0 y",
+    ]
+    param = write_lines(tmp_path, lines)
+    with pytest.raises(PmxCompileError, match=r"m\.pnnx\.param: --keep s: a list of sizes"):
+        compile_model(str(param), output=str(tmp_path / "m.pmx"), keep=["s"])

@@ -22,6 +22,18 @@ def canonicalize(graph, ctx):
         canonicalize_at_placeholder(graph, ctx, _canonicalize)
     else:
         _canonicalize(graph)
+    _refuse_kept_sizes(graph)
+
+
+def _refuse_kept_sizes(graph):
+    """A kept tensor no node makes any more: a size list (`[size(@0,0),4]`), which the
+    reshape or expand reading it took in as its target, is no tensor at run time."""
+    for v in graph.kept:
+        if v.producer is None and not v.is_constant and v not in graph.inputs:
+            raise PmxCompileError(
+                f"{graph.source}: --keep {v.name}: a list of sizes pmx folds into the ops that read it (their target "
+                f"shape), not a tensor a run computes; keep a tensor of the model instead"
+            )
 
 
 def _refuse_unknown_ops(graph):
