@@ -392,7 +392,7 @@ def _flattens_per_image(target, rewritten, in_compiled):
     pnnx writes view(x.size(0), -1) and view(1, -1) alike as (1, n), and only the first
     keeps the images apart as torch runs it at a larger batch (the compile summary says
     which reading pmx took). torch.flatten(x, 1) says which itself: no note."""
-    return len(target) == 2 and len(in_compiled) >= 3 and target[0] == 1 and rewritten[0] == copy_dim(0)
+    return len(target) == 2 and len(in_compiled) >= 3 and target[0] == 1 and rewritten[0] in (copy_dim(0), -1)
 
 
 # Constants pnnx folded at the traced batch, and the attribute that lets them follow it:
