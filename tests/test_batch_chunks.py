@@ -85,6 +85,7 @@ MIXES = {
     "gather_along_batch": lambda y: torch.gather(y, 0, (y.abs() * 3).long() % y.shape[0]),
     "pad_rows_cancelling": lambda y: F.pad(y, (0, 0, 1, -1)) + y,  # the batch's size stays
     "embedding_in_the_batch": lambda y: F.embedding((y[:, 0].abs() * 2).long() % 3, y),  # the table is the batch
+    "attention_over_the_batch": lambda y: F.scaled_dot_product_attention(y.unsqueeze(1), y, y),  # keys: the batch
 }
 
 
@@ -294,3 +295,60 @@ def test_no_chunks_on_request(compiled):
 def test_the_chunk_entry_takes_whole_numbers(value):
     with pytest.raises(PmxInputError, match=r"pmx\.batch_chunk_rows"):
         SessionOptions().add_session_config_entry("pmx.batch_chunk_rows", value)
+
+
+# Hand-written graphs (pnnx writes no such pools; the slice comes from a dynamic-shape
+# export): windows over dim 0, and a slice as long as the batch. Each mixes rows, so the
+# batch runs whole, and matches torch on the tensor seen as one image (pools) or torch.
+BATCH_WIDE = {
+    "max_pool_over_dim_0": (
+        "F.max_pool2d p 1 1 x y kernel_size=(3,1) stride=(1,1) padding=(1,0) ceil_mode=False dilation=(1,1) "
+        "return_indices=False #x=(4,8)f32 #y=(4,8)f32",
+        lambda t: F.max_pool2d(t[None], (3, 1), 1, (1, 0))[0],
+    ),
+    "avg_pool_over_dim_0": (
+        "F.avg_pool2d p 1 1 x y kernel_size=(3,1) stride=(1,1) padding=(1,0) ceil_mode=False "
+        "count_include_pad=True divisor_override=None #x=(4,8)f32 #y=(4,8)f32",
+        lambda t: F.avg_pool2d(t[None], (3, 1), 1, (1, 0))[0],
+    ),
+    "pool_indices_over_dim_0": (
+        "F.max_pool2d p 1 2 x y i kernel_size=(1,2) stride=(1,2) padding=(0,0) dilation=(1,1) ceil_mode=False "
+        "return_indices=True #x=(4,8)f32 #y=(4,4)f32 #i=(4,4)i64",
+        lambda t: F.max_pool2d(t[None], (1, 2), (1, 2), return_indices=True)[1][0],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_WIDE))
+def test_a_window_over_dim_0_runs_the_batch_whole(tmp_path, name):
+    from paramgraph import compile_lines
+
+    line, fn = BATCH_WIDE[name]
+    outs = line.split()[4 + int(line.split()[2]) : 4 + int(line.split()[2]) + int(line.split()[3])]
+    sess = compile_lines(
+        tmp_path, ["pnnx.Input in0 0 1 x #x=(4,8)f32", line, f"pnnx.Output out {len(outs)} 0 {' '.join(outs)}"]
+    )
+    chunked = chunked_session(tmp_path / "m.pmx", rows=1)
+    for n in (3, 5, 7):
+        x = torch.rand(n, 8)
+        got = chunked.run(None, {"in0": x.numpy()})[-1]
+        np.testing.assert_allclose(got, fn(x).numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got, sess.run(None, {"in0": x.numpy()})[-1])
+
+
+def test_a_slice_as_long_as_the_batch_runs_the_batch_whole(tmp_path):
+    """x[:, 3 : x.size(0)], as pnnx's dynamic-shape export writes it: the end follows the batch."""
+    from paramgraph import compile_lines
+
+    lines = [
+        "pnnx.Input in0 0 1 x #x=(?,8)f32",
+        "pnnx.Expression n 1 1 x e expr=size(@0,0) $input=x #x=(?,8)f32",
+        "Tensor.slice s 2 1 x e y dim=1 start=3 step=1 $input=x $end=e #x=(?,8)f32 #y=(?,?)f32",
+        "pnnx.Output out 1 0 y",
+    ]
+    compile_lines(tmp_path, lines)
+    chunked = chunked_session(tmp_path / "m.pmx", rows=1)
+    for n in (5, 7):
+        x = torch.rand(n, 8)
+        (got,) = chunked.run(None, {"in0": x.numpy()})
+        np.testing.assert_array_equal(got, x[:, 3:n].numpy())

@@ -437,10 +437,11 @@ def attention_scratch(node, inputs, outputs, ctx):
 
 
 def _attention_rows(node, ranks, batched):
-    """Batch first: [N, L, E] with heads, or a batch dim before [L, E] without."""
+    """Batch first: [N, L, E] with heads, or a batch dim before [L, E] without, on every
+    batched operand (keys of rank 2 that are the batch make it the key sequence)."""
     if int(node.attrs.get("heads", 0)):
         return int(node.attrs.get("seq_axis", 0)) == 1
-    return ranks[0] >= 3
+    return all(r is not None and r >= 3 for r, b in zip(ranks, batched) if b)
 
 
 @register(

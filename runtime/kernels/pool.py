@@ -30,7 +30,7 @@ from pmx.runtime.kernels.common import (
     view_as,
 )
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_below_rank
 
 # kernel first: the other tuples' lengths follow it (one entry per spatial dim, pads
 # begins then ends)
@@ -139,7 +139,7 @@ def _lowest(dtype):
     return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
 
 
-@register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS, rows=True)
+@register("max_pool", infer=pool_infer, scratch=_pool_scratch, attrs=POOL_ATTRS, rows=rows_below_rank("kernel"))
 def make_max_pool(node, inputs, outputs, ctx):
     """Maxima over the taps of whole channels (_whole_channel_pool)."""
     x, out = inputs[0], outputs[0]
@@ -541,7 +541,7 @@ def _avg_divisor(x, out, a):
     return (1.0 / div).astype(out.dtype)
 
 
-@register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS, rows=True)
+@register("avg_pool", infer=pool_infer, scratch=_pool_scratch, attrs=AVG_POOL_ATTRS, rows=rows_below_rank("kernel"))
 def make_avg_pool(node, inputs, outputs, ctx):
     """Sums over the taps, scaled by each window's divisor. Batched float inputs sum as
     max pooling takes its maxima (_whole_channel_pool); unbatched or integer inputs add
@@ -629,14 +629,22 @@ def _make_adaptive(kind, node, inputs, outputs):
 
 
 @register(
-    "adaptive_avg_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True, format_version=adaptive_format_version
+    "adaptive_avg_pool",
+    infer=adaptive_infer,
+    attrs=ADAPTIVE_ATTRS,
+    rows=rows_below_rank("output_size"),
+    format_version=adaptive_format_version,
 )
 def make_adaptive_avg_pool(node, inputs, outputs, ctx):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
 @register(
-    "adaptive_max_pool", infer=adaptive_infer, attrs=ADAPTIVE_ATTRS, rows=True, format_version=adaptive_format_version
+    "adaptive_max_pool",
+    infer=adaptive_infer,
+    attrs=ADAPTIVE_ATTRS,
+    rows=rows_below_rank("output_size"),
+    format_version=adaptive_format_version,
 )
 def make_adaptive_max_pool(node, inputs, outputs, ctx):
     return _make_adaptive("max", node, inputs, outputs)

@@ -185,6 +185,16 @@ def rows_off_axis(*names):
     return rows
 
 
+def rows_below_rank(name):
+    """rows= for a window op (a pool) whose attribute `name` lists one size per trailing
+    dim it works on: rows stay apart unless that list reaches dim 0."""
+
+    def rows(node, ranks, batched):
+        return len(node.attrs[name]) < ranks[0]
+
+    return rows
+
+
 def version_with(attr, version=3):
     """format_version= for an op whose attribute `attr`, where present, an older runtime
     would misread rather than refuse."""

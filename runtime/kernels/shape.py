@@ -296,6 +296,13 @@ def _slice_shape(shape, attrs):
     return probe[_slice_index(attrs, len(shape))].shape
 
 
+def _slice_rows(node, ranks, batched):
+    """Off dim 0, unless the slice's end follows dim 0 of a batched tensor
+    (x[:, 3 : x.size(0)]): it is as long as the whole batch is, not as a chunk."""
+    follows_batch = len(batched) > 1 and batched[1] and 0 in node.attrs.get("end_dims", ())
+    return rows_off_axis("axes")(node, ranks, batched) and not follows_batch
+
+
 def slice_infer(node, shapes, dtypes):
     return [(_slice_shape(shapes[0], _with_followed_ends(node.attrs, shapes)), dtypes[0])]
 
@@ -304,7 +311,7 @@ def slice_infer(node, shapes, dtypes):
     "slice",
     infer=slice_infer,
     attrs=dict(SLICE_ATTRS, end_dims=SLICE_END_DIMS, end_divs=SLICE_END_DIVS),
-    rows=rows_off_axis("axes"),
+    rows=_slice_rows,
     format_version=version_with("end_dims"),
 )
 def make_slice(node, inputs, outputs, ctx):

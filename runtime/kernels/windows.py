@@ -32,7 +32,7 @@ from pmx.runtime.kernels.pool import (
     adaptive_infer,
     pool_infer,
 )
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, rows_below_rank
 
 UNFOLD_ATTRS = dict(
     kernel=ints(min_length=1, lo=1),
@@ -87,7 +87,7 @@ def _flat_index(coords, spatial):
     return flat
 
 
-@register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS, rows=True)
+@register("max_pool_indices", infer=_pool_indices_infer, attrs=POOL_ATTRS, rows=rows_below_rank("kernel"))
 def make_max_pool_indices(node, inputs, outputs, ctx):
     """Maxima over strided tap views of the input padded with the lowest value, and for
     each the tap's input position, updated where a tap is greater (or NaN)."""
@@ -132,7 +132,7 @@ def make_max_pool_indices(node, inputs, outputs, ctx):
     "adaptive_max_pool_indices",
     infer=_adaptive_indices_infer,
     attrs=ADAPTIVE_ATTRS,
-    rows=True,
+    rows=rows_below_rank("output_size"),
     format_version=adaptive_format_version,
 )
 def make_adaptive_max_pool_indices(node, inputs, outputs, ctx):
