@@ -308,3 +308,28 @@ def test_a_size_that_coincides_with_a_literal_is_not_taken_for_it(tmp_path, name
         want = fn(x).numpy()
         assert got.shape == want.shape, shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_batch_merged_with_another_dynamic_dim_is_fixed_not_guessed(tmp_path):
+    """x.view(-1, C) ... view(B, T, 32) of a fixed-shape export, with T asked dynamic: the
+    merged B * T cannot be split back into both, so the default batch is fixed (a note
+    names the reshape) and T follows; before, B's growth went into T."""
+    from paramgraph import write_lines
+
+    lines = [
+        "pnnx.Input in0 0 1 x #x=(1,8,16)f32",
+        "Tensor.reshape r0 1 1 x a shape=(8,16) $input=x #x=(1,8,16)f32 #a=(8,16)f32",
+        "pnnx.Expression e 1 1 a b expr=mul(@0,2) #a=(8,16)f32 #b=(8,16)f32",
+        "Tensor.reshape r1 1 1 b c shape=(1,8,16) $input=b #b=(8,16)f32 #c=(1,8,16)f32",
+        "pnnx.Output out 1 0 c",
+    ]
+    result = compile_model(str(write_lines(tmp_path, lines)), output=str(tmp_path / "m.pmx"), dynamic="in0:1")
+    assert result.dynamic["in0"] == [(1, 1), (1, -1), (16, 16)]
+    assert any(
+        "in0 dim 0 fixed: reshape 'r1'" in n and "cannot follow in0:0, in0:1 together" in n for n in result.notes
+    )
+    sess = InferenceSession(str(tmp_path / "m.pmx"))
+    x = torch.rand(1, 13, 16)
+    np.testing.assert_allclose(sess.run(None, {"in0": x.numpy()})[0], (x * 2).numpy(), rtol=1e-6)
+    with pytest.raises(PmxInputError, match=r"expected shape \[1, 1\.\., 16\]"):
+        sess.run(None, {"in0": torch.rand(2, 8, 16).numpy()})

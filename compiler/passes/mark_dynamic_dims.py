@@ -238,14 +238,14 @@ def mark_dynamic_dims(graph, ctx):
     req = {uid: {**auto.get(uid, {}), **explicit_req.get(uid, {})} for uid in set(explicit_req) | set(auto)}
     if not req:
         return
-    failure, shapes, notes = _probe(graph, req)
+    failure, shapes, notes, rewrites = _probe_each_and_all(graph, req)
     if failure is not None and auto and explicit_req:
         # the batch the user did not ask for may be what cannot change: try without it
         where, why = failure
         names = ", ".join(f"{v.name} dim 0" for v in graph.inputs if v.uid in auto)
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         req = explicit_req
-        failure, shapes, notes = _probe(graph, req)
+        failure, shapes, notes, rewrites = _probe_each_and_all(graph, req)
     if failure is not None:
         where, why = failure
         if explicit:
@@ -254,6 +254,8 @@ def mark_dynamic_dims(graph, ctx):
         names = ", ".join(f"{v.name} dim {d}" for v in graph.inputs for d in req.get(v.uid, {}))
         ctx.fixed_reasons.append(f"{names} fixed: {where} {why}")
         return
+    for node, attrs in rewrites.values():
+        node.attrs.update(attrs)
     ctx.notes.extend(notes)
     for v in graph.inputs:
         if v.uid in req:
@@ -265,7 +267,7 @@ def mark_dynamic_dims(graph, ctx):
     for v in graph.outputs:
         if v.uid in shapes and shapes[v.uid] != v.shape:
             ctx.dynamic_outputs[v.uid] = _output_ranges(graph, req, shapes, v)
-    if any(uid in auto for uid in req):
+    if any(0 in req.get(uid, {}) for uid in auto):  # the default batch is still dynamic
         ctx.notes.extend(_outputs_not_following_the_batch(graph, shapes))
 
 
@@ -310,10 +312,50 @@ def _output_ranges(graph, req, shapes, out):
     return {i: moved.get((a, b), (0, UNBOUNDED)) for i, (a, b) in enumerate(zip(out.shape, shapes[out.uid])) if a != b}
 
 
+def _probe_each_and_all(graph, req):
+    """_probe with every requested dim moved at once, its reshape rewrites checked against
+    probes that move one dim alone: a reshape of a dim merged from two (B * T, from
+    x.view(-1, C) of a fixed-shape export) is rewritten by a guess that may fit the joint
+    probe alone (growing T where B grew). A rewrite that gives another shape than the
+    one-dim probe's own is a failure naming the reshape, as any rejected probe is."""
+    failure, shapes, notes, rewrites = _probe(graph, req)
+    pairs = [(uid, d) for uid, dims in req.items() for d in dims]
+    if failure is not None or len(pairs) < 2:
+        return failure, shapes, notes, rewrites
+    values = {v.uid: v for v in graph.values()}
+    for uid, d in pairs:
+        alone, alone_shapes, _, _ = _probe(graph, {uid: {d: req[uid][d]}})
+        if alone is not None:
+            continue  # that dim cannot move alone: nothing to compare with
+        for node, attrs in rewrites.values():
+            if "dyn_shape" not in attrs:
+                continue
+            x, out = node.inputs[0], node.outputs[0]
+            moved = alone_shapes.get(x.uid, x.shape)
+            try:
+                same = resolve_dyn_shape(attrs["dyn_shape"], moved) == alone_shapes.get(out.uid, out.shape)
+            except ValueError:
+                same = False
+            if not same:
+                dims = ", ".join(f"{values[u].name}:{k}" for u, k in pairs)
+                return (
+                    (
+                        node.where(),
+                        f"reshapes to {node.attrs['shape']}, which cannot follow {dims} together: it mixes "
+                        f"them in one dim of a fixed-shape export (export with pnnx's two input shapes)",
+                    ),
+                    None,
+                    [],
+                    {},
+                )
+    return failure, shapes, notes, rewrites
+
+
 def _probe(graph, req):
-    """Run shape rules with the requested dims changed; rewrite reshapes on the way.
-    Returns (None, probe shapes by value uid, notes for the compile summary), or
-    ((where, reason), None, []) for the first node (or input range) that rejects the change."""
+    """Run shape rules with the requested dims changed, rewriting reshapes on the way.
+    Returns (None, probe shapes by value uid, notes for the compile summary, the rewrites
+    as {node uid: (node, attrs to set)}), or ((where, reason), None, [], {}) for the first
+    node (or input range) that rejects the change. Nothing is changed in the graph."""
     shapes = {}
     for v in graph.inputs:
         dims = req.get(v.uid)
@@ -323,7 +365,7 @@ def _probe(graph, req):
         for d, rng in dims.items():
             p = _probe_value(v.shape[d], rng)
             if p is None:
-                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None, []
+                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None, [], {}
             probe[d] = p
         shapes[v.uid] = tuple(probe)
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
@@ -350,6 +392,7 @@ def _probe(graph, req):
                     ),
                     None,
                     [],
+                    {},
                 )
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
@@ -365,12 +408,10 @@ def _probe(graph, req):
         except Exception as e:  # a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
-                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None, []
+                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None, [], {}
         for out, (shape, _) in zip(node.outputs, results):
             shapes[out.uid] = shape
-    for node, attrs in rewrites.values():
-        node.attrs.update(attrs)
-    return None, shapes, notes
+    return None, shapes, notes, rewrites
 
 
 def _batch_scale(graph, req, shapes):
