@@ -630,3 +630,38 @@ def test_roll_and_flip_follow_a_dynamic_dim(tmp_path):
         want = [x.flip(0), x.roll(1, 0), x.roll(-2, 3), x.roll(8, 3)]
         for g, w in zip(sess.run(None, {"in0": x.numpy()}), want):
             np.testing.assert_array_equal(g, w.numpy())
+
+
+def test_zeros_like_and_upsampling_by_a_factor_follow_the_input(tmp_path):
+    """zeros_like(x) takes x's shape at run time (the default batch), and an upsampling by
+    scale_factor of a '?'-dim export gets its output shape from the factor."""
+    import torch.nn.functional as F
+
+    ops = [
+        "pnnx.Input in0 0 1 x #x=(?,3,?,?)f32",
+        "F.upsample_nearest up 1 1 x a scale_factor=(2.0,2.0) $input=x #x=(?,3,?,?)f32 #a=(?,3,?,?)f32",
+        "F.upsample bi 1 1 x b align_corners=False mode=bilinear scale_factor=(1.5,1.5) $input=x "
+        "#x=(?,3,?,?)f32 #b=(?,3,?,?)f32",
+        "torch.ones_like ones 1 1 x c $input=x #x=(?,3,?,?)f32 #c=(?,3,?,?)f32",
+        "pnnx.Output out 3 0 a b c",
+    ]
+    sess = compile_lines(tmp_path, ops)
+    for shape in [(1, 3, 8, 8), (2, 3, 12, 10), (3, 3, 5, 7)]:
+        x = torch.rand(*shape)
+        want = [
+            F.interpolate(x, scale_factor=2.0, mode="nearest"),
+            F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=False),
+            torch.ones_like(x),
+        ]
+        for g, w in zip(sess.run(None, {"in0": x.numpy()}), want):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-6)
+    static = compile_lines(
+        tmp_path,
+        [
+            "pnnx.Input in0 0 1 x #x=(1,3)f32",
+            "torch.zeros_like z 1 1 x y $input=x #x=(1,3)f32 #y=(1,3)f32",
+            "pnnx.Output out 1 0 y",
+        ],
+    )
+    (got,) = static.run(None, {"in0": np.ones((4, 3), np.float32)})
+    np.testing.assert_array_equal(got, np.zeros((4, 3), np.float32))

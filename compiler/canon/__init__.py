@@ -8,6 +8,8 @@ and its single output is replaced by `value` (Dropout, Identity, contiguous).
 Rules validate parameters and raise PmxCompileError naming the node and .param line.
 """
 
+import math
+
 import numpy as np
 
 from pmx.compiler.ir import Node, Value
@@ -182,9 +184,15 @@ def out_shape(node, i=0):
     return s
 
 
+# resize ops whose output size follows from scale_factor (torch: floor(size * scale))
+_RESIZES = {"interpolate", "upsample", "Upsample", "upsample_nearest", "UpsamplingNearest2d"}
+_RESIZES |= {"upsample_bilinear", "UpsamplingBilinear2d"}
+
+
 def _shape_from_params(node, i):
     """Output shape of reshape/flatten/squeeze/unsqueeze/unbind/select/expand/chunk/split,
-    and of nn.MultiheadAttention's output (not its weights), from parameters."""
+    of a resize by scale_factor, and of nn.MultiheadAttention's output (not its
+    weights), from parameters."""
     x = next((v for v, n in zip(node.inputs, node.input_names) if n is None or not n.startswith("@")), None)
     if x is None or x.shape is None or any(d is None for d in x.shape):
         return None
@@ -220,6 +228,9 @@ def _shape_from_params(node, i):
             return tuple(shape[:d] + [1] + shape[d:])
         if kind == "MultiheadAttention" and i == 0 and rank == 3:  # the query's shape, embed_dim wide
             return tuple(shape[:-1] + [a["embed_dim"]])
+        if kind in _RESIZES and a.get("size") is None and a.get("scale_factor") is not None:
+            scales = a["scale_factor"] if isinstance(a["scale_factor"], tuple) else (a["scale_factor"],) * (rank - 2)
+            return tuple(shape[:2] + [math.floor(d * float(f)) for d, f in zip(shape[2:], scales)])
         if kind in ("unbind", "select"):  # the dim is taken out
             d = a.get("dim", 0) % rank
             return tuple(shape[:d] + shape[d + 1 :])

@@ -424,6 +424,12 @@ def _filled(node, ctx, fill):
     dtype = node.outputs[0].dtype
     if "size_list" in node.attrs:  # a dynamic export's [size(@0,0),size(@0,1),2]
         return _filled_like(node, ctx, fill, dtype)
+    like = node.named_input("input") if node.op.endswith("_like") else None
+    if like is not None and not like.is_constant:
+        # zeros_like(x) follows x's shape at run time (a batch, a '?' dim), as torch does
+        value = ctx.const(f"{node.name}.value", np.array(fill, dtype=dtype))
+        codes = tuple(-2 - k for k in range(len(in_shape(node, like))))
+        return [make(node, "expand", [value, like], dict(shape=codes))]
     size = node.named_input("size")
     if size is None:
         return Forward(ctx.const(node.outputs[0].name, np.full(out_shape(node), fill, dtype=dtype)))
