@@ -628,23 +628,17 @@ def _make_adaptive(kind, node, inputs, outputs):
     return run
 
 
-@register(
-    "adaptive_avg_pool",
-    infer=adaptive_infer,
-    attrs=ADAPTIVE_ATTRS,
-    rows=rows_below_rank("output_size"),
-    format_version=adaptive_format_version,
+# the adaptive pools' registration traits (adaptive_max_pool_indices in windows.py too)
+ADAPTIVE_TRAITS = dict(
+    attrs=ADAPTIVE_ATTRS, rows=rows_below_rank("output_size"), format_version=adaptive_format_version
 )
+
+
+@register("adaptive_avg_pool", infer=adaptive_infer, **ADAPTIVE_TRAITS)
 def make_adaptive_avg_pool(node, inputs, outputs, ctx):
     return _make_adaptive("mean", node, inputs, outputs)
 
 
-@register(
-    "adaptive_max_pool",
-    infer=adaptive_infer,
-    attrs=ADAPTIVE_ATTRS,
-    rows=rows_below_rank("output_size"),
-    format_version=adaptive_format_version,
-)
+@register("adaptive_max_pool", infer=adaptive_infer, **ADAPTIVE_TRAITS)
 def make_adaptive_max_pool(node, inputs, outputs, ctx):
     return _make_adaptive("max", node, inputs, outputs)

@@ -23,12 +23,11 @@ import numpy as np
 from pmx.runtime.kernels.attr_specs import ints, length_of
 from pmx.runtime.kernels.common import chain, copy_rows, padded_buffer, view_as
 from pmx.runtime.kernels.pool import (
-    ADAPTIVE_ATTRS,
+    ADAPTIVE_TRAITS,
     POOL_ATTRS,
     _bins,
     _ceil_pads,
     _lowest,
-    adaptive_format_version,
     adaptive_infer,
     pool_infer,
 )
@@ -128,13 +127,7 @@ def make_max_pool_indices(node, inputs, outputs, ctx):
     return run
 
 
-@register(
-    "adaptive_max_pool_indices",
-    infer=_adaptive_indices_infer,
-    attrs=ADAPTIVE_ATTRS,
-    rows=rows_below_rank("output_size"),
-    format_version=adaptive_format_version,
-)
+@register("adaptive_max_pool_indices", infer=_adaptive_indices_infer, **ADAPTIVE_TRAITS)
 def make_adaptive_max_pool_indices(node, inputs, outputs, ctx):
     """One argmax per output cell over its bin (torch's floor / ceil bin edges), the
     window flattened; a NaN in the window gives the last NaN's index."""
