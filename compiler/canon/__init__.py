@@ -15,6 +15,7 @@ import numpy as np
 from pmx.compiler.ir import Node, Value
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxCompileError
+from pmx.runtime.kernels.shape import copy_dim, resolve_dyn_shape
 
 RULES = {}
 _MISSING = object()
@@ -189,6 +190,38 @@ _RESIZES = {"interpolate", "upsample", "Upsample", "upsample_nearest", "Upsampli
 _RESIZES |= {"upsample_bilinear", "UpsamplingBilinear2d"}
 
 
+def exact_target(node, shape):
+    """The dyn_shape (runtime/kernels/shape.py resolve_dyn_shape) of a reshape-like op
+    whose parameters define its target in terms of its input of `shape` (unsqueeze,
+    squeeze of named dims, flatten, ravel): every kept dim copied, a merged run inferred
+    (-1), so the target follows dynamic dims and mark_dynamic_dims has nothing to guess
+    (a '?' planned at 1 and a literal 1 look alike). None for other ops, and for targets
+    given as numbers (view, reshape)."""
+    kind, a, rank = node.op.split(".")[-1], node.attrs, len(shape)
+    try:
+        if kind == "unsqueeze":
+            d = a["dim"] % (rank + 1)
+            return _copies(range(d)) + (1,) + _copies(range(d, rank))
+        if kind == "squeeze" and a.get("dim") is not None:
+            named = a["dim"] if isinstance(a["dim"], tuple) else (a["dim"],)
+            gone = {d % rank for d in named if shape[d % rank] == 1}  # torch keeps a named dim that is not 1
+            return _copies(d for d in range(rank) if d not in gone)
+        if kind in ("flatten", "Flatten", "ravel"):
+            if rank == 0:
+                return (1,)
+            start = a.get("start_dim", 1 if node.op == "nn.Flatten" else 0) % rank
+            end = a.get("end_dim", -1) % rank
+            merged = (-1,) if end > start else _copies([start])
+            return _copies(range(start)) + merged + _copies(range(end + 1, rank))
+    except (KeyError, TypeError, IndexError):
+        return None
+    return None
+
+
+def _copies(dims):
+    return tuple(copy_dim(d) for d in dims)
+
+
 def _shape_from_params(node, i):
     """Output shape of reshape/flatten/squeeze/unsqueeze/unbind/select/expand/chunk/split,
     of a resize by scale_factor, and of nn.MultiheadAttention's output (not its
@@ -199,33 +232,14 @@ def _shape_from_params(node, i):
     shape, rank, a = list(x.shape), len(x.shape), node.attrs
     kind = node.op.split(".")[-1]
     try:
-        if kind in ("flatten", "Flatten", "ravel"):
-            start = a.get("start_dim", 1 if node.op == "nn.Flatten" else 0) % rank if rank else 0
-            end = a.get("end_dim", -1) % rank if rank else 0
-            merged = 1
-            for d in shape[start : end + 1]:
-                merged *= d
-            return tuple(shape[:start] + [merged] + shape[end + 1 :])
+        codes = exact_target(node, shape)
+        if codes is not None:
+            return resolve_dyn_shape(codes, shape)
         if kind in ("reshape", "view") and isinstance(a.get("shape"), tuple):
-            target = list(a["shape"])
-            if all(isinstance(d, int) for d in target):
-                total = 1
-                for d in shape:
-                    total *= d
-                if -1 in target:
-                    rest = 1
-                    for d in target:
-                        rest *= d if d != -1 else 1
-                    target[target.index(-1)] = total // rest
-                return tuple(target)
-        if kind == "squeeze":
-            dims = a.get("dim")
-            dims = tuple(range(rank)) if dims is None else (dims if isinstance(dims, tuple) else (dims,))
-            dims = {d % rank for d in dims}
-            return tuple(d for j, d in enumerate(shape) if not (j in dims and d == 1))
-        if kind == "unsqueeze":
-            d = a["dim"] % (rank + 1)
-            return tuple(shape[:d] + [1] + shape[d:])
+            if all(isinstance(d, int) for d in a["shape"]):
+                return resolve_dyn_shape(a["shape"], shape)
+        if kind == "squeeze" and a.get("dim") is None:  # of every size-1 dim
+            return tuple(d for d in shape if d != 1)
         if kind == "MultiheadAttention" and i == 0 and rank == 3:  # the query's shape, embed_dim wide
             return tuple(shape[:-1] + [a["embed_dim"]])
         if kind in _RESIZES and a.get("size") is None and a.get("scale_factor") is not None:

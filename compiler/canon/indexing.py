@@ -26,6 +26,7 @@ from pmx.compiler.canon.math_ops import LIST, NONE, compile_time_number, pnnx_ex
 from pmx.compiler.ir import Value
 from pmx.runtime import expr as E
 from pmx.runtime.errors import PmxFormatError
+from pmx.runtime.kernels.shape import copy_dim
 
 _NO_DEFAULT = object()
 
@@ -127,13 +128,13 @@ def _like_sizes(node, like):
     """expand's sizes as expand_infer codes, from expand_as's other tensor or a size list."""
     rank = len(in_shape(node, like))
     if node.op == "Tensor.expand_as":
-        return tuple(-2 - k for k in range(rank))
+        return tuple(copy_dim(k) for k in range(rank))
     sizes = node.attrs["size_list"]
     codes = []
     for item in sizes[1:]:
         d, n = size_dim(item), _int(item)
         if d is not None and -rank <= d < rank:
-            codes.append(-2 - d % rank)
+            codes.append(copy_dim(d % rank))
         elif n is not None and n >= -1:
             codes.append(n)
         else:
@@ -428,7 +429,7 @@ def _filled(node, ctx, fill):
     if like is not None and not like.is_constant:
         # zeros_like(x) follows x's shape at run time (a batch, a '?' dim), as torch does
         value = ctx.const(f"{node.name}.value", np.array(fill, dtype=dtype))
-        codes = tuple(-2 - k for k in range(len(in_shape(node, like))))
+        codes = tuple(copy_dim(k) for k in range(len(in_shape(node, like))))
         return [make(node, "expand", [value, like], dict(shape=codes))]
     size = node.named_input("size")
     if size is None:
@@ -540,7 +541,7 @@ def arange(node, ctx):
         attrs = dict(start=start, step=step, axis=axis % rank, dtype=str(np.dtype(dtype)))
         return [make(node, "arange", [sized], attrs)]
     read = [node.named_input(label) for label in ("start", "end", "step")]
-    if any(v is not None and compile_time_number(v) is None for v, label in zip(read, ("start", "end", "step"))):
+    if any(v is not None and compile_time_number(v) is None for v in read):
         return _arange_values(node, ctx)
     start = _scalar_param(node, "start", 0)
     end = _scalar_param(node, "end", None)

@@ -14,6 +14,7 @@ import numpy as np
 from pmx.compiler.canon import (
     Forward,
     data_input,
+    exact_target,
     fail,
     in_shape,
     make,
@@ -22,7 +23,7 @@ from pmx.compiler.canon import (
     rule,
 )
 from pmx.compiler.canon.math_ops import pnnx_text, size_dim
-from pmx.runtime.kernels.shape import like_dims, resolve_dyn_shape, slice_infer
+from pmx.runtime.kernels.shape import copy_dim, like_dims, resolve_dyn_shape, slice_infer
 
 # the input names a size list's tensors take on a reshape: size(@k, d) reads "like@k"
 LIKE = "like@"
@@ -83,43 +84,10 @@ def reshape(node, ctx):
     attrs = dict(shape=tuple(shape))
     if "shape" in node.attrs:
         attrs["pnnx_shape"] = node.attrs["shape"]
-    exact = _follows_input(node, len(in_shape(node, x)), len(shape))
+    exact = exact_target(node, in_shape(node, x))
     if exact is not None:
         attrs["dyn_shape"] = exact
     return [make(node, "reshape", [x], attrs)]
-
-
-def copy_dims(dims):
-    """dyn_shape codes copying the input's `dims` (runtime/kernels/shape.py resolve_dyn_shape)."""
-    return tuple(-2 - d for d in dims)
-
-
-def _follows_input(node, rank, out_rank):
-    """The exact dyn_shape of a reshape an op's parameters define in terms of its input
-    (unsqueeze, squeeze of given dims, flatten, ravel): every kept dim copied, a merged
-    run inferred (-1), so it follows dynamic dims without mark_dynamic_dims guessing
-    which literal is which dim (a '?' planned at 1 and a literal 1 look alike). None for
-    a target given as numbers (view, reshape: mark_dynamic_dims reads those)."""
-    kind, a = node.op.split(".")[-1], node.attrs
-    try:
-        if kind == "unsqueeze":
-            d = a["dim"] % (rank + 1)
-            return copy_dims(range(d)) + (1,) + copy_dims(range(d, rank))
-        if kind == "squeeze" and a.get("dim") is not None:
-            dims = a["dim"] if isinstance(a["dim"], tuple) else (a["dim"],)
-            gone = {d % rank for d in dims}
-            kept = copy_dims(d for d in range(rank) if d not in gone)
-            return kept if len(kept) == out_rank else None  # a named dim that was not 1 stays
-        if kind in ("flatten", "Flatten", "ravel"):
-            if rank == 0:
-                return None
-            start = a.get("start_dim", 1 if node.op == "nn.Flatten" else 0) % rank
-            end = a.get("end_dim", -1) % rank
-            merged = (-1,) if end > start else copy_dims([start])
-            return copy_dims(range(start)) + merged + copy_dims(range(end + 1, rank))
-    except (KeyError, TypeError):
-        return None
-    return None
 
 
 def attach_reshape_sizes(node, ctx, sizes):
@@ -213,7 +181,7 @@ def _size_code(node, sizes, item, ranks, offsets):
         fail(
             node, f"size list {pnnx_text(sizes)!r}: entry {pnnx_text(item)!r} reads dim {d} of a rank-{ranks[k]} tensor"
         )
-    return -2 - (offsets[k] + d % ranks[k])
+    return copy_dim(offsets[k] + d % ranks[k])
 
 
 def _size_ref(item, ranks):

@@ -30,11 +30,7 @@ import numpy as np
 from pmx.runtime.dim_ranges import UNBOUNDED
 from pmx.runtime.errors import PmxCompileError
 from pmx.runtime.kernels.registry import output_shapes
-from pmx.runtime.kernels.shape import resolve_dyn_shape
-
-
-def copy_dim(k):
-    return -2 - k
+from pmx.runtime.kernels.shape import copy_dim, resolve_dyn_shape
 
 
 def _numel(s):

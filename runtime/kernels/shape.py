@@ -54,6 +54,11 @@ def _resolve_shape(shape, numel):
     return tuple(shape)
 
 
+def copy_dim(k):
+    """The dyn_shape / like_shape code copying dim k (resolve_dyn_shape)."""
+    return -2 - k
+
+
 def resolve_dyn_shape(dyn_shape, in_shape, copied=None):
     """A symbolic reshape target -> concrete shape for this input shape. Entries: >= 0
     literal, -1 inferred from the element count, -2-k copy dim k of `copied` (default
