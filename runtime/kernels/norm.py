@@ -27,7 +27,7 @@ from pmx.runtime import parallel
 from pmx.runtime.kernels.attr_specs import AXIS, FLAG, NON_NEGATIVE, NUMBER, input_rank, integer, optional
 from pmx.runtime.kernels.common import chain, expect_operand, split_threads, view_as
 from pmx.runtime.kernels.reduce import reduction
-from pmx.runtime.kernels.registry import register, rows_off_axis
+from pmx.runtime.kernels.registry import register, rows_off_axis, version_with
 
 
 def same_as_input(node, shapes, dtypes):
@@ -190,7 +190,7 @@ def group_norm_infer(node, shapes, dtypes):
     attrs=dict(groups=NON_NEGATIVE, eps=optional(NUMBER)),
     float_input=True,
     rows=True,
-    format_version=lambda node: 4 if node.attrs.get("groups") == 0 else None,
+    format_version=version_with("groups", 4, when=lambda groups: groups == 0),
 )
 def make_group_norm(node, inputs, outputs, ctx):
     x = inputs[0]

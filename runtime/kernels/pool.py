@@ -30,7 +30,7 @@ from pmx.runtime.kernels.common import (
     view_as,
 )
 from pmx.runtime.kernels.reduce import REDUCERS, reduction
-from pmx.runtime.kernels.registry import register, rows_below_rank
+from pmx.runtime.kernels.registry import register, rows_below_rank, version_with
 
 # kernel first: the other tuples' lengths follow it (one entry per spatial dim, pads
 # begins then ends)
@@ -591,11 +591,6 @@ def adaptive_infer(node, shapes, dtypes):
     return [(tuple(x[:-nd]) + spatial, dtypes[0])]
 
 
-def adaptive_format_version(node):
-    """An output size of 0 (the input's size) means nothing to a version-3 runtime."""
-    return 4 if 0 in node.attrs.get("output_size", ()) else None
-
-
 def _bins(n, o):
     return [(math.floor(i * n / o), math.ceil((i + 1) * n / o)) for i in range(o)]
 
@@ -629,8 +624,11 @@ def _make_adaptive(kind, node, inputs, outputs):
 
 
 # the adaptive pools' registration traits (adaptive_max_pool_indices in windows.py too)
+# (an output size 0, the input's size, means nothing to a version-3 runtime)
 ADAPTIVE_TRAITS = dict(
-    attrs=ADAPTIVE_ATTRS, rows=rows_below_rank("output_size"), format_version=adaptive_format_version
+    attrs=ADAPTIVE_ATTRS,
+    rows=rows_below_rank("output_size"),
+    format_version=version_with("output_size", 4, when=lambda size: 0 in size),
 )
 
 

@@ -195,12 +195,13 @@ def rows_below_rank(name):
     return rows
 
 
-def version_with(attr, version=3):
-    """format_version= for an op whose attribute `attr`, where present, an older runtime
-    would misread rather than refuse."""
+def version_with(attr, version=3, when=None):
+    """format_version= for an op whose attribute `attr`, where present (and where
+    when(value) says so), an older runtime would misread rather than refuse."""
 
     def format_version(node):
-        return version if attr in node.attrs else None
+        present = attr in node.attrs and (when is None or when(node.attrs[attr]))
+        return version if present else None
 
     return format_version
 

@@ -296,11 +296,12 @@ def pad_infer(node, shapes, dtypes):
     return [(padded_shape(shapes[0], pads), dtypes[0])]
 
 
-def _keeps_rows(pads, rank):
+def _pad_rows(node, ranks, batched):
     """A pad leaves dim 0 alone (a batch chunk pads as the whole batch would) unless its
     pads reach dim 0: then rows move, even where the pads cancel (F.pad(x, (0, 0, 1, -1)))."""
+    pads = node.attrs["pads"]
     nd = len(pads) // 2
-    return rank > nd or (pads[0] == 0 and pads[nd] == 0)
+    return ranks[0] > nd or (pads[0] == 0 and pads[nd] == 0)
 
 
 @register(
@@ -311,7 +312,7 @@ def _keeps_rows(pads, rank):
         mode=optional(one_of("constant", "reflect", "replicate", "circular")),
         value=optional(number(none=True)),
     ),
-    rows=lambda node, ranks, batched: _keeps_rows(node.attrs["pads"], ranks[0]),
+    rows=_pad_rows,
 )
 def make_pad(node, inputs, outputs, ctx):
     x, out = inputs[0], outputs[0]

@@ -301,11 +301,14 @@ def _slice_shape(shape, attrs):
     return probe[_slice_index(attrs, len(shape))].shape
 
 
+_off_sliced_axes = rows_off_axis("axes")
+
+
 def _slice_rows(node, ranks, batched):
     """Off dim 0, unless the slice's end follows dim 0 of a batched tensor
     (x[:, 3 : x.size(0)]): it is as long as the whole batch is, not as a chunk."""
     follows_batch = len(batched) > 1 and batched[1] and 0 in node.attrs.get("end_dims", ())
-    return rows_off_axis("axes")(node, ranks, batched) and not follows_batch
+    return _off_sliced_axes(node, ranks, batched) and not follows_batch
 
 
 def slice_infer(node, shapes, dtypes):
@@ -458,7 +461,7 @@ def slice_assign_infer(node, shapes, dtypes):
     return [(tuple(shapes[0]), dtypes[0])]
 
 
-@register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS, rows=rows_off_axis("axes"))
+@register("slice_assign", infer=slice_assign_infer, inplace=True, attrs=SLICE_ATTRS, rows=_off_sliced_axes)
 def make_slice_assign(node, inputs, outputs, ctx):
     x, src, out = inputs[0], inputs[1], outputs[0]
     dst = out[_slice_index(node.attrs, out.ndim)]
