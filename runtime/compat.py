@@ -17,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from pmx.runtime.dtypes import ORT_TYPE
+from pmx.runtime.dtypes import ONNX_ELEMENT_TYPE, ORT_TYPE
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.options import checked_value
 from pmx.runtime.record import FrozenRecord, set_fields
@@ -247,7 +247,7 @@ class OrtValue:
 
     @classmethod
     def ortvalue_from_numpy(cls, array, device_type="cpu", device_id=0):
-        _check_cpu(device_type)
+        check_cpu(device_type)
         return cls(np.asarray(array))
 
     @classmethod
@@ -255,7 +255,7 @@ class OrtValue:
         """A new tensor of `shape` and `element_type` (a numpy type, or an ONNX
         TensorProto number as onnxruntime takes), zero-filled (onnxruntime leaves it
         uninitialized)."""
-        _check_cpu(device_type)
+        check_cpu(device_type)
         return cls(np.zeros(tuple(shape), _element_dtype(element_type)))
 
     def numpy(self):
@@ -284,34 +284,23 @@ class OrtValue:
         return True
 
 
-def _check_cpu(device_type):
+def check_cpu(device_type):
+    """A device name, or an onnxruntime OrtDevice (whose device_type() is 0 for the CPU):
+    the CPU only."""
+    if hasattr(device_type, "device_type"):
+        device_type = "cpu" if device_type.device_type() == 0 else device_type.device_type()
     if str(device_type).lower() != "cpu":
         raise PmxInputError(f"device {device_type!r}: pmx runs on the CPU only ('cpu')")
 
 
-def check_cpu_device(device):
-    """An onnxruntime OrtDevice, or a device name: the CPU only."""
-    _check_cpu(device.device_type() if hasattr(device, "device_type") else device)
-
-
-def ortvalue_array(value):
-    """The array an OrtValue holds (a numpy array is taken as it is)."""
-    return value.numpy() if isinstance(value, OrtValue) else value
-
-
-# ONNX TensorProto element types pmx has tensors of, as ortvalue_from_shape_and_type takes them
-_ONNX_ELEMENT_TYPES = {1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool"}
-_ONNX_ELEMENT_TYPES.update({10: "float16", 11: "float64"})
-
-
 def _element_dtype(element_type):
     if isinstance(element_type, int) and not isinstance(element_type, bool):
-        if element_type not in _ONNX_ELEMENT_TYPES:
+        if element_type not in ONNX_ELEMENT_TYPE:
             raise PmxInputError(
-                f"element type {element_type}: pmx takes the ONNX TensorProto types {sorted(_ONNX_ELEMENT_TYPES)} "
+                f"element type {element_type}: pmx takes the ONNX TensorProto types {sorted(ONNX_ELEMENT_TYPE)} "
                 f"or numpy types"
             )
-        return np.dtype(_ONNX_ELEMENT_TYPES[element_type])
+        return np.dtype(ONNX_ELEMENT_TYPE[element_type])
     try:
         return np.dtype(element_type)
     except TypeError:
@@ -348,14 +337,14 @@ class IOBinding:
         self._inputs[name] = arr_on_cpu
 
     def bind_input(self, name, device_type, device_id, element_type, shape, buffer_ptr):
-        _check_cpu(device_type)
+        check_cpu(device_type)
         self._inputs[name] = array_at(buffer_ptr, element_type, tuple(shape))
 
     def bind_ortvalue_input(self, name, ortvalue):
         self._inputs[name] = ortvalue.numpy()
 
     def bind_output(self, name, device_type="cpu", device_id=0, element_type=None, shape=None, buffer_ptr=None):
-        _check_cpu(device_type)
+        check_cpu(device_type)
         if buffer_ptr is None:
             self._outputs[name] = None
             return

@@ -36,3 +36,19 @@ ORT_TYPE = {
     "complex64": "tensor(complex64)",
     "complex128": "tensor(complex128)",
 }
+
+# ONNX TensorProto element type numbers of the dtypes above that ONNX numbers, as
+# onnxruntime's OrtValue.ortvalue_from_shape_and_type takes them
+ONNX_ELEMENT_TYPE = {
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    5: "int16",
+    6: "int32",
+    7: "int64",
+    9: "bool",
+    10: "float16",
+    11: "float64",
+    14: "complex64",
+    15: "complex128",
+}

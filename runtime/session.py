@@ -371,7 +371,7 @@ class InferenceSession:
 
     def run_with_ort_values(self, output_names, input_dict_ort_values, run_options=None):
         """run() over {input name: OrtValue}, returning a list of OrtValue, as onnxruntime."""
-        feed = {name: compat.ortvalue_array(value) for name, value in input_dict_ort_values.items()}
+        feed = {name: value.numpy() for name, value in input_dict_ort_values.items()}
         return [compat.OrtValue(a) for a in self.run(output_names, feed, run_options)]
 
     def run_with_ortvaluevector(self, run_options, feed_names, feeds, fetch_names, fetches, fetch_devices=None):
@@ -379,7 +379,7 @@ class InferenceSession:
         list, is filled with one OrtValue per name in `fetch_names` (onnxruntime fills its
         OrtValueVector in place). fetch_devices: CPU only."""
         for device in fetch_devices or ():
-            compat.check_cpu_device(device)
+            compat.check_cpu(device)
         values = self.run_with_ort_values(list(fetch_names), dict(zip(feed_names, feeds)), run_options)
         fetches[:] = values
 
