@@ -128,26 +128,20 @@ def test_a_pmx_that_differs_from_the_module_is_refused(tmp_path):
         check_against_torch(module, (x,), tmp_path / "m.pmx")
 
 
-class FlattenThenSoftmax(nn.Module):
-    """view(1, -1) over the batch: at batch 2 torch mixes the two images in one softmax."""
+class Flatten(nn.Module):
+    """A conv, then its output flattened per image before a Linear (view(x.size(0), -1)),
+    or, with mix, over the batch before a softmax (view(1, -1): at batch 2 torch mixes the
+    two images in one softmax). pnnx writes both as (1, 64) at batch 1."""
 
-    def __init__(self):
+    def __init__(self, mix=False):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(x).reshape(1, -1).softmax(-1)
-
-
-class FlattenPerImage(nn.Module):
-    def __init__(self):
-        super().__init__()
+        self.mix = mix
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.fc = nn.Linear(64, 3)
 
     def forward(self, x):
         y = self.conv(x)
-        return self.fc(y.view(y.size(0), -1))
+        return y.reshape(1, -1).softmax(-1) if self.mix else self.fc(y.view(y.size(0), -1))
 
 
 def test_a_batch_torch_runs_otherwise_fails_the_check_and_the_file_is_removed(tmp_path):
@@ -155,17 +149,17 @@ def test_a_batch_torch_runs_otherwise_fails_the_check_and_the_file_is_removed(tm
     second, so the check at batch 2 must catch the first, say so, and leave no file."""
     torch.manual_seed(0)
     with pytest.raises(PmxCompileError) as caught:
-        from_torch(FlattenThenSoftmax(), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx")
+        from_torch(Flatten(mix=True), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx")
     message = str(caught.value)
     assert "on inputs at batch 2: out0 has shape [2, 64], torch's [1, 128]" in message
     assert "--static" in message and "was removed" in message
     assert not (tmp_path / "m.pmx").exists()
-    from_torch(FlattenThenSoftmax(), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx", auto_batch=False)  # as advised
+    from_torch(Flatten(mix=True), torch.rand(1, 3, 4, 4), tmp_path / "m.pmx", auto_batch=False)  # as advised
 
 
 def test_a_flatten_read_per_image_is_noted_and_matches_torch_at_other_batches(tmp_path):
     torch.manual_seed(0)
-    module = FlattenPerImage().eval()
+    module = Flatten().eval()
     result = from_torch(module, torch.rand(1, 3, 4, 4), tmp_path / "m.pmx")
     assert "flattens to (1, 64), read as (batch, 64)" in repr(result)
     x = torch.rand(3, 3, 4, 4)
@@ -218,7 +212,7 @@ def test_compile_check_catches_a_param_edited_to_differ_from_its_model_pt(export
 
 
 def test_compile_check_names_the_batch_that_differs(exporter, tmp_path, capsys):
-    prefix = pathlib.Path(exporter("from_torch_flatten_softmax", FlattenThenSoftmax(), (torch.rand(1, 3, 4, 4),)))
+    prefix = pathlib.Path(exporter("from_torch_flatten_softmax", Flatten(mix=True), (torch.rand(1, 3, 4, 4),)))
     for suffix in (".pnnx.param", ".pnnx.bin", ".pt"):
         shutil.copy(str(prefix) + suffix, tmp_path / ("model" + suffix))
     assert main(["compile", str(tmp_path / "model.pnnx.param"), "-o", str(tmp_path / "m.pmx"), "--check"]) == 1

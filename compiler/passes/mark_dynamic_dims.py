@@ -318,7 +318,7 @@ def _probe_each_and_all(graph, req):
     pairs = [(uid, d) for uid, dims in req.items() for d in dims]
     if failure is not None or len(pairs) < 2:
         return failure, shapes, notes, rewrites
-    values = {v.uid: v for v in graph.values()}
+    names = {v.uid: v.name for v in graph.inputs}
     for uid, d in pairs:
         alone, alone_shapes, _, _ = _probe(graph, {uid: {d: req[uid][d]}})
         if alone is not None:
@@ -333,7 +333,7 @@ def _probe_each_and_all(graph, req):
             except ValueError:
                 same = False
             if not same:
-                dims = ", ".join(f"{values[u].name}:{k}" for u, k in pairs)
+                dims = ", ".join(f"{names[u]}:{k}" for u, k in pairs)
                 return (
                     (
                         node.where(),
