@@ -6,8 +6,8 @@ host whose other cores are busy, every GEMM then waits for a descheduled thread
 measurements"). pmx may not set numpy's BLAS to one thread, since the host's own numpy
 would change under it. So pmx loads the OpenBLAS of the `scipy-openblas32` wheel (a
 dependency where that wheel ships), a library separate from numpy's, with its own
-symbols (scipy_cblas_sgemm) and its own thread pool, sets that library to one thread,
-and splits GEMMs over each InferenceSession's own threads (kernels/common.gemm), which
+symbols (scipy_cblas_sgemm), loads it so that it starts no thread pool of its own,
+sets it to one thread, and splits GEMMs over each InferenceSession's own threads (kernels/common.gemm), which
 sleep while they wait.
 
 Where that wheel is missing, or something else in the process had already loaded the
@@ -36,6 +36,7 @@ import glob
 import importlib.util
 import math
 import os
+import threading
 
 import numpy as np
 
@@ -121,9 +122,8 @@ def private_library() -> Library | None:
     path = _private_library_path()
     if path is None or _is_mapped(path):
         return None
-    try:
-        handle = ctypes.CDLL(path)  # RTLD_LOCAL: its symbols stay out of the global namespace
-    except OSError:
+    handle = _load_seeing_one_cpu(path)
+    if handle is None:
         return None
     setter = getattr(handle, "scipy_openblas_set_num_threads", None)
     if setter is None:
@@ -131,6 +131,47 @@ def private_library() -> Library | None:
     setter.argtypes, setter.restype = [ctypes.c_int], None
     setter(1)
     return Library(handle, path, _PRIVATE_SPELLINGS, private=True)
+
+
+def _load_seeing_one_cpu(path):
+    """dlopen `path` (RTLD_LOCAL: its symbols stay out of the global namespace) from a
+    thread of pmx's own that may run on one CPU only, then let that thread end.
+
+    OpenBLAS starts its thread pool inside dlopen, one thread per CPU its loading thread
+    may run on, and each new thread busy-waits for work for about 0.1 s before it sleeps.
+    pmx sets the library to one thread right after, so that pool never gets work, but on
+    a small host its spinning took a core from the first run (docs/performance.md, "The
+    first run and OpenBLAS's spinning threads"). Loaded from a thread confined to one
+    CPU, OpenBLAS counts one CPU and starts no pool. The confinement is the loading
+    thread's own: no thread of the host's or of a session is touched, and the thread is
+    gone when this returns. Where a thread's CPUs cannot be set, a plain dlopen."""
+    loaded = {}
+    cpu = _current_cpu()  # free while this thread waits in join: the loader starts at once
+
+    def load():
+        try:
+            os.sched_setaffinity(0, {cpu if cpu in os.sched_getaffinity(0) else min(os.sched_getaffinity(0))})
+        except (AttributeError, OSError, ValueError):
+            pass  # not on this platform: the library starts its pool, as on a plain load
+        try:
+            loaded["handle"] = ctypes.CDLL(path)
+        except OSError:
+            loaded["handle"] = None
+
+    loader = threading.Thread(target=load, name="pmx-blas-loader", daemon=True)
+    loader.start()
+    loader.join()
+    return loaded.get("handle")
+
+
+def _current_cpu():
+    """The CPU the calling thread runs on (/proc/thread-self/stat, field 39), or None."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[36])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _private_library_path():

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -262,6 +263,37 @@ def test_without_the_wheel_pmx_calls_numpys_blas_and_splits_only_when_it_has_one
         hide_the_wheel=True,
     )
     assert out == ["2", "False", "1", "True"]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2 or not os.path.isdir("/proc/self/task"),
+    reason="needs Linux and two CPUs: with one, OpenBLAS starts no pool however it is loaded",
+)
+def test_pmxs_library_starts_no_thread_pool_and_leaves_the_callers_cpus():
+    """OpenBLAS starts a pool of busy-waiting threads inside dlopen, one per CPU; pmx's
+    library never uses it (one thread), so loading it adds no thread to the process and
+    leaves the calling thread's CPUs as they were. Oracle: the kernel's list of the
+    process's threads, and the same file loaded plainly, which does start a pool."""
+    out = _run_python("""
+        import ctypes, os, time
+        from pmx.runtime import blas
+        def threads():
+            time.sleep(0.05)  # a thread that has just ended leaves the list a moment later
+            return len(os.listdir("/proc/self/task"))
+        cpus, before = os.sched_getaffinity(0), threads()
+        lib = blas.library()
+        print(lib.private, threads() - before, os.sched_getaffinity(0) == cpus, lib.threads())
+    """)
+    plain = _run_python("""
+        import ctypes, os, time
+        from pmx.runtime import blas
+        before = len(os.listdir("/proc/self/task"))
+        ctypes.CDLL(blas._private_library_path())
+        time.sleep(0.05)
+        print(len(os.listdir("/proc/self/task")) - before)
+    """)
+    assert out == ["True", "0", "True", "1"]
+    assert int(plain[0]) >= 1  # the oracle can tell: a plain load does start threads
 
 
 def test_a_library_someone_else_loaded_is_not_pmxs_to_set():
