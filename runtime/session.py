@@ -101,12 +101,13 @@ class _Binding:
         self.single = parallel.Pool(1) if pool.threads > 1 and not deterministic else None
         self._bind(model, layout, max_arena_bytes, run_sized)
         self._ways = {True: None, False: None}
-        # The first run takes the one-thread way where there is one: binding a kernel
-        # for one thread plans no split, which costs more on one run than the split
-        # saves (docs/performance.md, "The first run on one thread"); the split way is
-        # bound at the second run.
+        # The first run takes the one-thread way where there is one, unless the model is
+        # heavy: binding for the split way plans every split, which on a light model costs
+        # more on one run than the split saves, and on a heavy one less (docs/performance.md,
+        # "The first run on one thread", "The first run of heavy models: split"); the
+        # other way is bound when the run chooser first takes it.
         self.started = False
-        self._use(self.single is None)
+        self._use(self.single is None or _heavy_model(model, layout))
 
     def _bind(self, model, layout, max_arena_bytes, run_sized):
         self.layout = layout
@@ -194,6 +195,27 @@ class _Binding:
             start = layout.offsets[i]
         nbytes = math.prod(shape) * t.dtype.itemsize
         return self.arena[start : start + nbytes].view(t.dtype).reshape(shape)
+
+
+# From this many multiply-adds in its conv and linear layers, a model's first run bound
+# for the split way ends sooner than one bound for one thread: binding for the split
+# costs a few ms more, and the split saves a share of the compute.
+HEAVY_MODEL_MACS = 600_000_000
+
+
+def _heavy_model(model, layout):
+    """Whether the model's conv and linear layers perform at least HEAVY_MODEL_MACS
+    multiply-adds at this layout's shapes (output elements times the weight's elements
+    per output channel; a Winograd conv's 16 products per 2x2 output tile)."""
+    macs = 0
+    for node in model.nodes:
+        if node.op in ("conv", "linear", "conv_winograd") and len(node.inputs) > 1 and node.inputs[1] >= 0:
+            weight, outputs = layout.shapes[node.inputs[1]], math.prod(layout.shapes[node.outputs[0]])
+            if node.op == "conv_winograd":  # weight (4, 4, out channels, in channels)
+                macs += outputs * 4 * weight[3]
+            else:
+                macs += outputs * math.prod(weight[1:])
+    return macs >= HEAVY_MODEL_MACS
 
 
 def _model_source(path_or_bytes):

@@ -208,6 +208,38 @@ def test_two_sessions_with_their_own_thread_counts_run_concurrently_bit_identica
             np.testing.assert_array_equal(g, w)
 
 
+@pytest.fixture(scope="module")
+def heavy_model_path(exporter, tmp_path_factory):
+    """A model past the multiply-adds from which a first run binds for the split way:
+    one 1x1 conv of 1024 channels on 32x32 (1.07G multiply-adds)."""
+    import torch
+    import torch.nn as nn
+
+    prefix = exporter("threads_host_heavy", nn.Conv2d(1024, 1024, 1), (torch.rand(1, 1024, 32, 32),))
+    out = tmp_path_factory.mktemp("threads_host_heavy") / "model.pmx"
+    compile_model(prefix + ".pnnx.param", prefix + ".pnnx.bin", str(out))
+    return str(out)
+
+
+def test_a_heavy_models_first_run_splits_a_light_ones_does_not(model_path, heavy_model_path):
+    """A first run binds its kernels once: for one thread on a light model (binding the
+    splits would cost more than they save), for the split way on a heavy one. Seen from
+    outside: whether the first run handed work to a worker thread."""
+    out = run_python(f"""
+        import threading
+        import numpy as np
+        from pmx.runtime import InferenceSession
+        count = lambda: sum(t.name == "pmx-worker" for t in threading.enumerate())
+        light = InferenceSession({model_path!r}, num_threads=2)
+        light.run(None, {{"in0": np.ones((1, 16, 64, 64), np.float32)}})
+        print(count())
+        heavy = InferenceSession({heavy_model_path!r}, num_threads=2)
+        heavy.run(None, {{"in0": np.ones((1, 1024, 32, 32), np.float32)}})
+        print(count())
+    """)
+    assert out.split() == ["0", "1"]
+
+
 def test_a_session_starts_threads_minus_one_workers_per_calling_thread(model_path):
     out = run_python(f"""
         import threading
