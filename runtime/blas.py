@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import importlib.util
 import math
 import os
@@ -184,12 +183,14 @@ def _private_library_path():
     if spec is None or not spec.submodule_search_locations:
         return None
     lib_dir = os.path.join(next(iter(spec.submodule_search_locations)), "lib")
+    try:
+        names = os.listdir(lib_dir)
+    except OSError:
+        return None
     found = sorted(
-        glob.glob(os.path.join(lib_dir, "libscipy_openblas*.so*"))
-        + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dylib"))
-        + glob.glob(os.path.join(lib_dir, "libscipy_openblas*.dll"))
+        n for n in names if n.startswith("libscipy_openblas") and (".so" in n or n.endswith((".dylib", ".dll")))
     )
-    return found[0] if found else None
+    return os.path.join(lib_dir, found[0]) if found else None
 
 
 @functools.cache

@@ -8,7 +8,6 @@ hands each node's timing to a Profiler that writes a Chrome trace.
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 import threading
@@ -134,6 +133,8 @@ class Profiler:
         while os.path.exists(path):
             path = f"{self.prefix}_{stamp}_{k}.json"
             k += 1
+        import json  # here, not at import: only profiling writes JSON, and json's import costs every start
+
         try:
             with open(path, "w") as f:
                 json.dump({"traceEvents": list(self.events), "displayTimeUnit": "ms"}, f)
