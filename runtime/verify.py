@@ -35,7 +35,7 @@ import numpy as np
 from pmx.runtime import fileformat as ff
 from pmx.runtime.errors import PmxError, PmxFormatError, PmxResourceError
 from pmx.runtime.kernels.attr_specs import problem as attr_problem
-from pmx.runtime.kernels.registry import REGISTRY, checked_infer
+from pmx.runtime.kernels.registry import checked_infer, kernel_of
 from pmx.schema import layout as schema
 
 # Nodes of the expression after desugaring, counting repeated subtrees each time: the
@@ -228,11 +228,11 @@ def _check_nodes(model, parse_expression):
     writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
     run_sized = set()
     for j, node in enumerate(model.nodes):
-        if node.op not in REGISTRY:
+        if kernel_of(node.op) is None:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
         outputs = set(node.outputs)
         # a node reading a tensor sized at run is sized at run too, if its op may read one
-        late = not run_sized.isdisjoint(node.inputs) and REGISTRY[node.op].reads_run_sized
+        late = not run_sized.isdisjoint(node.inputs) and kernel_of(node.op).reads_run_sized
         readable = available | run_sized if late else available
         if not (
             readable.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)
@@ -391,7 +391,7 @@ def _check_attrs(path, j, node, ranks):
     """Node j's attributes against its op's specs (kernels/attr_specs.py), before its
     shape rule reads them: what is missing, mistyped, out of range or unknown is named."""
     try:
-        found = attr_problem(REGISTRY[node.op].attrs, node.attrs, ranks)
+        found = attr_problem(kernel_of(node.op).attrs, node.attrs, ranks)
     except Exception as e:  # a spec tripping over a value it did not foresee
         found = "?", f"cannot be checked ({type(e).__name__}: {str(e)[:100]})"
     if found is not None:
@@ -415,7 +415,7 @@ def _rule_shapes(path, j, node, shapes, dtypes):
     label = f"node {j} ({node.op} {node.name[:40]!r})"
     try:
         return [
-            (tuple(shape), np.dtype(dtype)) for shape, dtype in checked_infer(REGISTRY[node.op], node, shapes, dtypes)
+            (tuple(shape), np.dtype(dtype)) for shape, dtype in checked_infer(kernel_of(node.op), node, shapes, dtypes)
         ]
     except PmxError as e:
         _fail(path, f"{label}: {e}")

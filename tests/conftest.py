@@ -36,9 +36,9 @@ def kernels_read_only_declared_attributes():
     only those (runtime/kernels/attr_specs.py)."""
     from attr_reads import record_reads
 
-    from pmx.runtime.kernels.registry import REGISTRY
+    from pmx.runtime.kernels.registry import all_kernels
 
-    with record_reads(REGISTRY) as undeclared:
+    with record_reads(all_kernels()) as undeclared:
         yield
     assert not undeclared, f"kernels read attributes their ops do not declare: {dict(undeclared)}"
 

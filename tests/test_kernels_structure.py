@@ -35,13 +35,49 @@ def _imported(tree):
 
 
 def _families(modules):
-    """The family modules __init__.py imports (for their registrations)."""
-    return {name for module, names in _imported(modules["__init__"]) if module == PACKAGE for name in names}
+    """The family modules: those that register ops (a call of `register`)."""
+    return {
+        name
+        for name, tree in modules.items()
+        if any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register" for n in ast.walk(tree))
+    }
 
 
-def test_the_package_imports_every_family_and_only_families():
+def test_the_registry_lists_every_family_and_only_families():
+    """A lookup imports the families registry.FAMILIES lists: a family missing there
+    would leave its ops unknown."""
+    from pmx.runtime.kernels.registry import FAMILIES
+
     modules = _modules()
     assert _families(modules) == set(modules) - INFRASTRUCTURE
+    assert sorted(FAMILIES) == sorted(_families(modules))
+
+
+def test_families_are_imported_as_lookups_need_them():
+    """`import pmx.runtime` imports no family; a lookup imports families up to the op's
+    own; an op of the last family is found; an unknown op is refused with the count of
+    every op. In a fresh process, so no other test has imported the families."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import pmx.runtime
+        from pmx.runtime.kernels import registry
+        loaded = lambda: [f for f in registry.FAMILIES if "pmx.runtime.kernels." + f in sys.modules]
+        print(loaded())
+        registry.get("conv")
+        print(loaded())
+        print(registry.get("unfold").op, len(loaded()) == len(registry.FAMILIES))
+        try:
+            registry.get("no_such_op")
+        except pmx.runtime.PmxFormatError as e:
+            print(str(e).endswith(f"knows {len(registry.all_kernels())} ops)"))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:4] == ["[]", "['conv']", "unfold True", "True"]
 
 
 def test_no_module_of_the_package_imports_its_namespace():
@@ -75,9 +111,9 @@ def test_no_kernel_module_keeps_thread_local_state():
 def test_factories_and_scratch_rules_take_the_bind_context():
     """One convention for every op: make(node, inputs, outputs, ctx) and
     scratch(node, inputs, outputs, ctx)."""
-    from pmx.runtime.kernels.registry import REGISTRY
+    from pmx.runtime.kernels.registry import all_kernels
 
-    for op, k in REGISTRY.items():
+    for op, k in all_kernels().items():
         for rule in (k.make, k.scratch):
             if rule is not None:
                 assert list(inspect.signature(rule).parameters) == ["node", "inputs", "outputs", "ctx"], op

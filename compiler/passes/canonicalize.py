@@ -5,7 +5,7 @@ import numpy as np
 from pmx.compiler.canon import RULES, Context, Forward
 from pmx.compiler.passes.placeholder import canonicalize_at_placeholder
 from pmx.runtime.errors import PmxCompileError, PmxUnsupportedOpError
-from pmx.runtime.kernels.registry import REGISTRY, output_shapes
+from pmx.runtime.kernels.registry import kernel_of, output_shapes
 
 
 def _foreign(op):
@@ -37,7 +37,7 @@ def _refuse_kept_sizes(graph):
 
 
 def _refuse_unknown_ops(graph):
-    unknown = [n for n in graph.nodes if n.op not in REGISTRY and n.op not in RULES]
+    unknown = [n for n in graph.nodes if kernel_of(n.op) is None and n.op not in RULES]
     if unknown:
         first = unknown[0]
         others = sorted({n.op for n in unknown[1:]} - {first.op})
@@ -65,7 +65,7 @@ def _canonicalize(graph):
     run_sized = set()  # ids of the values whose length is known only at run time
     for node in list(graph.nodes):
         reads = next((v for v in node.inputs if v is not None and id(v) in run_sized), None)
-        if node.op in REGISTRY:
+        if kernel_of(node.op) is not None:
             _follow_run_sizes(node, node, reads, run_sized)
             continue
         try:
@@ -94,7 +94,7 @@ def _follow_run_sizes(source, node, reads, run_sized):
     which other inputs change."""
     value = next((v for v in node.inputs if v is not None and id(v) in run_sized), None)
     late = value is not None
-    if late and not REGISTRY[node.op].reads_run_sized:
+    if late and not kernel_of(node.op).reads_run_sized:
         _refuse_run_sized_reader(source, reads or value)
     if late or node.attrs.get("sized_at_run") is True:
         for out in node.outputs:

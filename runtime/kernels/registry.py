@@ -47,13 +47,15 @@ make() takes with ctx.scratch_array (bind.py; computed with bind.scratch_nbytes 
 same shapes, which may depend on the threads the node splits over: ctx as make() gets it,
 less the buffer, which these rules size).
 
-This module imports no kernel family; the families import it and register themselves
-when the package runtime/kernels is imported. Python imports a package before any of its
-modules, so `from pmx.runtime.kernels.registry import get` anywhere finds every family
-registered: no caller has to import the families first, and no family imports the
-package (the families' imports of this module and of common.py form no cycle).
+Families: each kernel family registers its ops when imported. A lookup (get, kernel_of)
+imports the families in FAMILIES' order until one has registered the op, so a process
+imports only the families its models use: a CNN's ops are in the first few, and importing
+every family cost each start about 2 ms (docs/performance.md, "The first run now").
+all_kernels() imports them all, for whatever lists every op. The families import this
+module, never the reverse at import time, so there is no cycle.
 """
 
+import importlib
 import math
 
 import numpy as np
@@ -206,11 +208,51 @@ def version_with(attr, version=3, when=None):
     return format_version
 
 
+# Every module of runtime/kernels that registers ops, the common ones first: the order in
+# which a lookup imports them.
+FAMILIES = (
+    "conv",
+    "elementwise",
+    "shape",
+    "pool",
+    "linalg",
+    "winograd",
+    "reduce",
+    "norm",
+    "resample",
+    "conv_transpose",
+    "attention",
+    "indexing",
+    "recurrent",
+    "sampling",
+    "spectral",
+    "windows",
+)
+
+
+def kernel_of(op: str) -> Kernel | None:
+    """op's Kernel, importing families until one registers it; None for an unknown op."""
+    kernel = REGISTRY.get(op)
+    if kernel is None:
+        for family in FAMILIES:  # an imported family is a dict lookup in sys.modules
+            importlib.import_module(f"pmx.runtime.kernels.{family}")
+            if op in REGISTRY:
+                return REGISTRY[op]
+    return kernel
+
+
+def all_kernels() -> dict[str, Kernel]:
+    """Every op's Kernel, by op (every family imported)."""
+    for family in FAMILIES:
+        importlib.import_module(f"pmx.runtime.kernels.{family}")
+    return REGISTRY
+
+
 def get(op: str) -> Kernel:
-    try:
-        return REGISTRY[op]
-    except KeyError:
-        raise PmxFormatError(f"unknown op {op!r} in model (this runtime knows {len(REGISTRY)} ops)") from None
+    kernel = kernel_of(op)
+    if kernel is None:
+        raise PmxFormatError(f"unknown op {op!r} in model (this runtime knows {len(all_kernels())} ops)")
+    return kernel
 
 
 def node_scratch_nbytes(node, inputs, outputs, ctx) -> int:
