@@ -50,7 +50,8 @@ less the buffer, which these rules size).
 Families: each kernel family registers its ops when imported. A lookup (get, kernel_of)
 imports the families in FAMILIES' order until one has registered the op, so a process
 imports only the families its models use: a CNN's ops are in the first few, and importing
-every family cost each start about 2 ms (docs/performance.md, "The first run now").
+every family cost each start 3-5 ms (docs/performance.md, "Kernel families imported on
+first need").
 all_kernels() imports them all, for whatever lists every op. The families import this
 module, never the reverse at import time, so there is no cycle.
 """
