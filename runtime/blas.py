@@ -6,9 +6,9 @@ host whose other cores are busy, every GEMM then waits for a descheduled thread
 measurements"). pmx may not set numpy's BLAS to one thread, since the host's own numpy
 would change under it. So pmx loads the OpenBLAS of the `scipy-openblas32` wheel (a
 dependency where that wheel ships), a library separate from numpy's, with its own
-symbols (scipy_cblas_sgemm), loads it so that it starts no thread pool of its own,
-sets it to one thread, and splits GEMMs over each InferenceSession's own threads (kernels/common.gemm), which
-sleep while they wait.
+symbols (scipy_cblas_sgemm), loads it so that it starts no thread pool of its own, sets
+it to one thread, and splits GEMMs over each InferenceSession's own threads
+(kernels/common.gemm), which sleep while they wait.
 
 Where that wheel is missing, or something else in the process had already loaded the
 same file (its thread count is then not pmx's to set), pmx calls numpy's BLAS, found
