@@ -296,6 +296,22 @@ def test_pmxs_library_starts_no_thread_pool_and_leaves_the_callers_cpus():
     assert int(plain[0]) >= 1  # the oracle can tell: a plain load does start threads
 
 
+def test_where_a_threads_cpus_cannot_be_set_the_library_still_loads_at_one_thread():
+    """The loader thread's confinement is an optimization: where sched_setaffinity is
+    refused (a sandbox, another OS), pmx's library loads as before and runs at one
+    thread."""
+    out = _run_python("""
+        import os
+        def refused(*args):
+            raise OSError(1, "Operation not permitted")
+        os.sched_setaffinity = refused
+        from pmx.runtime import blas
+        lib = blas.library()
+        print(lib.private, lib.threads())
+    """)
+    assert out == ["True", "1"]
+
+
 def test_a_library_someone_else_loaded_is_not_pmxs_to_set():
     """If the host had loaded the wheel's library itself, pmx neither sets its thread
     count nor calls it its own: it falls back to numpy's BLAS."""
