@@ -80,6 +80,38 @@ def test_families_are_imported_as_lookups_need_them():
     assert done.stdout.split("\n")[:4] == ["[]", "['conv']", "unfold True", "True"]
 
 
+def test_first_lookups_from_several_threads_at_once_find_their_ops():
+    """Sessions loading in several threads at once look ops up while families are still
+    being imported: each lookup waits for the family it needs (Python's import lock)
+    and finds its op. In a fresh process, eight threads released together, ops from
+    the first, middle and last families."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import threading
+        from pmx.runtime.kernels import registry
+        ops = ["unfold", "stft", "lstm", "topk", "attention", "resize", "layer_norm", "conv"]
+        barrier, found, errors = threading.Barrier(len(ops)), {}, []
+        def look(op):
+            barrier.wait()
+            try:
+                found[op] = registry.get(op).op
+            except BaseException as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=look, args=(op,)) for op in ops]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(errors == [] and all(found[op] == op for op in ops))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"]
+
+
 def test_no_module_of_the_package_imports_its_namespace():
     """`from pmx.runtime.kernels import register` in a family made the package and its
     families import each other; every module imports the modules it uses by full path."""
