@@ -204,17 +204,14 @@ HEAVY_MODEL_MACS = 600_000_000
 
 
 def _heavy_model(model, layout):
-    """Whether the model's conv and linear layers perform at least HEAVY_MODEL_MACS
-    multiply-adds at this layout's shapes (output elements times the weight's elements
-    per output channel; a Winograd conv's 16 products per 2x2 output tile)."""
+    """Whether the model's nodes perform at least HEAVY_MODEL_MACS multiply-adds at this
+    layout's shapes, as their ops count them (registry, "Work")."""
     macs = 0
     for node in model.nodes:
-        if node.op in ("conv", "linear", "conv_winograd") and len(node.inputs) > 1 and node.inputs[1] >= 0:
-            weight, outputs = layout.shapes[node.inputs[1]], math.prod(layout.shapes[node.outputs[0]])
-            if node.op == "conv_winograd":  # weight (4, 4, out channels, in channels)
-                macs += outputs * 4 * weight[3]
-            else:
-                macs += outputs * math.prod(weight[1:])
+        count = get(node.op).macs
+        if count is not None:
+            shapes = layout.shapes
+            macs += count(node, [shapes[i] if i >= 0 else None for i in node.inputs], [shapes[i] for i in node.outputs])
     return macs >= HEAVY_MODEL_MACS
 
 

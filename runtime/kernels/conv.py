@@ -84,7 +84,7 @@ from pmx.runtime.kernels.common import (
     split_activated,
     view_as,
 )
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, weight_macs
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 # the attributes of conv (and, with output_padding, conv_transpose): one stride and
@@ -226,6 +226,7 @@ def conv_scratch(node, inputs, outputs, ctx):
     rows=True,
     variants=variants,
     format_version=format_version,
+    macs=weight_macs,
 )
 def make_conv(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]

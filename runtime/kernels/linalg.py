@@ -26,7 +26,7 @@ from pmx.runtime import blas
 from pmx.runtime.errors import PmxInputError
 from pmx.runtime.kernels.attr_specs import STRING
 from pmx.runtime.kernels.common import chain, expect_operand, gemm, view_as
-from pmx.runtime.kernels.registry import register
+from pmx.runtime.kernels.registry import register, weight_macs
 
 
 def linear_infer(node, shapes, dtypes):
@@ -45,7 +45,7 @@ def linear_infer(node, shapes, dtypes):
     return [(tuple(shapes[0][:-1]) + (features,), dtypes[0])]
 
 
-@register("linear", infer=linear_infer, float_input=True, rows=True)
+@register("linear", infer=linear_infer, float_input=True, rows=True, macs=weight_macs)
 def make_linear(node, inputs, outputs, ctx):
     x, w = inputs[0], inputs[1]
     b = inputs[2] if len(inputs) > 2 else None

@@ -42,6 +42,10 @@ Attributes: `attrs` at registration declares every attribute the op's rules and 
 read, as {name: spec} (attr_specs.py); the loader checks each node of a file against it
 before anything reads them, and refuses attributes the op does not declare.
 
+Work: `macs(node, in_shapes, out_shapes) -> int` at registration counts the multiply-adds
+a node performs at these shapes, for the ops that carry a model's compute (convs, linear
+layers); the session weighs a model by them (session._heavy_model).
+
 Scratch: `scratch(node, inputs, outputs, ctx) -> bytes` at registration declares what
 make() takes with ctx.scratch_array (bind.py; computed with bind.scratch_nbytes over the
 same shapes, which may depend on the threads the node splits over: ctx as make() gets it,
@@ -80,6 +84,7 @@ class Kernel(Record):
         "variants",
         "format_version",
         "reads_run_sized",
+        "macs",
     )
 
     def __init__(
@@ -96,6 +101,7 @@ class Kernel(Record):
         variants=None,
         format_version=None,
         reads_run_sized=False,
+        macs=None,
     ):
         self.op, self.make, self.infer = op, make, infer
         # the op's output may overwrite its first input when that input dies here
@@ -121,6 +127,8 @@ class Kernel(Record):
         self.format_version = format_version
         # may read a tensor sized at run time (module docstring, "Tensors sized at run time")
         self.reads_run_sized = reads_run_sized
+        # macs(node, in_shapes, out_shapes) -> multiply-adds (module docstring, "Work")
+        self.macs = macs
 
     def keeps_rows(self, node, ranks, batched):
         rows = self.rows
@@ -159,7 +167,7 @@ def check_run_sized(node, shape, dtype):
 def register(op, *, infer, **traits):
     """Decorator registering `make` as op's kernel factory with shape rule `infer`;
     `traits` are Kernel's keywords (inplace, view, scratch, attrs, float_input, rows,
-    variants, format_version, reads_run_sized), each described there."""
+    variants, format_version, reads_run_sized, macs), each described there."""
 
     def deco(make):
         if op in REGISTRY:
@@ -196,6 +204,12 @@ def rows_below_rank(name):
         return len(node.attrs[name]) < ranks[0]
 
     return rows
+
+
+def weight_macs(node, in_shapes, out_shapes):
+    """macs= for an op whose weight (input 1) holds, per output channel, one multiply-add
+    per output element: a conv's (Cout, Cin / groups, *k), a linear layer's (out, in)."""
+    return math.prod(out_shapes[0]) * math.prod(in_shapes[1][1:])
 
 
 def version_with(attr, version=3, when=None):

@@ -117,6 +117,7 @@ def _scratch_shapes(g, dtype):
     attrs=dict(pads=ints(4, lo=0)),
     float_input=True,
     rows=True,
+    macs=lambda node, in_shapes, out_shapes: math.prod(out_shapes[0]) * 4 * in_shapes[1][3],  # 16 per 2x2 tile
 )
 def make_conv_winograd(node, inputs, outputs, ctx):
     x, u, out = inputs[0], inputs[1], outputs[0]
