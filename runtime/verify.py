@@ -228,11 +228,12 @@ def _check_nodes(model, parse_expression):
     writable = {i for i, t in enumerate(tensors) if t.kind not in fixed}
     run_sized = set()
     for j, node in enumerate(model.nodes):
-        if kernel_of(node.op) is None:
+        kernel = kernel_of(node.op)
+        if kernel is None:
             _fail(path, f"{_label(j, node)}: unknown op {node.op[:40]!r}")
         outputs = set(node.outputs)
         # a node reading a tensor sized at run is sized at run too, if its op may read one
-        late = not run_sized.isdisjoint(node.inputs) and kernel_of(node.op).reads_run_sized
+        late = not run_sized.isdisjoint(node.inputs) and kernel.reads_run_sized
         readable = available | run_sized if late else available
         if not (
             readable.issuperset(node.inputs) and writable.issuperset(outputs) and len(outputs) == len(node.outputs)

@@ -37,7 +37,7 @@ def _refuse_kept_sizes(graph):
 
 
 def _refuse_unknown_ops(graph):
-    unknown = [n for n in graph.nodes if kernel_of(n.op) is None and n.op not in RULES]
+    unknown = [n for n in graph.nodes if n.op not in RULES and kernel_of(n.op) is None]
     if unknown:
         first = unknown[0]
         others = sorted({n.op for n in unknown[1:]} - {first.op})
