@@ -185,6 +185,18 @@ def out_shape(node, i=0):
     return s
 
 
+# pnnx's "to the end of the dim" for a slice's end (and its "no select" for select)
+TO_END = 2**31 - 1
+
+
+def slice_end(start, length=1):
+    """The end of a slice of `length` from `start` as a slice node takes it: a negative
+    start stays one (counting from the end of the dim's size at run time), so a slice
+    that reaches the dim's end (x[-1], narrow(0, -2, 2)) ends at TO_END, not at 0."""
+    end = start + length
+    return TO_END if start < 0 <= end else end
+
+
 # resize ops whose output size follows from scale_factor (torch: floor(size * scale))
 _RESIZES = {"interpolate", "upsample", "Upsample", "upsample_nearest", "UpsamplingNearest2d"}
 _RESIZES |= {"upsample_bilinear", "UpsamplingBilinear2d"}

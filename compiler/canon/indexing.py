@@ -21,6 +21,7 @@ from pmx.compiler.canon import (
     out_shape,
     param,
     rule,
+    slice_end,
 )
 from pmx.compiler.canon.math_ops import LIST, NONE, compile_time_number, pnnx_expression_tree, pnnx_text, size_dim
 from pmx.compiler.ir import Value
@@ -232,8 +233,7 @@ def narrow(node, ctx):
     if not (first >= 0 and length >= 0 and first + length <= n):
         fail(node, f"narrow start={start} length={length} out of range for dim {dim} of size {n}")
     # a negative start stays one, counting from the end of the dim's size at run time
-    end = start + length if start >= 0 or start + length < 0 else 2**31 - 1
-    attrs = dict(axes=(dim,), starts=(start,), ends=(end,), steps=(1,), squeeze=())
+    attrs = dict(axes=(dim,), starts=(start,), ends=(slice_end(start, length),), steps=(1,), squeeze=())
     return [make(node, "slice", [x], attrs)]
 
 

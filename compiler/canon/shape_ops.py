@@ -12,6 +12,7 @@ reshape whose target is a size list of a dynamic-shape export (`[size(@0,0),size
 import numpy as np
 
 from pmx.compiler.canon import (
+    TO_END,
     Forward,
     data_input,
     exact_target,
@@ -21,6 +22,7 @@ from pmx.compiler.canon import (
     out_shape,
     param,
     rule,
+    slice_end,
 )
 from pmx.compiler.canon.math_ops import pnnx_text, size_dim
 from pmx.runtime.kernels.shape import copy_dim, like_dims, resolve_dyn_shape, slice_infer
@@ -254,20 +256,20 @@ def _slice_params(node):
         dims = param(node, "dims")
         n = len(dims)
         starts = param(node, "starts", (0,) * n)
-        ends = param(node, "ends", (2**31 - 1,) * n)
+        ends = param(node, "ends", (TO_END,) * n)
         steps = param(node, "steps", (1,) * n)
-        selects = param(node, "selects", (2**31 - 1,) * n)
+        selects = param(node, "selects", (TO_END,) * n)
     else:
         dims = (param(node, "dim"),)
         starts = (param(node, "start", 0),)
-        ends = (param(node, "end", 2**31 - 1),)
+        ends = (param(node, "end", TO_END),)
         steps = (param(node, "step", 1),)
-        selects = (param(node, "select", 2**31 - 1),)
+        selects = (param(node, "select", TO_END),)
     for name, vals in (("starts", starts), ("ends", ends), ("steps", steps), ("selects", selects)):
         if not isinstance(vals, tuple) or len(vals) != len(dims) or not all(isinstance(v, int) for v in vals):
             fail(node, f"{name}={vals!r} must be {len(dims)} constant ints (dynamic slice bounds are not supported)")
     # pnnx writes step 0 for the dims it selects (x[:, 1]); only sliced dims need a step
-    if any(p <= 0 and sel == 2**31 - 1 for p, sel in zip(steps, selects)):
+    if any(p <= 0 and sel == TO_END for p, sel in zip(steps, selects)):
         fail(node, f"steps {steps} must be positive")
     return dims, starts, ends, steps, selects
 
@@ -277,8 +279,8 @@ def _slice_attrs(node, rank):
     axes, st, en, sp, squeeze = [], [], [], [], []
     for d, s, e, p, sel in zip(dims, starts, ends, steps, selects):
         d %= rank
-        if sel != 2**31 - 1:
-            axes.append(d), st.append(sel), en.append(sel + 1 if sel != -1 else 2**31 - 1), sp.append(1)
+        if sel != TO_END:
+            axes.append(d), st.append(sel), en.append(slice_end(sel)), sp.append(1)
             squeeze.append(d)
         else:
             axes.append(d), st.append(s), en.append(e), sp.append(p)
@@ -357,7 +359,7 @@ def slice_scatter(node, ctx):
     dim = param(node, "dim", 0)
     start, end, step = param(node, "start", None), param(node, "end", None), param(node, "step", 1)
     start = 0 if start is None else start
-    end = 2**31 - 1 if end is None else end
+    end = TO_END if end is None else end
     step = 1 if step is None else step
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, start, end, step)) or step <= 0:
         fail(node, f"dim={dim!r} start={start!r} end={end!r} step={step!r} must be constant ints, step positive")
@@ -379,8 +381,7 @@ def select(node, ctx):
     if not -n <= index < n:
         fail(node, f"index {index} out of range for dim {dim} of size {n}")
     # a negative index stays one: it counts from the end of the dim's size at run time
-    end = index + 1 if index != -1 else 2**31 - 1
-    attrs = dict(axes=(dim,), starts=(index,), ends=(end,), steps=(1,), squeeze=(dim,))
+    attrs = dict(axes=(dim,), starts=(index,), ends=(slice_end(index),), steps=(1,), squeeze=(dim,))
     return [make(node, "slice", [x], attrs)]
 
 
