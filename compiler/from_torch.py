@@ -168,11 +168,10 @@ def check_against_torch(
     sess = InferenceSession(os.fspath(pmx_path))
     names = [a.name for a in sess.get_inputs()]
     generator = torch.Generator().manual_seed(0)
-    draw = tuple(_like(x, generator) for x in example_inputs)
+    randoms = [tuple(_like(x, generator) for x in example_inputs) for _ in range(max(draws - 1, 1))]
     cases = [("the example inputs", tuple(example_inputs), False)]
-    if draws > 1:
-        cases.append(("a random draw of inputs like them", draw, False))
-    stacked = _stacked(sess, example_inputs, draw, torch)
+    cases += [("a random draw of inputs like them", draw, False) for draw in randoms[: draws - 1]]
+    stacked = _stacked(sess, example_inputs, randoms[0], torch)
     if stacked is not None:
         cases.append((f"inputs at batch {stacked[0].shape[0]}", stacked, True))
     for which, inputs, another_batch in cases:
