@@ -334,15 +334,10 @@ def _probe_each_and_all(graph, req):
                 same = False
             if not same:
                 dims = ", ".join(f"{names[u]}:{k}" for u, k in pairs)
-                return (
-                    (
-                        node.where(),
-                        f"reshapes to {node.attrs['shape']}, which cannot follow {dims} together: it mixes "
-                        f"them in one dim of a fixed-shape export (export with pnnx's two input shapes)",
-                    ),
-                    None,
-                    [],
-                    {},
+                return _rejected(
+                    node.where(),
+                    f"reshapes to {node.attrs['shape']}, which cannot follow {dims} together: it mixes "
+                    f"them in one dim of a fixed-shape export (export with pnnx's two input shapes)",
                 )
     return failure, shapes, notes, rewrites
 
@@ -361,7 +356,7 @@ def _probe(graph, req):
         for d, rng in dims.items():
             p = _probe_value(v.shape[d], rng)
             if p is None:
-                return (f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow"), None, [], {}
+                return _rejected(f"input {v.name}", f"range {rng} of dim {d} leaves no other size to allow")
             probe[d] = p
         shapes[v.uid] = tuple(probe)
     batch_values = {v.shape[0] for v in graph.inputs if 0 in req.get(v.uid, {})}
@@ -381,14 +376,8 @@ def _probe(graph, req):
                 target = node.attrs["shape"]
             new = symbolic_reshape(target, ins[0].shape, in_probe[0], batch_values, batch_scale)
             if new is None:
-                return (
-                    (
-                        node.where(),
-                        f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}",
-                    ),
-                    None,
-                    [],
-                    {},
+                return _rejected(
+                    node.where(), f"reshapes to {node.attrs['shape']}, which cannot follow input {tuple(in_probe[0])}"
                 )
             rewrites[node.uid] = (node, {"dyn_shape": new})
             shapes[node.outputs[0].uid] = resolve_dyn_shape(new, in_probe[0])
@@ -404,10 +393,15 @@ def _probe(graph, req):
         except Exception as e:  # a rule rejecting the probe fixes the dim
             results = _broadcast_constants(node, ins, in_probe, dtypes, rewrites)
             if results is None:
-                return (node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})"), None, [], {}
+                return _rejected(node.where(), f"cannot take input shapes {[list(s) for s in in_probe]} ({e})")
         for out, (shape, _) in zip(node.outputs, results):
             shapes[out.uid] = shape
     return None, shapes, notes, rewrites
+
+
+def _rejected(where, why):
+    """What _probe returns for the first node (or input range) that rejects the change."""
+    return (where, why), None, [], {}
 
 
 def _batch_scale(graph, req, shapes):
