@@ -198,8 +198,15 @@ def slice_end(start, length=1):
 
 
 # resize ops whose output size follows from scale_factor (torch: floor(size * scale))
-_RESIZES = {"interpolate", "upsample", "Upsample", "upsample_nearest", "UpsamplingNearest2d"}
-_RESIZES |= {"upsample_bilinear", "UpsamplingBilinear2d"}
+_RESIZES = {
+    "interpolate",
+    "upsample",
+    "Upsample",
+    "upsample_nearest",
+    "UpsamplingNearest2d",
+    "upsample_bilinear",
+    "UpsamplingBilinear2d",
+}
 
 
 def exact_target(node, shape):

@@ -176,9 +176,9 @@ def _groups(node, channels):
 
 def group_norm_infer(node, shapes, dtypes):
     x = tuple(shapes[0])
-    g = _groups(node, x[1]) if len(x) >= 2 else node.attrs["groups"]
-    if len(x) < 2 or not g or x[1] % g:
-        raise ValueError(f"groups={g} must divide the channels (axis 1) of input {x}")
+    g = _groups(node, x[1]) if len(x) >= 2 else 0
+    if not g or x[1] % g:
+        raise ValueError(f"groups={node.attrs['groups']} must divide the channels (axis 1) of input {x}")
     _affine_operands(shapes, dtypes, (x[1],))
     return [(x, dtypes[0])]
 
