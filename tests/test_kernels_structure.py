@@ -7,6 +7,9 @@ what they need from it."""
 import ast
 import inspect
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 
@@ -43,6 +46,13 @@ def _families(modules):
     }
 
 
+def _fresh_process_output(code):
+    """stdout of `code` run by this Python in a process of its own (no family imported)."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_the_registry_lists_every_family_and_only_families():
     """A lookup imports the families registry.FAMILIES lists: a family missing there
     would leave its ops unknown."""
@@ -57,11 +67,7 @@ def test_families_are_imported_as_lookups_need_them():
     """`import pmx.runtime` imports no family; a lookup imports families up to the op's
     own; an op of the last family is found; an unknown op is refused with the count of
     every op. In a fresh process, so no other test has imported the families."""
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent("""
+    out = _fresh_process_output("""
         import sys
         import pmx.runtime
         from pmx.runtime.kernels import registry
@@ -75,9 +81,7 @@ def test_families_are_imported_as_lookups_need_them():
         except pmx.runtime.PmxFormatError as e:
             print(str(e).endswith(f"knows {len(registry.all_kernels())} ops)"))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:4] == ["[]", "['conv']", "unfold True", "True"]
+    assert out.split("\n")[:4] == ["[]", "['conv']", "unfold True", "True"]
 
 
 def test_first_lookups_from_several_threads_at_once_find_their_ops():
@@ -85,11 +89,7 @@ def test_first_lookups_from_several_threads_at_once_find_their_ops():
     being imported: each lookup waits for the family it needs (Python's import lock)
     and finds its op. In a fresh process, eight threads released together, ops from
     the first, middle and last families."""
-    import subprocess
-    import sys
-    import textwrap
-
-    code = textwrap.dedent("""
+    out = _fresh_process_output("""
         import threading
         from pmx.runtime.kernels import registry
         ops = ["unfold", "stft", "lstm", "topk", "attention", "resize", "layer_norm", "conv"]
@@ -107,9 +107,7 @@ def test_first_lookups_from_several_threads_at_once_find_their_ops():
             t.join()
         print(errors == [] and all(found[op] == op for op in ops))
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True"]
+    assert out.split() == ["True"]
 
 
 def test_no_module_of_the_package_imports_its_namespace():
