@@ -149,7 +149,8 @@ def _load_seeing_one_cpu(path):
 
     def load():
         try:
-            os.sched_setaffinity(0, {cpu if cpu in os.sched_getaffinity(0) else min(os.sched_getaffinity(0))})
+            allowed = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {cpu if cpu in allowed else min(allowed)})
         except (AttributeError, OSError, ValueError):
             pass  # not on this platform: the library starts its pool, as on a plain load
         try:
